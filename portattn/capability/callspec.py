@@ -1,0 +1,52 @@
+"""What one attention call asks of a backend, in torch-free terms.
+
+Dispatch builds one of these per distinct call shape (it is cached on a small
+key, so the per-call cost is a dict lookup) and asks each backend's support
+declaration whether it can serve it. Keeping it free of torch lets setup.py,
+the report CLI and the fake-device tests use the same checks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Feature names are the vocabulary of the support matrix, the README table,
+# explain() and the report CLI. Add a name here first, then declare it.
+FEATURES = (
+    "forward",
+    "backward",
+    "causal",
+    "window",
+    "softcap",
+    "alibi",
+    "dropout",
+    "gqa",
+    "varlen",
+    "paged_kv",
+    "deterministic_backward",
+)
+
+FEATURE_TITLES = {
+    "forward": "forward",
+    "backward": "backward",
+    "causal": "causal (bottom-right)",
+    "window": "sliding window",
+    "softcap": "softcap",
+    "alibi": "ALiBi",
+    "dropout": "dropout",
+    "gqa": "GQA / MQA",
+    "varlen": "varlen (cu_seqlens)",
+    "paged_kv": "paged KV cache",
+    "deterministic_backward": "deterministic backward",
+}
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    dtype: str  # "float16" | "bfloat16" | "float32"
+    head_dim: int  # of q and k
+    head_dim_v: int  # of v (equal to head_dim for every current API entry point)
+    device_type: str  # "cuda" | "cpu" | ... (torch's name; ROCm tensors are "cuda" too)
+    features: frozenset  # subset of FEATURES actually used by the call ("forward" always)
+
+    def uses(self, feature: str) -> bool:
+        return feature in self.features
