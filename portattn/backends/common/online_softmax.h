@@ -1,0 +1,126 @@
+// Online-softmax math shared by the vendor backends (CUDA and ROCm).
+//
+// Note [portattn online softmax]
+// A thread holds a (kRows x kCols) slice of the score tile S and the matching
+// (kRows x kOCols) slice of the output accumulator O, as plain register
+// arrays; each row is spread over a few threads of one warp/wavefront, and
+// the caller's `RowReduce` (max / sum across exactly those threads) is the
+// only vendor-specific piece. Scores arrive either raw (q.k, scaled here by
+// scale_log2 = softmax_scale * log2(e)) or already in log2 units (scale 1),
+// so one exp2 per element suffices and the softmax scale costs nothing.
+//
+// Per key block:   m' = max(m, rowmax(S));   P = exp2(S * c - m' * c)
+//                  l  = l * exp2((m - m') * c) + rowsum(P);   O *= exp2((m - m') * c)
+// At the end:      O /= l,   lse = (m * c + log2(l)) * ln(2)
+// Rows that have seen no visible key keep m = -inf; the subtracted maximum is
+// then taken as 0 so that exp2(-inf - (-inf)) never produces NaN, and the
+// finalisation writes O = 0, lse = -inf (Note [portattn semantics]).
+// Row sums stay per-thread partial sums until `finalize`, which reduces them
+// once instead of once per key block.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define PORTATTN_SOFTMAX_HD __host__ __device__ __forceinline__
+#else
+#define PORTATTN_SOFTMAX_HD inline
+#endif
+
+#if !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
+#include <cmath>
+#endif
+
+namespace portattn {
+namespace softmax {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+PORTATTN_SOFTMAX_HD float neg_inf() { return -__builtin_huge_valf(); }
+
+// exp2 on the hardware's fast path: one MUFU.EX2 on NVIDIA (ex2.approx flushes
+// denormals, which only affects probabilities below 2^-126), v_exp_f32 on AMD.
+PORTATTN_SOFTMAX_HD float exp2_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#elif defined(__HIP_DEVICE_COMPILE__)
+  return __builtin_amdgcn_exp2f(x);
+#else
+  return std::exp2(x);
+#endif
+}
+
+PORTATTN_SOFTMAX_HD float log2_accurate(float x) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return log2f(x);
+#else
+  return std::log2(x);
+#endif
+}
+
+PORTATTN_SOFTMAX_HD float max2(float a, float b) { return a > b ? a : b; }
+
+template <int kRows>
+struct RowState {
+  float max[kRows];  // running row maximum of the raw (unscaled) scores
+  float sum[kRows];  // this thread's partial sum of exp2(...)
+
+  PORTATTN_SOFTMAX_HD void init() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      max[r] = neg_inf();
+      sum[r] = 0.f;
+    }
+  }
+};
+
+// One key block: turns S into unnormalised probabilities P (in place) and
+// rescales O and the running sums. `kFirst` skips the rescale of O, which is
+// still zero on the first block.
+template <bool kFirst, int kRows, int kCols, int kOCols, class RowReduce>
+PORTATTN_SOFTMAX_HD void online_softmax_step(float (&s)[kRows][kCols], float (&o)[kRows][kOCols],
+                                             RowState<kRows>& state, float scale_log2) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    float block_max = state.max[r];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) block_max = max2(block_max, s[r][c]);
+    block_max = RowReduce::max(block_max);
+    const float subtract = block_max == neg_inf() ? 0.f : block_max * scale_log2;
+    if (!kFirst) {
+      const float correction = exp2_fast(state.max[r] * scale_log2 - subtract);
+      state.sum[r] *= correction;
+#pragma unroll
+      for (int c = 0; c < kOCols; ++c) o[r][c] *= correction;
+    }
+    state.max[r] = block_max;
+    float row_sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      s[r][c] = exp2_fast(s[r][c] * scale_log2 - subtract);
+      row_sum += s[r][c];
+    }
+    state.sum[r] += row_sum;
+  }
+}
+
+// Normalises O (optionally times an extra factor, e.g. dropout's 1/(1-p)) and
+// returns the natural-log LSE per row in `lse`.
+template <int kRows, int kOCols, class RowReduce>
+PORTATTN_SOFTMAX_HD void online_softmax_finalize(float (&o)[kRows][kOCols], RowState<kRows>& state,
+                                                 float scale_log2, float out_scale,
+                                                 float (&lse)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float sum = RowReduce::sum(state.sum[r]);
+    const bool empty = sum == 0.f || state.max[r] == neg_inf();
+    lse[r] = empty ? neg_inf() : (state.max[r] * scale_log2 + log2_accurate(sum)) * kLn2;
+    const float factor = empty ? 0.f : out_scale / sum;
+#pragma unroll
+    for (int c = 0; c < kOCols; ++c) o[r][c] *= factor;
+  }
+}
+
+}  // namespace softmax
+}  // namespace portattn
