@@ -172,6 +172,7 @@ def amd_arch(target: str) -> Arch:
 
 _SM_RE = re.compile(r"^(?:sm_?|compute_?)(\d{2,3})[af]?$")
 _CC_RE = re.compile(r"^(\d{1,2})\.(\d)$")
+_BARE_SM_RE = re.compile(r"^(\d{2,3})[af]?$")  # "80", "90a", "120": TORCH_CUDA_ARCH_LIST / CMake style
 
 ArchLike = Union[Arch, str, Tuple[int, int]]
 
@@ -194,6 +195,10 @@ def parse_arch(value: ArchLike) -> Arch:
     m = _CC_RE.match(text)
     if m is not None:
         return nvidia_arch(int(m.group(1)), int(m.group(2)))
+    m = _BARE_SM_RE.match(text)
+    if m is not None:
+        digits = m.group(1)
+        return nvidia_arch(int(digits[:-1]), int(digits[-1]))
     raise ValueError(
         f"cannot parse arch {value!r}: expected an NVIDIA arch ('sm_90', 'sm90', '9.0') "
         "or an AMD gfx target ('gfx90a', 'gfx942:sramecc+:xnack-')"

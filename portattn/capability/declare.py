@@ -1,0 +1,86 @@
+"""The vocabulary a backend's support declaration is written in (torch-free).
+
+One `BackendSpec` per backend lives in `capability/specs/<backend>.py`; the
+engineer who owns a backend edits only that file. `matrix.py` evaluates specs
+against a device and a call; nothing else interprets these fields.
+
+Statuses (Note [support status]):
+- "verified": our GPU test suite passed on hardware of that exact arch
+  (listed in `BackendSpec.verified`); "any" stands for every device, used by
+  the pure-PyTorch reference backend that CI tests on CPU.
+- "compiled": supported and built for the arch (or reachable through PTX JIT)
+  but never run there by us; selfcheck.py verifies it on first use.
+- "no": not supported; dispatch falls back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Tuple
+
+from .archs import ArchRange
+from .callspec import FEATURES
+
+VERIFIED = "verified"
+COMPILED = "compiled"
+NO = "no"
+STATUSES = (VERIFIED, COMPILED, NO)
+
+ANY_ARCH = "any"  # key of `verified` meaning every device, CPU included
+
+ALL_FEATURES = frozenset(FEATURES)
+
+
+@dataclass(frozen=True)
+class ResourceRule:
+    """A feature that needs more per-block shared memory (LDS on AMD) than every
+    device of the backend's archs offers. Decided from the probed device's
+    `smem_per_block_optin`, never from its arch name, so a cut-down part of a
+    supported arch is handled by the same rule."""
+
+    features: Tuple[str, ...]  # the rule applies when the call uses all of these
+    head_dim_above: int  # ... and its head_dim is larger than this
+    min_smem_optin: int  # bytes of opt-in shared memory per block required
+    why: str = ""  # one line: what the memory is for
+
+    def applies(self, features, head_dim: int) -> bool:
+        return all(f in features for f in self.features) and head_dim > self.head_dim_above
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str  # dispatch's name: "reference", "cuda", "rocm", ...
+    title: str  # human title for tables
+    vendor: Optional[str]  # "nvidia" | "amd" | None (any device, CPU included)
+    archs: Tuple[ArchRange, ...] = ()  # where the kernels run; empty with vendor None
+    arch_note: str = ""  # family names for messages, e.g. "CDNA2/CDNA3"
+    # Newer NVIDIA archs than any built one still run through PTX JIT; AMD code objects are per target.
+    ptx_forward_compatible: bool = False
+    dtypes: Tuple[str, ...] = ("float16", "bfloat16")
+    head_dim_multiple: int = 8
+    head_dim_max: Optional[int] = 256
+    head_dim_v_equal: bool = True  # v's head dim must equal q/k's
+    supported: frozenset = frozenset()  # subset of callspec.FEATURES
+    verified: Mapping[str, frozenset] = field(default_factory=dict)  # arch name -> features passed on it
+    resource_rules: Tuple[ResourceRule, ...] = ()
+    unsupported_notes: Mapping[str, str] = field(default_factory=dict)  # feature -> what happens instead
+    build_arch_env: str = ""  # the restriction variable naming the built archs
+    fallback_when_unbuilt: str = ""  # e.g. "pip install with nvcc available"
+
+    def __post_init__(self):
+        unknown = (set(self.supported) | {f for fs in self.verified.values() for f in fs}) - ALL_FEATURES
+        if unknown:
+            raise ValueError(f"{self.name}: unknown feature names {sorted(unknown)}; add them to callspec.FEATURES")
+        unsupported_verified = {f for fs in self.verified.values() for f in fs} - set(self.supported)
+        if unsupported_verified:
+            raise ValueError(f"{self.name}: features verified but not declared supported: {sorted(unsupported_verified)}")
+
+    def head_dim_rule(self) -> str:
+        """e.g. "multiples of 8 up to 256"; the same text every message uses."""
+        if self.head_dim_max is None and self.head_dim_multiple <= 1:
+            return "any head dim"
+        parts = []
+        if self.head_dim_multiple > 1:
+            parts.append(f"multiples of {self.head_dim_multiple}")
+        if self.head_dim_max is not None:
+            parts.append(f"up to {self.head_dim_max}")
+        return " ".join(parts)

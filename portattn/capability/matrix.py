@@ -1,0 +1,270 @@
+"""The support matrix: every backend's declaration, evaluated against a device and a call.
+
+Dispatch, `explain()`, fallback warnings, error messages, the README table and
+the report CLI all read these functions, so they all say the same thing. The
+declarations themselves live in `specs/<backend>.py` (one file per backend).
+
+`check_call` returns every reason a backend cannot serve a call, each naming
+the offending value and what the backend supports (xformers-style), e.g.
+"head_dim 264 > 256 (cuda supports multiples of 8 up to 256)".
+
+A compiled module's `build_config()` narrows the declaration to what this
+build contains: {"archs": [...], "head_dims": [...], "dtypes": [...]} and
+optionally "ptx": bool or a list of archs with PTX embedded. Arch entries may
+be spelled "sm80", "sm_80", "80", "8.0", "8.0+PTX", "compute_80" or "gfx942".
+A call's head dim is served by the smallest built head dim >= it (kernels
+mask the rest).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Dict, List, Optional, Sequence
+
+from .archs import Arch, ArchLike, format_ranges, parse_arch
+from .callspec import FEATURE_TITLES, FEATURES, CallSpec
+from .declare import ANY_ARCH, COMPILED, NO, VERIFIED, BackendSpec
+from .probe import DeviceInfo
+
+# Table order; dispatch has its own priority order.
+_SPEC_MODULES = ("reference", "cuda", "rocm")
+
+_VENDOR_TITLE = {"nvidia": "NVIDIA", "amd": "AMD"}
+_DTYPE_ORDER = ("float16", "bfloat16", "float32")
+
+_SPECS: Dict[str, BackendSpec] = {}
+for _module in _SPEC_MODULES:
+    _spec = importlib.import_module(f"{__package__}.specs.{_module}").SPEC
+    _SPECS[_spec.name] = _spec
+
+BACKEND_NAMES = tuple(_SPECS)
+
+
+def get_spec(backend_name: str) -> BackendSpec:
+    try:
+        return _SPECS[backend_name]
+    except KeyError:
+        raise ValueError(f"unknown backend {backend_name!r}; known: {', '.join(BACKEND_NAMES)}") from None
+
+
+def backend_specs() -> List[BackendSpec]:
+    return list(_SPECS.values())
+
+
+def _as_arch(arch) -> Optional[Arch]:
+    if arch is None or isinstance(arch, Arch):
+        return arch
+    if isinstance(arch, DeviceInfo):
+        return arch.arch
+    return parse_arch(arch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arch and feature status
+
+
+def arch_supported(spec: BackendSpec, arch: Optional[ArchLike]) -> bool:
+    """Whether the declaration covers `arch` (None = no GPU: only vendor-neutral backends)."""
+    if spec.vendor is None:
+        return True
+    a = _as_arch(arch)
+    return a is not None and any(r.contains(a) for r in spec.archs)
+
+
+def feature_status(backend_name: str, arch: Optional[ArchLike]) -> Dict[str, str]:
+    """feature -> "verified" | "compiled" | "no" for `backend_name` on `arch` (None: CPU host)."""
+    spec = get_spec(backend_name)
+    a = _as_arch(arch)
+    if not arch_supported(spec, a):
+        return {f: NO for f in FEATURES}
+    passed = set(spec.verified.get(ANY_ARCH, ()))
+    if a is not None:
+        passed |= set(spec.verified.get(a.name, ()))
+    return {f: (NO if f not in spec.supported else VERIFIED if f in passed else COMPILED) for f in FEATURES}
+
+
+# ---------------------------------------------------------------------------------------------
+# check_call: one small function per rule, each returning its reasons
+
+
+def _check_device(spec: BackendSpec, device: Optional[DeviceInfo], call: CallSpec) -> List[str]:
+    if spec.vendor is None:
+        return []
+    needs = f"{spec.name} needs an {_VENDOR_TITLE[spec.vendor]} GPU, {format_ranges(spec.archs)}"
+    reasons = []
+    if call.device_type != "cuda":
+        reasons.append(f"tensors are on {call.device_type} ({needs})")
+    if device is None:
+        if call.device_type == "cuda":
+            reasons.append(f"no GPU device found ({needs})")
+        return reasons
+    if device.vendor != spec.vendor:
+        reasons.append(f"device {device.name} is an {_VENDOR_TITLE.get(device.vendor, device.vendor)} GPU ({needs})")
+        return reasons
+    return reasons + _check_arch(spec, device)
+
+
+def _check_arch(spec: BackendSpec, device: DeviceInfo) -> List[str]:
+    arch = device.arch
+    if any(r.contains(arch) for r in spec.archs):
+        return []
+    lowest = min(r.min for r in spec.archs)
+    if arch < lowest:
+        return [f"arch {arch.name} ({device.name}) below {spec.name}'s minimum {lowest.name}"]
+    note = f": {spec.arch_note}" if spec.arch_note else ""
+    return [f"arch {arch.name} ({device.name}, {arch.family}) not supported by {spec.name} ({format_ranges(spec.archs)}{note})"]
+
+
+def _check_dtype(spec: BackendSpec, call: CallSpec) -> List[str]:
+    if call.dtype in spec.dtypes:
+        return []
+    return [f"dtype {call.dtype} not supported ({spec.name}: {', '.join(spec.dtypes)})"]
+
+
+def _check_head_dims(spec: BackendSpec, call: CallSpec) -> List[str]:
+    rule = f"{spec.name} supports {spec.head_dim_rule()}"
+    reasons = []
+    dims = [("head_dim", call.head_dim)]
+    if call.head_dim_v != call.head_dim:
+        if spec.head_dim_v_equal:
+            reasons.append(f"head_dim_v {call.head_dim_v} != head_dim {call.head_dim} ({spec.name} needs them equal)")
+        dims.append(("head_dim_v", call.head_dim_v))
+    for label, d in dims:
+        if spec.head_dim_max is not None and d > spec.head_dim_max:
+            reasons.append(f"{label} {d} > {spec.head_dim_max} ({rule})")
+        if spec.head_dim_multiple > 1 and d % spec.head_dim_multiple:
+            reasons.append(f"{label} {d} is not a multiple of {spec.head_dim_multiple} ({rule})")
+    return reasons
+
+
+def _check_features(spec: BackendSpec, call: CallSpec) -> List[str]:
+    reasons = []
+    for f in FEATURES:
+        if call.uses(f) and f not in spec.supported:
+            note = spec.unsupported_notes.get(f)
+            reasons.append(f"feature {f} not supported by {spec.name}" + (f" ({note})" if note else ""))
+    return reasons
+
+
+def _check_resources(spec: BackendSpec, device: Optional[DeviceInfo], call: CallSpec) -> List[str]:
+    # Unknown opt-in memory (a text-tool probe) is not a reason: the kernel launch checks it.
+    if device is None or device.smem_per_block_optin is None or device.vendor != (spec.vendor or device.vendor):
+        return []
+    reasons = []
+    for rule in spec.resource_rules:
+        head_dim = max(call.head_dim, call.head_dim_v)
+        if rule.applies(call.features, head_dim) and device.smem_per_block_optin < rule.min_smem_optin:
+            what = " + ".join(rule.features)
+            reasons.append(
+                f"{what} with head_dim {head_dim} > {rule.head_dim_above} needs {_kib(rule.min_smem_optin)} "
+                f"of opt-in shared memory per block ({rule.why}); {device.name} has {_kib(device.smem_per_block_optin)}"
+            )
+    return reasons
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes // 1024} KiB" if nbytes % 1024 == 0 else f"{nbytes} bytes"
+
+
+def _check_build(spec: BackendSpec, device: Optional[DeviceInfo], call: CallSpec, build: dict) -> List[str]:
+    reasons = []
+    dtypes = build.get("dtypes")
+    if dtypes and call.dtype in spec.dtypes and call.dtype not in dtypes:
+        reasons.append(f"dtype {call.dtype} not built (this build: PORTATTN_DTYPES={','.join(dtypes)})")
+    head_dims = sorted(int(d) for d in build.get("head_dims") or ())
+    if head_dims:
+        need = max(call.head_dim, call.head_dim_v)
+        if need > head_dims[-1] and (spec.head_dim_max is None or need <= spec.head_dim_max):
+            reasons.append(
+                f"head_dim {need} not built (this build: PORTATTN_HEADDIMS={','.join(map(str, head_dims))}; "
+                f"a head dim is served by the smallest built one >= it)"
+            )
+    archs = build.get("archs")
+    if archs and device is not None and device.vendor == spec.vendor and any(r.contains(device.arch) for r in spec.archs):
+        if not build_serves_arch(archs, device.arch, build.get("ptx", False)):
+            var = spec.build_arch_env or "archs"
+            no_ptx = device.arch.vendor == "nvidia" and not _ptx_archs(archs, build.get("ptx", False))
+            extra = "; no PTX embedded" if no_ptx else ""
+            reasons.append(f"arch {device.arch.name} not built (this build: {var}={','.join(map(str, archs))}{extra})")
+    return reasons
+
+
+def _split_build_arch(entry) -> tuple:
+    """(Arch, has_ptx) from one build-config arch entry."""
+    text = str(entry).strip().lower()
+    if text.endswith("+ptx"):
+        return parse_arch(text[:-4]), True
+    return parse_arch(text), text.startswith("compute_")
+
+
+def _ptx_archs(archs: Sequence, ptx) -> List[Arch]:
+    parsed = [_split_build_arch(a) for a in archs]
+    found = [a for a, has in parsed if has]
+    if ptx is True and parsed:
+        found.append(max(a for a, _ in parsed))
+    elif isinstance(ptx, (list, tuple)):
+        found += [parse_arch(p) for p in ptx]
+    return found
+
+
+def build_serves_arch(archs: Sequence, arch: Arch, ptx=False) -> bool:
+    """Whether a build for `archs` can run on `arch`.
+
+    NVIDIA: a cubin for sm_XY runs on sm_XZ with Z >= Y (same major); PTX for
+    sm_XY JIT-compiles for any arch >= it. AMD: the gfx target must match.
+    """
+    for built, _ in (_split_build_arch(a) for a in archs):
+        if built.vendor != arch.vendor:
+            continue
+        if arch.vendor == "amd":
+            if built.name == arch.name:
+                return True
+        elif built.major == arch.major and built.minor <= arch.minor:
+            return True
+    if arch.vendor == "nvidia":
+        return any(p.vendor == "nvidia" and p <= arch for p in _ptx_archs(archs, ptx))
+    return False
+
+
+def check_call(
+    backend_name: str,
+    device: Optional[DeviceInfo],
+    call: CallSpec,
+    build_config: Optional[dict] = None,
+) -> List[str]:
+    """Every reason `backend_name` cannot serve `call` on `device` (None: no GPU); [] = it can."""
+    spec = get_spec(backend_name)
+    reasons = _check_device(spec, device, call)
+    reasons += _check_dtype(spec, call)
+    reasons += _check_head_dims(spec, call)
+    reasons += _check_features(spec, call)
+    reasons += _check_resources(spec, device, call)
+    if build_config:
+        reasons += _check_build(spec, device, call, build_config)
+    return reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def support_table(device: Optional[DeviceInfo]) -> List[dict]:
+    """Rows for the report: {"feature", "title", "status": {backend: status}} per feature,
+    then one row per dtype (status of "forward" where the dtype is declared, else "no")."""
+    arch = device.arch if device is not None else None
+    per_backend = {spec.name: feature_status(spec.name, arch) for spec in backend_specs()}
+    rows = [
+        {"feature": f, "title": FEATURE_TITLES.get(f, f), "status": {b: s[f] for b, s in per_backend.items()}}
+        for f in FEATURES
+    ]
+    for dtype in _DTYPE_ORDER:
+        rows.append(
+            {
+                "feature": f"dtype:{dtype}",
+                "title": dtype,
+                "status": {
+                    spec.name: (per_backend[spec.name]["forward"] if dtype in spec.dtypes else NO)
+                    for spec in backend_specs()
+                },
+            }
+        )
+    return rows
