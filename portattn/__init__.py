@@ -1,0 +1,37 @@
+"""portattn: hardware-portable exact attention (FlashAttention-class kernels) for PyTorch.
+
+The API follows flash-attn's names and semantics, so switching is an import change:
+
+    from portattn import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)
+
+`portattn.explain(q, k, v, ...)` says which backend runs a call and why;
+`python -m portattn` (or `portattn-report`) describes this machine's support.
+"""
+from .api import (
+    explain,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
+from .dispatch import UnsupportedCallError, force_backend, selected_backends
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+    "explain",
+    "force_backend",
+    "selected_backends",
+    "UnsupportedCallError",
+]

@@ -1,0 +1,223 @@
+"""The public API: flash-attn's names, argument order, defaults, shapes and semantics.
+
+Switching from flash-attn is an import change: `from portattn import flash_attn_func`.
+Differences, all deliberate and documented in README:
+- `return_attn_probs=True` returns (out, softmax_lse, None): no backend materialises
+  the O(seqlen^2) probability matrix.
+- `flash_attn_with_kvcache` and paged `block_table` calls gather the cache into a
+  packed varlen call; the attention itself then dispatches like any varlen call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch
+from .ops import attention
+from .validation import check_cu_seqlens, check_options, check_qkv
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # Kernels read 16-byte vectors along the head dim; any other stride is fine.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                deterministic, return_attn_probs):
+    batch, _, _, nheads, _, head_dim = check_qkv(q, k, v, varlen=False)
+    scale, window_left, window_right = check_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
+        head_dim, q.device,
+    )
+    out, lse = attention(
+        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
+        None, None, q.shape[1], k.shape[1], scale, window_left, window_right, float(softcap),
+        float(dropout_p), bool(deterministic),
+    )
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs):
+    _, total_q, total_k, nheads, _, head_dim = check_qkv(q, k, v, varlen=True)
+    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, total_q, q.device)
+    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, total_k, q.device)
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    scale, window_left, window_right = check_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
+        head_dim, q.device,
+    )
+    out, lse = attention(
+        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
+        float(softcap), float(dropout_p), bool(deterministic),
+    )
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Exact attention. q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+
+    causal is aligned to the bottom-right of the score matrix; window_size=(left, right)
+    limits each query to keys in [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded).
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) with
+    return_attn_probs=True (softmax_lse: float32 (batch, nheads, seqlen_q)).
+    """
+    return _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """qkv: (batch, seqlen, 3, nheads, headdim). Gradients flow back into qkv."""
+    _check_packed("qkv", qkv, rank=5, count=3)
+    return _dense_call(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                       causal, window_size, softcap, alibi_slopes, deterministic,
+                       return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+    _check_packed("kv", kv, rank=5, count=2)
+    return _dense_call(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                       window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """Packed variable-length sequences. q: (total_q, nheads, headdim); k, v: (total_k, nheads_k,
+    headdim); cu_seqlens_*: int32 (batch + 1,) prefix sums. softmax_lse is (nheads, total_q).
+
+    With block_table (int32 (batch, max_blocks)), k and v are paged caches
+    (num_blocks, page_block_size, nheads_k, headdim) and cu_seqlens_k gives each
+    sequence's key count.
+    """
+    if block_table is not None:
+        k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k)
+    return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv: (total, 3, nheads, headdim)."""
+    _check_packed("qkv", qkv, rank=4, count=3)
+    return _varlen_call(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                        max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                        alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
+    _check_packed("kv", kv, rank=4, count=2)
+    return _varlen_call(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                        alibi_slopes, deterministic, return_attn_probs)
+
+
+def _check_packed(name, t, rank, count):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank or t.shape[-3] != count:
+        layout = "(batch, seqlen, " if rank == 5 else "(total, "
+        raise ValueError(f"{name} must have shape {layout}{count}, nheads, headdim), got {tuple(t.shape)}")
+
+
+# ---- KV cache (inference) ----------------------------------------------------------
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention over a KV cache, appending new keys/values in place first (flash-attn semantics).
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
+    nheads_k, headdim), or with block_table (int32 (batch, max_blocks)) paged
+    (num_blocks, page_block_size, nheads_k, headdim). k, v (optional): (batch, seqlen_new,
+    nheads_k, headdim), written at positions cache_seqlens[b] onwards. rotary_cos/sin
+    ((seqlen_ro, rotary_dim / 2)) rotate q and the new k first; cache_leftpad marks where
+    each sequence starts in the cache. num_splits is accepted for compatibility (a tuning
+    hint; ignored). No gradients (inference API).
+    """
+    from .kvcache import attend_to_cache
+
+    return attend_to_cache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+        rotary_interleaved, alibi_slopes, return_softmax_lse, flash_attn_varlen_func,
+    )
+
+
+def _gather_paged_varlen(k_cache, v_cache, block_table, cu_seqlens_k):
+    from .kvcache import gather_paged
+
+    return gather_paged(k_cache, v_cache, block_table, cu_seqlens_k)
+
+
+# ---- explain ------------------------------------------------------------------------
+
+
+class Explanation:
+    """Which backend runs a call and, for every backend, why it would or would not."""
+
+    def __init__(self, chosen: Optional[str], verdicts: list, call):
+        self.chosen = chosen
+        self.reasons = {name: reasons for name, reasons in verdicts}
+        self.call = call
+
+    def __repr__(self) -> str:
+        lines = [f"portattn would run this call ({self.call.dtype}, head_dim={self.call.head_dim}, "
+                 f"features: {', '.join(sorted(self.call.features))}) on: {self.chosen}"]
+        for name, reasons in self.reasons.items():
+            verdict = "supported" if not reasons else "; ".join(reasons)
+            lines.append(f"  {name}: {verdict}")
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+
+def explain(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None, deterministic=False, backward=None):
+    """For each backend, whether it would run this call and, if not, every reason why.
+
+    Takes flash_attn_func's arguments (plus the varlen ones). `backward` defaults to
+    whether q, k or v requires grad.
+    """
+    varlen = cu_seqlens_q is not None
+    batch, _, _, nheads, nheads_k, head_dim = check_qkv(q, k, v, varlen=varlen)
+    if varlen:
+        batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0], q.device)
+    _, window_left, window_right = check_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
+        head_dim, q.device,
+    )
+    if backward is None:
+        backward = q.requires_grad or k.requires_grad or v.requires_grad
+    bits = dispatch.feature_bits(window_left, window_right, softcap, alibi_slopes is not None,
+                                 dropout_p, nheads != nheads_k, varlen, backward, deterministic)
+    call = dispatch.call_spec(q.device, q.dtype, head_dim, bits)
+    verdicts = [(slot.name, reasons) for slot, reasons in dispatch.DISPATCHER.evaluate(call, q.device)]
+    forced = dispatch.DISPATCHER.forced
+    if forced:
+        chosen = forced if not dict(verdicts)[forced] else None
+    else:
+        chosen = next((name for name, reasons in verdicts if not reasons), None)
+    return Explanation(chosen, verdicts, call)

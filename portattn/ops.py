@@ -1,0 +1,215 @@
+"""Forward/backward execution: autograd for eager calls, custom ops for torch.compile.
+
+Three ways into the same two functions, `run_forward` and `run_backward`:
+- eager, no gradient needed: `run_forward` directly (no autograd node, no op dispatch);
+- eager with gradients: `AttentionFunction.apply` (one autograd node);
+- under torch.compile: `torch.ops.portattn.fwd` / `bwd`, custom ops with fake
+  implementations and a registered autograd formula, so graphs don't break.
+Eager calls never pay for the custom-op machinery (measured on the H100 host:
+a Python custom op costs ~23 us per call, SDPA's whole call ~30 us).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import dispatch
+from .rng import draw_philox_seed_offset
+from .validation import check_cu_seqlens_values
+
+_TRUST_CU_SEQLENS = os.environ.get("PORTATTN_TRUST_CU_SEQLENS", "0") == "1"
+
+
+def _lse_shape(q: torch.Tensor, varlen: bool):
+    if varlen:
+        return (q.shape[1], q.shape[0])  # (H, total_q), as flash-attn's varlen API
+    return (q.shape[0], q.shape[2], q.shape[1])  # (B, H, Sq)
+
+
+def _empty_outputs(q: torch.Tensor, varlen: bool):
+    out = torch.empty_like(q)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _no_keys(k: torch.Tensor, varlen: bool) -> bool:
+    return k.shape[0] == 0 if varlen else k.shape[1] == 0
+
+
+def run_forward(
+    q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    softmax_scale, window_left, window_right, softcap, dropout_p,
+):
+    """Returns (out, lse, rng_seed, rng_offset)."""
+    varlen = cu_seqlens_q is not None
+    out, lse = _empty_outputs(q, varlen)
+    if q.numel() == 0:
+        return out, lse, 0, 0
+    if varlen and not _TRUST_CU_SEQLENS:
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0])
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, k.shape[0])
+    if _no_keys(k, varlen):
+        # Nothing to attend to: the documented result for an empty row.
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse, 0, 0
+    bits = dispatch.feature_bits(
+        window_left, window_right, softcap, alibi_slopes is not None, dropout_p,
+        q.shape[-2] != k.shape[-2], varlen,
+    )
+    backend = dispatch.DISPATCHER.backend_for(q.device, q.dtype, q.shape[-1], bits)
+    seed, offset = draw_philox_seed_offset(q.device) if dropout_p > 0.0 else (0, 0)
+    backend.forward(
+        q, k, v, out, lse,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+        rng_seed=seed, rng_offset=offset,
+    )
+    return out, lse, seed, offset
+
+
+def run_backward(
+    dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    softmax_scale, window_left, window_right, softcap, dropout_p, rng_seed, rng_offset, deterministic,
+):
+    """Returns (dq, dk, dv)."""
+    varlen = cu_seqlens_q is not None
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or _no_keys(k, varlen):
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    bits = dispatch.feature_bits(
+        window_left, window_right, softcap, alibi_slopes is not None, dropout_p,
+        q.shape[-2] != k.shape[-2], varlen, backward=True, deterministic=deterministic,
+    )
+    backend = dispatch.DISPATCHER.backend_for(q.device, q.dtype, q.shape[-1], bits)
+    backend.backward(
+        dout, q, k, v, out, lse, dq, dk, dv,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+        rng_seed=rng_seed, rng_offset=rng_offset, deterministic=deterministic,
+    )
+    return dq, dk, dv
+
+
+class AttentionFunction(torch.autograd.Function):
+    """The eager autograd node (one per call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, window_left, window_right, softcap, dropout_p, deterministic):
+        out, lse, seed, offset = run_forward(
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, window_left, window_right, softcap, dropout_p,
+        )
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                       softcap, dropout_p, seed, offset, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+         softcap, dropout_p, seed, offset, deterministic) = ctx.options
+        dq, dk, dv = run_backward(
+            dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, seed,
+            offset, deterministic,
+        )
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+# ---- torch.compile path ------------------------------------------------------------
+
+
+@torch.library.custom_op("portattn::fwd", mutates_args=())
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
+    window_right: int, softcap: float, dropout_p: float, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, seed, offset = run_forward(
+        q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, window_left, window_right, softcap, dropout_p,
+    )
+    # The philox seed/offset travel as a tensor so the compiled graph can save them.
+    return out, lse, torch.tensor([seed, offset], dtype=torch.int64)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic):
+    out, lse = _empty_outputs(q, cu_seqlens_q is not None)
+    return out, lse, torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("portattn::bwd", mutates_args=())
+def _bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+    softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
+    rng_state: torch.Tensor, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed, offset = rng_state.tolist()
+    return run_backward(
+        dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset,
+        deterministic,
+    )
+
+
+@_bwd_op.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+              rng_state, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+     softmax_scale, window_left, window_right, softcap, dropout_p, deterministic) = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                   softcap, dropout_p, deterministic)
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _fwd_backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+     softcap, dropout_p, deterministic) = ctx.options
+    dq, dk, dv = torch.ops.portattn.bwd(
+        dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, rng_state,
+        deterministic,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("portattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic):
+    """Route one validated call to the cheapest correct path. Returns (out, lse)."""
+    args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, window_left, window_right, softcap, dropout_p)
+    if torch.compiler.is_compiling():
+        out, lse, _ = torch.ops.portattn.fwd(*args, deterministic)
+        return out, lse
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return AttentionFunction.apply(*args, deterministic)
+    out, lse, _, _ = run_forward(*args)
+    return out, lse
