@@ -260,7 +260,7 @@ def support_table(device: Optional[DeviceInfo]) -> List[dict]:
         rows.append(
             {
                 "feature": f"dtype:{dtype}",
-                "title": dtype,
+                "title": f"dtype {dtype}",
                 "status": {
                     spec.name: (per_backend[spec.name]["forward"] if dtype in spec.dtypes else NO)
                     for spec in backend_specs()
