@@ -30,6 +30,9 @@ def _attention_batched(q, k, v, window, softcap, alibi_slopes, dropout_mask, dro
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
+    if seqlen_k == 0:  # nothing to attend to (and amax below needs a non-empty row)
+        lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=q.dtype, device=q.device)
+        return q.new_zeros(batch, seqlen_q, nheads, v.shape[-1]), lse
     qh = q.transpose(1, 2)  # (B, H, Sq, D)
     kh = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, D)
     vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
