@@ -1,0 +1,102 @@
+"""What each backend says about the parts people actually run on (fake devices, no GPU needed).
+
+Each row is a device as it reports itself; the expectations are what a user of
+that part should be told. ROCm's feature list is its engineer's declaration,
+so its rows check the arch verdict, not feature support.
+"""
+import pytest
+
+from portattn.capability import matrix, probe
+from portattn.capability.callspec import FEATURES, CallSpec
+
+FWD = CallSpec("float16", 128, 128, "cuda", frozenset({"forward"}))
+BWD_256 = CallSpec("bfloat16", 256, 256, "cuda", frozenset({"forward", "backward"}))
+
+# kind: (family, cuda serves fwd?, substring of cuda's first reason, rocm arch ok?, cuda bwd hd256 ok?)
+CASES = {
+    "a100": ("ampere", True, None, False, True),
+    "rtx3090": ("ampere", True, None, False, False),
+    "rtx4090": ("ada", True, None, False, False),
+    "l4": ("ada", True, None, False, False),
+    "h100": ("hopper", True, None, False, True),
+    "h200": ("hopper", True, None, False, True),
+    "b200": ("blackwell", True, None, False, True),
+    "rtx5090": ("blackwell-consumer", True, None, False, False),
+    "gb10": ("blackwell-consumer", True, None, False, False),
+    "t4": ("turing", False, "below cuda's minimum sm80", False, False),
+    "mi250x": ("cdna2", False, "is an AMD GPU", True, False),
+    "mi300x": ("cdna3", False, "is an AMD GPU", True, False),
+    "rx7900xtx": ("rdna3", False, "is an AMD GPU", False, False),
+}
+
+
+def test_every_preset_has_a_row():
+    assert set(CASES) == set(probe.FAKE_DEVICE_KINDS)
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_device_verdicts(kind):
+    family, cuda_fwd, cuda_reason, rocm_arch_ok, cuda_bwd256 = CASES[kind]
+    device = probe.fake_device(kind)
+    assert device.arch.family == family
+
+    reasons = matrix.check_call("cuda", device, FWD)
+    assert (reasons == []) is cuda_fwd, reasons
+    if cuda_reason:
+        assert cuda_reason in reasons[0]
+    assert (matrix.check_call("cuda", device, BWD_256) == []) is cuda_bwd256
+
+    rocm_reasons = matrix.check_call("rocm", device, FWD)
+    arch_reasons = [r for r in rocm_reasons if "arch" in r or "GPU" in r]
+    assert (arch_reasons == []) is rocm_arch_ok, rocm_reasons
+
+    # The reference backend serves every device, every feature.
+    everything = CallSpec("float32", 100, 100, "cuda", frozenset(FEATURES))
+    assert matrix.check_call("reference", device, everything) == []
+
+
+@pytest.mark.parametrize("kind", ["a100", "rtx4090", "h100", "b200", "rtx5090", "gb10"])
+def test_cuda_status_on_supported_nvidia_parts(kind):
+    status = matrix.feature_status("cuda", probe.fake_device(kind).arch)
+    assert status["forward"] in ("compiled", "verified")
+    assert status["paged_kv"] == "no"
+
+
+def test_sm121_is_served_as_sm120_family():
+    gb10 = probe.fake_device("gb10")
+    assert gb10.arch.name == "sm121" and not gb10.arch.known
+    assert "sm120" in gb10.arch.note
+    assert matrix.feature_status("cuda", gb10.arch) == matrix.feature_status("cuda", "sm120")
+
+
+def test_rtx5090_is_compiled_not_verified_by_family_rule():
+    # Until the GPU suite runs on an sm120 part, the declaration cannot claim it.
+    assert "sm120" not in matrix.get_spec("cuda").verified
+    assert matrix.feature_status("cuda", "sm120")["forward"] == "compiled"
+
+
+def test_t4_reason_names_the_minimum():
+    reasons = matrix.check_call("cuda", probe.fake_device("t4"), FWD)
+    assert reasons == ["arch sm75 (Tesla T4) below cuda's minimum sm80"]
+    assert set(matrix.feature_status("cuda", "sm75").values()) == {"no"}
+
+
+def test_rdna3_is_rejected_by_rocm_with_family():
+    reasons = matrix.check_call("rocm", probe.fake_device("rx7900xtx"), FWD)
+    assert "arch gfx1100 (AMD Radeon RX 7900 XTX, rdna3) not supported by rocm" in reasons[0]
+    assert "RDNA" in reasons[0]
+
+
+def test_mi300x_and_mi250x_archs_are_in_rocm_range():
+    for kind in ("mi300x", "mi250x"):
+        assert matrix.arch_supported(matrix.get_spec("rocm"), probe.fake_device(kind).arch)
+
+
+def test_cpu_host():
+    assert matrix.check_call("reference", None, CallSpec("float32", 64, 64, "cpu", frozenset({"forward"}))) == []
+    for backend in ("cuda", "rocm"):
+        assert matrix.check_call(backend, None, CallSpec("float16", 64, 64, "cpu", frozenset({"forward"})))
+        assert set(matrix.feature_status(backend, None).values()) == {"no"}
+    rows = matrix.support_table(None)
+    assert all(row["status"]["reference"] == "verified" for row in rows)
+    assert all(row["status"]["cuda"] == "no" for row in rows)
