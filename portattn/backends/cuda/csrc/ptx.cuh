@@ -136,23 +136,47 @@ __device__ __forceinline__ void cp_async_wait() {
 // rows) land in eight different bank groups: with 128 B rows the chunk is
 // XORed with row % 8; with 64 B rows two rows share a 128 B bank line, so the
 // chunk is XORed with (row / 2) % 4.
+//
+// Addressing is split so that unrolled loops cost no registers: for a row
+// R + r (R a multiple of 8, known at compile time; r from the lane) and a
+// chunk C + c (C even and compile-time; c in {0, 1} from the lane), the
+// swizzle bits depend on r only and XOR is linear, so
+//     offset = fixed(R, C) + (lane(r, c) ^ chunk_xor(C))
+// where `lane` is computed once per thread and the rest folds into the
+// instruction's immediate or one LOP3.
 template <int kRows, int kCols>
 struct SwizzledTile {
   static constexpr int kPanel = (kCols % 64 == 0) ? 64 : 32;
   static constexpr int kChunksPerPanelRow = kPanel / 8;
+  static constexpr int kPanelRowBytes = kPanel * 2;
   static constexpr int kPanels = kCols / kPanel;
+  static constexpr int kChunksPerRow = kCols / 8;
   static constexpr int kChunks = kRows * kCols / 8;
   static constexpr int kBytes = kRows * kCols * 2;
   static_assert(kCols % 32 == 0, "tile width must be a multiple of 32 elements");
+  static_assert(kRows % 8 == 0, "tile height must be a multiple of 8 rows");
 
-  // Byte offset of the 16-byte chunk that holds elements [col, col + 8) of `row`.
+  static __device__ __forceinline__ int xor_bits(int row) {
+    return kPanel == 64 ? (row & 7) : ((row >> 1) & 3);
+  }
+  // Lane part of the offset: row r (any; only r's low bits enter the swizzle)
+  // and chunk offset c within the panel row.
+  static __device__ __forceinline__ uint32_t lane(int r, int c) {
+    return static_cast<uint32_t>(r * kPanelRowBytes + ((c ^ xor_bits(r)) * 16));
+  }
+  // Compile-time parts for row base R (multiple of 8) and chunk base C (even).
+  static __host__ __device__ constexpr uint32_t fixed(int R, int C) {
+    return static_cast<uint32_t>((C / kChunksPerPanelRow) * kRows * kPanelRowBytes + R * kPanelRowBytes);
+  }
+  static __host__ __device__ constexpr uint32_t chunk_xor(int C) {
+    return static_cast<uint32_t>((C % kChunksPerPanelRow) * 16);
+  }
+  // Byte offset of element `col` (a multiple of 8) of `row`, for one-off use.
   static __device__ __forceinline__ uint32_t offset(int row, int col) {
     const int chunk = col / 8;
-    const int panel = chunk / kChunksPerPanelRow;
-    const int within = chunk % kChunksPerPanelRow;
-    const int xor_bits = (kPanel == 64) ? (row & 7) : ((row >> 1) & 3);
-    const int swizzled = within ^ xor_bits;
-    return static_cast<uint32_t>(((panel * kRows + row) * kChunksPerPanelRow + swizzled) * 16);
+    return static_cast<uint32_t>(
+        ((chunk / kChunksPerPanelRow) * kRows + row) * kPanelRowBytes +
+        (((chunk % kChunksPerPanelRow) ^ xor_bits(row)) * 16));
   }
 };
 

@@ -1,0 +1,209 @@
+"""Build the CUDA backend (torch-free; setup.py imports this file by path).
+
+Two artifacts, both written next to `ext_path`:
+
+1. `libportattn_cuda.so`: every nvcc translation unit (the generated
+   per-(family, head dim, dtype) kernel files of variants.py, the table, the C
+   entry points). It has no Python or torch dependency, so one build serves
+   every Python version and every torch version, and it is the slow part.
+2. `_C<EXT_SUFFIX>` (the extension module at ext_path): csrc/binding.cpp only,
+   compiled by the host C++ compiler against this Python's headers and
+   pybind11, linked to (1) with rpath $ORIGIN. Seconds to build, so moving to
+   another Python (the GPU machine runs 3.12, development here 3.11) rebuilds
+   only this (`python build.py --inplace --binding-only`).
+
+cudart is linked statically into (1) (nvcc's default). Inside a torch process
+that is safe: the runtime API of both copies sits on the driver's primary
+context, so torch's streams (driver objects; we get the raw handle from
+torch._C._cuda_getCurrentRawStream) and its allocations are valid for our
+launches, and we never depend on finding a libcudart.so of the right major
+version at load time (torch's copy lives in a wheel folder that is not on the
+loader path). The driver itself (libcuda.so.1) is only opened at the first
+CUDA call, so importing the module on a machine without a GPU works.
+
+Restrictions (variants.py): PORTATTN_CUDA_ARCHS, PORTATTN_HEADDIMS,
+PORTATTN_DTYPES; MAX_JOBS caps ninja's parallelism. PORTATTN_PTXAS_VERBOSE=1
+prints ptxas register/spill/shared-memory reports.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from typing import Mapping, Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CSRC = os.path.join(_HERE, "csrc")
+_COMMON = os.path.join(os.path.dirname(_HERE), "common")
+LIBRARY_NAME = "libportattn_cuda.so"
+
+
+def _load_sibling(name: str, path: str):
+    # By path, so that setup.py needs neither torch nor an importable portattn.
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+variants = _load_sibling("_portattn_cuda_variants", os.path.join(_HERE, "variants.py"))
+ninja_build = _load_sibling("_portattn_ninja_build", os.path.join(os.path.dirname(_HERE), "ninja_build.py"))
+
+
+def find_nvcc(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = env.get(var)
+        if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = "/usr/local/cuda/bin/nvcc"
+    return default if os.path.exists(default) else None
+
+
+def toolchain() -> Optional[str]:
+    """'nvcc 13.0 at /usr/local/cuda/bin/nvcc', or None when nvcc is absent."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return None
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    match = re.search(r"release (\d+\.\d+)", text)
+    return f"nvcc {match.group(1) if match else '?'} at {nvcc}"
+
+
+def _write_if_changed(path: str, text: str) -> None:
+    if os.path.exists(path) and open(path).read() == text:
+        return
+    with open(path, "w") as handle:
+        handle.write(text)
+
+
+def _hand_written_sources() -> list:
+    """Every csrc/*.cu that is not a per-variant template (entry points, helpers)."""
+    return sorted(os.path.join(_CSRC, f) for f in os.listdir(_CSRC) if f.endswith(".cu"))
+
+
+def build_library(lib_path: str, build_temp: str, env: Mapping[str, str]) -> None:
+    nvcc = find_nvcc(env)
+    if nvcc is None:
+        raise RuntimeError("portattn: the CUDA backend needs nvcc (set CUDA_HOME)")
+    plan = variants.plan_from_env(env)
+    gen_dir = os.path.join(build_temp, "generated")
+    obj_dir = os.path.join(build_temp, "obj")
+    os.makedirs(gen_dir, exist_ok=True)
+    os.makedirs(obj_dir, exist_ok=True)
+    sources = []
+    for name, text in variants.generated_sources(plan).items():
+        path = os.path.join(gen_dir, name)
+        _write_if_changed(path, text)
+        sources.append(path)
+    # A plan change must relink even if no object changed (e.g. fewer variants).
+    _write_if_changed(os.path.join(gen_dir, "plan.txt"), repr(plan))
+    sources += _hand_written_sources()
+
+    flags = [
+        "-O3", "-std=c++17", "-DNDEBUG", "-Xcompiler", "-fPIC",
+        f"-I{_CSRC}", f"-I{_COMMON}",
+    ] + variants.gencode_flags(plan)
+    if env.get("PORTATTN_PTXAS_VERBOSE") == "1":
+        flags.append("-Xptxas=-v")
+    build = ninja_build.NinjaBuild(os.path.join(build_temp, "ninja_lib"))
+    objects = []
+    for source in sources:
+        obj = os.path.join(obj_dir, os.path.basename(source) + ".o")
+        build.compiles.append(
+            ninja_build.CompileStep(
+                source=source,
+                output=obj,
+                command=[nvcc, *flags, "-MD", "-MF", "$depfile", "-c", "$in", "-o", "$out"],
+                depfile=obj + ".d",
+            )
+        )
+        objects.append(obj)
+    build.links.append(
+        ninja_build.LinkStep(
+            inputs=objects,
+            output=lib_path,
+            command=[nvcc, "-shared", "-cudart", "static", "$in", "-o", "$out"],
+        )
+    )
+    build.run(env)
+
+
+def build_binding(ext_path: str, build_temp: str, env: Mapping[str, str]) -> None:
+    """csrc/binding.cpp -> ext_path, linked to the libportattn_cuda.so beside it."""
+    import pybind11  # build requirement, torch-free
+
+    out_dir = os.path.dirname(os.path.abspath(ext_path))
+    if not os.path.exists(os.path.join(out_dir, LIBRARY_NAME)):
+        raise RuntimeError(f"portattn: {LIBRARY_NAME} must be built into {out_dir} before the binding")
+    cxx = env.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+    tag = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    build = ninja_build.NinjaBuild(os.path.join(build_temp, f"ninja_binding{tag.replace('.so', '')}"))
+    obj = os.path.join(build.build_dir, "binding.o")
+    build.compiles.append(
+        ninja_build.CompileStep(
+            source=os.path.join(_CSRC, "binding.cpp"),
+            output=obj,
+            command=[
+                cxx, "-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden",
+                f"-I{sysconfig.get_paths()['include']}", f"-I{pybind11.get_include()}",
+                "-MD", "-MF", "$depfile", "-c", "$in", "-o", "$out",
+            ],
+            depfile=obj + ".d",
+        )
+    )
+    build.links.append(
+        ninja_build.LinkStep(
+            inputs=[obj, os.path.join(out_dir, LIBRARY_NAME)],
+            output=os.path.abspath(ext_path),
+            command=[
+                cxx, "-shared", obj, f"-L{out_dir}", "-lportattn_cuda",
+                "-Wl,-rpath,$ORIGIN", "-o", "$out",
+            ],
+        )
+    )
+    build.run(env)
+
+
+def build(ext_path: str, build_temp: str, env: Mapping[str, str]) -> None:
+    """The build interface of docs/ARCHITECTURE.md: library, then the binding."""
+    out_dir = os.path.dirname(os.path.abspath(ext_path))
+    os.makedirs(out_dir, exist_ok=True)
+    build_library(os.path.join(out_dir, LIBRARY_NAME), os.path.join(build_temp, "cuda"), env)
+    build_binding(ext_path, os.path.join(build_temp, "cuda"), env)
+
+
+def inplace_ext_path() -> str:
+    return os.path.join(_HERE, "_C" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the portattn CUDA backend in place.")
+    parser.add_argument("--binding-only", action="store_true",
+                        help=f"rebuild only _C against an existing {LIBRARY_NAME} (e.g. another Python)")
+    parser.add_argument("--build-temp", default=os.path.join(_HERE, "..", "..", "..", ".portattn_build"))
+    args = parser.parse_args(argv)
+    ext_path = inplace_ext_path()
+    build_temp = os.path.abspath(args.build_temp)
+    if args.binding_only:
+        build_binding(ext_path, os.path.join(build_temp, "cuda"), os.environ)
+    else:
+        build(ext_path, build_temp, os.environ)
+    print(f"built {ext_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

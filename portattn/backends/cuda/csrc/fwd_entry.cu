@@ -1,0 +1,100 @@
+// C entry points of libportattn_cuda.so (forward + shared helpers). The
+// pybind11 module _C (binding.cpp) is the only caller; it is built per Python
+// version while this library is not (see build.py).
+#include <stdio.h>
+
+#include <mutex>
+
+#include "variant_table.h"
+
+namespace portattn {
+namespace cuda {
+
+namespace {
+thread_local char g_detail[256] = {0};
+std::mutex g_smem_mutex;
+}  // namespace
+
+const char* last_error_detail() { return g_detail; }
+
+void set_error_detail(const char* text) { snprintf(g_detail, sizeof(g_detail), "%s", text); }
+
+cudaError_t ensure_dynamic_smem(const void* kernel, int bytes, SmemOptInState* state) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const unsigned long long bit = device < 64 ? (1ull << device) : 0ull;
+  if (bit != 0 && (__atomic_load_n(&state->done_devices, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
+  int optin = 0;
+  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  if (bytes > optin) {
+    char text[256];
+    snprintf(text, sizeof(text),
+             "this kernel needs %d bytes of shared memory per block; device %d allows %d", bytes,
+             device, optin);
+    set_error_detail(text);
+    return cudaErrorInvalidConfiguration;
+  }
+  std::lock_guard<std::mutex> lock(g_smem_mutex);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && bit != 0) __atomic_fetch_or(&state->done_devices, bit, __ATOMIC_RELEASE);
+  return err;
+}
+
+namespace {
+
+// 16-byte vector loads/stores need 16-byte aligned rows. Python passes any
+// strided view; views of real models (packed qkv, slices along seqlen or
+// heads) keep this, and a view that does not gets a clear error.
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+bool strides_aligned(const PortattnTensor4& s) {
+  return (s.batch_stride % 8) == 0 && (s.row_stride % 8) == 0 && (s.head_stride % 8) == 0;
+}
+
+int fail(char* message, int message_len, int code, const char* text) {
+  if (message != nullptr && message_len > 0) snprintf(message, message_len, "%s", text);
+  return code == 0 ? -1 : code;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace portattn
+
+using namespace portattn::cuda;
+
+extern "C" int portattn_cuda_fwd(const PortattnFwdParams* params, char* message, int message_len) {
+  const Variant<FwdFn>* variant =
+      find_variant(kFwdVariants, kNumFwdVariants, params->headdim, params->dtype);
+  if (variant == nullptr) {
+    char text[160];
+    snprintf(text, sizeof(text), "portattn cuda: no forward kernel built for head_dim %d dtype %d",
+             params->headdim, params->dtype);
+    return fail(message, message_len, -1, text);
+  }
+  if (!aligned16(params->q) || !aligned16(params->k) || !aligned16(params->v) ||
+      !aligned16(params->out) || !strides_aligned(params->q_strides) ||
+      !strides_aligned(params->k_strides) || !strides_aligned(params->v_strides) ||
+      !strides_aligned(params->out_strides)) {
+    return fail(message, message_len, -1,
+                "portattn cuda: q, k, v and out need 16-byte aligned data pointers and strides "
+                "that are multiples of 8 elements (call .contiguous() on the input)");
+  }
+  set_error_detail("");
+  const cudaError_t err = variant->run(*params);
+  if (err != cudaSuccess) {
+    char text[400];
+    snprintf(text, sizeof(text), "portattn cuda forward: %s%s%s", cudaGetErrorString(err),
+             last_error_detail()[0] ? ": " : "", last_error_detail());
+    return fail(message, message_len, static_cast<int>(err), text);
+  }
+  return 0;
+}
+
+extern "C" const char* portattn_cuda_build_archs() { return kBuildArchs; }
+extern "C" const char* portattn_cuda_build_ptx() { return kBuildPtx; }
+extern "C" int portattn_cuda_num_fwd_variants() { return kNumFwdVariants; }
+extern "C" void portattn_cuda_fwd_variant(int index, int* head_dim, int* dtype) {
+  *head_dim = kFwdVariants[index].head_dim;
+  *dtype = kFwdVariants[index].dtype;
+}

@@ -1,0 +1,392 @@
+// Forward attention kernel for sm80+ (mma.sync): one CTA computes a
+// (kBlockM x head_dim) block of O for one (batch, head), streaming K and V in
+// (kBlockN x head_dim) blocks through shared memory.
+//
+// Tile configuration (FwdTileConfig below; registers/spills from ptxas -v are
+// in bench/results/cuda_fwd_notes.md):
+//   head dim <= 128: 4 warps, each owning 32 query rows (two m16 tiles), so one
+//     K/V fragment read from shared memory feeds two mma's (shared-memory
+//     bandwidth, not the tensor cores, is the limit with 16 rows per warp).
+//     kBlockN = 128 for head dim <= 64, else 64 (S and O must fit in 255 regs).
+//   head dim > 128: 8 warps of 16 rows: O alone is head_dim / 2 fp32 registers.
+//   Shared memory: Q (kBlockM x D) + K (kBlockN x D) + V (kBlockN x D), bf16/fp16,
+//   XOR-swizzled (ptx.cuh: SwizzledTile): 64 KB at D=128, 128 KB at D=256.
+//
+// Pipeline per key block n (blocks run from the last to the first, so the
+// blocks that need masking come first and the steady state is branch-free):
+//     wait K(n); sync; issue V(n)            (V(n) streams in during S = Q K(n)^T)
+//     S = Q K(n)^T
+//     wait V(n); sync; issue K(n-1)          (K(n-1) streams in during softmax + P V)
+//     mask/extras, online softmax, dropout, O += P V(n)
+// P never leaves registers: the fp32 S accumulators of two n8 tiles are exactly
+// the A fragment of the P*V mma once packed to 16 bits.
+//
+// Template parameters are only what changes the code's speed: the padded head
+// dim, the element type, and kExtras (softcap, ALiBi or dropout present).
+// Masking (sequence tails, causal, window) is a uniform per-block runtime
+// branch taken only on boundary blocks. A head dim below the instantiated one
+// is served by zero-filling the tail columns of Q, K and V in shared memory.
+#pragma once
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "../../common/online_softmax.h"
+#include "../../common/params.h"
+#include "../../common/philox.h"
+#include "ptx.cuh"
+
+namespace portattn {
+namespace cuda {
+
+template <int kHeadDim_>
+struct FwdTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
+  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;  // m16 tiles per warp
+  static constexpr int kBlockM = kWarps * kMTiles * 16;
+  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
+  static constexpr int kThreads = kWarps * 32;
+  // Two CTAs per SM hide each other's barriers; the 8-warp configs need all
+  // 255 registers per thread and fit one CTA only.
+  static constexpr int kMinBlocksPerSm = kWarps == 4 ? 2 : 1;
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
+};
+
+template <int kHeadDim, typename Elem>
+struct FwdKernelTraits : FwdTileConfig<kHeadDim> {
+  using Config = FwdTileConfig<kHeadDim>;
+  using QTile = ptx::SwizzledTile<Config::kBlockM, kHeadDim>;
+  using KVTile = ptx::SwizzledTile<Config::kBlockN, kHeadDim>;
+  static constexpr int kSmemBytes = QTile::kBytes + 2 * KVTile::kBytes;
+  // Per-thread register tiles: two rows (g, g + 8) per m16 tile; two columns
+  // per n8 tile.
+  static constexpr int kRows = Config::kMTiles * 2;
+  static constexpr int kSCols = Config::kBlockN / 4;
+  static constexpr int kOCols = kHeadDim / 4;
+};
+
+struct QuadReduce {
+  static __device__ __forceinline__ float max(float x) { return ptx::quad_allreduce_max(x); }
+  static __device__ __forceinline__ float sum(float x) { return ptx::quad_allreduce_sum(x); }
+};
+
+constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
+
+// Global -> shared copies of one tile with cp.async, 16 bytes per thread and
+// step. Threads are laid out over a power-of-two number of chunks per row
+// (head dims 96/160/224 leave some threads idle) so that each step covers a
+// multiple of 8 rows: the swizzle bits of a thread then never change, and
+// the shared-memory address advances by a constant.
+template <class Tile, int kThreads>
+struct TileLoader {
+  static constexpr int kLanesPerRow = next_pow2(Tile::kChunksPerRow);
+  static constexpr int kRowsPerStep = kThreads / kLanesPerRow;
+  static constexpr int kRows = Tile::kChunks / Tile::kChunksPerRow;
+  static constexpr int kSteps = kRows / kRowsPerStep;
+  static_assert(kRowsPerStep % 8 == 0 && kRows % kRowsPerStep == 0, "loader layout");
+
+  int row0, col;
+  uint32_t smem_lane;
+
+  __device__ __forceinline__ explicit TileLoader(int tid)
+      : row0(tid / kLanesPerRow), col((tid % kLanesPerRow) * 8) {
+    smem_lane = col < Tile::kChunksPerRow * 8 ? Tile::offset(row0, col) : 0u;
+  }
+
+  // Rows >= valid_rows and columns >= headdim are zero-filled (those lanes
+  // read nothing; they pass `base`, which is in bounds).
+  template <typename Elem>
+  __device__ __forceinline__ void load(uint32_t smem, const Elem* base, int64_t row_stride,
+                                       int valid_rows, int headdim) const {
+    if (col >= Tile::kChunksPerRow * 8) return;
+    const bool col_ok = col < headdim;
+    const Elem* src = base + row0 * row_stride + col;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      const bool valid = col_ok && row0 + step * kRowsPerStep < valid_rows;
+      ptx::cp_async_16(smem + smem_lane + step * kRowsPerStep * Tile::kPanelRowBytes,
+                       valid ? src + step * kRowsPerStep * row_stride : base, valid);
+    }
+  }
+};
+
+template <int kHeadDim, typename Elem, bool kExtras>
+__global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
+                                  FwdTileConfig<kHeadDim>::kMinBlocksPerSm)
+    fwd_kernel(const PortattnFwdParams params) {
+  using Traits = FwdKernelTraits<kHeadDim, Elem>;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kMTiles = Traits::kMTiles;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kSCols = Traits::kSCols;
+  constexpr int kOCols = Traits::kOCols;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // The dynamic shared-memory window starts 128-byte aligned and each tile's
+  // size is a multiple of 128 B, so adding a base never disturbs the swizzle
+  // bits: (base + lane) ^ x == base + (lane ^ x).
+  const uint32_t sQ = ptx::smem_addr(smem_raw);
+  const uint32_t sK = sQ + QTile::kBytes;
+  const uint32_t sV = sK + KVTile::kBytes;
+  static_assert(QTile::kBytes % 128 == 0 && KVTile::kBytes % 128 == 0, "tile alignment");
+
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  // With a right window (causal) later query blocks see more keys: launch them first.
+  const int m_block =
+      params.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : static_cast<int>(blockIdx.x);
+
+  // ---- which rows and keys this CTA sees ------------------------------------
+  int q_start = 0, k_start = 0;
+  int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+  if (params.cu_seqlens_q != nullptr) {
+    q_start = params.cu_seqlens_q[batch];
+    seqlen_q = params.cu_seqlens_q[batch + 1] - q_start;
+    k_start = params.cu_seqlens_k[batch];
+    seqlen_k = params.cu_seqlens_k[batch + 1] - k_start;
+  }
+  if (params.seqused_k != nullptr) seqlen_k = params.seqused_k[batch];
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seqlen_q) return;
+
+  const int diag = seqlen_k - seqlen_q;  // key j is on query i's diagonal when j == i + diag
+  const int wl = params.window_left, wr = params.window_right;
+  int n_block_end = (seqlen_k + kBlockN - 1) / kBlockN;
+  if (wr >= 0) {
+    const int last_key = m0 + kBlockM - 1 + diag + wr;  // the rightmost key any row may see
+    n_block_end = min(n_block_end, last_key < 0 ? 0 : last_key / kBlockN + 1);
+  }
+  int n_block_begin = 0;
+  if (wl >= 0) n_block_begin = max(0, (m0 + diag - wl) / kBlockN);
+
+  const int head_k = head / (params.nheads / params.nheads_k);
+  const Elem* gQ = static_cast<const Elem*>(params.q) + batch * params.q_strides.batch_stride +
+                   (q_start + m0) * params.q_strides.row_stride + head * params.q_strides.head_stride;
+  const Elem* gK = static_cast<const Elem*>(params.k) + batch * params.k_strides.batch_stride +
+                   static_cast<int64_t>(k_start) * params.k_strides.row_stride +
+                   head_k * params.k_strides.head_stride;
+  const Elem* gV = static_cast<const Elem*>(params.v) + batch * params.v_strides.batch_stride +
+                   static_cast<int64_t>(k_start) * params.v_strides.row_stride +
+                   head_k * params.v_strides.head_stride;
+  const int64_t k_row_stride = params.k_strides.row_stride;
+  const int64_t v_row_stride = params.v_strides.row_stride;
+  const int headdim = params.headdim;
+
+  // Row (within the CTA's query block) of this thread's register row r.
+  const int warp_row0 = warp * kMTiles * 16 + lane / 4;
+  auto row_of = [&](int r) { return warp_row0 + (r / 2) * 16 + (r % 2) * 8; };
+  // Column (within a key block) of register column c of S.
+  const int col0 = 2 * (lane % 4);
+  auto col_of = [&](int c) { return (c / 2) * 8 + col0 + (c % 2); };
+
+  float o[kRows][kOCols];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kOCols; ++c) o[r][c] = 0.f;
+  softmax::RowState<kRows> state;
+  state.init();
+
+  const float scale_log2 = params.softmax_scale * softmax::kLog2e;
+  // The extras path converts scores to log2 units itself (softcap needs the
+  // natural-unit score first), so its softmax scale is 1.
+  const float softmax_scale_log2 = kExtras ? 1.f : scale_log2;
+  float alibi_slope = 0.f;
+  if (kExtras && params.alibi_slopes != nullptr)
+    alibi_slope = params.alibi_slopes[batch * params.alibi_batch_stride + head];
+
+  if (n_block_begin < n_block_end) {
+    const TileLoader<QTile, kThreads> q_loader(threadIdx.x);
+    const TileLoader<KVTile, kThreads> kv_loader(threadIdx.x);
+    // ldmatrix addresses: per-lane part here, the rest is compile-time (ptx.cuh).
+    const uint32_t q_frag = sQ + QTile::lane(warp * kMTiles * 16 + lane % 16, lane / 16);
+    const uint32_t k_frag = sK + KVTile::lane(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const uint32_t v_frag = sV + KVTile::lane(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+
+    q_loader.load(sQ, gQ, params.q_strides.row_stride, seqlen_q - m0, headdim);
+    {
+      const int n0 = (n_block_end - 1) * kBlockN;
+      kv_loader.load(sK, gK + n0 * k_row_stride, k_row_stride, seqlen_k - n0, headdim);
+    }
+    ptx::cp_async_commit();
+
+    for (int n_block = n_block_end - 1; n_block >= n_block_begin; --n_block) {
+      const int n0 = n_block * kBlockN;
+      ptx::cp_async_wait<0>();
+      __syncthreads();  // K(n) visible to all warps; every warp is done reading V(n+1)
+      kv_loader.load(sV, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, headdim);
+      ptx::cp_async_commit();
+
+      // ---- S = Q K^T ----------------------------------------------------------
+      float s[kRows][kSCols];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < kSCols; ++c) s[r][c] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+          ptx::ldmatrix_x4(a[mt], (q_frag ^ QTile::chunk_xor(kk * 2)) + QTile::fixed(mt * 16, kk * 2));
+#pragma unroll
+        for (int np = 0; np < kBlockN / 16; ++np) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4(b, (k_frag ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(np * 16, kk * 2));
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            ptx::mma_16816<Elem>(s[2 * mt][4 * np], s[2 * mt][4 * np + 1], s[2 * mt + 1][4 * np],
+                                 s[2 * mt + 1][4 * np + 1], a[mt], b[0], b[1]);
+            ptx::mma_16816<Elem>(s[2 * mt][4 * np + 2], s[2 * mt][4 * np + 3],
+                                 s[2 * mt + 1][4 * np + 2], s[2 * mt + 1][4 * np + 3], a[mt], b[2],
+                                 b[3]);
+          }
+        }
+      }
+
+      ptx::cp_async_wait<0>();
+      __syncthreads();  // V(n) visible; every warp is done reading K(n)
+      if (n_block > n_block_begin) {
+        const int n_prev = n0 - kBlockN;
+        kv_loader.load(sK, gK + n_prev * k_row_stride, k_row_stride, seqlen_k - n_prev, headdim);
+        ptx::cp_async_commit();
+      }
+
+      // ---- scores: extras, then the mask --------------------------------------
+      if (kExtras) {
+        const float softcap = params.softcap;
+        const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int i = m0 + row_of(r);
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c) {
+            float x = s[r][c] * params.softmax_scale;
+            if (softcap > 0.f) x = softcap * tanhf(x * inv_softcap);
+            x -= alibi_slope * fabsf(static_cast<float>(i + diag - (n0 + col_of(c))));
+            s[r][c] = x * softmax::kLog2e;
+          }
+        }
+      }
+      const bool needs_mask = n0 + kBlockN > seqlen_k ||
+                              (wr >= 0 && n0 + kBlockN - 1 > m0 + diag + wr) ||
+                              (wl >= 0 && n0 < m0 + kBlockM - 1 + diag - wl);
+      if (needs_mask) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int i = m0 + row_of(r);
+          const int lo = wl >= 0 ? i + diag - wl : 0;
+          const int hi = min(seqlen_k - 1, wr >= 0 ? i + diag + wr : seqlen_k - 1);
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c) {
+            const int j = n0 + col_of(c);
+            if (j < lo || j > hi) s[r][c] = softmax::neg_inf();
+          }
+        }
+      }
+
+      softmax::online_softmax_step<false, kRows, kSCols, kOCols, QuadReduce>(s, o, state,
+                                                                              softmax_scale_log2);
+
+      if (kExtras && params.dropout_p > 0.f) {
+        const uint32_t threshold = dropout_threshold(params.dropout_p);
+        const int bh = batch * params.nheads + head;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int i = m0 + row_of(r);
+#pragma unroll
+          for (int c = 0; c < kSCols; c += 2) {
+            const int j = n0 + col_of(c);  // even, so j and j + 1 share one Philox call
+            const Philox4 rnd =
+                dropout_random4(params.philox_seed, params.philox_offset, bh, i, j & ~3);
+            const bool upper = (j & 2) != 0;
+            if ((upper ? rnd.z : rnd.x) < threshold) s[r][c] = 0.f;
+            if ((upper ? rnd.w : rnd.y) < threshold) s[r][c + 1] = 0.f;
+          }
+        }
+      }
+
+      // ---- O += P V -------------------------------------------------------------
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t p[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          p[mt][0] = ptx::ElemTraits<Elem>::pack(s[2 * mt][4 * kk], s[2 * mt][4 * kk + 1]);
+          p[mt][1] = ptx::ElemTraits<Elem>::pack(s[2 * mt + 1][4 * kk], s[2 * mt + 1][4 * kk + 1]);
+          p[mt][2] = ptx::ElemTraits<Elem>::pack(s[2 * mt][4 * kk + 2], s[2 * mt][4 * kk + 3]);
+          p[mt][3] =
+              ptx::ElemTraits<Elem>::pack(s[2 * mt + 1][4 * kk + 2], s[2 * mt + 1][4 * kk + 3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, (v_frag ^ KVTile::chunk_xor(dp * 2)) + KVTile::fixed(kk * 16, dp * 2));
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            ptx::mma_16816<Elem>(o[2 * mt][4 * dp], o[2 * mt][4 * dp + 1], o[2 * mt + 1][4 * dp],
+                                 o[2 * mt + 1][4 * dp + 1], p[mt], b[0], b[1]);
+            ptx::mma_16816<Elem>(o[2 * mt][4 * dp + 2], o[2 * mt][4 * dp + 3],
+                                 o[2 * mt + 1][4 * dp + 2], o[2 * mt + 1][4 * dp + 3], p[mt], b[2],
+                                 b[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalise, stage O through shared memory, store -------------
+  float lse[kRows];
+  const float out_scale = (kExtras && params.dropout_p > 0.f) ? 1.f / (1.f - params.dropout_p) : 1.f;
+  softmax::online_softmax_finalize<kRows, kOCols, QuadReduce>(o, state, softmax_scale_log2,
+                                                              out_scale, lse);
+
+  if (lane % 4 == 0) {
+    float* gLse = params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride +
+                  q_start + m0;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (m0 + row_of(r) < seqlen_q) gLse[row_of(r)] = lse[r];
+  }
+
+  // Each warp overwrites only its own Q rows (no other warp reads them), so no
+  // barrier is needed before the staging writes; the one after them is.
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < kOCols; c += 2) {
+      const int col = (c / 2) * 8 + col0;
+      const uint32_t packed = ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]);
+      const uint32_t addr = sQ + QTile::offset(row_of(r), col) + (col % 8) * 2;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(packed));
+    }
+  }
+  __syncthreads();
+
+  Elem* gO = static_cast<Elem*>(params.out) + batch * params.out_strides.batch_stride +
+             (q_start + m0) * params.out_strides.row_stride + head * params.out_strides.head_stride;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+#pragma unroll
+  for (int it = 0; it < QTile::kChunks / kThreads; ++it) {
+    const int index = it * kThreads + static_cast<int>(threadIdx.x);
+    const int row = index / kChunksPerRow;
+    const int col = (index % kChunksPerRow) * 8;
+    if (m0 + row < seqlen_q && col < headdim) {
+      uint4 chunk;
+      asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(chunk.x), "=r"(chunk.y), "=r"(chunk.z), "=r"(chunk.w)
+                   : "r"(sQ + QTile::offset(row, col)));
+      *reinterpret_cast<uint4*>(gO + row * params.out_strides.row_stride + col) = chunk;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace portattn

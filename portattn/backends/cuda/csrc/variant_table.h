@@ -1,0 +1,95 @@
+// The compiled-variant table: which (head dim, dtype) kernels this build has.
+//
+// Note [portattn cuda variants]
+// portattn/backends/cuda/variants.py is the single list of variants. At build
+// time it generates one translation unit per (kernel family, head dim, dtype)
+// that instantiates the family's run function, plus `variants_generated.cu`,
+// which defines the tables below. Entry points pick the smallest built head
+// dim >= the call's (the kernels zero-fill the tail), so nothing here is
+// spelled out by hand. A new kernel family (e.g. the backward pass) adds one
+// entry to variants.FAMILIES and declares its run template + table here.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "../../common/params.h"
+
+namespace portattn {
+namespace cuda {
+
+using FwdFn = cudaError_t (*)(const PortattnFwdParams&);
+
+template <class Fn>
+struct Variant {
+  int head_dim;
+  int dtype;  // PortattnDtype
+  Fn run;
+};
+
+// Defined in fwd_launch.cuh; explicitly instantiated per generated TU.
+template <int kHeadDim, typename Elem>
+cudaError_t run_fwd(const PortattnFwdParams& params);
+
+extern const Variant<FwdFn> kFwdVariants[];
+extern const int kNumFwdVariants;
+
+// ---- backward family (owned by the backward engineer) ----
+using BwdFn = cudaError_t (*)(const PortattnBwdParams&);
+template <int kHeadDim, typename Elem>
+cudaError_t run_bwd(const PortattnBwdParams& params);
+extern const Variant<BwdFn> kBwdVariants[];
+extern const int kNumBwdVariants;
+// ---- end backward family ----
+
+// ---- backward family (bwd_launch.cuh; owned by the backward engineer) ----
+using BwdFn = cudaError_t (*)(const PortattnBwdParams&);
+template <int kHeadDim, typename Elem>
+cudaError_t run_bwd(const PortattnBwdParams& params);
+extern const Variant<BwdFn> kBwdVariants[];
+extern const int kNumBwdVariants;
+// ---- end backward family ----
+extern const char* const kBuildArchs;  // e.g. "80;90", as the build was asked for
+extern const char* const kBuildPtx;    // arch of the embedded PTX, e.g. "90" ("" = none)
+
+// Smallest built head dim >= head_dim for this dtype, or nullptr.
+template <class Fn>
+const Variant<Fn>* find_variant(const Variant<Fn>* table, int count, int head_dim, int dtype) {
+  const Variant<Fn>* best = nullptr;
+  for (int i = 0; i < count; ++i) {
+    const Variant<Fn>& v = table[i];
+    if (v.dtype == dtype && v.head_dim >= head_dim && (best == nullptr || v.head_dim < best->head_dim))
+      best = &v;
+  }
+  return best;
+}
+
+// Raises a kernel's dynamic shared-memory limit once per device. The device's
+// opt-in maximum is read, not assumed from the arch (sm80: 163 KB, sm86/89:
+// 99 KB, sm90: 227 KB); a kernel that needs more reports an error whose text
+// `last_error_detail()` returns.
+struct SmemOptInState {
+  unsigned long long done_devices;  // bit d: attribute already raised on device d
+};
+cudaError_t ensure_dynamic_smem(const void* kernel, int bytes, SmemOptInState* state);
+const char* last_error_detail();
+void set_error_detail(const char* text);
+
+template <int kHeadDim, typename Elem, bool kFlag>
+struct SmemOptIn {
+  static SmemOptInState state;
+};
+template <int kHeadDim, typename Elem, bool kFlag>
+SmemOptInState SmemOptIn<kHeadDim, Elem, kFlag>::state = {0ull};
+
+}  // namespace cuda
+}  // namespace portattn
+
+extern "C" {
+// 0 on success; otherwise a cudaError_t value (or -1) with a message in `message`.
+int portattn_cuda_fwd(const PortattnFwdParams* params, char* message, int message_len);
+const char* portattn_cuda_build_archs();
+const char* portattn_cuda_build_ptx();
+int portattn_cuda_num_fwd_variants();
+void portattn_cuda_fwd_variant(int index, int* head_dim, int* dtype);
+}

@@ -1,0 +1,198 @@
+"""The CUDA backend's variant table (torch-free): what gets compiled, from data.
+
+Note [portattn cuda variants] (csrc/variant_table.h): this module is the one
+list of kernel variants. It drives the generated translation units (one per
+kernel family x head dim x dtype, so ninja builds them in parallel and a
+restricted build compiles only what it needs), the C table the entry points
+dispatch on, the nvcc arch flags, and the `build_config()` the module reports.
+
+Restriction variables (all optional, see README):
+  PORTATTN_CUDA_ARCHS  "80;90", "8.0,9.0", "sm_80 sm_90a"  (default 80;90)
+  PORTATTN_HEADDIMS    "64,128"                            (default every entry of HEAD_DIMS)
+  PORTATTN_DTYPES      "bf16" / "fp16,bf16" / "bfloat16"   (default both)
+PTX of the newest requested arch is embedded too, so GPUs newer than every
+built arch still run (the driver JIT-compiles it on first use).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, List, Mapping, Sequence, Tuple
+
+# Instantiated head dims; any multiple of 8 up to the maximum is served by the
+# smallest instantiated one >= it.
+HEAD_DIMS: Tuple[int, ...] = (32, 64, 96, 128, 160, 192, 224, 256)
+# name -> (C++ element type, PortattnDtype enumerator, torch-style name for build_config)
+DTYPES = {
+    "fp16": ("__half", "PORTATTN_FP16", "float16"),
+    "bf16": ("__nv_bfloat16", "PORTATTN_BF16", "bfloat16"),
+}
+DEFAULT_ARCHS: Tuple[str, ...] = ("80", "90")
+MIN_ARCH = 80  # mma.sync.m16n8k16 with bf16, cp.async and ldmatrix need sm80
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kernel family: one run template instantiated per (head dim, dtype)."""
+
+    name: str  # "fwd"; generated files are <name>_hd<D>_<dtype>.cu
+    header: str  # csrc header that defines the run template
+    run_template: str  # e.g. "portattn::cuda::run_fwd"
+    table: str  # C table symbol defined in variants_generated.cu
+    count: str  # its element-count symbol
+    fn_type: str  # function-pointer type of the table entries
+    params_type: str  # the C ABI struct the run function takes
+
+
+FAMILIES: Tuple[Family, ...] = (
+    Family("fwd", "fwd_launch.cuh", "portattn::cuda::run_fwd", "kFwdVariants", "kNumFwdVariants",
+           "FwdFn", "PortattnFwdParams"),
+    # backward family (backward engineer): bwd_<hd>_<dtype>.cu instantiate run_bwd
+    Family("bwd", "bwd_launch.cuh", "portattn::cuda::run_bwd", "kBwdVariants", "kNumBwdVariants",
+           "BwdFn", "PortattnBwdParams"),
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    head_dim: int
+    dtype: str  # key of DTYPES
+
+    def source_name(self, family: Family) -> str:
+        return f"{family.name}_hd{self.head_dim}_{self.dtype}.cu"
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    archs: Tuple[str, ...]  # compute capabilities as "80", "90", "90a"
+    head_dims: Tuple[int, ...]
+    dtypes: Tuple[str, ...]
+
+    @property
+    def variants(self) -> List[Variant]:
+        return [Variant(h, d) for h in self.head_dims for d in self.dtypes]
+
+    @property
+    def ptx_arch(self) -> str:
+        return max(self.archs, key=_arch_number)
+
+    def build_config(self) -> dict:
+        return {
+            "archs": [f"sm_{a}" for a in self.archs],
+            "ptx": [f"sm_{self.ptx_arch}"],
+            "head_dims": list(self.head_dims),
+            "dtypes": [DTYPES[d][2] for d in self.dtypes],
+        }
+
+
+def _arch_number(arch: str) -> int:
+    return int(re.match(r"\d+", arch).group(0))
+
+
+def parse_archs(text: str) -> Tuple[str, ...]:
+    """"80;90", "8.0,9.0", "sm_80 sm_90a", "8.6+PTX" -> ("80", "90") etc. (sorted, unique)."""
+    archs = []
+    for token in re.split(r"[;,\s]+", text.strip()):
+        if not token:
+            continue
+        word = token.lower().replace("+ptx", "")
+        word = re.sub(r"^(sm_?|compute_?)", "", word)
+        match = re.fullmatch(r"(\d+)\.(\d)([a-z]?)|(\d{2,3})([a-z]?)", word)
+        if match is None:
+            raise ValueError(f"PORTATTN_CUDA_ARCHS: cannot read {token!r} (examples: '80;90', '8.0,9.0', 'sm_90a')")
+        if match.group(1) is not None:
+            arch = f"{match.group(1)}{match.group(2)}{match.group(3)}"
+        else:
+            arch = f"{match.group(4)}{match.group(5)}"
+        if _arch_number(arch) < MIN_ARCH:
+            raise ValueError(f"PORTATTN_CUDA_ARCHS: {token!r} is below sm_{MIN_ARCH}, the oldest arch this backend supports")
+        if arch not in archs:
+            archs.append(arch)
+    if not archs:
+        raise ValueError("PORTATTN_CUDA_ARCHS is set but names no arch")
+    return tuple(sorted(archs, key=lambda a: (_arch_number(a), a)))
+
+
+def parse_head_dims(text: str) -> Tuple[int, ...]:
+    """"64,128" -> (64, 128); each must be one of HEAD_DIMS."""
+    dims = []
+    for token in re.split(r"[;,\s]+", text.strip()):
+        if not token:
+            continue
+        if not token.isdigit() or int(token) not in HEAD_DIMS:
+            raise ValueError(f"PORTATTN_HEADDIMS: {token!r} is not an instantiable head dim; choose from {list(HEAD_DIMS)}")
+        if int(token) not in dims:
+            dims.append(int(token))
+    if not dims:
+        raise ValueError("PORTATTN_HEADDIMS is set but names no head dim")
+    return tuple(sorted(dims))
+
+
+_DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def parse_dtypes(text: str) -> Tuple[str, ...]:
+    """"bf16" / "fp16,bf16" / "bfloat16" -> keys of DTYPES, in DTYPES order."""
+    chosen = set()
+    for token in re.split(r"[;,\s]+", text.strip().lower()):
+        if not token:
+            continue
+        if token not in _DTYPE_ALIASES:
+            raise ValueError(f"PORTATTN_DTYPES: {token!r} is not a dtype this backend builds; choose from {sorted(DTYPES)}")
+        chosen.add(_DTYPE_ALIASES[token])
+    if not chosen:
+        raise ValueError("PORTATTN_DTYPES is set but names no dtype")
+    return tuple(d for d in DTYPES if d in chosen)
+
+
+def plan_from_env(env: Mapping[str, str]) -> BuildPlan:
+    archs = parse_archs(env["PORTATTN_CUDA_ARCHS"]) if env.get("PORTATTN_CUDA_ARCHS") else DEFAULT_ARCHS
+    head_dims = parse_head_dims(env["PORTATTN_HEADDIMS"]) if env.get("PORTATTN_HEADDIMS") else HEAD_DIMS
+    dtypes = parse_dtypes(env["PORTATTN_DTYPES"]) if env.get("PORTATTN_DTYPES") else tuple(DTYPES)
+    return BuildPlan(archs, head_dims, dtypes)
+
+
+def gencode_flags(plan: BuildPlan) -> List[str]:
+    """SASS for every arch, plus PTX of the newest for GPUs newer than all of them."""
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in plan.archs]
+    ptx = plan.ptx_arch
+    flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
+    return flags
+
+
+_GENERATED = "// generated by portattn/backends/cuda/variants.py; do not edit"
+
+
+def generated_sources(plan: BuildPlan, families: Sequence[Family] = FAMILIES) -> dict:
+    """{file name: text} for every generated translation unit, the table included."""
+    sources = {}
+    for family in families:
+        for variant in plan.variants:
+            elem = DTYPES[variant.dtype][0]
+            sources[variant.source_name(family)] = "\n".join(
+                [
+                    _GENERATED,
+                    f'#include "{family.header}"',
+                    f"template cudaError_t {family.run_template}<{variant.head_dim}, {elem}>(",
+                    f"    const {family.params_type}&);",
+                    "",
+                ]
+            )
+    sources["variants_generated.cu"] = _table_source(plan, families)
+    return sources
+
+
+def _table_source(plan: BuildPlan, families: Iterable[Family]) -> str:
+    lines = [_GENERATED, '#include "variant_table.h"', "", "namespace portattn {", "namespace cuda {", ""]
+    for family in families:
+        lines.append(f"const Variant<{family.fn_type}> {family.table}[] = {{")
+        for variant in plan.variants:
+            elem, enum, _ = DTYPES[variant.dtype]
+            lines.append(f"    {{{variant.head_dim}, {enum}, &{family.run_template}<{variant.head_dim}, {elem}>}},")
+        lines.append("};")
+        lines.append(f"const int {family.count} = {len(plan.variants)};")
+        lines.append("")
+    lines.append(f'const char* const kBuildArchs = "{";".join(plan.archs)}";')
+    lines.append(f'const char* const kBuildPtx = "{plan.ptx_arch}";')
+    lines += ["", "}  // namespace cuda", "}  // namespace portattn", ""]
+    return "\n".join(lines)
