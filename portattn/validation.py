@@ -33,16 +33,19 @@ def check_qkv(q, k, v, varlen: bool):
     """Shapes, dtypes and devices of q, k, v.
 
     Returns (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim); for varlen
-    calls batch is None and the seqlens are the packed totals.
+    calls batch is None and the seqlens are the packed totals. Written to read
+    each tensor attribute once: this runs on every call.
     """
-    _require_tensor("q", q)
-    _require_tensor("k", k)
-    _require_tensor("v", v)
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        for name, value in (("q", q), ("k", k), ("v", v)):
+            _require_tensor(name, value)
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     rank = 3 if varlen else 4
-    layout = "(total, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != rank:
-            raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(t.shape)}")
+    if len(q_shape) != rank or len(k_shape) != rank or len(v_shape) != rank:
+        layout = "(total, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
+        for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+            if len(shape) != rank:
+                raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(shape)}")
     dtype = q.dtype
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q has dtype {dtype}; supported dtypes: {_DTYPE_NAMES}")
@@ -51,25 +54,26 @@ def check_qkv(q, k, v, varlen: bool):
     device = q.device
     if k.device != device or v.device != device:
         raise ValueError(f"q, k, v must be on one device, got q {device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"q and k must have the same head dim, got {head_dim} and {k.shape[-1]}")
+    if k_shape != v_shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k_shape)} and v {tuple(v_shape)}")
+    *q_lead, nheads, head_dim = q_shape
+    *k_lead, nheads_k, head_dim_k = k_shape
+    if head_dim_k != head_dim:
+        raise ValueError(f"q and k must have the same head dim, got {head_dim} and {head_dim_k}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    nheads, nheads_k = q.shape[-2], k.shape[-2]
     if nheads_k == 0 or nheads == 0 or nheads % nheads_k != 0:
         raise ValueError(
             f"number of query heads ({nheads}) must be a positive multiple of the number of "
             f"key/value heads ({nheads_k}) (GQA/MQA)"
         )
     if varlen:
-        return None, q.shape[0], k.shape[0], nheads, nheads_k, head_dim
-    batch = q.shape[0]
-    if k.shape[0] != batch:
-        raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
-    return batch, q.shape[1], k.shape[1], nheads, nheads_k, head_dim
+        return None, q_lead[0], k_lead[0], nheads, nheads_k, head_dim
+    batch, seqlen_q = q_lead
+    batch_k, seqlen_k = k_lead
+    if batch_k != batch:
+        raise ValueError(f"q and k must have the same batch size, got {batch} and {batch_k}")
+    return batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim
 
 
 def check_options(
