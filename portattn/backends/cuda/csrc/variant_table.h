@@ -41,14 +41,6 @@ cudaError_t run_bwd(const PortattnBwdParams& params);
 extern const Variant<BwdFn> kBwdVariants[];
 extern const int kNumBwdVariants;
 // ---- end backward family ----
-
-// ---- backward family (bwd_launch.cuh; owned by the backward engineer) ----
-using BwdFn = cudaError_t (*)(const PortattnBwdParams&);
-template <int kHeadDim, typename Elem>
-cudaError_t run_bwd(const PortattnBwdParams& params);
-extern const Variant<BwdFn> kBwdVariants[];
-extern const int kNumBwdVariants;
-// ---- end backward family ----
 extern const char* const kBuildArchs;  // e.g. "80;90", as the build was asked for
 extern const char* const kBuildPtx;    // arch of the embedded PTX, e.g. "90" ("" = none)
 

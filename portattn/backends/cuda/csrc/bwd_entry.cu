@@ -1,0 +1,161 @@
+// C entry points of the backward pass in libportattn_cuda.so, plus the pieces
+// of it that do not depend on the head dim (workspace layout, preprocess and
+// convert kernels), compiled once here instead of once per variant.
+#include <stdio.h>
+
+#include "bwd_launch.cuh"
+
+namespace portattn {
+namespace cuda {
+
+namespace {
+
+// Deterministic mode: the number of CTAs the key-block splits aim for across
+// (batch, KV head, head-dim half). About two waves on a 132-SM H100 and more
+// on smaller parts; a function of the shape only, so a given call reduces in
+// the same order on every GPU. Each split costs one fp32 copy of dQ.
+constexpr int kDetTargetCtas = 256;
+// Smallest kBlockN of any candidate: more splits than key blocks would idle.
+constexpr int kMinBlockN = 64;
+
+int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+int det_splits(const PortattnFwdParams& f) {
+  const int64_t halves = f.headdim > 128 ? 2 : 1;
+  const int64_t ctas = static_cast<int64_t>(f.batch) * f.nheads_k * halves;
+  int64_t splits = (kDetTargetCtas + ctas - 1) / ctas;
+  const int64_t key_blocks = (f.seqlen_k + kMinBlockN - 1) / kMinBlockN;
+  if (splits > key_blocks) splits = key_blocks;
+  return static_cast<int>(splits < 1 ? 1 : splits);
+}
+
+template <int kHeadDim, class... Cfgs>
+int min_smem(BwdCandidates<Cfgs...>) {
+  int best = 1 << 30;
+  for (int bytes : {Cfgs::kSmemBytes...}) best = bytes < best ? bytes : best;
+  return best;
+}
+
+}  // namespace
+
+BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params) {
+  const PortattnFwdParams& f = params.fwd;
+  BwdWorkspace ws{};
+  const int64_t rows = static_cast<int64_t>(f.batch) * f.nheads * f.seqlen_q;
+  ws.slices = params.deterministic ? det_splits(f) : 1;
+  ws.dq_slice = rows * f.headdim;
+  ws.dkv_accum = !params.deterministic && f.nheads != f.nheads_k;
+  const int64_t dkv = ws.dkv_accum
+                          ? static_cast<int64_t>(f.batch) * f.seqlen_k * f.nheads_k * f.headdim * 4
+                          : 0;
+  ws.lse2 = 0;
+  ws.delta = align_up(rows * 4);
+  ws.dq = ws.delta + align_up(rows * 4);
+  ws.dk = ws.dq + align_up(ws.slices * ws.dq_slice * 4);
+  ws.dv = ws.dk + align_up(dkv);
+  ws.total = ws.dv + align_up(dkv);
+  return ws;
+}
+
+template <typename Elem>
+cudaError_t launch_bwd_preprocess(const BwdArgs& args, cudaStream_t stream) {
+  const PortattnFwdParams& f = args.p.fwd;
+  if (f.seqlen_q == 0) return cudaSuccess;
+  constexpr int kRowsPerBlock = 256 / 32;
+  const dim3 grid((f.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, f.nheads, f.batch);
+  bwd_preprocess<Elem><<<grid, 256, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <typename Elem>
+cudaError_t launch_bwd_convert(const BwdArgs& args, int slices, bool dkv_accum, cudaStream_t stream) {
+  const PortattnFwdParams& f = args.p.fwd;
+  const int64_t chunks = f.headdim / 8;
+  const int64_t dq_threads = static_cast<int64_t>(f.seqlen_q) * f.nheads * chunks;
+  if (dq_threads > 0) {
+    bwd_convert_dq<Elem><<<dim3((dq_threads + 255) / 256, f.batch), 256, 0, stream>>>(args, slices);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t dkv_threads = static_cast<int64_t>(f.seqlen_k) * f.nheads_k * chunks;
+  if (dkv_accum && dkv_threads > 0) {
+    bwd_convert_dkv<Elem><<<dim3((dkv_threads + 255) / 256, f.batch), 256, 0, stream>>>(args);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+template cudaError_t launch_bwd_preprocess<__half>(const BwdArgs&, cudaStream_t);
+template cudaError_t launch_bwd_preprocess<__nv_bfloat16>(const BwdArgs&, cudaStream_t);
+template cudaError_t launch_bwd_convert<__half>(const BwdArgs&, int, bool, cudaStream_t);
+template cudaError_t launch_bwd_convert<__nv_bfloat16>(const BwdArgs&, int, bool, cudaStream_t);
+
+}  // namespace cuda
+}  // namespace portattn
+
+using namespace portattn::cuda;
+
+namespace {
+
+bool bwd_aligned(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+bool bwd_strides_aligned(const PortattnTensor4& s) {
+  return (s.batch_stride % 8) == 0 && (s.row_stride % 8) == 0 && (s.head_stride % 8) == 0;
+}
+
+int bwd_fail(char* message, int message_len, int code, const char* text) {
+  if (message != nullptr && message_len > 0) snprintf(message, message_len, "%s", text);
+  return code == 0 ? -1 : code;
+}
+
+}  // namespace
+
+extern "C" long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params) {
+  return bwd_workspace_layout(*params).total;
+}
+
+// Smallest shared-memory budget (bytes) of the backward block shapes for a
+// head dim (an instantiable one: 32, 64, ..., 256), or -1: what the support
+// matrix compares with a device's opt-in limit.
+extern "C" int portattn_cuda_bwd_smem_bytes(int head_dim) {
+  switch (head_dim) {
+    case 32: return min_smem<32>(BwdConfigsFor<32>::type{});
+    case 64: return min_smem<64>(BwdConfigsFor<64>::type{});
+    case 96: return min_smem<96>(BwdConfigsFor<96>::type{});
+    case 128: return min_smem<128>(BwdConfigsFor<128>::type{});
+    case 160: return min_smem<160>(BwdConfigsFor<160>::type{});
+    case 192: return min_smem<192>(BwdConfigsFor<192>::type{});
+    case 224: return min_smem<224>(BwdConfigsFor<224>::type{});
+    case 256: return min_smem<256>(BwdConfigsFor<256>::type{});
+    default: return -1;
+  }
+}
+
+extern "C" int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int message_len) {
+  const PortattnFwdParams& f = params->fwd;
+  const Variant<BwdFn>* variant = find_variant(kBwdVariants, kNumBwdVariants, f.headdim, f.dtype);
+  if (variant == nullptr) {
+    char text[160];
+    snprintf(text, sizeof(text), "portattn cuda: no backward kernel built for head_dim %d dtype %d",
+             f.headdim, f.dtype);
+    return bwd_fail(message, message_len, -1, text);
+  }
+  const void* pointers[] = {f.q, f.k, f.v, f.out, params->dout, params->dq, params->dk, params->dv};
+  const PortattnTensor4* strides[] = {&f.q_strides,       &f.k_strides,        &f.v_strides,
+                                      &f.out_strides,     &params->dout_strides, &params->dq_strides,
+                                      &params->dk_strides, &params->dv_strides};
+  for (int t = 0; t < 8; ++t) {
+    if (!bwd_aligned(pointers[t]) || !bwd_strides_aligned(*strides[t]))
+      return bwd_fail(message, message_len, -1,
+                      "portattn cuda backward: q, k, v, out, dout, dq, dk and dv need 16-byte "
+                      "aligned data pointers and strides that are multiples of 8 elements");
+  }
+  set_error_detail("");
+  const cudaError_t err = variant->run(*params);
+  if (err != cudaSuccess) {
+    char text[400];
+    snprintf(text, sizeof(text), "portattn cuda backward: %s%s%s", cudaGetErrorString(err),
+             last_error_detail()[0] ? ": " : "", last_error_detail());
+    return bwd_fail(message, message_len, static_cast<int>(err), text);
+  }
+  return 0;
+}

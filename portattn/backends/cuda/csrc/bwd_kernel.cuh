@@ -1,0 +1,642 @@
+// Backward attention kernels for sm80+ (mma.sync), FlashAttention-2 structure.
+//
+// Note [portattn cuda backward]
+// Three launches (bwd_launch.cuh runs them):
+//   1. bwd_preprocess: per query row, delta = rowsum(dO * O) in fp32 and the
+//      LSE in log2 units (lse2; a fully masked row's -inf becomes +inf so that
+//      its probabilities exp2(s - lse2) are exactly 0, never NaN).
+//   2. bwd_kernel: one CTA per (key block, head, batch[, head-dim half]). K and
+//      V of its key block stay in shared memory; the CTA walks the query blocks
+//      that can see those keys (causal/window ranges skip the rest) and, per
+//      query block, recomputes from Q, dO, lse2 and delta:
+//        S^T  = K Q^T                 (keys are rows: each warp owns 16 keys)
+//        P^T  = exp2(S^T * scale * log2e - lse2)      (+ softcap, ALiBi, mask)
+//        dV  += (P^T * Z / (1 - p)) dO               (Z: the philox.h keep mask)
+//        dP^T = V dO^T,  dP = dP * Z / (1 - p)
+//        dS^T = P^T * (dP^T - delta)  [* (1 - tanh^2) with softcap]
+//        dK  += dS^T Q                (dK and dV live in registers, fp32)
+//        dQ  += dS K                  (dS^T goes through shared memory because
+//                                      this product contracts over all warps'
+//                                      keys; the result is added to an fp32
+//                                      accumulator in global memory)
+//      Working on S^T rather than S makes P^T and dS^T exactly the A fragments
+//      of the dV and dK mma's once packed to 16 bits, so neither leaves
+//      registers for those two products.
+//   3. bwd_convert_dq (and, for GQA in the default mode, bwd_convert_dkv): scale
+//      the fp32 accumulators by the softmax scale and cast to the output dtype.
+//
+// dQ accumulation (the only cross-CTA reduction):
+//   default:        atomicAdd into one fp32 slice (float2 atomics on sm90).
+//   deterministic:  grid.x is a fixed number of splits (bwd_det_splits); split s
+//                   walks key blocks s, s + splits, ... in order and owns slice s
+//                   of the accumulator alone (plain read-add-write, same thread
+//                   for the same element every time), and the convert kernel
+//                   sums the slices in index order. Cost: splits x the fp32 dQ
+//                   size of workspace, and one extra read of it in the convert.
+// GQA: dK/dV of a KV head are sums over the query heads of its group.
+//   default:        CTA per query head, fp32 atomics into a (B, Sk, Hk, D)
+//                   accumulator, then bwd_convert_dkv.
+//   deterministic:  CTA per KV head, looping over the group's query heads in
+//                   order, so dK/dV stay in registers and need no workspace.
+// Head dims above 128 are split in two halves of the dK/dV/dQ columns over
+// grid.z (S and dP still contract over the full head dim, so those two
+// products are computed twice: 1.4x the FLOPs of an unsplit kernel, in
+// exchange for dK + dV accumulators of at most 128 registers per thread).
+#pragma once
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "../../common/online_softmax.h"
+#include "../../common/params.h"
+#include "../../common/philox.h"
+#include "ptx.cuh"
+
+namespace portattn {
+namespace cuda {
+
+// Block shape of the main kernel: kBlockN keys per CTA (16 per warp), kBlockM
+// queries per step, kStages shared-memory buffers for Q/dO/lse2/delta (2 lets
+// the next query block stream in during the whole step; 1 overlaps it with
+// the dQ product only). The per-head-dim choices and their shared-memory
+// needs are in bwd_config.h.
+template <int kHeadDim_, int kBlockN_, int kBlockM_, int kStages_>
+struct BwdTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kWarps = kBlockN / 16;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kDSplit = kHeadDim > 128 ? 2 : 1;
+  static constexpr int kDOut = kHeadDim / kDSplit;  // dK/dV/dQ columns per CTA
+  // dQ is produced in (16 x kDqChunk) tiles, distributed over the warps; 32
+  // columns halve the reloads of the dS fragment when there are enough tiles.
+  static constexpr int kDqChunk =
+      (kDOut % 32 == 0 && (kBlockM / 16) * (kDOut / 32) >= kWarps) ? 32 : 16;
+
+  using KVTile = ptx::SwizzledTile<kBlockN, kHeadDim>;
+  using QTile = ptx::SwizzledTile<kBlockM, kHeadDim>;
+  using DsTile = ptx::SwizzledTile<kBlockN, kBlockM>;
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = KVTile::kBytes;
+  static constexpr int kOffQ = 2 * KVTile::kBytes;
+  static constexpr int kOffDo = kOffQ + kStages * QTile::kBytes;
+  static constexpr int kOffDs = kOffDo + kStages * QTile::kBytes;
+  static constexpr int kOffLse = kOffDs + DsTile::kBytes;
+  static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
+  static constexpr int kSmemBytes = kOffDelta + kStages * kBlockM * 4;
+
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
+  static_assert(kBlockN % 16 == 0 && kBlockM % 16 == 0 && kBlockM >= 32, "mma tile multiples");
+  static_assert(kDOut % 16 == 0, "dK/dV columns are read by ldmatrix.x4 in 16-column steps");
+  static_assert(kStages == 1 || kStages == 2, "one or two Q/dO buffers");
+};
+
+// Kernel arguments: the C ABI params plus the workspace carve-up of
+// bwd_launch.cuh (BwdWorkspace).
+struct BwdArgs {
+  PortattnBwdParams p;
+  float* lse2;      // (B, H, Sq_max) log2-unit LSE, +inf for fully masked rows
+  float* delta;     // (B, H, Sq_max) rowsum(dO * O)
+  float* dq_accum;  // [slices] x (B, H, Sq_max, headdim) fp32
+  float* dk_accum;  // (B, Sk_max, Hk, headdim) fp32, GQA default mode only
+  float* dv_accum;
+  int64_t dq_slice;  // elements per dq_accum slice
+  int splits;        // deterministic: grid.x; default: unused
+};
+
+struct SeqInfo {
+  int q_start, k_start, seqlen_q, seqlen_k;
+};
+
+__device__ __forceinline__ SeqInfo seq_info(const PortattnFwdParams& f, int batch) {
+  SeqInfo s{0, 0, f.seqlen_q, f.seqlen_k};
+  if (f.cu_seqlens_q != nullptr) {
+    s.q_start = f.cu_seqlens_q[batch];
+    s.seqlen_q = f.cu_seqlens_q[batch + 1] - s.q_start;
+    s.k_start = f.cu_seqlens_k[batch];
+    s.seqlen_k = f.cu_seqlens_k[batch + 1] - s.k_start;
+  }
+  if (f.seqused_k != nullptr) s.seqlen_k = f.seqused_k[batch];
+  return s;
+}
+
+// Row of the (B, H, Sq_max) workspace arrays; varlen rows are padded to the
+// longest sequence, so the layout needs nothing but the params.
+__device__ __forceinline__ int64_t ws_row(const PortattnFwdParams& f, int batch, int head, int i) {
+  return (static_cast<int64_t>(batch) * f.nheads + head) * f.seqlen_q + i;
+}
+
+// ---- 1. preprocess ------------------------------------------------------------
+
+// One warp per query row; lane l covers columns [8l, 8l + 8) (head dim <= 256).
+template <typename Elem>
+__global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args) {
+  const PortattnFwdParams& f = args.p.fwd;
+  const int lane = threadIdx.x % 32;
+  const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SeqInfo s = seq_info(f, batch);
+  if (i >= s.seqlen_q) return;
+  const int64_t row = s.q_start + i;
+  float acc = 0.f;
+  const int col = lane * 8;
+  if (col < f.headdim) {
+    const Elem* o = static_cast<const Elem*>(f.out) + batch * f.out_strides.batch_stride +
+                    row * f.out_strides.row_stride + head * f.out_strides.head_stride + col;
+    const Elem* d = static_cast<const Elem*>(args.p.dout) + batch * args.p.dout_strides.batch_stride +
+                    row * args.p.dout_strides.row_stride + head * args.p.dout_strides.head_stride + col;
+    const uint4 ov = *reinterpret_cast<const uint4*>(o);
+    const uint4 dv = *reinterpret_cast<const uint4*>(d);
+    const Elem* oe = reinterpret_cast<const Elem*>(&ov);
+    const Elem* de = reinterpret_cast<const Elem*>(&dv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
+  }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
+  if (lane == 0) {
+    const float lse = f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + s.q_start + i];
+    const int64_t w = ws_row(f, batch, head, i);
+    args.delta[w] = acc;
+    args.lse2[w] = lse == softmax::neg_inf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
+  }
+}
+
+// ---- 2. main kernel -------------------------------------------------------------
+
+// Issue cp.async for a (kRows x kCols) tile; rows >= valid_rows and columns >=
+// valid_cols are zero-filled (invalid lanes read from `base`, which is in bounds).
+template <class Tile, int kRows, int kCols, int kThreads, typename Elem>
+__device__ __forceinline__ void bwd_load_tile(uint32_t smem, const Elem* base, int64_t row_stride,
+                                              int valid_rows, int valid_cols) {
+  constexpr int kChunksPerRow = kCols / 8;
+  constexpr int kTotal = kRows * kChunksPerRow;
+  constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int index = it * kThreads + static_cast<int>(threadIdx.x);
+    if (kTotal % kThreads == 0 || index < kTotal) {
+      const int row = index / kChunksPerRow;
+      const int col = (index % kChunksPerRow) * 8;
+      const bool valid = row < valid_rows && col < valid_cols;
+      const Elem* src = valid ? base + row * row_stride + col : base;
+      ptx::cp_async_16(smem + Tile::offset(row, col), src, valid);
+    }
+  }
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
+}
+
+// Adds (v0, v1) to two adjacent fp32 accumulator elements. Exclusive: this
+// thread is the element's only writer (deterministic slices), so a plain
+// read-add-write in program order is exact and reproducible.
+__device__ __forceinline__ void accum_add2(float* ptr, float v0, float v1, bool exclusive) {
+  if (exclusive) {
+    float2 old = *reinterpret_cast<float2*>(ptr);
+    old.x += v0;
+    old.y += v1;
+    *reinterpret_cast<float2*>(ptr) = old;
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(ptr), make_float2(v0, v1));
+#else
+    atomicAdd(ptr, v0);
+    atomicAdd(ptr + 1, v1);
+#endif
+  }
+}
+
+// kExtras: softcap, ALiBi or dropout present (their per-element work and
+// registers stay out of the common path, as in the forward). `deterministic`
+// is a runtime flag (uniform per launch): it changes the grid mapping and the
+// dQ store, not the math, so it costs no extra instantiation.
+template <class Cfg, typename Elem, bool kExtras>
+__global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) {
+  constexpr int kHeadDim = Cfg::kHeadDim;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kWarps = Cfg::kWarps;
+  constexpr int kThreads = Cfg::kThreads;
+  constexpr int kDOut = Cfg::kDOut;
+  constexpr int kDqChunk = Cfg::kDqChunk;
+  constexpr int kSTiles = kBlockM / 8;  // n8 tiles of S^T per warp (16 keys x kBlockM queries)
+  constexpr int kOTiles = kDOut / 8;    // n8 tiles of the dK/dV rows per warp
+  using KVTile = typename Cfg::KVTile;
+  using QTile = typename Cfg::QTile;
+  using DsTile = typename Cfg::DsTile;
+
+  const PortattnBwdParams& p = args.p;
+  const PortattnFwdParams& f = p.fwd;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t smem = ptx::smem_addr(smem_raw);
+  const uint32_t sK = smem + Cfg::kOffK;
+  const uint32_t sV = smem + Cfg::kOffV;
+  const uint32_t sDs = smem + Cfg::kOffDs;
+  float* sLse = reinterpret_cast<float*>(smem_raw + Cfg::kOffLse);
+  float* sDelta = reinterpret_cast<float*>(smem_raw + Cfg::kOffDelta);
+
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int g = lane / 4;        // fragment row within an m16 tile (and +8)
+  const int q2 = 2 * (lane % 4);  // fragment column pair within an n8 tile
+  const int half = blockIdx.z % Cfg::kDSplit;
+  const int batch = blockIdx.z / Cfg::kDSplit;
+  const int col_base = half * kDOut;  // first dK/dV/dQ column of this CTA
+  const bool det = p.deterministic != 0;
+  const int group = f.nheads / f.nheads_k;
+  // Deterministic: a CTA per KV head walks its group; default: a CTA per query head.
+  const int head_k = det ? static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.y) / group;
+  const int head_first = det ? head_k * group : static_cast<int>(blockIdx.y);
+  const int heads = det ? group : 1;
+  const bool gqa_atomic = !det && group > 1;
+
+  const SeqInfo s = seq_info(f, batch);
+  const int n_blocks = (s.seqlen_k + kBlockN - 1) / kBlockN;
+  const int diag = s.seqlen_k - s.seqlen_q;
+  const int wl = f.window_left, wr = f.window_right;
+  const int headdim = f.headdim;
+
+  const float scale_log2 = f.softmax_scale * softmax::kLog2e;
+  const float softcap = f.softcap;
+  const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
+  const float keep_scale = f.dropout_p > 0.f ? 1.f / (1.f - f.dropout_p) : 1.f;
+  const uint32_t threshold = f.dropout_p > 0.f ? dropout_threshold(f.dropout_p) : 0u;
+
+  const Elem* gK = static_cast<const Elem*>(f.k) + batch * f.k_strides.batch_stride +
+                   static_cast<int64_t>(s.k_start) * f.k_strides.row_stride +
+                   head_k * f.k_strides.head_stride;
+  const Elem* gV = static_cast<const Elem*>(f.v) + batch * f.v_strides.batch_stride +
+                   static_cast<int64_t>(s.k_start) * f.v_strides.row_stride +
+                   head_k * f.v_strides.head_stride;
+
+  const int n_first = blockIdx.x;
+  const int n_step = det ? args.splits : n_blocks;  // default: one key block per CTA
+  float* dq_slice = args.dq_accum + (det ? blockIdx.x * args.dq_slice : 0);
+
+  for (int n_block = n_first; n_block < n_blocks; n_block += n_step) {
+    const int n0 = n_block * kBlockN;
+    const int n_valid = min(kBlockN, s.seqlen_k - n0);
+    // Query rows that can see any key of this block (params.h masking rule).
+    int m_lo = 0, m_hi = s.seqlen_q;
+    if (wr >= 0) m_lo = max(0, n0 - diag - wr);
+    if (wl >= 0) m_hi = min(s.seqlen_q, n0 + n_valid - 1 - diag + wl + 1);
+    const int m_begin = m_lo / kBlockM;
+    const int m_blocks = m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0;
+    const int iters = heads * m_blocks;
+
+    // Q/dO/lse2/delta of step `it` (head head_first + it / m_blocks) into `stage`.
+    auto load_step = [&](int it, int stage) {
+      const int head = head_first + it / m_blocks;
+      const int m0 = (m_begin + it % m_blocks) * kBlockM;
+      const Elem* gQ = static_cast<const Elem*>(f.q) + batch * f.q_strides.batch_stride +
+                       static_cast<int64_t>(s.q_start + m0) * f.q_strides.row_stride +
+                       head * f.q_strides.head_stride;
+      const Elem* gDo = static_cast<const Elem*>(p.dout) + batch * p.dout_strides.batch_stride +
+                        static_cast<int64_t>(s.q_start + m0) * p.dout_strides.row_stride +
+                        head * p.dout_strides.head_stride;
+      bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffQ + stage * QTile::kBytes,
+                                                         gQ, f.q_strides.row_stride,
+                                                         s.seqlen_q - m0, headdim);
+      bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffDo + stage * QTile::kBytes,
+                                                         gDo, p.dout_strides.row_stride,
+                                                         s.seqlen_q - m0, headdim);
+      for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+        const bool valid = m0 + r < s.seqlen_q;
+        const int64_t w = ws_row(f, batch, head, m0 + r);
+        sLse[stage * kBlockM + r] = valid ? args.lse2[w] : __builtin_huge_valf();
+        sDelta[stage * kBlockM + r] = valid ? args.delta[w] : 0.f;
+      }
+      ptx::cp_async_commit();
+    };
+
+    bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sK, gK + n0 * f.k_strides.row_stride,
+                                                       f.k_strides.row_stride, n_valid, headdim);
+    bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sV, gV + n0 * f.v_strides.row_stride,
+                                                       f.v_strides.row_stride, n_valid, headdim);
+    ptx::cp_async_commit();
+    if (iters > 0) load_step(0, 0);
+
+    float acc_dk[kOTiles][4], acc_dv[kOTiles][4];
+#pragma unroll
+    for (int t = 0; t < kOTiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[t][e] = acc_dv[t][e] = 0.f;
+
+    for (int it = 0; it < iters; ++it) {
+      const int stage = kStages == 2 ? it % 2 : 0;
+      const int head = head_first + it / m_blocks;
+      const int m0 = (m_begin + it % m_blocks) * kBlockM;
+      const uint32_t sQ = smem + Cfg::kOffQ + stage * QTile::kBytes;
+      const uint32_t sDo = smem + Cfg::kOffDo + stage * QTile::kBytes;
+      const float* lse2 = sLse + stage * kBlockM;
+      const float* delta = sDelta + stage * kBlockM;
+
+      ptx::cp_async_wait<0>();
+      __syncthreads();  // this step's tiles visible; every warp is done with the previous step
+      if (kStages == 2 && it + 1 < iters) load_step(it + 1, (it + 1) % 2);
+
+      // ---- S^T = K Q^T and dP^T = V dO^T (this warp: 16 keys x kBlockM queries)
+      float acc_s[kSTiles][4], acc_dp[kSTiles][4];
+#pragma unroll
+      for (int t = 0; t < kSTiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const int a_row = warp * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+        const int a_col = kk * 16 + (lane / 16) * 8;
+        uint32_t a_k[4], a_v[4];
+        ptx::ldmatrix_x4(a_k, sK + KVTile::offset(a_row, a_col));
+        ptx::ldmatrix_x4(a_v, sV + KVTile::offset(a_row, a_col));
+#pragma unroll
+        for (int np = 0; np < kBlockM / 16; ++np) {
+          const int b_row = np * 16 + (lane / 16) * 8 + lane % 8;
+          const int b_col = kk * 16 + ((lane / 8) % 2) * 8;
+          uint32_t b[4];
+          ptx::ldmatrix_x4(b, sQ + QTile::offset(b_row, b_col));
+          ptx::mma_16816<Elem>(acc_s[2 * np][0], acc_s[2 * np][1], acc_s[2 * np][2],
+                               acc_s[2 * np][3], a_k, b[0], b[1]);
+          ptx::mma_16816<Elem>(acc_s[2 * np + 1][0], acc_s[2 * np + 1][1], acc_s[2 * np + 1][2],
+                               acc_s[2 * np + 1][3], a_k, b[2], b[3]);
+          ptx::ldmatrix_x4(b, sDo + QTile::offset(b_row, b_col));
+          ptx::mma_16816<Elem>(acc_dp[2 * np][0], acc_dp[2 * np][1], acc_dp[2 * np][2],
+                               acc_dp[2 * np][3], a_v, b[0], b[1]);
+          ptx::mma_16816<Elem>(acc_dp[2 * np + 1][0], acc_dp[2 * np + 1][1],
+                               acc_dp[2 * np + 1][2], acc_dp[2 * np + 1][3], a_v, b[2], b[3]);
+        }
+      }
+
+      // ---- P^T (dropped, for dV) into acc_s and dS^T into acc_dp -------------
+      const bool needs_mask = n0 + kBlockN > s.seqlen_k || m0 + kBlockM > s.seqlen_q ||
+                              (wl >= 0 && m0 + kBlockM - 1 + diag - wl > n0) ||
+                              (wr >= 0 && n0 + kBlockN - 1 > m0 + diag + wr);
+      const int key0 = n0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+      if (!kExtras && !needs_mask) {
+#pragma unroll
+        for (int t = 0; t < kSTiles; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = t * 8 + q2 + (e & 1);
+            const float prob = softmax::exp2_fast(acc_s[t][e] * scale_log2 - lse2[c]);
+            acc_s[t][e] = prob;
+            acc_dp[t][e] = prob * (acc_dp[t][e] - delta[c]);
+          }
+      } else {
+        const float alibi_slope =
+            kExtras && f.alibi_slopes != nullptr ? f.alibi_slopes[batch * f.alibi_batch_stride + head] : 0.f;
+        const int bh = batch * f.nheads + head;
+#pragma unroll
+        for (int t = 0; t < kSTiles; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = t * 8 + q2 + (e & 1);
+            const int i = m0 + c;
+            const int j = key0 + (e / 2) * 8;
+            // Same float operations as the forward (fwd_kernel.cuh) so P
+            // matches the saved LSE as closely as possible.
+            float x = acc_s[t][e] * f.softmax_scale;
+            float tanh_x = 0.f;
+            if (kExtras && softcap > 0.f) {
+              tanh_x = tanhf(x * inv_softcap);
+              x = softcap * tanh_x;
+            }
+            if (kExtras) x -= alibi_slope * fabsf(static_cast<float>(i + diag - j));
+            bool visible = true;
+            if (needs_mask)
+              visible = j < s.seqlen_k && i < s.seqlen_q && (wl < 0 || j >= i + diag - wl) &&
+                        (wr < 0 || j <= i + diag + wr);
+            const float prob = visible ? softmax::exp2_fast(x * softmax::kLog2e - lse2[c]) : 0.f;
+            float dprob = acc_dp[t][e];
+            float kept = prob;
+            if (kExtras && threshold != 0u) {
+              const Philox4 rnd = dropout_random4(f.philox_seed, f.philox_offset, bh, i, j & ~3);
+              // Selects, not an indexed array: a run-time index would put it in local memory.
+              const uint32_t r = (j & 2) ? ((j & 1) ? rnd.w : rnd.z) : ((j & 1) ? rnd.y : rnd.x);
+              const bool keep = r >= threshold;
+              kept = keep ? prob * keep_scale : 0.f;
+              dprob = keep ? dprob * keep_scale : 0.f;
+            }
+            float ds = prob * (dprob - delta[c]);
+            if (kExtras && softcap > 0.f) ds *= 1.f - tanh_x * tanh_x;
+            acc_s[t][e] = kept;
+            acc_dp[t][e] = ds;
+          }
+      }
+
+      // ---- dV += P^T dO ; dS^T -> shared ; dK += dS^T Q ------------------------
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = ptx::ElemTraits<Elem>::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+        a[1] = ptx::ElemTraits<Elem>::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+        a[2] = ptx::ElemTraits<Elem>::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+        a[3] = ptx::ElemTraits<Elem>::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < kDOut / 16; ++dp) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, sDo + QTile::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                        col_base + dp * 16 + (lane / 16) * 8));
+          ptx::mma_16816<Elem>(acc_dv[2 * dp][0], acc_dv[2 * dp][1], acc_dv[2 * dp][2],
+                               acc_dv[2 * dp][3], a, b[0], b[1]);
+          ptx::mma_16816<Elem>(acc_dv[2 * dp + 1][0], acc_dv[2 * dp + 1][1],
+                               acc_dv[2 * dp + 1][2], acc_dv[2 * dp + 1][3], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = ptx::ElemTraits<Elem>::pack(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
+        a[1] = ptx::ElemTraits<Elem>::pack(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
+        a[2] = ptx::ElemTraits<Elem>::pack(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
+        a[3] = ptx::ElemTraits<Elem>::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
+        const int row = warp * 16 + g;
+        st_shared_b32(sDs + DsTile::offset(row, kk * 16) + q2 * 2, a[0]);
+        st_shared_b32(sDs + DsTile::offset(row + 8, kk * 16) + q2 * 2, a[1]);
+        st_shared_b32(sDs + DsTile::offset(row, kk * 16 + 8) + q2 * 2, a[2]);
+        st_shared_b32(sDs + DsTile::offset(row + 8, kk * 16 + 8) + q2 * 2, a[3]);
+#pragma unroll
+        for (int dp = 0; dp < kDOut / 16; ++dp) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, sQ + QTile::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                       col_base + dp * 16 + (lane / 16) * 8));
+          ptx::mma_16816<Elem>(acc_dk[2 * dp][0], acc_dk[2 * dp][1], acc_dk[2 * dp][2],
+                               acc_dk[2 * dp][3], a, b[0], b[1]);
+          ptx::mma_16816<Elem>(acc_dk[2 * dp + 1][0], acc_dk[2 * dp + 1][1],
+                               acc_dk[2 * dp + 1][2], acc_dk[2 * dp + 1][3], a, b[2], b[3]);
+        }
+      }
+
+      __syncthreads();  // dS^T complete; every warp is done reading Q and dO of this step
+      if (kStages == 1 && it + 1 < iters) load_step(it + 1, 0);
+
+      // ---- dQ += dS K (kBlockM x kDOut, in 16 x kDqChunk tiles over the warps)
+      constexpr int kTilesM = kBlockM / 16;
+      constexpr int kTiles = kTilesM * (kDOut / kDqChunk);
+      float* gDq = dq_slice + ws_row(f, batch, head, m0) * headdim;
+      for (int tile = warp; tile < kTiles; tile += kWarps) {
+        const int tm = tile % kTilesM;
+        const int col0 = col_base + (tile / kTilesM) * kDqChunk;
+        float acc[kDqChunk / 8][4];
+#pragma unroll
+        for (int t = 0; t < kDqChunk / 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          uint32_t a[4];
+          ptx::ldmatrix_x4_trans(a, sDs + DsTile::offset(kk * 16 + (lane / 16) * 8 + lane % 8,
+                                                         tm * 16 + ((lane / 8) % 2) * 8));
+#pragma unroll
+          for (int dp = 0; dp < kDqChunk / 16; ++dp) {
+            uint32_t b[4];
+            ptx::ldmatrix_x4_trans(b, sK + KVTile::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                          col0 + dp * 16 + (lane / 16) * 8));
+            ptx::mma_16816<Elem>(acc[2 * dp][0], acc[2 * dp][1], acc[2 * dp][2], acc[2 * dp][3], a,
+                                 b[0], b[1]);
+            ptx::mma_16816<Elem>(acc[2 * dp + 1][0], acc[2 * dp + 1][1], acc[2 * dp + 1][2],
+                                 acc[2 * dp + 1][3], a, b[2], b[3]);
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < kDqChunk / 8; ++t) {
+          const int col = col0 + t * 8 + q2;
+          if (col < headdim) {
+            const int r0 = tm * 16 + g;
+            if (m0 + r0 < s.seqlen_q) accum_add2(gDq + r0 * headdim + col, acc[t][0], acc[t][1], det);
+            if (m0 + r0 + 8 < s.seqlen_q)
+              accum_add2(gDq + (r0 + 8) * headdim + col, acc[t][2], acc[t][3], det);
+          }
+        }
+      }
+    }
+
+    // ---- epilogue: dK (scaled) and dV of this warp's 16 keys -------------------
+    const int key_row = warp * 16 + g;  // and key_row + 8
+    if (gqa_atomic) {
+      const int64_t stride = static_cast<int64_t>(f.nheads_k) * headdim;
+      const int64_t base = (static_cast<int64_t>(batch) * f.seqlen_k + n0) * stride +
+                           static_cast<int64_t>(head_k) * headdim;
+#pragma unroll
+      for (int t = 0; t < kOTiles; ++t) {
+        const int col = col_base + t * 8 + q2;
+        if (col >= headdim) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = key_row + h * 8;
+          if (r >= n_valid) continue;
+          const int64_t off = base + r * stride + col;
+          accum_add2(args.dk_accum + off, acc_dk[t][2 * h] * f.softmax_scale,
+                     acc_dk[t][2 * h + 1] * f.softmax_scale, false);
+          accum_add2(args.dv_accum + off, acc_dv[t][2 * h], acc_dv[t][2 * h + 1], false);
+        }
+      }
+    } else {
+      Elem* gDk = static_cast<Elem*>(p.dk) + batch * p.dk_strides.batch_stride +
+                  static_cast<int64_t>(s.k_start + n0) * p.dk_strides.row_stride +
+                  head_k * p.dk_strides.head_stride;
+      Elem* gDv = static_cast<Elem*>(p.dv) + batch * p.dv_strides.batch_stride +
+                  static_cast<int64_t>(s.k_start + n0) * p.dv_strides.row_stride +
+                  head_k * p.dv_strides.head_stride;
+#pragma unroll
+      for (int t = 0; t < kOTiles; ++t) {
+        const int col = col_base + t * 8 + q2;
+        if (col >= headdim) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = key_row + h * 8;
+          if (r >= n_valid) continue;
+          *reinterpret_cast<uint32_t*>(gDk + r * p.dk_strides.row_stride + col) =
+              ptx::ElemTraits<Elem>::pack(acc_dk[t][2 * h] * f.softmax_scale,
+                                          acc_dk[t][2 * h + 1] * f.softmax_scale);
+          *reinterpret_cast<uint32_t*>(gDv + r * p.dv_strides.row_stride + col) =
+              ptx::ElemTraits<Elem>::pack(acc_dv[t][2 * h], acc_dv[t][2 * h + 1]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with K/V before the next key block overwrites them
+  }
+}
+
+// ---- 3. converts ------------------------------------------------------------------
+
+// dq[b, i, h, :] = scale * sum over slices of dq_accum (slice order fixed).
+// One thread per 8 columns of one (b, i, h) row.
+template <typename Elem>
+__global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int slices) {
+  const PortattnFwdParams& f = args.p.fwd;
+  const int chunks = f.headdim / 8;
+  const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int batch = blockIdx.y;
+  const int chunk = index % chunks;
+  const int64_t rest = index / chunks;
+  const int head = rest % f.nheads;
+  const int i = static_cast<int>(rest / f.nheads);
+  const SeqInfo s = seq_info(f, batch);
+  if (i >= s.seqlen_q) return;
+  const float* src = args.dq_accum + ws_row(f, batch, head, i) * f.headdim + chunk * 8;
+  float acc[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+  for (int slice = 0; slice < slices; ++slice) {
+    const float4 lo = *reinterpret_cast<const float4*>(src + slice * args.dq_slice);
+    const float4 hi = *reinterpret_cast<const float4*>(src + slice * args.dq_slice + 4);
+    acc[0] += lo.x, acc[1] += lo.y, acc[2] += lo.z, acc[3] += lo.w;
+    acc[4] += hi.x, acc[5] += hi.y, acc[6] += hi.z, acc[7] += hi.w;
+  }
+  const float scale = f.softmax_scale;
+  uint4 out;
+  out.x = ptx::ElemTraits<Elem>::pack(acc[0] * scale, acc[1] * scale);
+  out.y = ptx::ElemTraits<Elem>::pack(acc[2] * scale, acc[3] * scale);
+  out.z = ptx::ElemTraits<Elem>::pack(acc[4] * scale, acc[5] * scale);
+  out.w = ptx::ElemTraits<Elem>::pack(acc[6] * scale, acc[7] * scale);
+  Elem* dst = static_cast<Elem*>(args.p.dq) + batch * args.p.dq_strides.batch_stride +
+              static_cast<int64_t>(s.q_start + i) * args.p.dq_strides.row_stride +
+              head * args.p.dq_strides.head_stride + chunk * 8;
+  *reinterpret_cast<uint4*>(dst) = out;
+}
+
+// GQA default mode: dk/dv[b, j, hk, :] from the fp32 accumulators (dK already
+// carries the softmax scale).
+template <typename Elem>
+__global__ void __launch_bounds__(256) bwd_convert_dkv(const BwdArgs args) {
+  const PortattnFwdParams& f = args.p.fwd;
+  const int chunks = f.headdim / 8;
+  const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int batch = blockIdx.y;
+  const int chunk = index % chunks;
+  const int64_t rest = index / chunks;
+  const int head_k = rest % f.nheads_k;
+  const int j = static_cast<int>(rest / f.nheads_k);
+  const SeqInfo s = seq_info(f, batch);
+  if (j >= s.seqlen_k) return;
+  const int64_t src = ((static_cast<int64_t>(batch) * f.seqlen_k + j) * f.nheads_k + head_k) *
+                          f.headdim + chunk * 8;
+  const int64_t row = s.k_start + j;
+  Elem* dk = static_cast<Elem*>(args.p.dk) + batch * args.p.dk_strides.batch_stride +
+             row * args.p.dk_strides.row_stride + head_k * args.p.dk_strides.head_stride + chunk * 8;
+  Elem* dv = static_cast<Elem*>(args.p.dv) + batch * args.p.dv_strides.batch_stride +
+             row * args.p.dv_strides.row_stride + head_k * args.p.dv_strides.head_stride + chunk * 8;
+  const float* accs[2] = {args.dk_accum + src, args.dv_accum + src};
+  Elem* dsts[2] = {dk, dv};
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    const float4 lo = *reinterpret_cast<const float4*>(accs[which]);
+    const float4 hi = *reinterpret_cast<const float4*>(accs[which] + 4);
+    uint4 out;
+    out.x = ptx::ElemTraits<Elem>::pack(lo.x, lo.y);
+    out.y = ptx::ElemTraits<Elem>::pack(lo.z, lo.w);
+    out.z = ptx::ElemTraits<Elem>::pack(hi.x, hi.y);
+    out.w = ptx::ElemTraits<Elem>::pack(hi.z, hi.w);
+    *reinterpret_cast<uint4*>(dsts[which]) = out;
+  }
+}
+
+}  // namespace cuda
+}  // namespace portattn

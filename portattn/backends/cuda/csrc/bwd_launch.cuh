@@ -1,0 +1,166 @@
+// Host side of the backward pass (Note [portattn cuda backward] in
+// bwd_kernel.cuh): block-shape choice per head dim and device, workspace
+// carve-up, and the launch sequence. Included by the generated per-(head dim,
+// dtype) translation units (variants.py, family "bwd"), each of which
+// instantiates run_bwd for one variant.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "bwd_kernel.cuh"
+#include "variant_table.h"
+
+namespace portattn {
+namespace cuda {
+
+// ---- block shapes ------------------------------------------------------------------
+//
+// Candidates per head dim, fastest first; the first whose shared memory fits
+// the device's opt-in limit (read from the device, never assumed from the
+// arch) runs. Budgets (bytes, kStages x Q/dO buffers included):
+//   hd 32   128x64x2   49 KB   fits every sm80+ part
+//   hd 64   128x64x2   81 KB   fits sm86/sm89 (99 KB)
+//   hd 96   128x64x2  113 KB   sm80/sm90;   128x64x1  89 KB elsewhere
+//   hd 128  128x64x2  145 KB   sm80/sm90;    64x64x1  73 KB elsewhere
+//   hd 160   64x64x1   89 KB   (head-dim halves over grid.z from here on)
+//   hd 192   64x32x1   77 KB
+//   hd 224   64x32x1   89 KB
+//   hd 256   64x16x1   82 KB   (64x32 would need 100 KB, 1 KB over sm86/89)
+// Each warp owns 16 keys, so kBlockN = 128 means 8 warps; the dK + dV
+// accumulators then cost kDOut registers per thread (<= 128), which is what
+// caps the unsplit head dim at 128. Two Q/dO stages are worth a full tile of
+// shared memory where it exists: the next query block then loads during the
+// whole step instead of only during the dQ product.
+// bwd_smem_table() below reports the smallest budget per head dim to the
+// support matrix (capability declaration of "cuda": backward shared memory).
+template <class... Cfgs>
+struct BwdCandidates {};
+
+template <int kHeadDim>
+struct BwdConfigsFor;
+template <>
+struct BwdConfigsFor<32> {
+  using type = BwdCandidates<BwdTileConfig<32, 128, 64, 2>>;
+};
+template <>
+struct BwdConfigsFor<64> {
+  using type = BwdCandidates<BwdTileConfig<64, 128, 64, 2>>;
+};
+template <>
+struct BwdConfigsFor<96> {
+  using type = BwdCandidates<BwdTileConfig<96, 128, 64, 2>, BwdTileConfig<96, 128, 64, 1>>;
+};
+template <>
+struct BwdConfigsFor<128> {
+  using type = BwdCandidates<BwdTileConfig<128, 128, 64, 2>, BwdTileConfig<128, 64, 64, 1>>;
+};
+template <>
+struct BwdConfigsFor<160> {
+  using type = BwdCandidates<BwdTileConfig<160, 64, 64, 1>>;
+};
+template <>
+struct BwdConfigsFor<192> {
+  using type = BwdCandidates<BwdTileConfig<192, 64, 32, 1>>;
+};
+template <>
+struct BwdConfigsFor<224> {
+  using type = BwdCandidates<BwdTileConfig<224, 64, 32, 1>>;
+};
+template <>
+struct BwdConfigsFor<256> {
+  using type = BwdCandidates<BwdTileConfig<256, 64, 16, 1>>;
+};
+
+// ---- workspace -------------------------------------------------------------------------
+
+// Byte offsets into PortattnBwdParams::workspace. Everything from `dq` on is
+// zeroed before the main kernel (fp32 accumulators).
+struct BwdWorkspace {
+  int64_t lse2, delta, dq, dk, dv, total;
+  int64_t dq_slice;  // elements of one dQ slice
+  int slices;        // 1, or the deterministic split count
+  bool dkv_accum;    // GQA in the default mode
+};
+
+// Defined in bwd_entry.cu (one definition: the size Python allocates and the
+// carve-up the launch uses cannot disagree).
+BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params);
+
+template <typename Elem>
+cudaError_t launch_bwd_preprocess(const BwdArgs& args, cudaStream_t stream);
+template <typename Elem>
+cudaError_t launch_bwd_convert(const BwdArgs& args, int slices, bool dkv_accum, cudaStream_t stream);
+
+template <class Cfg, typename Elem, bool kExtras>
+struct BwdSmemState {
+  static SmemOptInState state;
+};
+template <class Cfg, typename Elem, bool kExtras>
+SmemOptInState BwdSmemState<Cfg, Elem, kExtras>::state = {0ull};
+
+template <class Cfg, typename Elem, bool kExtras>
+cudaError_t launch_bwd_main(const BwdArgs& args, cudaStream_t stream) {
+  auto kernel = &bwd_kernel<Cfg, Elem, kExtras>;
+  cudaError_t err = ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes,
+                                        &BwdSmemState<Cfg, Elem, kExtras>::state);
+  if (err != cudaSuccess) return err;
+  const PortattnFwdParams& f = args.p.fwd;
+  const int n_blocks = (f.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const bool det = args.p.deterministic != 0;
+  const dim3 grid(det ? args.splits : n_blocks, det ? f.nheads_k : f.nheads, f.batch * Cfg::kDSplit);
+  if (grid.x == 0) return cudaSuccess;
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <typename Elem, class Cfg, class... Rest>
+cudaError_t launch_first_fitting(const BwdArgs& args, int smem_optin, cudaStream_t stream,
+                                 BwdCandidates<Cfg, Rest...>) {
+  if constexpr (sizeof...(Rest) > 0) {
+    if (Cfg::kSmemBytes > smem_optin)
+      return launch_first_fitting<Elem>(args, smem_optin, stream, BwdCandidates<Rest...>{});
+  }
+  // The last candidate runs regardless; ensure_dynamic_smem reports a clear
+  // error if even it does not fit.
+  const PortattnFwdParams& f = args.p.fwd;
+  const bool extras = f.softcap > 0.f || f.alibi_slopes != nullptr || f.dropout_p > 0.f;
+  return extras ? launch_bwd_main<Cfg, Elem, true>(args, stream)
+                : launch_bwd_main<Cfg, Elem, false>(args, stream);
+}
+
+template <int kHeadDim, typename Elem>
+cudaError_t run_bwd(const PortattnBwdParams& params) {
+  const PortattnFwdParams& f = params.fwd;
+  if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
+  const BwdWorkspace ws = bwd_workspace_layout(params);
+  if (params.workspace_bytes < ws.total || (ws.total > 0 && params.workspace == nullptr)) {
+    set_error_detail("backward workspace smaller than bwd_workspace_bytes() reported");
+    return cudaErrorInvalidValue;
+  }
+  char* base = static_cast<char*>(params.workspace);
+  BwdArgs args;
+  args.p = params;
+  args.lse2 = reinterpret_cast<float*>(base + ws.lse2);
+  args.delta = reinterpret_cast<float*>(base + ws.delta);
+  args.dq_accum = reinterpret_cast<float*>(base + ws.dq);
+  args.dk_accum = ws.dkv_accum ? reinterpret_cast<float*>(base + ws.dk) : nullptr;
+  args.dv_accum = ws.dkv_accum ? reinterpret_cast<float*>(base + ws.dv) : nullptr;
+  args.dq_slice = ws.dq_slice;
+  args.splits = ws.slices;
+  cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
+
+  cudaError_t err = cudaMemsetAsync(base + ws.dq, 0, ws.total - ws.dq, stream);
+  if (err != cudaSuccess) return err;
+  err = launch_bwd_preprocess<Elem>(args, stream);
+  if (err != cudaSuccess) return err;
+  int device = 0, smem_optin = 0;
+  err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  err = launch_first_fitting<Elem>(args, smem_optin, stream, typename BwdConfigsFor<kHeadDim>::type{});
+  if (err != cudaSuccess) return err;
+  return launch_bwd_convert<Elem>(args, ws.slices, ws.dkv_accum, stream);
+}
+
+}  // namespace cuda
+}  // namespace portattn
