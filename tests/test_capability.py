@@ -359,3 +359,17 @@ def test_arch_dataclass_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         arch.name = "sm80"
     assert isinstance(arch, Arch)
+
+
+def test_device_info_matches_probe(monkeypatch):
+    monkeypatch.setattr(probe, "_cache", {})
+    devices = probe.probe_devices()
+    assert probe.device_info(len(devices)) is None
+    assert probe.device_info(-1) is None
+    if devices:
+        assert probe.device_info(0).name == devices[0].name
+    else:
+        assert probe.device_info() is None
+    fakes = [probe.fake_device("h100"), probe.fake_device("h200", index=1)]
+    monkeypatch.setattr(probe, "_cache", {True: (fakes, [])})
+    assert probe.device_info(1).name == "NVIDIA H200"

@@ -15,6 +15,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
@@ -57,6 +58,20 @@ def cached_devices(prefer_torch: bool = True) -> List[DeviceInfo]:
     if prefer_torch not in _cache:
         _cache[prefer_torch] = (probe_devices(prefer_torch), probe_notes())
     return list(_cache[prefer_torch][0])
+
+
+def device_info(index: Optional[int] = None) -> Optional[DeviceInfo]:
+    """The (cached) DeviceInfo of GPU `index`; None = torch's current device when torch is
+    loaded, else GPU 0. Returns None when there is no such GPU. For a backend's
+    `unsupported_reasons`: matrix.check_call(name, probe.device_info(i), call, build_config)."""
+    if index is None:
+        torch = sys.modules.get("torch")
+        try:
+            index = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
+        except Exception:
+            index = 0
+    devices = cached_devices()
+    return devices[index] if 0 <= index < len(devices) else None
 
 
 def probe_devices(prefer_torch: bool = True) -> List[DeviceInfo]:
