@@ -22,6 +22,9 @@ const char* portattn_cuda_build_ptx();
 int portattn_cuda_num_fwd_variants();
 void portattn_cuda_fwd_variant(int index, int* head_dim, int* dtype);
 // ---- backward (owned by the backward engineer): declare its C entry points here ----
+int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int message_len);
+long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params);
+int portattn_cuda_bwd_smem_bytes(int head_dim);
 // ---- end backward declarations ----
 }
 
@@ -52,14 +55,19 @@ T* ptr(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, py::handle q_strides,
-         py::handle k_strides, py::handle v_strides, py::handle out_strides,
-         int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads,
-         int nheads_k, int headdim, int seqlen_q, int seqlen_k, uintptr_t cu_seqlens_q,
-         uintptr_t cu_seqlens_k, uintptr_t seqused_k, float softmax_scale, float softcap,
-         int window_left, int window_right, uintptr_t alibi_slopes, int64_t alibi_batch_stride,
-         float dropout_p, unsigned long long philox_seed, unsigned long long philox_offset,
-         uintptr_t stream) {
+// The forward call's arguments, shared by fwd() and bwd() (which takes them
+// after its own, in this order).
+#define PORTATTN_FWD_ARGS                                                                          \
+  uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, py::handle q_strides,       \
+      py::handle k_strides, py::handle v_strides, py::handle out_strides,                          \
+      int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads,         \
+      int nheads_k, int headdim, int seqlen_q, int seqlen_k, uintptr_t cu_seqlens_q,               \
+      uintptr_t cu_seqlens_k, uintptr_t seqused_k, float softmax_scale, float softcap,             \
+      int window_left, int window_right, uintptr_t alibi_slopes, int64_t alibi_batch_stride,       \
+      float dropout_p, unsigned long long philox_seed, unsigned long long philox_offset,           \
+      uintptr_t stream
+
+PortattnFwdParams fwd_params(PORTATTN_FWD_ARGS) {
   PortattnFwdParams p;
   p.q = ptr<const void>(q);
   p.k = ptr<const void>(k);
@@ -92,9 +100,73 @@ void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, py
   p.philox_seed = philox_seed;
   p.philox_offset = philox_offset;
   p.stream = ptr<void>(stream);
+  return p;
+}
+
+void fwd(PORTATTN_FWD_ARGS) {
+  const PortattnFwdParams p = fwd_params(
+      q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,
+      lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,
+      cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,
+      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream);
   char message[512];
   check(portattn_cuda_fwd(&p, message, sizeof(message)), message);
 }
+
+// ---- backward (owned by the backward engineer) ----
+PortattnBwdParams bwd_params(uintptr_t dout, py::handle dout_strides, uintptr_t dq,
+                             py::handle dq_strides, uintptr_t dk, py::handle dk_strides,
+                             uintptr_t dv, py::handle dv_strides, uintptr_t workspace,
+                             int64_t workspace_bytes, bool deterministic,
+                             const PortattnFwdParams& fwd) {
+  PortattnBwdParams p;
+  p.fwd = fwd;
+  p.dout = ptr<const void>(dout);
+  p.dout_strides = tensor4(dout_strides);
+  p.dq = ptr<void>(dq);
+  p.dk = ptr<void>(dk);
+  p.dv = ptr<void>(dv);
+  p.dq_strides = tensor4(dq_strides);
+  p.dk_strides = tensor4(dk_strides);
+  p.dv_strides = tensor4(dv_strides);
+  p.workspace = ptr<void>(workspace);
+  p.workspace_bytes = workspace_bytes;
+  p.deterministic = deterministic ? 1 : 0;
+  return p;
+}
+
+// bwd(dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides,
+//     workspace, workspace_bytes, deterministic, <the forward call's arguments>)
+void bwd(uintptr_t dout, py::handle dout_strides, uintptr_t dq, py::handle dq_strides,
+         uintptr_t dk, py::handle dk_strides, uintptr_t dv, py::handle dv_strides,
+         uintptr_t workspace, int64_t workspace_bytes, bool deterministic, PORTATTN_FWD_ARGS) {
+  const PortattnBwdParams p = bwd_params(
+      dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides, workspace,
+      workspace_bytes, deterministic,
+      fwd_params(q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides,
+                 lse_batch_stride, lse_head_stride, dtype, batch, nheads, nheads_k, headdim,
+                 seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap,
+                 window_left, window_right, alibi_slopes, alibi_batch_stride, dropout_p,
+                 philox_seed, philox_offset, stream));
+  char message[512];
+  check(portattn_cuda_bwd(&p, message, sizeof(message)), message);
+}
+
+// Bytes of scratch bwd() needs for this shape (the workspace layout depends on
+// nothing else: varlen rows are padded to seqlen_q / seqlen_k, the maxima).
+int64_t bwd_workspace_bytes(int batch, int nheads, int nheads_k, int headdim, int seqlen_q,
+                            int seqlen_k, bool deterministic) {
+  PortattnBwdParams p{};
+  p.fwd.batch = batch;
+  p.fwd.nheads = nheads;
+  p.fwd.nheads_k = nheads_k;
+  p.fwd.headdim = headdim;
+  p.fwd.seqlen_q = seqlen_q;
+  p.fwd.seqlen_k = seqlen_k;
+  p.deterministic = deterministic ? 1 : 0;
+  return portattn_cuda_bwd_workspace_bytes(&p);
+}
+// ---- end backward ----
 
 py::dict build_config() {
   static const char* const kDtypeNames[] = {"float16", "bfloat16"};
@@ -134,5 +206,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_config", &build_config,
         "what this build contains: {'archs', 'ptx', 'head_dims', 'dtypes'}");
   // ---- backward (owned by the backward engineer): m.def("bwd", ...) and helpers here ----
+  m.def("bwd", &bwd, "backward attention over raw pointers (see backends/common/params.h)");
+  m.def("bwd_workspace_bytes", &bwd_workspace_bytes,
+        "scratch bytes bwd() needs: (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, "
+        "deterministic)");
+  m.def("bwd_smem_bytes", &portattn_cuda_bwd_smem_bytes,
+        "smallest shared memory (bytes) of the backward block shapes for an instantiated head dim");
   // ---- end backward bindings ----
 }
