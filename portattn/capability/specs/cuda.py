@@ -6,7 +6,7 @@ after the GPU suite ran green on that hardware.
 from ..archs import ArchRange
 from ..declare import ALL_FEATURES, BackendSpec, ResourceRule
 
-# Paged KV caches are not read by the kernels yet (kvcache.py gathers them on the reference path).
+# The kernels do not read paged caches: kvcache.py gathers them into a packed varlen call first.
 SUPPORTED = ALL_FEATURES - {"paged_kv"}
 
 # arch name -> features our GPU suite passed on that hardware.
@@ -38,7 +38,7 @@ SPEC = BackendSpec(
             why="backward tiles for large head dims",
         ),
     ),
-    unsupported_notes={"paged_kv": "falls back to the reference backend"},
+    unsupported_notes={"paged_kv": "is gathered into a packed varlen call first (an O(cached tokens) copy)"},
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="install with nvcc available (CUDA_HOME) to build it",
 )
