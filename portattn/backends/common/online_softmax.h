@@ -44,8 +44,12 @@ PORTATTN_SOFTMAX_HD float exp2_fast(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-#elif defined(__HIP_DEVICE_COMPILE__)
+#elif defined(__HIP_DEVICE_COMPILE__) && __has_builtin(__builtin_amdgcn_exp2f)
   return __builtin_amdgcn_exp2f(x);
+#elif defined(__HIP_DEVICE_COMPILE__)
+  // LLVM < 17 (Debian's hipcc 5.2) lacks the builtin; its llvm.exp2.f32 is
+  // the same single v_exp_f32.
+  return __builtin_exp2f(x);
 #else
   return std::exp2(x);
 #endif

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs the HIP toolchain that compiles portattn's ROCm backend on a CPU-only
+# Debian 12 machine (see shared notes in docs / ROCM_TOOLCHAIN): Debian's hipcc 5.2
+# (gfx90a) plus clang-19 (gfx942, which LLVM 15 does not know), and makes the
+# gfx942 device-library folder that ROCm 5.2 lacks. Idempotent and quiet; ~1-2 min.
+#
+# Prints, on its last line, the device-library folder to pass as
+# PORTATTN_ROCM_DEVICE_LIB_PATH (build.py also finds it at the default place).
+set -euo pipefail
+
+PACKAGES=(hipcc libamdhip64-dev clang-19 lld-19 clang-tools-19 rocm-device-libs)
+DEVICE_LIB_DIR="${PORTATTN_ROCM_DEVICE_LIB_PATH:-/usr/local/lib/portattn-amdgcn-bitcode}"
+DEBIAN_BITCODE=/usr/lib/x86_64-linux-gnu/amdgcn/bitcode
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+# ROCm 5.2's device libraries stop at gfx940: give clang-19 the ISA-version stub
+# for gfx942 (9402) next to symlinks of everything Debian ships.
+if [ ! -f "$DEVICE_LIB_DIR/oclc_isa_version_942.bc" ]; then
+  $SUDO mkdir -p "$DEVICE_LIB_DIR"
+  for bc in "$DEBIAN_BITCODE"/*.bc; do
+    $SUDO ln -sf "$bc" "$DEVICE_LIB_DIR/$(basename "$bc")"
+  done
+  stub_dir="$(mktemp -d)"
+  cat > "$stub_dir/isa942.ll" <<'IR'
+target triple = "amdgcn-amd-amdhsa"
+@__oclc_ISA_version = linkonce_odr protected local_unnamed_addr addrspace(4) constant i32 9402, align 4
+IR
+  clang-19 -x ir -c -emit-llvm --target=amdgcn-amd-amdhsa -nogpulib \
+    -o "$stub_dir/oclc_isa_version_942.bc" "$stub_dir/isa942.ll"
+  $SUDO cp "$stub_dir/oclc_isa_version_942.bc" "$DEVICE_LIB_DIR/"
+  rm -rf "$stub_dir"
+fi
+
+echo "$DEVICE_LIB_DIR"

@@ -1,0 +1,92 @@
+// CDNA data movement and matrix-core primitives for the ROCm kernels.
+//
+// Everything vendor-specific on the AMD side lives here: the MFMA builtin per
+// dtype, bf16/fp16 conversions on raw 16-bit patterns, 8- and 16-byte vector
+// types for coalesced global loads and conflict-light LDS accesses, and the
+// wave64 cross-half reduction the online-softmax header asks for.
+//
+// Note [portattn MFMA layout]
+// v_mfma_f32_32x32x8{f16,bf16_1k} (gfx90a) / v_mfma_f32_32x32x8_{f16,bf16}
+// (gfx942, same builtins) computes D(32x32) += A(32x8) * B(8x32) per wave64:
+//   lane l supplies A[l % 32][4 * (l / 32) + 0..3] and B[4 * (l / 32) + 0..3][l % 32]
+//   and owns D[8 * (r / 4) + 4 * (l / 32) + r % 4][l % 32] for r = 0..15.
+// Registers r = 4s..4s+3 of D therefore hold exactly the B operand of the
+// s-th 8-deep step of a following MFMA: a product computed transposed
+// (S^T = K Q^T) feeds O^T += V^T P^T with no cross-lane traffic, and each
+// lane owns one query row (column l % 32), so its softmax statistics need a
+// single exchange between lanes l and l ^ 32.
+#pragma once
+#include <hip/hip_runtime.h>
+#include <stdint.h>
+
+namespace portattn {
+namespace rocm {
+
+typedef float f32x16 __attribute__((ext_vector_type(16)));
+typedef _Float16 f16x4 __attribute__((ext_vector_type(4)));
+typedef short i16x4 __attribute__((ext_vector_type(4)));
+typedef uint16_t u16x4 __attribute__((ext_vector_type(4)));
+typedef uint32_t u32x2 __attribute__((ext_vector_type(2)));
+typedef uint32_t u32x4 __attribute__((ext_vector_type(4)));
+
+constexpr int kWaveSize = 64;
+constexpr int kMfmaM = 32;  // rows and columns of one MFMA tile
+constexpr int kMfmaK = 8;   // depth of one MFMA step
+
+// A dtype is two conversions and one matrix instruction; tiles store the raw
+// 16-bit patterns so loads and LDS traffic are dtype-agnostic.
+template <bool kIsBf16>
+struct Dtype;
+
+template <>
+struct Dtype<false> {
+  static __device__ __forceinline__ float to_float(uint16_t bits) {
+    return static_cast<float>(__builtin_bit_cast(_Float16, bits));
+  }
+  static __device__ __forceinline__ uint16_t from_float(float x) {
+    return __builtin_bit_cast(uint16_t, static_cast<_Float16>(x));
+  }
+  static __device__ __forceinline__ f32x16 mfma(u16x4 a, u16x4 b, f32x16 c) {
+    return __builtin_amdgcn_mfma_f32_32x32x8f16(__builtin_bit_cast(f16x4, a),
+                                               __builtin_bit_cast(f16x4, b), c, 0, 0, 0);
+  }
+};
+
+template <>
+struct Dtype<true> {
+  static __device__ __forceinline__ float to_float(uint16_t bits) {
+    return __builtin_bit_cast(float, static_cast<uint32_t>(bits) << 16);
+  }
+  // Round to nearest even, as torch does; NaN stays a quiet NaN.
+  static __device__ __forceinline__ uint16_t from_float(float x) {
+    const uint32_t u = __builtin_bit_cast(uint32_t, x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  static __device__ __forceinline__ f32x16 mfma(u16x4 a, u16x4 b, f32x16 c) {
+    return __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(__builtin_bit_cast(i16x4, a),
+                                                   __builtin_bit_cast(i16x4, b), c, 0, 0, 0);
+  }
+};
+
+// Row statistics of one query live in lanes l and l ^ 32 (Note [portattn MFMA layout]).
+struct HalfWaveReduce {
+  static __device__ __forceinline__ float max(float x) {
+    const float other = __shfl_xor(x, 32);
+    return x > other ? x : other;
+  }
+  static __device__ __forceinline__ float sum(float x) { return x + __shfl_xor(x, 32); }
+};
+
+template <class T>
+__device__ __forceinline__ T load(const void* ptr) {
+  return *reinterpret_cast<const T*>(ptr);
+}
+
+template <class T>
+__device__ __forceinline__ void store(void* ptr, const T& value) {
+  *reinterpret_cast<T*>(ptr) = value;
+}
+
+}  // namespace rocm
+}  // namespace portattn

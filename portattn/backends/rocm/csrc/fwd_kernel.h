@@ -1,0 +1,302 @@
+// Forward attention on CDNA matrix cores (gfx90a, gfx942): one workgroup per
+// (128-query block, head, sequence), online softmax over key blocks.
+//
+// Tile configuration (FwdTile): 4 waves x 32 query rows = 128 queries per
+// workgroup; key blocks of kBlockN (a multiple of 32); head dims are rounded
+// up to kHeadDim (64, 128, 256) with zero-filled columns, so every multiple
+// of 8 up to 256 is served. Per key block each wave computes
+//   S^T (kBlockN x 32)  = K (kBlockN x D) . Q^T (D x 32)   kBlockN/32 * D/8 MFMAs
+//   O^T (D x 32)       += V^T (D x kBlockN) . P^T          D/32 * kBlockN/8 MFMAs
+// transposed so that the score registers are directly the B operand of the
+// second product and each lane owns one query row (Note [portattn MFMA layout]
+// in cdna.h). Q stays in registers (D/4 VGPRs as packed 16-bit pairs), K and
+// V^T go through LDS, V transposed on its way in so both MFMA A operands are
+// 8-byte LDS reads; global loads are 16 bytes per lane, consecutive lanes on
+// consecutive 16-byte chunks of a row.
+//
+// Budget per variant (32x32x8 MFMAs; registers per lane; one workgroup = one
+// wave per SIMD; CDNA2/3 have 512 unified VGPR+AGPR per SIMD lane and 64 KiB
+// LDS per CU). The numbers are data in variants.py (FWD_TILES), which the ISA
+// test reads; measured on both archs they are:
+//
+//   D    kBlockN  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD (regs, LDS)
+//   64   64       17408      32         <= 168            3 (3, 3)
+//   128  32       17664      32         <= 168            3 (3, 3)
+//   256  32       35072      64         <= 256            1 (2, 1)
+//
+// LDS rows are padded by 4 elements (8 bytes) so the 32 rows read by one MFMA
+// operand fall on distinct bank pairs. There is no software pipelining yet:
+// two barriers per key block, loads not overlapped with MFMAs.
+#pragma once
+#include <limits.h>
+#include <math.h>
+
+#include "cdna.h"  // first: hip_runtime.h defines __forceinline__ for the common headers
+
+#include "../../common/online_softmax.h"
+#include "../../common/params.h"
+#include "../../common/philox.h"
+
+#ifndef PORTATTN_ROCM_ARCH_NS
+#error "define PORTATTN_ROCM_ARCH_NS (the gfx target this translation unit is compiled for)"
+#endif
+
+namespace portattn {
+namespace rocm {
+namespace PORTATTN_ROCM_ARCH_NS {
+
+template <int kHeadDim_, int kBlockN_, bool kIsBf16_, int kWavesPerSimd_>
+struct FwdTile {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr bool kIsBf16 = kIsBf16_;
+  // Occupancy the register allocator must preserve (amdgpu_waves_per_eu).
+  static constexpr int kWavesPerSimd = kWavesPerSimd_;
+
+  static constexpr int kWaves = 4;  // one per SIMD of a CU
+  static constexpr int kThreads = kWaves * kWaveSize;
+  static constexpr int kBlockM = kWaves * kMfmaM;
+  static constexpr int kKeyTiles = kBlockN / kMfmaM;   // S^T accumulators per wave
+  static constexpr int kDimSteps = kHeadDim / kMfmaK;  // MFMA steps of Q K^T
+  static constexpr int kDimTiles = kHeadDim / kMfmaM;  // O^T accumulators per wave
+  static constexpr int kKeySteps = kBlockN / kMfmaK;   // MFMA steps of P V
+  static constexpr int kPad = 4;
+  static constexpr int kKStride = kHeadDim + kPad;   // sK: kBlockN rows of kHeadDim
+  static constexpr int kVtStride = kBlockN + kPad;   // sVt: kHeadDim rows of kBlockN
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte global chunks
+  static constexpr int kLdsBytes = 2 * (kBlockN * kKStride + kHeadDim * kVtStride);
+  static constexpr int kMfmaPerIter = kKeyTiles * kDimSteps + kDimTiles * kKeySteps;
+
+  static_assert(kHeadDim % kMfmaM == 0 && kBlockN % kMfmaM == 0, "tiles are whole MFMA tiles");
+  static_assert(kBlockN * kChunksPerRow % kThreads == 0, "every lane loads the same chunk count");
+  static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
+};
+
+struct SeqBounds {
+  int q_start, k_start;  // first packed row of this sequence (0 unless varlen)
+  int len_q, len_k;
+};
+
+__device__ __forceinline__ SeqBounds seq_bounds(const PortattnFwdParams& p, int b) {
+  SeqBounds seq{0, 0, p.seqlen_q, p.seqlen_k};
+  if (p.cu_seqlens_q != nullptr) {
+    seq.q_start = p.cu_seqlens_q[b];
+    seq.len_q = p.cu_seqlens_q[b + 1] - seq.q_start;
+    seq.k_start = p.cu_seqlens_k[b];
+    seq.len_k = p.cu_seqlens_k[b + 1] - seq.k_start;
+  }
+  if (p.seqused_k != nullptr) seq.len_k = p.seqused_k[b];
+  return seq;
+}
+
+// Copies keys [n0, n0 + kBlockN) of one head into LDS, rows or columns past
+// the sequence / head dim as zeros (so padded products are exact zeros).
+// kTranspose stores V^T, the A operand layout of O^T += V^T P^T.
+template <class Tile, bool kTranspose>
+__device__ __forceinline__ void load_kv_tile(uint16_t* lds, const uint16_t* g, int64_t row_stride,
+                                             int n0, int len_k, int headdim) {
+  constexpr int kChunksPerThread = Tile::kBlockN * Tile::kChunksPerRow / Tile::kThreads;
+#pragma unroll
+  for (int it = 0; it < kChunksPerThread; ++it) {
+    const int c = threadIdx.x + it * Tile::kThreads;
+    const int n = c / Tile::kChunksPerRow;
+    const int col = (c % Tile::kChunksPerRow) * 8;
+    u32x4 chunk = {0u, 0u, 0u, 0u};
+    if (n0 + n < len_k && col < headdim) chunk = load<u32x4>(g + (n0 + n) * row_stride + col);
+    if constexpr (kTranspose) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        lds[(col + e) * Tile::kVtStride + n] = static_cast<uint16_t>(chunk[e / 2] >> (16 * (e % 2)));
+      }
+    } else {
+      uint16_t* row = lds + n * Tile::kKStride + col;
+      store<u32x2>(row, u32x2{chunk.x, chunk.y});
+      store<u32x2>(row + 4, u32x2{chunk.z, chunk.w});
+    }
+  }
+}
+
+template <class Tile>
+__global__ void __attribute__((amdgpu_flat_work_group_size(Tile::kThreads, Tile::kThreads),
+                               amdgpu_waves_per_eu(Tile::kWavesPerSimd)))
+fwd_kernel(const PortattnFwdParams p) {
+  using T = Dtype<Tile::kIsBf16>;
+  constexpr int kScoreCols = Tile::kKeyTiles * 16;
+  constexpr int kOutCols = Tile::kDimTiles * 16;
+  __shared__ __attribute__((aligned(16))) uint16_t sK[Tile::kBlockN * Tile::kKStride];
+  __shared__ __attribute__((aligned(16))) uint16_t sVt[Tile::kHeadDim * Tile::kVtStride];
+
+  const int b = blockIdx.z;
+  const int h = blockIdx.y;
+  const SeqBounds seq = seq_bounds(p, b);
+  const int m0 = blockIdx.x * Tile::kBlockM;
+  if (m0 >= seq.len_q) return;  // varlen: this sequence is shorter than the longest
+
+  const int lane = threadIdx.x % kWaveSize;
+  const int lq = lane % kMfmaM;  // the query column this lane owns in every MFMA tile
+  const int lh = lane / kMfmaM;  // which 4-deep half of each 8-deep step it supplies
+  const int i = m0 + (threadIdx.x / kWaveSize) * kMfmaM + lq;
+  const bool row_valid = i < seq.len_q;
+  const int hk = h / (p.nheads / p.nheads_k);
+
+  const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
+                       seq.q_start * p.q_strides.row_stride + h * p.q_strides.head_stride;
+  const uint16_t* gK = static_cast<const uint16_t*>(p.k) + b * p.k_strides.batch_stride +
+                       seq.k_start * p.k_strides.row_stride + hk * p.k_strides.head_stride;
+  const uint16_t* gV = static_cast<const uint16_t*>(p.v) + b * p.v_strides.batch_stride +
+                       seq.k_start * p.v_strides.row_stride + hk * p.v_strides.head_stride;
+
+  u16x4 rQ[Tile::kDimSteps];  // B operand of S^T = K Q^T, all steps
+#pragma unroll
+  for (int s = 0; s < Tile::kDimSteps; ++s) {
+    // headdim is a multiple of 8, so the test is per step (scalar), not per lane.
+    rQ[s] = u16x4{0, 0, 0, 0};
+    if (row_valid && s * kMfmaK < p.headdim) {
+      rQ[s] = load<u16x4>(gQ + i * p.q_strides.row_stride + s * kMfmaK + 4 * lh);
+    }
+  }
+
+  // Key j is aligned with query i at j = i + diag (bottom-right alignment).
+  const int diag = seq.len_k - seq.len_q;
+  const int q_last = min(m0 + Tile::kBlockM, seq.len_q) - 1;
+  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
+  const int j_begin = has_left ? max(0, m0 + diag - p.window_left) : 0;
+  const int j_end = has_right ? min(seq.len_k, q_last + diag + p.window_right + 1) : seq.len_k;
+
+  const bool use_softcap = p.softcap > 0.f;
+  const bool use_alibi = p.alibi_slopes != nullptr;
+  const bool use_dropout = p.dropout_p > 0.f;
+  const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
+  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
+  const int philox_head = b * p.nheads + h;
+
+  f32x16 acc_o[Tile::kDimTiles];
+#pragma unroll
+  for (int u = 0; u < Tile::kDimTiles; ++u) acc_o[u] = f32x16{};
+  softmax::RowState<1> state;
+  state.init();
+
+  for (int n0 = (j_begin / Tile::kBlockN) * Tile::kBlockN; n0 < j_end; n0 += Tile::kBlockN) {
+    __syncthreads();  // the previous block's LDS reads are done
+    load_kv_tile<Tile, false>(sK, gK, p.k_strides.row_stride, n0, seq.len_k, p.headdim);
+    load_kv_tile<Tile, true>(sVt, gV, p.v_strides.row_stride, n0, seq.len_k, p.headdim);
+    __syncthreads();
+
+    f32x16 acc_s[Tile::kKeyTiles];
+#pragma unroll
+    for (int t = 0; t < Tile::kKeyTiles; ++t) {
+      acc_s[t] = f32x16{};
+#pragma unroll
+      for (int s = 0; s < Tile::kDimSteps; ++s) {
+        const u16x4 a = load<u16x4>(&sK[(t * kMfmaM + lq) * Tile::kKStride + s * kMfmaK + 4 * lh]);
+        acc_s[t] = T::mfma(a, rQ[s], acc_s[t]);
+      }
+    }
+
+    // The mask is skipped when every (valid query, key) pair of the block is visible.
+    const bool block_visible = n0 + Tile::kBlockN <= seq.len_k &&
+                               (!has_left || n0 >= q_last + diag - p.window_left) &&
+                               (!has_right || n0 + Tile::kBlockN - 1 <= m0 + diag + p.window_right);
+    // Register r of score tile t is key j = n0 + 4lh + c with the small constant
+    // c = 32t + 8(r/4) + r%4, so every per-element test below compares c with a
+    // per-lane bound (inline constants, no per-element scalar registers).
+    const int lane_key0 = n0 + 4 * lh;
+    const int rel_diag = i + diag - lane_key0;  // c of the key aligned with query i
+    const int c_lo = has_left ? rel_diag - p.window_left : INT_MIN;
+    const int c_hi = min(has_right ? rel_diag + p.window_right : INT_MAX, seq.len_k - lane_key0 - 1);
+    float rS[1][kScoreCols];  // scores in log2 units, then probabilities
+#pragma unroll
+    for (int t = 0; t < Tile::kKeyTiles; ++t) {
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int c = t * kMfmaM + 8 * (r / 4) + r % 4;
+        float x = acc_s[t][r] * p.softmax_scale;
+        if (use_softcap) x = p.softcap * tanhf(x / p.softcap);
+        if (use_alibi) x -= slope * fabsf(static_cast<float>(rel_diag - c));
+        x *= softmax::kLog2e;
+        if (!block_visible && (c < c_lo || c > c_hi)) x = softmax::neg_inf();
+        rS[0][t * 16 + r] = x;
+      }
+    }
+
+    float rO[1][kOutCols];
+#pragma unroll
+    for (int u = 0; u < Tile::kDimTiles; ++u)
+#pragma unroll
+      for (int r = 0; r < 16; ++r) rO[0][u * 16 + r] = acc_o[u][r];
+    softmax::online_softmax_step<false, 1, kScoreCols, kOutCols, HalfWaveReduce>(rS, rO, state, 1.f);
+#pragma unroll
+    for (int u = 0; u < Tile::kDimTiles; ++u)
+#pragma unroll
+      for (int r = 0; r < 16; ++r) acc_o[u][r] = rO[0][u * 16 + r];
+
+    // P^T as B operands: registers 4s..4s+3 of a score tile are keys j0..j0+3,
+    // j0 = n0 + 32t + 8s + 4lh, which is also one Philox call's group of 4.
+    u16x4 rP[Tile::kKeyTiles * 4];
+#pragma unroll
+    for (int t = 0; t < Tile::kKeyTiles; ++t) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        float pr[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pr[e] = rS[0][t * 16 + 4 * s + e];
+        if (use_dropout) {
+          const int j0 = n0 + t * kMfmaM + s * kMfmaK + 4 * lh;
+          const Philox4 bits = dropout_random4(p.philox_seed, p.philox_offset, philox_head, i, j0);
+          if (bits.x < drop_threshold) pr[0] = 0.f;
+          if (bits.y < drop_threshold) pr[1] = 0.f;
+          if (bits.z < drop_threshold) pr[2] = 0.f;
+          if (bits.w < drop_threshold) pr[3] = 0.f;
+        }
+        rP[t * 4 + s] = u16x4{T::from_float(pr[0]), T::from_float(pr[1]), T::from_float(pr[2]),
+                              T::from_float(pr[3])};
+      }
+    }
+
+#pragma unroll
+    for (int u = 0; u < Tile::kDimTiles; ++u) {
+#pragma unroll
+      for (int s = 0; s < Tile::kKeySteps; ++s) {
+        const u16x4 a = load<u16x4>(&sVt[(u * kMfmaM + lq) * Tile::kVtStride + s * kMfmaK + 4 * lh]);
+        acc_o[u] = T::mfma(a, rP[s], acc_o[u]);
+      }
+    }
+  }
+
+  float rO[1][kOutCols];
+#pragma unroll
+  for (int u = 0; u < Tile::kDimTiles; ++u)
+#pragma unroll
+    for (int r = 0; r < 16; ++r) rO[0][u * 16 + r] = acc_o[u][r];
+  float lse[1];
+  const float out_scale = use_dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  softmax::online_softmax_finalize<1, kOutCols, HalfWaveReduce>(rO, state, 1.f, out_scale, lse);
+  if (!row_valid) return;
+
+  uint16_t* gO = static_cast<uint16_t*>(p.out) + b * p.out_strides.batch_stride +
+                 (seq.q_start + i) * p.out_strides.row_stride + h * p.out_strides.head_stride;
+#pragma unroll
+  for (int u = 0; u < Tile::kDimTiles; ++u) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const int d = u * kMfmaM + 8 * g + 4 * lh;
+      if (d >= p.headdim) continue;
+      const float* o = &rO[0][u * 16 + 4 * g];
+      store<u16x4>(gO + d, u16x4{T::from_float(o[0]), T::from_float(o[1]), T::from_float(o[2]),
+                                 T::from_float(o[3])});
+    }
+  }
+  if (lh == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i] = lse[0];
+}
+
+template <class Tile>
+hipError_t launch_fwd(const PortattnFwdParams& p) {
+  const dim3 grid((p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, p.nheads, p.batch);
+  hipLaunchKernelGGL(fwd_kernel<Tile>, grid, dim3(Tile::kThreads), 0,
+                     static_cast<hipStream_t>(p.stream), p);
+  return hipGetLastError();
+}
+
+}  // namespace PORTATTN_ROCM_ARCH_NS
+}  // namespace rocm
+}  // namespace portattn

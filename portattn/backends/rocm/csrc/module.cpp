@@ -1,0 +1,224 @@
+// portattn.backends.rocm._C: the ROCm backend's Python entry points.
+//
+// fwd(FwdParams) checks the internal invariants the kernels rely on (user
+// input was validated in Python already), picks the compiled variant for the
+// current device's gfx target, dtype and head dim from the generated
+// registry, launches it on the given stream and raises on any launch error.
+// build_config() reports what this binary contains, so Python never
+// re-derives it. This file is plain C++ (no device code): it only needs the
+// HIP runtime API.
+#include <hip/hip_runtime_api.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../../common/params.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace portattn {
+namespace rocm {
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr int kPointerAlignment = 16;  // 16-byte global loads of K and V rows
+constexpr int kStrideMultiple = 8;     // keeps every row 16-byte aligned
+
+// Forward features the kernels implement (Note [portattn semantics]); the
+// support matrix's "rocm" block must declare exactly these as available.
+const std::vector<std::string> kFeatures = {"forward", "causal", "window", "softcap", "alibi",
+                                            "dropout", "gqa",    "varlen"};
+
+void check_hip(hipError_t status, const char* what) {
+  if (status != hipSuccess) {
+    throw std::runtime_error(std::string("portattn ROCm: ") + what + " failed: " +
+                             hipGetErrorName(status) + " (" + hipGetErrorString(status) + ")");
+  }
+}
+
+// "gfx90a:sramecc+:xnack-" -> "gfx90a", cached per device.
+const std::string& device_arch(int device) {
+  static std::string cache[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) throw std::runtime_error("portattn ROCm: device index out of range");
+  if (cache[device].empty()) {
+    hipDeviceProp_t props;
+    check_hip(hipGetDeviceProperties(&props, device), "hipGetDeviceProperties");
+    const std::string name = props.gcnArchName;
+    cache[device] = name.substr(0, name.find(':'));
+  }
+  return cache[device];
+}
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument("portattn ROCm: " + message);
+}
+
+void check_aligned(const void* pointer, const char* name) {
+  require(reinterpret_cast<std::uintptr_t>(pointer) % kPointerAlignment == 0,
+          std::string(name) + " must be " + std::to_string(kPointerAlignment) + "-byte aligned");
+}
+
+void check_strides(const PortattnTensor4& strides, const char* name) {
+  for (const int64_t stride : {strides.batch_stride, strides.row_stride, strides.head_stride}) {
+    require(stride % kStrideMultiple == 0,
+            std::string(name) + " strides must be multiples of " + std::to_string(kStrideMultiple) +
+                " elements, got " + std::to_string(stride));
+  }
+}
+
+void check_fwd_invariants(const PortattnFwdParams& p) {
+  require(p.dtype == PORTATTN_FP16 || p.dtype == PORTATTN_BF16, "dtype must be fp16 or bf16");
+  require(p.batch > 0 && p.nheads > 0 && p.nheads_k > 0 && p.nheads % p.nheads_k == 0,
+          "batch, nheads, nheads_k must be positive with nheads % nheads_k == 0");
+  require(p.headdim > 0 && p.headdim % 8 == 0, "headdim must be a positive multiple of 8");
+  require(p.seqlen_q >= 0 && p.seqlen_k >= 0, "sequence lengths must be non-negative");
+  require((p.cu_seqlens_q == nullptr) == (p.cu_seqlens_k == nullptr),
+          "cu_seqlens_q and cu_seqlens_k are given together");
+  require(p.dropout_p >= 0.f && p.dropout_p < 1.f, "dropout_p must be in [0, 1)");
+  require(p.softcap >= 0.f, "softcap must be >= 0");
+  require(p.q && p.k && p.v && p.out && p.lse, "q, k, v, out and lse must be non-null");
+  check_aligned(p.q, "q");
+  check_aligned(p.k, "k");
+  check_aligned(p.v, "v");
+  check_aligned(p.out, "out");
+  check_strides(p.q_strides, "q");
+  check_strides(p.k_strides, "k");
+  check_strides(p.v_strides, "v");
+  check_strides(p.out_strides, "out");
+}
+
+const FwdVariant& find_fwd_variant(const std::string& arch, int dtype, int headdim) {
+  const FwdVariant* best = nullptr;
+  bool arch_built = false;
+  for (int index = 0; index < kNumFwdVariants; ++index) {
+    const FwdVariant& variant = kFwdVariants[index];
+    if (arch != variant.arch) continue;
+    arch_built = true;
+    if (variant.dtype != dtype || variant.head_dim < headdim) continue;
+    if (best == nullptr || variant.head_dim < best->head_dim) best = &variant;
+  }
+  if (!arch_built) {
+    throw std::invalid_argument("portattn ROCm: this build has no kernels for " + arch +
+                                "; rebuild with PORTATTN_HIP_ARCHS including it");
+  }
+  if (best == nullptr) {
+    throw std::invalid_argument("portattn ROCm: no kernel built for dtype " + std::to_string(dtype) +
+                                " and head dim " + std::to_string(headdim) + " on " + arch +
+                                " (see PORTATTN_DTYPES / PORTATTN_HEADDIMS)");
+  }
+  return *best;
+}
+
+void fwd(const PortattnFwdParams& params) {
+  check_fwd_invariants(params);
+  if (params.batch == 0 || params.seqlen_q == 0) return;
+  int device = 0;
+  check_hip(hipGetDevice(&device), "hipGetDevice");
+  const FwdVariant& variant = find_fwd_variant(device_arch(device), params.dtype, params.headdim);
+  check_hip(static_cast<hipError_t>(variant.launch(&params)), "forward kernel launch");
+}
+
+py::dict build_config() {
+  std::vector<std::string> archs, dtypes;
+  std::vector<int> head_dims;
+  auto add_unique = [](auto& list, const auto& value) {
+    for (const auto& existing : list)
+      if (existing == value) return;
+    list.push_back(value);
+  };
+  for (int index = 0; index < kNumFwdVariants; ++index) {
+    const FwdVariant& variant = kFwdVariants[index];
+    add_unique(archs, std::string(variant.arch));
+    add_unique(dtypes, std::string(variant.dtype == PORTATTN_BF16 ? "bfloat16" : "float16"));
+    add_unique(head_dims, variant.head_dim);
+  }
+  py::dict compilers;
+  for (int index = 0; index < kNumArchCompilers; ++index) {
+    compilers[kArchCompilers[index].arch] = kArchCompilers[index].compiler;
+  }
+  py::dict config;
+  config["archs"] = archs;
+  config["dtypes"] = dtypes;
+  config["head_dims"] = head_dims;
+  config["compilers"] = compilers;
+  config["features"] = kFeatures;
+  config["hip_runtime_version"] = HIP_VERSION;
+  return config;
+}
+
+// Pointers cross as Python ints (tensor.data_ptr()), strides as 3-tuples.
+template <class T>
+void bind_pointer(py::class_<PortattnFwdParams>& cls, const char* name, T* PortattnFwdParams::*field) {
+  cls.def_property(
+      name, [field](const PortattnFwdParams& p) { return reinterpret_cast<std::uintptr_t>(p.*field); },
+      [field](PortattnFwdParams& p, std::uintptr_t value) { p.*field = reinterpret_cast<T*>(value); });
+}
+
+void bind_strides(py::class_<PortattnFwdParams>& cls, const char* name,
+                  PortattnTensor4 PortattnFwdParams::*field) {
+  cls.def_property(
+      name,
+      [field](const PortattnFwdParams& p) {
+        const PortattnTensor4& s = p.*field;
+        return std::make_tuple(s.batch_stride, s.row_stride, s.head_stride);
+      },
+      [field](PortattnFwdParams& p, std::tuple<int64_t, int64_t, int64_t> value) {
+        p.*field = PortattnTensor4{std::get<0>(value), std::get<1>(value), std::get<2>(value)};
+      });
+}
+
+}  // namespace
+}  // namespace rocm
+}  // namespace portattn
+
+PYBIND11_MODULE(_C, m) {
+  using namespace portattn::rocm;
+  m.doc() = "portattn ROCm kernels (MFMA, gfx90a / gfx942)";
+  py::class_<PortattnFwdParams> params(m, "FwdParams");
+  params.def(py::init([]() { return PortattnFwdParams{}; }));
+  bind_pointer(params, "q", &PortattnFwdParams::q);
+  bind_pointer(params, "k", &PortattnFwdParams::k);
+  bind_pointer(params, "v", &PortattnFwdParams::v);
+  bind_pointer(params, "out", &PortattnFwdParams::out);
+  bind_pointer(params, "lse", &PortattnFwdParams::lse);
+  bind_pointer(params, "cu_seqlens_q", &PortattnFwdParams::cu_seqlens_q);
+  bind_pointer(params, "cu_seqlens_k", &PortattnFwdParams::cu_seqlens_k);
+  bind_pointer(params, "seqused_k", &PortattnFwdParams::seqused_k);
+  bind_pointer(params, "alibi_slopes", &PortattnFwdParams::alibi_slopes);
+  bind_pointer(params, "stream", &PortattnFwdParams::stream);
+  bind_strides(params, "q_strides", &PortattnFwdParams::q_strides);
+  bind_strides(params, "k_strides", &PortattnFwdParams::k_strides);
+  bind_strides(params, "v_strides", &PortattnFwdParams::v_strides);
+  bind_strides(params, "out_strides", &PortattnFwdParams::out_strides);
+  params.def_readwrite("lse_batch_stride", &PortattnFwdParams::lse_batch_stride)
+      .def_readwrite("lse_head_stride", &PortattnFwdParams::lse_head_stride)
+      .def_readwrite("dtype", &PortattnFwdParams::dtype)
+      .def_readwrite("batch", &PortattnFwdParams::batch)
+      .def_readwrite("nheads", &PortattnFwdParams::nheads)
+      .def_readwrite("nheads_k", &PortattnFwdParams::nheads_k)
+      .def_readwrite("headdim", &PortattnFwdParams::headdim)
+      .def_readwrite("seqlen_q", &PortattnFwdParams::seqlen_q)
+      .def_readwrite("seqlen_k", &PortattnFwdParams::seqlen_k)
+      .def_readwrite("softmax_scale", &PortattnFwdParams::softmax_scale)
+      .def_readwrite("softcap", &PortattnFwdParams::softcap)
+      .def_readwrite("window_left", &PortattnFwdParams::window_left)
+      .def_readwrite("window_right", &PortattnFwdParams::window_right)
+      .def_readwrite("alibi_batch_stride", &PortattnFwdParams::alibi_batch_stride)
+      .def_readwrite("dropout_p", &PortattnFwdParams::dropout_p)
+      .def_readwrite("philox_seed", &PortattnFwdParams::philox_seed)
+      .def_readwrite("philox_offset", &PortattnFwdParams::philox_offset);
+  m.def("fwd", &fwd, "forward attention (PortattnFwdParams)", py::arg("params"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("build_config", &build_config, "what this binary was built with");
+  m.def("device_count", []() {
+    int count = 0;
+    const hipError_t status = hipGetDeviceCount(&count);
+    return std::make_tuple(status == hipSuccess ? count : 0, std::string(hipGetErrorName(status)));
+  }, "(number of HIP devices, hip status name)");
+}
