@@ -373,3 +373,19 @@ def test_device_info_matches_probe(monkeypatch):
     fakes = [probe.fake_device("h100"), probe.fake_device("h200", index=1)]
     monkeypatch.setattr(probe, "_cache", {True: (fakes, [])})
     assert probe.device_info(1).name == "NVIDIA H200"
+
+
+def test_build_reported_smem_budgets_replace_the_static_rule():
+    bwd256 = call(head_dim=256, features=("forward", "backward"))
+    rtx4090 = probe.fake_device("rtx4090")
+    # The kernel's own budget (82 KiB for hd256) fits 99 KiB: the 144 KiB default no longer applies.
+    fits = {"head_dims": [128, 256], "smem_bytes": {"backward": {"128": 73 * KIB, "256": 82 * KIB}}}
+    assert matrix.check_call("cuda", rtx4090, bwd256, fits) == []
+    # A head dim is judged by the built variant that serves it (hd 136 -> the hd 256 kernel).
+    too_big = {"head_dims": [128, 256], "smem_bytes": {"backward": {128: 73 * KIB, 256: 100 * KIB}}}
+    reasons = matrix.check_call("cuda", rtx4090, call(head_dim=136, features=("forward", "backward")), too_big)
+    assert reasons == [
+        "backward with head_dim 136 needs 100 KiB of opt-in shared memory per block "
+        "(this build's smallest tile for head dim 256); NVIDIA GeForce RTX 4090 has 99 KiB"
+    ]
+    assert matrix.check_call("cuda", rtx4090, call(head_dim=136), too_big) == []  # forward only

@@ -13,7 +13,9 @@ build contains: {"archs": [...], "head_dims": [...], "dtypes": [...]} and
 optionally "ptx": bool or a list of archs with PTX embedded. Arch entries may
 be spelled "sm80", "sm_80", "80", "8.0", "8.0+PTX", "compute_80" or "gfx942".
 A call's head dim is served by the smallest built head dim >= it (kernels
-mask the rest).
+mask the rest). An optional "smem_bytes": {feature: {head_dim: bytes}} gives
+the least opt-in shared memory each kernel family needs per built head dim;
+it replaces the declaration's ResourceRules for those features.
 """
 from __future__ import annotations
 
@@ -145,20 +147,39 @@ def _check_features(spec: BackendSpec, call: CallSpec) -> List[str]:
     return reasons
 
 
-def _check_resources(spec: BackendSpec, device: Optional[DeviceInfo], call: CallSpec) -> List[str]:
+def _check_resources(spec: BackendSpec, device: Optional[DeviceInfo], call: CallSpec, build: dict) -> List[str]:
     # Unknown opt-in memory (a text-tool probe) is not a reason: the kernel launch checks it.
     if device is None or device.smem_per_block_optin is None or device.vendor != (spec.vendor or device.vendor):
         return []
+    have = device.smem_per_block_optin
+    head_dim = max(call.head_dim, call.head_dim_v)
+    # A build that reports its kernels' smallest shared-memory budgets decides for those features.
+    budgets = build.get("smem_bytes") or {}
     reasons = []
     for rule in spec.resource_rules:
-        head_dim = max(call.head_dim, call.head_dim_v)
-        if rule.applies(call.features, head_dim) and device.smem_per_block_optin < rule.min_smem_optin:
+        if any(f in budgets for f in rule.features):
+            continue
+        if rule.applies(call.features, head_dim) and have < rule.min_smem_optin:
             what = " + ".join(rule.features)
             reasons.append(
                 f"{what} with head_dim {head_dim} > {rule.head_dim_above} needs {_kib(rule.min_smem_optin)} "
-                f"of opt-in shared memory per block ({rule.why}); {device.name} has {_kib(device.smem_per_block_optin)}"
+                f"of opt-in shared memory per block ({rule.why}); {device.name} has {_kib(have)}"
+            )
+    for feature, per_head_dim in budgets.items():
+        table = {int(d): int(n) for d, n in per_head_dim.items()}
+        served = _served_head_dim(table, head_dim)
+        if call.uses(feature) and served is not None and table[served] > have:
+            reasons.append(
+                f"{feature} with head_dim {head_dim} needs {_kib(table[served])} of opt-in shared memory per "
+                f"block (this build's smallest tile for head dim {served}); {device.name} has {_kib(have)}"
             )
     return reasons
+
+
+def _served_head_dim(built, head_dim: int) -> Optional[int]:
+    """The built head dim that serves `head_dim`: the smallest one >= it."""
+    fitting = [d for d in built if d >= head_dim]
+    return min(fitting) if fitting else None
 
 
 def _kib(nbytes: int) -> str:
@@ -171,9 +192,9 @@ def _check_build(spec: BackendSpec, device: Optional[DeviceInfo], call: CallSpec
     if dtypes and call.dtype in spec.dtypes and call.dtype not in dtypes:
         reasons.append(f"dtype {call.dtype} not built (this build: PORTATTN_DTYPES={','.join(dtypes)})")
     head_dims = sorted(int(d) for d in build.get("head_dims") or ())
-    if head_dims:
-        need = max(call.head_dim, call.head_dim_v)
-        if need > head_dims[-1] and (spec.head_dim_max is None or need <= spec.head_dim_max):
+    need = max(call.head_dim, call.head_dim_v)
+    if head_dims and _served_head_dim(head_dims, need) is None:
+        if spec.head_dim_max is None or need <= spec.head_dim_max:
             reasons.append(
                 f"head_dim {need} not built (this build: PORTATTN_HEADDIMS={','.join(map(str, head_dims))}; "
                 f"a head dim is served by the smallest built one >= it)"
@@ -237,7 +258,7 @@ def check_call(
     reasons += _check_dtype(spec, call)
     reasons += _check_head_dims(spec, call)
     reasons += _check_features(spec, call)
-    reasons += _check_resources(spec, device, call)
+    reasons += _check_resources(spec, device, call, build_config or {})
     if build_config:
         reasons += _check_build(spec, device, call, build_config)
     return reasons
