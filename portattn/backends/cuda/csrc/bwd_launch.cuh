@@ -24,7 +24,7 @@ namespace cuda {
 //   hd 160   64x64x1   89 KB   (head-dim halves over grid.z from here on)
 //   hd 192   64x32x1   77 KB
 //   hd 224   64x32x1   89 KB
-//   hd 256   64x16x1   82 KB   (64x32 would need 100 KB, 1 KB over sm86/89)
+//   hd 256   64x32x1  100 KB   sm80/sm90;    48x32x1  83 KB elsewhere (3 warps)
 // Each warp owns 16 keys, so kBlockN = 128 means 8 warps; the dK + dV
 // accumulators then cost kDOut registers per thread (<= 128), which is what
 // caps the unsplit head dim at 128. Two Q/dO stages are worth a full tile of
@@ -67,7 +67,7 @@ struct BwdConfigsFor<224> {
 };
 template <>
 struct BwdConfigsFor<256> {
-  using type = BwdCandidates<BwdTileConfig<256, 64, 16, 1>>;
+  using type = BwdCandidates<BwdTileConfig<256, 64, 32, 1>, BwdTileConfig<256, 48, 32, 1>>;
 };
 
 // ---- workspace -------------------------------------------------------------------------
