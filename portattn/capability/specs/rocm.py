@@ -6,7 +6,16 @@ in VERIFIED once the GPU suite passed on that hardware.
 from ..archs import ArchRange
 from ..declare import BackendSpec
 
-SUPPORTED = frozenset()
+# Exactly the forward features the HIP kernels implement: module.cpp's
+# build_config()["features"] lists the same set and tests/test_rocm_isa.py keeps
+# them equal. Nothing here has run on AMD hardware: every entry is "compiled".
+SUPPORTED = frozenset({"forward", "causal", "window", "softcap", "alibi", "dropout", "gqa", "varlen"})
+
+UNSUPPORTED_NOTES = {
+    "backward": "not written yet for ROCm; the backward runs on the reference backend",
+    "deterministic_backward": "no ROCm backward yet; the reference backend runs it",
+    "paged_kv": "no block-table reads in the HIP kernels; the reference backend runs it",
+}
 
 # arch name -> features our GPU suite passed on that hardware.
 VERIFIED = {}
@@ -24,6 +33,7 @@ SPEC = BackendSpec(
     head_dim_max=256,
     supported=SUPPORTED,
     verified=VERIFIED,
+    unsupported_notes=UNSUPPORTED_NOTES,
     build_arch_env="PORTATTN_HIP_ARCHS",
     fallback_when_unbuilt="install with ROCm (hipcc) available to build it",
 )

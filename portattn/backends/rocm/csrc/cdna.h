@@ -78,6 +78,21 @@ struct HalfWaveReduce {
   static __device__ __forceinline__ float sum(float x) { return x + __shfl_xor(x, 32); }
 };
 
+// Moves a wave-uniform value into a VGPR. The compiler keeps uniform values
+// (and everything derived from them, e.g. Philox's ten round keys, hoisted out
+// of the key loop) in SGPRs, of which a wave has only ~100; at 1-2 waves per
+// SIMD VGPRs are the plentiful file, so the dropout key schedule lives there.
+__device__ __forceinline__ uint32_t in_vgpr(uint32_t x) {
+  uint32_t y;
+  asm volatile("v_mov_b32 %0, %1" : "=v"(y) : "s"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint64_t in_vgpr(uint64_t x) {
+  return (static_cast<uint64_t>(in_vgpr(static_cast<uint32_t>(x >> 32))) << 32) |
+         in_vgpr(static_cast<uint32_t>(x));
+}
+
 template <class T>
 __device__ __forceinline__ T load(const void* ptr) {
   return *reinterpret_cast<const T*>(ptr);

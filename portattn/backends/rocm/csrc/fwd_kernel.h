@@ -169,6 +169,8 @@ fwd_kernel(const PortattnFwdParams p) {
   const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
   const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
   const int philox_head = b * p.nheads + h;
+  const uint64_t philox_seed = use_dropout ? in_vgpr(p.philox_seed) : 0;
+  const uint64_t philox_offset = use_dropout ? in_vgpr(p.philox_offset) : 0;
 
   f32x16 acc_o[Tile::kDimTiles];
 #pragma unroll
@@ -242,7 +244,7 @@ fwd_kernel(const PortattnFwdParams p) {
         for (int e = 0; e < 4; ++e) pr[e] = rS[0][t * 16 + 4 * s + e];
         if (use_dropout) {
           const int j0 = n0 + t * kMfmaM + s * kMfmaK + 4 * lh;
-          const Philox4 bits = dropout_random4(p.philox_seed, p.philox_offset, philox_head, i, j0);
+          const Philox4 bits = dropout_random4(philox_seed, philox_offset, philox_head, i, j0);
           if (bits.x < drop_threshold) pr[0] = 0.f;
           if (bits.y < drop_threshold) pr[1] = 0.f;
           if (bits.z < drop_threshold) pr[2] = 0.f;

@@ -36,10 +36,10 @@ const std::vector<std::string> kFeatures = {"forward", "causal", "window", "soft
                                             "dropout", "gqa",    "varlen"};
 
 void check_hip(hipError_t status, const char* what) {
-  if (status != hipSuccess) {
-    throw std::runtime_error(std::string("portattn ROCm: ") + what + " failed: " +
-                             hipGetErrorName(status) + " (" + hipGetErrorString(status) + ")");
-  }
+  if (status == hipSuccess) return;
+  const std::string name = hipGetErrorName(status), text = hipGetErrorString(status);
+  throw std::runtime_error(std::string("portattn ROCm: ") + what + " failed: " + name +
+                           (text == name ? "" : " (" + text + ")"));
 }
 
 // "gfx90a:sramecc+:xnack-" -> "gfx90a", cached per device.
@@ -152,25 +152,62 @@ py::dict build_config() {
   return config;
 }
 
-// Pointers cross as Python ints (tensor.data_ptr()), strides as 3-tuples.
-template <class T>
-void bind_pointer(py::class_<PortattnFwdParams>& cls, const char* name, T* PortattnFwdParams::*field) {
-  cls.def_property(
-      name, [field](const PortattnFwdParams& p) { return reinterpret_cast<std::uintptr_t>(p.*field); },
-      [field](PortattnFwdParams& p, std::uintptr_t value) { p.*field = reinterpret_cast<T*>(value); });
+// The same argument list as the CUDA module's fwd (one Python marshalling for
+// both vendors): pointers as ints, strides as torch's stride tuples of a 4-d
+// (B, S, H, D) or varlen 3-d (total, H, D) tensor.
+PortattnTensor4 tensor4(const std::vector<int64_t>& strides) {
+  if (strides.size() == 4) return PortattnTensor4{strides[0], strides[1], strides[2]};
+  if (strides.size() == 3) return PortattnTensor4{0, strides[0], strides[1]};
+  throw std::invalid_argument("portattn ROCm: expected the strides of a 3-d or 4-d tensor");
 }
 
-void bind_strides(py::class_<PortattnFwdParams>& cls, const char* name,
-                  PortattnTensor4 PortattnFwdParams::*field) {
-  cls.def_property(
-      name,
-      [field](const PortattnFwdParams& p) {
-        const PortattnTensor4& s = p.*field;
-        return std::make_tuple(s.batch_stride, s.row_stride, s.head_stride);
-      },
-      [field](PortattnFwdParams& p, std::tuple<int64_t, int64_t, int64_t> value) {
-        p.*field = PortattnTensor4{std::get<0>(value), std::get<1>(value), std::get<2>(value)};
-      });
+template <class T>
+T* as_pointer(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void fwd_entry(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out, std::uintptr_t lse,
+               const std::vector<int64_t>& q_strides, const std::vector<int64_t>& k_strides,
+               const std::vector<int64_t>& v_strides, const std::vector<int64_t>& out_strides,
+               int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads,
+               int nheads_k, int headdim, int seqlen_q, int seqlen_k, std::uintptr_t cu_seqlens_q,
+               std::uintptr_t cu_seqlens_k, std::uintptr_t seqused_k, float softmax_scale, float softcap,
+               int window_left, int window_right, std::uintptr_t alibi_slopes, int64_t alibi_batch_stride,
+               float dropout_p, uint64_t philox_seed, uint64_t philox_offset, std::uintptr_t stream) {
+  PortattnFwdParams p{};
+  p.q = as_pointer<const void>(q);
+  p.k = as_pointer<const void>(k);
+  p.v = as_pointer<const void>(v);
+  p.out = as_pointer<void>(out);
+  p.lse = as_pointer<float>(lse);
+  p.q_strides = tensor4(q_strides);
+  p.k_strides = tensor4(k_strides);
+  p.v_strides = tensor4(v_strides);
+  p.out_strides = tensor4(out_strides);
+  p.lse_batch_stride = lse_batch_stride;
+  p.lse_head_stride = lse_head_stride;
+  p.dtype = dtype;
+  p.batch = batch;
+  p.nheads = nheads;
+  p.nheads_k = nheads_k;
+  p.headdim = headdim;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.cu_seqlens_q = as_pointer<const int32_t>(cu_seqlens_q);
+  p.cu_seqlens_k = as_pointer<const int32_t>(cu_seqlens_k);
+  p.seqused_k = as_pointer<const int32_t>(seqused_k);
+  p.softmax_scale = softmax_scale;
+  p.softcap = softcap;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.alibi_slopes = as_pointer<const float>(alibi_slopes);
+  p.alibi_batch_stride = alibi_batch_stride;
+  p.dropout_p = dropout_p;
+  p.philox_seed = philox_seed;
+  p.philox_offset = philox_offset;
+  p.stream = as_pointer<void>(stream);
+  py::gil_scoped_release no_gil;
+  fwd(p);
 }
 
 }  // namespace
@@ -179,46 +216,15 @@ void bind_strides(py::class_<PortattnFwdParams>& cls, const char* name,
 
 PYBIND11_MODULE(_C, m) {
   using namespace portattn::rocm;
-  m.doc() = "portattn ROCm kernels (MFMA, gfx90a / gfx942)";
-  py::class_<PortattnFwdParams> params(m, "FwdParams");
-  params.def(py::init([]() { return PortattnFwdParams{}; }));
-  bind_pointer(params, "q", &PortattnFwdParams::q);
-  bind_pointer(params, "k", &PortattnFwdParams::k);
-  bind_pointer(params, "v", &PortattnFwdParams::v);
-  bind_pointer(params, "out", &PortattnFwdParams::out);
-  bind_pointer(params, "lse", &PortattnFwdParams::lse);
-  bind_pointer(params, "cu_seqlens_q", &PortattnFwdParams::cu_seqlens_q);
-  bind_pointer(params, "cu_seqlens_k", &PortattnFwdParams::cu_seqlens_k);
-  bind_pointer(params, "seqused_k", &PortattnFwdParams::seqused_k);
-  bind_pointer(params, "alibi_slopes", &PortattnFwdParams::alibi_slopes);
-  bind_pointer(params, "stream", &PortattnFwdParams::stream);
-  bind_strides(params, "q_strides", &PortattnFwdParams::q_strides);
-  bind_strides(params, "k_strides", &PortattnFwdParams::k_strides);
-  bind_strides(params, "v_strides", &PortattnFwdParams::v_strides);
-  bind_strides(params, "out_strides", &PortattnFwdParams::out_strides);
-  params.def_readwrite("lse_batch_stride", &PortattnFwdParams::lse_batch_stride)
-      .def_readwrite("lse_head_stride", &PortattnFwdParams::lse_head_stride)
-      .def_readwrite("dtype", &PortattnFwdParams::dtype)
-      .def_readwrite("batch", &PortattnFwdParams::batch)
-      .def_readwrite("nheads", &PortattnFwdParams::nheads)
-      .def_readwrite("nheads_k", &PortattnFwdParams::nheads_k)
-      .def_readwrite("headdim", &PortattnFwdParams::headdim)
-      .def_readwrite("seqlen_q", &PortattnFwdParams::seqlen_q)
-      .def_readwrite("seqlen_k", &PortattnFwdParams::seqlen_k)
-      .def_readwrite("softmax_scale", &PortattnFwdParams::softmax_scale)
-      .def_readwrite("softcap", &PortattnFwdParams::softcap)
-      .def_readwrite("window_left", &PortattnFwdParams::window_left)
-      .def_readwrite("window_right", &PortattnFwdParams::window_right)
-      .def_readwrite("alibi_batch_stride", &PortattnFwdParams::alibi_batch_stride)
-      .def_readwrite("dropout_p", &PortattnFwdParams::dropout_p)
-      .def_readwrite("philox_seed", &PortattnFwdParams::philox_seed)
-      .def_readwrite("philox_offset", &PortattnFwdParams::philox_offset);
-  m.def("fwd", &fwd, "forward attention (PortattnFwdParams)", py::arg("params"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("build_config", &build_config, "what this binary was built with");
-  m.def("device_count", []() {
-    int count = 0;
-    const hipError_t status = hipGetDeviceCount(&count);
-    return std::make_tuple(status == hipSuccess ? count : 0, std::string(hipGetErrorName(status)));
-  }, "(number of HIP devices, hip status name)");
+  m.doc() = "portattn ROCm kernels (MFMA, gfx90a / gfx942); see portattn/backends/rocm/__init__.py";
+  m.def("fwd", &fwd_entry, "forward attention over raw pointers (see backends/common/params.h)");
+  m.def("build_config", &build_config, "what this binary contains: archs, dtypes, head_dims, features");
+  m.def(
+      "device_count",
+      []() {
+        int count = 0;
+        const hipError_t status = hipGetDeviceCount(&count);
+        return std::make_tuple(status == hipSuccess ? count : 0, std::string(hipGetErrorName(status)));
+      },
+      "(number of HIP devices, HIP status name)");
 }
