@@ -166,6 +166,16 @@ int64_t bwd_workspace_bytes(int batch, int nheads, int nheads_k, int headdim, in
   p.deterministic = deterministic ? 1 : 0;
   return portattn_cuda_bwd_workspace_bytes(&p);
 }
+// The support matrix's per-head-dim shared-memory budgets (capability/matrix.py
+// "smem_bytes"): what the smallest backward block shape of each built head dim
+// needs, so a device is judged by the kernels actually built.
+py::dict smem_budgets(const py::list& head_dims) {
+  py::dict backward;
+  for (py::handle hd : head_dims) backward[hd] = portattn_cuda_bwd_smem_bytes(hd.cast<int>());
+  py::dict budgets;
+  budgets["backward"] = backward;
+  return budgets;
+}
 // ---- end backward ----
 
 py::dict build_config() {
@@ -195,6 +205,7 @@ py::dict build_config() {
   config["ptx"] = ptx;
   config["head_dims"] = head_dims;
   config["dtypes"] = dtypes;
+  config["smem_bytes"] = smem_budgets(head_dims);
   return config;
 }
 
