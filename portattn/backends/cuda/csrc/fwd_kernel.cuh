@@ -51,6 +51,7 @@ struct FwdTileConfig {
   // 255 registers per thread and fit one CTA only.
   static constexpr int kMinBlocksPerSm = kWarps == 4 ? 2 : 1;
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
+  static_assert(kBlockN / 4 <= 32, "dropout keep bits of one row fit one 32-bit word");
 };
 
 template <int kHeadDim, typename Elem>
@@ -301,15 +302,21 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           const int i = m0 + row_of(r);
-#pragma unroll
-          for (int c = 0; c < kSCols; c += 2) {
-            const int j = n0 + col_of(c);  // even, so j and j + 1 share one Philox call
+          // Keep bits first, in a rolled loop (Philox is ~40 instructions and
+          // unrolling it per element costs hundreds of registers), then apply.
+          uint32_t keep = 0;
+#pragma unroll 1
+          for (int pair = 0; pair < kSCols / 2; ++pair) {
+            const int j = n0 + pair * 8 + col0;  // even: j and j + 1 share one Philox call
             const Philox4 rnd =
                 dropout_random4(params.philox_seed, params.philox_offset, bh, i, j & ~3);
             const bool upper = (j & 2) != 0;
-            if ((upper ? rnd.z : rnd.x) < threshold) s[r][c] = 0.f;
-            if ((upper ? rnd.w : rnd.y) < threshold) s[r][c + 1] = 0.f;
+            keep |= static_cast<uint32_t>((upper ? rnd.z : rnd.x) >= threshold) << (2 * pair);
+            keep |= static_cast<uint32_t>((upper ? rnd.w : rnd.y) >= threshold) << (2 * pair + 1);
           }
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c)
+            if (((keep >> c) & 1u) == 0) s[r][c] = 0.f;
         }
       }
 

@@ -1,0 +1,88 @@
+"""CUDA backend: FlashAttention-2-class kernels for NVIDIA sm80+ (csrc/, built by build.py).
+
+The compiled module `_C` takes raw pointers, strides and the stream
+(backends/common/params.h); this class turns tensors into those. `forward`
+is on the hot path of every small call, so it does no validation (done in
+portattn/validation.py), builds no dicts and copies nothing: it reads
+shapes, pointers and stride tuples and makes one pybind11 call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...capability.callspec import CallSpec
+from ..base import Backend
+
+try:
+    from . import _C  # type: ignore[attr-defined]
+
+    _IMPORT_ERROR = ""
+except ImportError as error:  # not built (no nvcc at install time) or built for another Python
+    _C = None
+    _IMPORT_ERROR = f"the CUDA module is not built ({error})"
+
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.unavailable_reason = _IMPORT_ERROR
+        self._build_config = _C.build_config() if _C is not None else None
+        self._devices: Optional[list] = None
+
+    def build_config(self) -> Optional[dict]:
+        return self._build_config
+
+    def _device_info(self):
+        if self._devices is None:
+            from ...capability.probe import probe_devices
+
+            self._devices = [d for d in probe_devices() if d.vendor == "nvidia"]
+        if not self._devices or not torch.cuda.is_available():
+            return None
+        index = torch.cuda.current_device()
+        return self._devices[index] if index < len(self._devices) else None
+
+    def unsupported_reasons(self, call: CallSpec) -> list[str]:
+        from ...capability.matrix import check_call
+
+        if self.unavailable_reason:
+            return [self.unavailable_reason]
+        if torch.version.hip is not None:
+            return ["this torch is a ROCm build (the CUDA backend needs CUDA)"]
+        return check_call("cuda", self._device_info(), call, self._build_config)
+
+    def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                rng_seed, rng_offset) -> None:
+        if cu_seqlens_q is None:
+            batch, seqlen_q, nheads, headdim = q.shape
+            seqlen_k = k.shape[1]
+            nheads_k = k.shape[2]
+            cu_q = cu_k = 0
+            lse_batch_stride, lse_head_stride = lse.stride(0), lse.stride(1)
+        else:
+            _, nheads, headdim = q.shape
+            nheads_k = k.shape[1]
+            batch = cu_seqlens_q.shape[0] - 1
+            seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+            cu_q, cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+            lse_batch_stride, lse_head_stride = 0, lse.stride(0)
+        if alibi_slopes is None:
+            alibi, alibi_batch_stride = 0, 0
+        else:
+            alibi = alibi_slopes.data_ptr()
+            alibi_batch_stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+        _C.fwd(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            q.stride(), k.stride(), v.stride(), out.stride(), lse_batch_stride, lse_head_stride,
+            _DTYPE_CODES[q.dtype], batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
+            cu_q, cu_k, 0, softmax_scale, softcap, window_left, window_right,
+            alibi, alibi_batch_stride, dropout_p, rng_seed, rng_offset,
+            _raw_stream(q.device.index),
+        )

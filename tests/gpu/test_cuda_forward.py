@@ -1,0 +1,225 @@
+"""GPU tests of the CUDA forward kernel (backends/cuda), against the float64 oracle.
+
+Error rule (DEVELOPERS.md): with the same low-precision inputs,
+    max|out - ref64| <= 2 * max|out_torch_lowp - ref64| + 1e-5
+where out_torch_lowp is the same naive math run by PyTorch in the input dtype.
+LSE uses the same rule against the naive LSE computed in float32 from the
+low-precision scores (LSE is an fp32 output). Outputs are NaN-poisoned before
+every launch, so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from naive import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+cuda_backend = pytest.importorskip("portattn.backends.cuda", reason="portattn CUDA backend not importable")
+if cuda_backend._C is None:
+    pytest.skip(f"portattn CUDA backend not built: {cuda_backend._IMPORT_ERROR}", allow_module_level=True)
+if not torch.cuda.is_available() or torch.version.hip is not None:
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+
+from portattn.backends.reference import philox_keep_mask  # noqa: E402
+
+BACKEND = cuda_backend.CudaBackend()
+DTYPES = [torch.float16, torch.bfloat16]
+# Instantiated head dims plus ones served by a larger variant with a masked tail.
+HEAD_DIMS = [32, 40, 64, 80, 96, 128, 160, 192, 200, 224, 256]
+SEQLENS = [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (4097, 1000)]
+
+
+def _run(q, k, v, *, window=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, seed=0, offset=0,
+         cu_q=None, cu_k=None, max_q=0, max_k=0, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.full_like(q, float("nan"))
+    if cu_q is None:
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    else:
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device)
+    BACKEND.forward(
+        q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+        max_seqlen_k=max_k, softmax_scale=scale, window_left=window[0], window_right=window[1],
+        softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p, rng_seed=seed, rng_offset=offset,
+    )
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _check(out, lse, q, k, v, **naive_options):
+    ref, ref_lse = naive_attention(q, k, v, compute_dtype=torch.float64, **naive_options)
+    low, _ = naive_attention(q, k, v, compute_dtype=q.dtype, **naive_options)
+    _, low_lse = naive_attention(q.float(), k.float(), v.float(), compute_dtype=torch.float32,
+                                 **naive_options)
+    assert not out.isnan().any(), "output has NaN (unwritten or bad math)"
+    assert not lse.isnan().any(), "lse has NaN (unwritten or bad math)"
+    err = (out.double() - ref).abs().max().item()
+    base = (low.double() - ref).abs().max().item()
+    assert err <= 2 * base + 1e-5, f"out error {err:.3e} > 2 x torch {out.dtype} error {base:.3e}"
+    # Rows with no visible key: -inf exactly, and out exactly 0 there.
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), "lse = -inf on a different set of rows"
+    finite = ~empty
+    if finite.any():
+        lse_err = (lse.double() - ref_lse)[finite].abs().max().item()
+        lse_base = (low_lse.double() - ref_lse)[finite].abs().max().item()
+        assert lse_err <= 2 * lse_base + 1e-4, f"lse error {lse_err:.3e} vs fp32 naive {lse_base:.3e}"
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_grid(dtype, head_dim, seqlens, causal):
+    seqlen_q, seqlen_k = seqlens
+    batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
+    q = _rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = _rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    v = _rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    out, lse = _run(q, k, v, window=(-1, 0 if causal else -1))
+    _check(out, lse, q, k, v, causal=causal)
+
+
+FEATURES = {
+    "window": dict(window=(37, 11)),
+    "window_left_only": dict(window=(100, -1)),
+    "window_right_only": dict(window=(-1, 5)),
+    "window_causal_local": dict(window=(64, 0)),
+    "softcap": dict(softcap=7.5),
+    "alibi_h": dict(alibi="h"),
+    "alibi_bh": dict(alibi="bh"),
+    "all": dict(window=(90, 0), softcap=20.0, alibi="bh"),
+}
+
+
+@pytest.mark.parametrize("gqa", [1, 6], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("seqlens", [(113, 203), (1000, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("head_dim", [80, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_features(dtype, head_dim, feature, seqlens, gqa):
+    options = dict(FEATURES[feature])
+    seqlen_q, seqlen_k = seqlens
+    batch, heads = 2, 6
+    q = _rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = _rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    v = _rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    alibi = options.pop("alibi", None)
+    if alibi == "h":
+        alibi = torch.rand(heads, device="cuda") * 0.3
+    elif alibi == "bh":
+        alibi = torch.rand(batch, heads, device="cuda") * 0.3
+    out, lse = _run(q, k, v, alibi=alibi, **options)
+    _check(out, lse, q, k, v, alibi_slopes=alibi, **options)
+
+
+VARLEN = {
+    "mixed": ([0, 1, 17, 113, 300, 1], [5, 1, 0, 200, 300, 64]),
+    "equal": ([128, 1, 129], [128, 1, 129]),
+    "long": ([1000, 3, 0], [700, 1500, 0]),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("lengths", list(VARLEN))
+@pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_varlen(dtype, head_dim, lengths, gqa, causal):
+    lens_q, lens_k = VARLEN[lengths]
+    heads = 4
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
+    k = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+    v = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+    window = (-1, 0 if causal else -1)
+    out, lse = _run(q, k, v, window=window, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), max_k=max(lens_k))
+    _check(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("layout", ["qkv_packed", "heads_first", "kv_packed_sliced"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_forward_strided(layout, head_dim):
+    dtype, batch, seqlen, heads = torch.bfloat16, 2, 300, 4
+    if layout == "qkv_packed":
+        qkv = _rand(batch, seqlen, 3, heads, head_dim, dtype=dtype)
+        q, k, v = qkv.unbind(2)
+    elif layout == "heads_first":
+        q, k, v = (_rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2) for _ in range(3))
+    else:  # k/v interleaved along heads, queries a slice of a longer sequence
+        q = _rand(batch, seqlen + 64, heads, head_dim, dtype=dtype)[:, 32 : 32 + seqlen]
+        kv = _rand(batch, seqlen, heads, 2, head_dim, dtype=dtype)
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+    assert not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    out, lse = _run(q, k, v, window=(-1, 0))
+    _check(out, lse, q, k, v, causal=True)
+    # The output may be strided too.
+    out2 = torch.full((batch, heads, seqlen, head_dim), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
+    lse2 = torch.full((batch, heads, seqlen), float("nan"), device="cuda")
+    BACKEND.forward(q, k, v, out2, lse2, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                    max_seqlen_k=0, softmax_scale=head_dim**-0.5, window_left=-1, window_right=0,
+                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_fully_masked_rows_are_zero_with_lse_minus_inf():
+    # seqlen_q > seqlen_k with a causal mask: the first rows see no key at all;
+    # a narrow window with a large right offset also empties rows.
+    q = _rand(2, 300, 2, 64, dtype=torch.bfloat16)
+    k = _rand(2, 100, 2, 64, dtype=torch.bfloat16)
+    v = _rand(2, 100, 2, 64, dtype=torch.bfloat16)
+    out, lse = _run(q, k, v, window=(-1, 0))
+    assert torch.isinf(lse[:, :, :200]).all() and (lse[:, :, :200] < 0).all()
+    assert (out[:, :200] == 0).all()
+    _check(out, lse, q, k, v, causal=True)
+    slopes = torch.rand(2, device="cuda")
+    out, lse = _run(q, k, v, window=(3, 0), alibi=slopes)
+    assert torch.isinf(lse[:, :, :200]).all() and (out[:, :200] == 0).all()
+    _check(out, lse, q, k, v, window=(3, 0), alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("p", [0.17, 0.5])
+def test_dropout_matches_reference_mask(p, head_dim, varlen):
+    dtype, heads = torch.bfloat16, 3
+    seed, offset = 1234567, (5 << 32) + 77
+    if varlen:
+        lens_q, lens_k = [17, 130, 1], [200, 64, 33]
+        cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+        q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
+        k = _rand(sum(lens_k), heads, head_dim, dtype=dtype)
+        v = _rand(sum(lens_k), heads, head_dim, dtype=dtype)
+        batch, max_q, max_k = len(lens_q), max(lens_q), max(lens_k)
+        extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        out, lse = _run(q, k, v, dropout_p=p, seed=seed, offset=offset, cu_q=cu_q, cu_k=cu_k,
+                        max_q=max_q, max_k=max_k, window=(-1, 0))
+    else:
+        batch, max_q, max_k = 2, 211, 333
+        q = _rand(batch, max_q, heads, head_dim, dtype=dtype)
+        k = _rand(batch, max_k, heads, head_dim, dtype=dtype)
+        v = _rand(batch, max_k, heads, head_dim, dtype=dtype)
+        extra = {}
+        out, lse = _run(q, k, v, dropout_p=p, seed=seed, offset=offset, window=(-1, 0))
+    bh = torch.arange(batch * heads, device="cuda").reshape(batch, heads)
+    mask = philox_keep_mask(seed, offset, bh, range(max_q), range(max_k), p, device="cuda")
+    assert 0.3 < mask.float().mean().item() / (1 - p) < 3, "mask keeps a plausible fraction"
+    _check(out, lse, q, k, v, causal=True, dropout_mask=mask, dropout_p=p, **extra)
+
+
+def test_misaligned_view_raises_clear_error():
+    q = _rand(1, 64 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 1, 64)
+    k = v = _rand(1, 64, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        _run(q, k, v)
