@@ -11,7 +11,6 @@ torch it still prints the probe and the matrix (dispatch needs torch).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
@@ -31,7 +30,7 @@ _SYMBOL = {VERIFIED: "✅", COMPILED: "🟡", NO: "❌"}
 
 
 def _torch_state() -> dict:
-    if importlib.util.find_spec("torch") is None:
+    if not probe.torch_installed():
         return {"version": None, "build": None}
     try:
         import torch
@@ -171,7 +170,7 @@ def _portattn_version() -> Optional[str]:
 
 
 def _selftest(report_text: bool):
-    if importlib.util.find_spec("torch") is None:
+    if not probe.torch_installed():
         return {"error": "self-check not available: torch not installed"}
     try:
         from .selfcheck import run_selftest

@@ -389,3 +389,50 @@ def test_build_reported_smem_budgets_replace_the_static_rule():
         "(this build's smallest tile for head dim 256); NVIDIA GeForce RTX 4090 has 99 KiB"
     ]
     assert matrix.check_call("cuda", rtx4090, call(head_dim=136), too_big) == []  # forward only
+
+
+def _fake_torch(hip, props):
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: len(props),
+        get_device_properties=lambda i: props[i],
+        current_device=lambda: 0,
+    )
+    version = SimpleNamespace(hip=hip, cuda=None if hip else "12.8")
+    return SimpleNamespace(__version__="9.9", cuda=cuda, version=version)
+
+
+def test_probe_through_torch_nvidia(monkeypatch):
+    from types import SimpleNamespace
+
+    props = [
+        SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
+                        total_memory=80 << 30, warp_size=32, shared_memory_per_block_optin=227 * KIB),
+        SimpleNamespace(name="NVIDIA GB10", major=12, minor=1, multi_processor_count=48, total_memory=119 << 30),
+    ]
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(None, props))
+    devices = probe.probe_devices()
+    assert [d.arch.name for d in devices] == ["sm90", "sm121"]
+    assert devices[0].smem_per_block_optin == 227 * KIB and devices[0].source == "torch"
+    assert devices[0].runtime_version == "12.8" and devices[0].vendor == "nvidia"
+    # An older torch without the optin / warp_size fields: unknown memory, warp 32.
+    assert devices[1].smem_per_block_optin is None and devices[1].warp_size == 32
+
+
+def test_probe_through_torch_rocm(monkeypatch):
+    from types import SimpleNamespace
+
+    props = [
+        SimpleNamespace(name="AMD Instinct MI300X", major=9, minor=4, multi_processor_count=304,
+                        total_memory=192 << 30, warp_size=64, gcnArchName="gfx942:sramecc+:xnack-",
+                        shared_memory_per_block_optin=0, shared_memory_per_block=64 * KIB),
+        SimpleNamespace(name="odd", major=9, minor=4, multi_processor_count=1, total_memory=1, gcnArchName="???"),
+    ]
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch("6.3.1", props))
+    devices = probe.probe_devices()
+    assert devices[0].vendor == "amd" and devices[0].arch.name == "gfx942"
+    assert devices[0].smem_per_block_optin == 64 * KIB  # 0 opt-in falls back to the per-block limit
+    assert devices[0].runtime_version == "6.3.1"
+    assert devices[1].arch.family == "unknown" and not devices[1].arch.known

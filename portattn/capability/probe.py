@@ -106,7 +106,7 @@ def probe_devices(prefer_torch: bool = True) -> List[DeviceInfo]:
 
 
 def _probe_torch() -> List[DeviceInfo]:
-    if importlib.util.find_spec("torch") is None:
+    if not torch_installed():
         _notes.append("torch not installed")
         return []
     import torch
@@ -127,7 +127,8 @@ def _probe_torch() -> List[DeviceInfo]:
         else:
             arch = nvidia_arch(p.major, p.minor)
             warp = getattr(p, "warp_size", 32)
-        smem = getattr(p, "shared_memory_per_block_optin", None)
+        # Some ROCm releases report 0 opt-in memory; the plain per-block limit is then the limit.
+        smem = getattr(p, "shared_memory_per_block_optin", None) or getattr(p, "shared_memory_per_block", None)
         devices.append(
             DeviceInfo(
                 index=i,
@@ -144,6 +145,16 @@ def _probe_torch() -> List[DeviceInfo]:
             )
         )
     return devices
+
+
+def torch_installed() -> bool:
+    """Whether `import torch` can work, without importing it."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None  # None: deliberately blocked
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ValueError:
+        return False
 
 
 def _amd_arch_or_unknown(gcn_arch_name: str) -> Arch:
