@@ -244,6 +244,9 @@ def render_text(r: dict) -> str:
         lines.append(f"  {b['name']:<10} {avail}")
         if b["build_config"]:
             lines.append(f"  {'':<10} build: {_build_text(b['build_config'])}")
+        if b.get("selfcheck"):
+            checks = ", ".join(f"{where} {verdict}" for where, verdict in b["selfcheck"].items())
+            lines.append(f"  {'':<10} self-check: {checks}")
         if b.get("reasons") is not None:
             if b["reasons"]:
                 lines.append(f"  {'':<10} cannot serve the typical call on this device, because:")
