@@ -77,6 +77,12 @@ void check_fwd_invariants(const PortattnFwdParams& p) {
   require(p.batch > 0 && p.nheads > 0 && p.nheads_k > 0 && p.nheads % p.nheads_k == 0,
           "batch, nheads, nheads_k must be positive with nheads % nheads_k == 0");
   require(p.headdim > 0 && p.headdim % 8 == 0, "headdim must be a positive multiple of 8");
+  int max_head_dim = 0;
+  for (int index = 0; index < kNumFwdVariants; ++index) {
+    if (kFwdVariants[index].head_dim > max_head_dim) max_head_dim = kFwdVariants[index].head_dim;
+  }
+  require(p.headdim <= max_head_dim, "headdim " + std::to_string(p.headdim) + " > " +
+                                         std::to_string(max_head_dim) + ", the largest built");
   require(p.seqlen_q >= 0 && p.seqlen_k >= 0, "sequence lengths must be non-negative");
   require((p.cu_seqlens_q == nullptr) == (p.cu_seqlens_k == nullptr),
           "cu_seqlens_q and cu_seqlens_k are given together");

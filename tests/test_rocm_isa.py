@@ -1,0 +1,279 @@
+"""ROCm backend, statically: the device assembly of every kernel for gfx90a and gfx942.
+
+No AMD GPU is reachable, so nothing here runs a kernel. What the compiler
+produced is checked against each tile's designed budget (variants.FWD_TILES,
+the numbers fwd_kernel.h's docblock states): MFMA instructions of the right
+dtype present, no VGPR/SGPR spills, no scratch, LDS as designed and within
+64 KiB, and VGPR+AGPR few enough for the designed waves per SIMD.
+
+The build needs the toolchain from .ci/install_rocm_toolchain.sh (skips
+without it). PORTATTN_ROCM_BUILD_DIR names a build folder to create or reuse
+(ninja rebuilds only what changed); otherwise a temporary one is used.
+Also on CPU: the backend reports itself unavailable with a reason, and the
+module's implemented features equal the support declaration.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROCM_DIR = os.path.join(ROOT, "portattn", "backends", "rocm")
+ISA_ARCHS = ("gfx90a", "gfx942")
+
+
+def _load(name: str, path: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+rocm_build = _load("portattn_rocm_build", os.path.join(ROCM_DIR, "build.py"))
+variants = rocm_build.variants
+
+MFMA_MNEMONICS = {  # (arch family, dtype) -> the 32x32x8 instruction
+    ("gfx90a", "float16"): "v_mfma_f32_32x32x8f16",
+    ("gfx90a", "bfloat16"): "v_mfma_f32_32x32x8bf16_1k",
+    ("gfx94", "float16"): "v_mfma_f32_32x32x8_f16",
+    ("gfx94", "bfloat16"): "v_mfma_f32_32x32x8_bf16",
+}
+
+
+def _mfma_mnemonic(arch: str, dtype: str) -> str:
+    return MFMA_MNEMONICS[("gfx94" if arch.startswith("gfx94") else arch, dtype)]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(build folder, extension path) of a gfx90a + gfx942 build of every variant."""
+    tools = rocm_build.find_toolchain()
+    if tools is None or any(_cannot_compile(tools, arch) for arch in ISA_ARCHS):
+        pytest.skip("no HIP toolchain for gfx90a + gfx942 (run .ci/install_rocm_toolchain.sh)")
+    build_dir = os.environ.get("PORTATTN_ROCM_BUILD_DIR") or str(tmp_path_factory.mktemp("rocm_build"))
+    ext_path = os.path.join(build_dir, "ext", "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+    env = dict(os.environ)
+    env["PORTATTN_HIP_ARCHS"] = ";".join(ISA_ARCHS)
+    for restriction in ("PORTATTN_HEADDIMS", "PORTATTN_DTYPES"):
+        env.pop(restriction, None)  # the check covers every variant
+    rocm_build.build(ext_path, build_dir, env)
+    return build_dir, ext_path
+
+
+def _cannot_compile(tools, arch: str) -> bool:
+    try:
+        tools.compiler_for(arch)
+    except RuntimeError:
+        return True
+    return False
+
+
+def parse_kernel_metadata(assembly: str) -> dict:
+    """{kernel symbol: {".vgpr_count": int, ...}} from a .s file's amdhsa.kernels metadata."""
+    block = assembly.split(".amdgpu_metadata", 1)[1].split(".end_amdgpu_metadata", 1)[0]
+    kernels, current = {}, None
+    for line in block.splitlines():
+        entry = re.match(r"^  - (\.\w+):\s*(.*)$", line)
+        field = re.match(r"^    (\.\w+):\s*(.*)$", line)
+        if entry:
+            current = {}
+            key, value = entry.groups()
+        elif field and current is not None:
+            key, value = field.groups()
+        else:
+            continue
+        current[key] = int(value) if re.fullmatch(r"-?\d+", value.strip()) else value.strip()
+        if key == ".name":
+            kernels[value.strip()] = current
+    return kernels
+
+
+def kernel_body(assembly: str, symbol: str) -> str:
+    start = assembly.index(f"\n{symbol}:")
+    return assembly[start:assembly.index(".Lfunc_end", start)]
+
+
+def designed_waves(total_registers: int) -> int:
+    """Waves per SIMD the unified VGPR+AGPR file allows at this per-lane count."""
+    granule = variants.REGISTER_GRANULE
+    allocated = -(-max(total_registers, 1) // granule) * granule
+    return min(8, variants.REGISTERS_PER_SIMD_LANE // allocated)
+
+
+def resource_report(build_dir: str, variant) -> dict:
+    path = rocm_build.device_assembly(build_dir)[(variant.arch, variant.stem)]
+    with open(path) as handle:
+        assembly = handle.read()
+    kernels = parse_kernel_metadata(assembly)
+    assert len(kernels) == 1, f"{path}: expected one kernel, found {sorted(kernels)}"
+    (symbol, meta), = kernels.items()
+    body = kernel_body(assembly, symbol)
+    mfma = re.findall(r"^\s+(v_mfma_\w+)", body, flags=re.MULTILINE)
+    return {
+        "vgpr": meta[".vgpr_count"], "agpr": meta[".agpr_count"], "sgpr": meta[".sgpr_count"],
+        "vgpr_spill": meta[".vgpr_spill_count"], "sgpr_spill": meta[".sgpr_spill_count"],
+        "lds": meta[".group_segment_fixed_size"], "scratch": meta[".private_segment_fixed_size"],
+        "mfma": mfma,
+    }
+
+
+@pytest.mark.parametrize(
+    "variant", variants.select(ISA_ARCHS), ids=lambda v: v.stem.replace("fwd_", "")
+)
+def test_forward_kernel_isa_meets_its_budget(built, variant):
+    build_dir, _ = built
+    tile = variant.tile
+    r = resource_report(build_dir, variant)
+    # .vgpr_count is the unified VGPR+AGPR total on gfx90a/gfx94x (AGPRs sit above the arch VGPRs).
+    problems = []
+    want = _mfma_mnemonic(variant.arch, variant.dtype)
+    if not r["mfma"]:
+        problems.append("no MFMA instruction")
+    elif set(r["mfma"]) != {want}:
+        problems.append(f"MFMA instructions {sorted(set(r['mfma']))}, expected only {want}")
+    elif len(r["mfma"]) % tile.mfma_per_iteration:
+        problems.append(f"{len(r['mfma'])} MFMAs is not a whole number of {tile.mfma_per_iteration}-MFMA key blocks")
+    if r["vgpr_spill"] or r["sgpr_spill"]:
+        problems.append(f"spills: {r['vgpr_spill']} VGPR, {r['sgpr_spill']} SGPR")
+    if r["scratch"]:
+        problems.append(f"{r['scratch']} bytes of scratch (private segment)")
+    if r["lds"] != tile.lds_bytes:
+        problems.append(f"LDS {r['lds']} bytes, designed {tile.lds_bytes}")
+    if r["lds"] > variants.LDS_BYTES_PER_CU:
+        problems.append(f"LDS {r['lds']} > {variants.LDS_BYTES_PER_CU}")
+    if r["vgpr"] > tile.register_budget or designed_waves(r["vgpr"]) < tile.waves_per_simd:
+        problems.append(
+            f"VGPR+AGPR {r['vgpr']} (AGPR {r['agpr']}) > budget {tile.register_budget} "
+            f"for {tile.waves_per_simd} waves per SIMD"
+        )
+    assert not problems, f"{variant.stem}: " + "; ".join(problems)
+
+
+def test_every_variant_has_assembly_for_both_archs(built):
+    build_dir, _ = built
+    found = rocm_build.device_assembly(build_dir)
+    missing = [v.stem for v in variants.select(ISA_ARCHS) if (v.arch, v.stem) not in found]
+    assert not missing, f"no device assembly for {missing}"
+
+
+def _load_built_module(ext_path: str):
+    spec = importlib.util.spec_from_file_location("portattn_rocm_isa_test._C", ext_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_module_features_equal_the_declaration(built):
+    """No silent ignores: the declared ROCm features are exactly those the module implements."""
+    from portattn.capability.specs.rocm import SPEC
+
+    _, ext_path = built
+    config = _load_built_module(ext_path).build_config()
+    assert set(config["features"]) == set(SPEC.supported)
+    assert sorted(config["archs"]) == sorted(ISA_ARCHS)
+    assert max(config["head_dims"]) == SPEC.head_dim_max == variants.MAX_HEAD_DIM
+    assert set(config["dtypes"]) == set(SPEC.dtypes)
+
+
+def _fwd_args(**overrides):
+    """A well-formed fwd() argument list (16-byte aligned fake pointers) with overrides."""
+    args = dict(
+        q=4096, k=8192, v=12288, out=16384, lse=20480,
+        q_strides=(2048, 128, 64, 1), k_strides=(2048, 128, 64, 1), v_strides=(2048, 128, 64, 1),
+        out_strides=(2048, 128, 64, 1), lse_batch_stride=32, lse_head_stride=16, dtype=0, batch=1,
+        nheads=2, nheads_k=2, headdim=64, seqlen_q=16, seqlen_k=16, cu_seqlens_q=0, cu_seqlens_k=0,
+        seqused_k=0, softmax_scale=0.125, softcap=0.0, window_left=-1, window_right=-1,
+        alibi_slopes=0, alibi_batch_stride=0, dropout_p=0.0, philox_seed=1, philox_offset=0, stream=0,
+    )
+    args.update(overrides)
+    return list(args.values())
+
+
+FEATURE_ARGS = {  # one call per declared feature, using it
+    "forward": {},
+    "causal": {"window_right": 0},
+    "window": {"window_left": 8, "window_right": 2},
+    "softcap": {"softcap": 30.0},
+    "alibi": {"alibi_slopes": 24576},
+    "dropout": {"dropout_p": 0.1},
+    "gqa": {"nheads_k": 1},
+    "varlen": {"cu_seqlens_q": 28672, "cu_seqlens_k": 28672, "q_strides": (128, 64, 1)},
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURE_ARGS))
+def test_fwd_accepts_each_declared_feature_up_to_the_device(built, feature):
+    """Every declared feature passes the module's checks and reaches the HIP device step
+    (which fails on this GPU-less machine); a feature the kernels did not implement would be
+    refused with ValueError before that."""
+    from portattn.capability.specs.rocm import SPEC
+
+    assert set(FEATURE_ARGS) == set(SPEC.supported)
+    module = _load_built_module(built[1])
+    count, status = module.device_count()
+    if count:
+        pytest.skip(f"an AMD GPU is present ({count}); this test needs the no-device path")
+    with pytest.raises(RuntimeError, match="hipGet"):
+        module.fwd(*_fwd_args(**FEATURE_ARGS[feature]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"headdim": 264}, "headdim 264"),
+        ({"headdim": 60}, "multiple of 8"),
+        ({"k": 8200}, "k must be 16-byte aligned"),
+        ({"v_strides": (2048, 132, 66, 1)}, "v strides"),
+        ({"nheads": 3, "nheads_k": 2}, "nheads % nheads_k"),
+        ({"cu_seqlens_q": 28672}, "given together"),
+    ],
+)
+def test_fwd_rejects_broken_invariants(built, overrides, message):
+    module = _load_built_module(built[1])
+    with pytest.raises(ValueError, match=message):
+        module.fwd(*_fwd_args(**overrides))
+
+
+def test_module_has_no_backward_while_undeclared(built):
+    from portattn.capability.specs.rocm import SPEC
+
+    module = _load_built_module(built[1])
+    assert ("backward" in SPEC.supported) == hasattr(module, "bwd")
+
+
+def test_backend_without_amd_gpu_is_unavailable_with_a_reason():
+    torch = pytest.importorskip("torch")
+    from portattn.backends.rocm import RocmBackend
+    from portattn.capability.callspec import CallSpec
+
+    backend = RocmBackend()
+    if torch.version.hip is not None and not backend.unavailable_reason:
+        pytest.skip("a usable AMD GPU is present")
+    reason = backend.unavailable_reason
+    assert re.search(r"not a ROCm build|not built|cannot load|no AMD GPU", reason), reason
+    call = CallSpec("float16", 64, 64, "cuda", frozenset({"forward"}))
+    assert backend.unsupported_reasons(call) == [reason]
+
+
+def test_declaration_routes_undone_features_away_on_an_amd_device():
+    """On a (fake) MI300 every undone feature is a reason, so dispatch falls back for it."""
+    from portattn.capability.archs import amd_arch
+    from portattn.capability.matrix import check_call
+    from portattn.capability.probe import DeviceInfo
+    from portattn.capability.callspec import CallSpec
+
+    mi300 = DeviceInfo(0, "amd", "AMD Instinct MI300X", amd_arch("gfx942"), 304, 64, 65536,
+                       None, None, None, "fake")
+    forward = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "causal", "dropout"}))
+    assert check_call("rocm", mi300, forward) == []
+    backward = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "backward"}))
+    assert any("backward" in reason for reason in check_call("rocm", mi300, backward))
+    too_big = CallSpec("float16", 264, 264, "cuda", frozenset({"forward"}))
+    assert any("264" in reason for reason in check_call("rocm", mi300, too_big))
