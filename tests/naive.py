@@ -80,7 +80,7 @@ def naive_attention(
 
     Layouts: q (B, Sq, H, D), k/v (B, Sk, Hk, D), Hk dividing H (GQA); or, when
     cu_seqlens_q/k (int, nseq + 1 entries) are given, packed q (total_q, H, D) and k/v
-    (total_k, Hk, D). Returns out shaped like q and lse (B, H, Sq) or (H, total_q);
+    (total_k, Hk, D). Returns out shaped like q (head dim of v) and lse (B, H, Sq) or (H, total_q);
     packed rows outside every sequence get out 0 and lse -inf.
 
     causal: window_right = 0 (bottom-right aligned). window = (left, right), -1 unbounded.
@@ -101,7 +101,7 @@ def naive_attention(
     if cu_seqlens_q is None:
         return _attention_batched(q, k, v, alibi_slopes=alibi_slopes, dropout_mask=dropout_mask,
                                   **options)
-    out = torch.zeros_like(q)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype, device=q.device)
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []

@@ -66,7 +66,9 @@ def poisoned_like(x, dtype=None):
 
 def run_forward(q, k, v, *, out=None, lse_dtype=None, **options):
     """(out, lse) from the backend; lse is float32 by contract, float64 on request."""
-    out = poisoned_like(q) if out is None else out.fill_(float("nan"))
+    if out is None:
+        out = q.new_full((*q.shape[:-1], v.shape[-1]), float("nan"))
+    out.fill_(float("nan"))
     if options.get("cu_q") is None:
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     else:
@@ -191,6 +193,16 @@ def test_matches_naive(chunks, shape, features):
 def test_head_dims(tiny_chunks, headdim):
     q, k, v, dout = random_qkv(2, 9, 12, 4, 2, headdim)
     assert_matches_naive(q, k, v, dout, causal=True, softcap=1.5, alibi=random_slopes(4))
+
+
+def test_value_head_dim_differs(tiny_chunks):
+    q, k, _, _ = random_qkv(2, 7, 9, 4, 2, 8)
+    _, _, v, dout = random_qkv(2, 7, 9, 4, 2, 24, seed=5)
+    assert_matches_naive(q, k, v, dout, causal=True, dropout_p=0.2, seed=4)
+    q, k, v, dout, cu_q, cu_k = packed_qkv([3, 0, 5], [4, 2, 6], 2, 1, 8)
+    v = torch.randn(v.shape[0], 1, 16, dtype=F64)
+    dout = torch.randn(q.shape[0], 2, 16, dtype=F64)
+    assert_matches_naive(q, k, v, dout, cu_q=cu_q, cu_k=cu_k, window=(2, 0))
 
 
 def test_explicit_scale(tiny_chunks):
@@ -440,3 +452,49 @@ def test_gradcheck_varlen(tiny_chunks):
     options = dict(cu_q=cu_q, cu_k=cu_k, causal=True, softcap=0.5)
     inputs = [x.requires_grad_() for x in (q, k, v)]
     assert torch.autograd.gradcheck(lambda *qkv: ReferenceAttention.apply(*qkv, options), inputs)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the same backend on a CUDA (or ROCm) device
+# ---------------------------------------------------------------------------------------
+
+
+def _to(device, options):
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in options.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_matches_cpu(chunks, dtype):
+    """Philox in CUDA int64 arithmetic, and every other op, give what they give on CPU."""
+    nheads = 4
+    q, k, v, dout, cu_q, cu_k = packed_qkv(LENS_Q, LENS_K, nheads, 2, 64, tail=1, dtype=dtype)
+    options = dict(cu_q=cu_q, cu_k=cu_k, causal=True, window=(6, -1), softcap=3.0,
+                   alibi=random_slopes(len(LENS_Q), nheads), dropout_p=0.3,
+                   seed=2**35 + 1, offset=2**32 + 8)
+    cpu_out, cpu_lse = run_forward(q, k, v, **options)
+    cpu_grads = run_backward(dout, q, k, v, cpu_out, cpu_lse, **options)
+    cuda = _to("cuda", options)
+    qc, kc, vc, doutc = (x.cuda() for x in (q, k, v, dout))
+    out = poisoned_like(doutc)
+    lse = torch.full(cpu_lse.shape, float("nan"), device="cuda")
+    BACKEND.forward(qc, kc, vc, out, lse, **_backend_options(qc, **cuda))
+    grads = [poisoned_like(x) for x in (qc, kc, vc)]
+    BACKEND.backward(doutc, qc, kc, vc, out, lse, *grads, deterministic=True,
+                     **_backend_options(qc, **cuda))
+    # Both computed in fp32 with different matmul kernels: compare at fp32 accuracy
+    # before the final rounding to `dtype`, i.e. within one ulp of `dtype`.
+    tol = dict(rtol=torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
+    torch.testing.assert_close(out.cpu(), cpu_out, **tol)
+    torch.testing.assert_close(lse.cpu(), cpu_lse, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, cpu_grads):
+        torch.testing.assert_close(got.cpu(), want, **tol)
+
+
+@pytest.mark.gpu
+def test_gpu_philox_matches_cpu():
+    bh = torch.arange(24).view(2, 12)
+    for seed, offset in [(0, 0), (2**64 - 1, 2**64 - 5), (123456789, 2**33 + 4)]:
+        cpu = reference.philox_random(seed, offset, bh, range(37), range(3, 70))
+        gpu = reference.philox_random(seed, offset, bh.cuda(), range(37), range(3, 70))
+        assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)

@@ -62,12 +62,14 @@ _PHILOX_WEYL = (0x9E3779B9, 0xBB67AE85)
 def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo) 32-bit halves of the 64-bit product of uint32 `a` and uint32 values `b`.
 
-    The full product needs 64 unsigned bits, which int64 cannot hold, so `b` is split
-    into 16-bit halves: each partial product is < 2^48 and the sum below stays < 2^49.
+    The product needs 64 unsigned bits; in int64 it wraps modulo 2^64 (two's
+    complement, as torch's CPU and CUDA integer kernels do), which keeps every bit.
+    Only the reading needs care: `>>` is arithmetic, so the high word is masked to drop
+    the copied sign bit. tests/test_philox.py checks this against Python's unbounded
+    ints and against philox.h compiled with g++.
     """
-    hi_part = a * (b >> 16)
-    mid = a * (b & 0xFFFF) + ((hi_part & 0xFFFF) << 16)
-    return (hi_part >> 16) + (mid >> 32), mid & _MASK32
+    product = a * b
+    return (product >> 32) & _MASK32, product & _MASK32
 
 
 def philox4x32_10(
@@ -107,10 +109,16 @@ def philox_random(
     bh = torch.as_tensor(bh_index, dtype=torch.int64, device=device)
     device = bh.device
     i = _positions(rows, device)
-    j = _positions(cols, device)
-    group = j >> 2
-    g0 = int(group.min()) if j.numel() else 0
-    g1 = int(group.max()) + 1 if j.numel() else 0
+    if isinstance(cols, range) and cols.step == 1:
+        # The forward/backward path: bounds known on the host, no device sync.
+        g0 = cols.start >> 2
+        g1 = ((cols.stop - 1) >> 2) + 1 if len(cols) else g0
+        pick = slice(cols.start - 4 * g0, cols.stop - 4 * g0)
+    else:
+        j = _positions(cols, device)
+        g0 = int(j.min()) >> 2 if j.numel() else 0
+        g1 = (int(j.max()) >> 2) + 1 if j.numel() else 0
+        pick = j - 4 * g0
     counter = (
         torch.arange(g0, g1, device=device, dtype=torch.int64),  # (groups,)
         i[:, None],  # (rows, 1)
@@ -120,8 +128,8 @@ def philox_random(
     key0 = seed & _MASK32
     key1 = ((seed >> 32) ^ (offset >> 32)) & _MASK32
     draws = torch.stack(philox4x32_10(counter, key0, key1), dim=-1)  # (*bh, rows, groups, 4)
-    draws = draws.flatten(-2)  # column 4*g0 + c lives at index c
-    return draws[..., j - 4 * g0]
+    draws = draws.flatten(-2)  # column 4 * g0 + c lives at index c
+    return draws[..., pick]
 
 
 def dropout_threshold(p: float) -> int:
