@@ -117,6 +117,7 @@ def collect(device_desc: Optional[str] = None, selftest: bool = False) -> dict:
             backends.append(entry)
             continue
         entry["title"] = spec.title
+        entry["enable_hint"] = spec.fallback_when_unbuilt if entry["available"] is False and not entry["build_config"] else ""
         # A described device is not this host: judge it on the declaration alone.
         build = entry["build_config"] if device_desc is None and isinstance(entry["build_config"], dict) else None
         entry["reasons"] = matrix.check_call(name, device, call, build)
@@ -242,6 +243,8 @@ def render_text(r: dict) -> str:
         if r["described_device"]:
             avail = f"on this host: {avail}"
         lines.append(f"  {b['name']:<10} {avail}")
+        if b.get("enable_hint"):
+            lines.append(f"  {'':<10} hint: {b['enable_hint']}")
         if b["build_config"]:
             lines.append(f"  {'':<10} build: {_build_text(b['build_config'])}")
         if b.get("selfcheck"):
