@@ -125,6 +125,8 @@ def collect(device_desc: Optional[str] = None, selftest: bool = False) -> dict:
         backends.append(entry)
 
     selected, why = _selection(backends, described=device_desc is not None)
+    if state.get("forced") and device_desc is None:
+        selected, why = state["forced"], "forced by PORTATTN_BACKEND (calls it cannot serve raise)"
     report = {
         "host": {"platform": platform.platform(), "machine": platform.machine()},
         "python": platform.python_version(),
