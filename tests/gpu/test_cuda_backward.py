@@ -1,0 +1,286 @@
+"""GPU tests of the CUDA backward kernels (backends/cuda, csrc/bwd_*), against the float64 oracle.
+
+Error rule (DEVELOPERS.md), applied to dQ, dK and dV separately: with the same
+low-precision inputs (q, k, v, dout and the forward's out/lse),
+    max|grad - grad64| <= 3 * max|grad_torch_lowp - grad64| + 1e-5
+where grad64 is autograd through tests/naive.py in float64 and
+grad_torch_lowp the same naive math run by PyTorch in the input dtype. The
+fp32 reference backend is checked against the same oracle on a few cases as a
+second opinion. Gradients are NaN-poisoned before every launch, so an
+unwritten element fails.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from naive import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+cuda_backend = pytest.importorskip("portattn.backends.cuda", reason="portattn CUDA backend not importable")
+if cuda_backend._C is None:
+    pytest.skip(f"portattn CUDA backend not built: {cuda_backend._IMPORT_ERROR}", allow_module_level=True)
+if not torch.cuda.is_available() or torch.version.hip is not None:
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+
+from portattn.backends.reference import ReferenceBackend, philox_keep_mask  # noqa: E402
+
+BACKEND = cuda_backend.CudaBackend()
+REFERENCE = ReferenceBackend()
+DTYPES = [torch.float16, torch.bfloat16]
+# Instantiated head dims plus ones served by a larger variant with a masked tail.
+HEAD_DIMS = [32, 40, 64, 80, 96, 128, 160, 192, 200, 224, 256]
+SEQLENS = [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (4097, 1000)]
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def _options(q, *, window=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, seed=0, offset=0,
+             cu_q=None, cu_k=None, max_q=0, max_k=0):
+    return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                softmax_scale=1.0 / math.sqrt(q.shape[-1]), window_left=window[0],
+                window_right=window[1], softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p,
+                rng_seed=seed, rng_offset=offset)
+
+
+def _forward(backend, q, k, v, options):
+    out = torch.full_like(q, float("nan"))
+    if options["cu_seqlens_q"] is None:
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    else:
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device)
+    backend.forward(q, k, v, out, lse, **options)
+    return out, lse
+
+
+def _backward(backend, dout, q, k, v, out, lse, options, deterministic=False):
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    backend.backward(dout, q, k, v, out, lse, dq, dk, dv, deterministic=deterministic, **options)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def _naive_grads(q, k, v, dout, compute_dtype, naive_options):
+    leaves = [x.detach().to(compute_dtype).requires_grad_() for x in (q, k, v)]
+    out, _ = naive_attention(*leaves, compute_dtype=compute_dtype, **naive_options)
+    out.backward(dout.to(compute_dtype))
+    return [x.grad for x in leaves]
+
+
+def _check_grads(grads, q, k, v, dout, naive_options, factor=3.0):
+    ref = _naive_grads(q, k, v, dout, torch.float64, naive_options)
+    low = _naive_grads(q, k, v, dout, q.dtype, naive_options)
+    for name, got, r, lo in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert not got.isnan().any(), f"{name} has NaN (unwritten or bad math)"
+        err = (got.double() - r).abs().max().item() if got.numel() else 0.0
+        base = (lo.double() - r).abs().max().item() if got.numel() else 0.0
+        assert err <= factor * base + 1e-5, f"{name} error {err:.3e} > {factor} x torch {q.dtype} error {base:.3e}"
+
+
+def _run_and_check(q, k, v, *, naive_options, deterministic=False, dout=None, **opts):
+    options = _options(q, **opts)
+    out, lse = _forward(BACKEND, q, k, v, options)
+    dout = torch.randn_like(out) if dout is None else dout
+    grads = _backward(BACKEND, dout, q, k, v, out, lse, options, deterministic)
+    _check_grads(grads, q, k, v, dout, naive_options)
+    return grads
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_grid(dtype, head_dim, seqlens, causal):
+    seqlen_q, seqlen_k = seqlens
+    batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
+    q = _rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = _rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    v = _rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    window = (-1, 0 if causal else -1)
+    _run_and_check(q, k, v, window=window, naive_options=dict(causal=causal))
+
+
+FEATURES = {
+    "window": dict(window=(37, 11)),
+    "window_left_only": dict(window=(100, -1)),
+    "window_right_only": dict(window=(-1, 5)),
+    "window_causal_local": dict(window=(64, 0)),
+    "softcap": dict(softcap=7.5),
+    "alibi_h": dict(alibi="h"),
+    "alibi_bh": dict(alibi="bh"),
+    "all": dict(window=(90, 0), softcap=20.0, alibi="bh"),
+}
+
+
+def _alibi(kind, batch, heads):
+    if kind == "h":
+        return torch.rand(heads, device="cuda") * 0.3
+    if kind == "bh":
+        return torch.rand(batch, heads, device="cuda") * 0.3
+    return None
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("gqa", [1, 6], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("seqlens", [(113, 203), (1000, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("head_dim", [80, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+def test_backward_features(dtype, head_dim, feature, seqlens, gqa, deterministic):
+    opts = dict(FEATURES[feature])
+    seqlen_q, seqlen_k = seqlens
+    batch, heads = 2, 6
+    q = _rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = _rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    v = _rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    alibi = _alibi(opts.pop("alibi", None), batch, heads)
+    naive_options = dict(opts, alibi_slopes=alibi)
+    _run_and_check(q, k, v, alibi=alibi, deterministic=deterministic, naive_options=naive_options,
+                   **opts)
+
+
+VARLEN = {
+    "mixed": ([0, 1, 17, 113, 300, 1], [5, 1, 0, 200, 300, 64]),
+    "equal": ([128, 1, 129], [128, 1, 129]),
+    "long": ([1000, 3, 0], [700, 1500, 0]),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("lengths", list(VARLEN))
+@pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_varlen(dtype, head_dim, lengths, gqa, causal, deterministic):
+    lens_q, lens_k = VARLEN[lengths]
+    heads = 4
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
+    k = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+    v = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+    window = (-1, 0 if causal else -1)
+    _run_and_check(q, k, v, window=window, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q),
+                   max_k=max(lens_k), deterministic=deterministic,
+                   naive_options=dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+
+
+@pytest.mark.parametrize("layout", ["qkv_packed", "heads_first", "kv_packed_sliced"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_strided_inputs_and_grads(layout, head_dim):
+    dtype, batch, seqlen, heads = torch.bfloat16, 2, 300, 4
+    if layout == "qkv_packed":
+        q, k, v = _rand(batch, seqlen, 3, heads, head_dim, dtype=dtype).unbind(2)
+    elif layout == "heads_first":
+        q, k, v = (_rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2) for _ in range(3))
+    else:
+        q = _rand(batch, seqlen + 64, heads, head_dim, dtype=dtype)[:, 32 : 32 + seqlen]
+        k, v = _rand(batch, seqlen, heads, 2, head_dim, dtype=dtype).unbind(3)
+    options = _options(q, window=(-1, 0))
+    out, lse = _forward(BACKEND, q, k, v, options)
+    # dout heads-first (non-contiguous), gradients written into strided views.
+    dout = _rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2)
+    grads = torch.full((3, batch, heads, seqlen, head_dim), float("nan"), device="cuda", dtype=dtype)
+    dq, dk, dv = (g.transpose(1, 2) for g in grads)
+    BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, deterministic=False, **options)
+    torch.cuda.synchronize()
+    _check_grads((dq, dk, dv), q, k, v, dout, dict(causal=True))
+    dense = _backward(BACKEND, dout.contiguous(), q, k, v, out, lse, options, deterministic=True)
+    det = _backward(BACKEND, dout, q, k, v, out, lse, options, deterministic=True)
+    for a, b in zip(dense, det):
+        assert torch.equal(a, b), "a strided dout must give the same deterministic gradients"
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("gqa", [1, 3], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("p", [0.17, 0.5])
+def test_backward_dropout_matches_reference_mask(p, head_dim, gqa, varlen):
+    dtype, heads = torch.bfloat16, 3
+    seed, offset = 1234567, (5 << 32) + 77
+    if varlen:
+        lens_q, lens_k = [17, 130, 1], [200, 64, 33]
+        cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+        q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
+        k = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+        v = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+        batch, max_q, max_k = len(lens_q), max(lens_q), max(lens_k)
+        extra = dict(cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
+        naive_extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    else:
+        batch, max_q, max_k = 2, 211, 333
+        q = _rand(batch, max_q, heads, head_dim, dtype=dtype)
+        k = _rand(batch, max_k, heads // gqa, head_dim, dtype=dtype)
+        v = _rand(batch, max_k, heads // gqa, head_dim, dtype=dtype)
+        extra, naive_extra = {}, {}
+    bh = torch.arange(batch * heads, device="cuda").reshape(batch, heads)
+    mask = philox_keep_mask(seed, offset, bh, range(max_q), range(max_k), p, device="cuda")
+    _run_and_check(q, k, v, window=(-1, 0), dropout_p=p, seed=seed, offset=offset,
+                   naive_options=dict(causal=True, dropout_mask=mask, dropout_p=p, **naive_extra),
+                   **extra)
+
+
+CASES = {
+    "dense_causal": dict(batch=2, seqlen_q=777, seqlen_k=777, heads=4, heads_k=4, window=(-1, 0)),
+    "gqa_window": dict(batch=2, seqlen_q=500, seqlen_k=900, heads=8, heads_k=2, window=(100, 20)),
+    "mqa_long": dict(batch=1, seqlen_q=2000, seqlen_k=2000, heads=6, heads_k=1, window=(-1, -1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+def test_deterministic_is_bitwise_reproducible(case, head_dim):
+    c = CASES[case]
+    dtype = torch.bfloat16
+    q = _rand(c["batch"], c["seqlen_q"], c["heads"], head_dim, dtype=dtype)
+    k = _rand(c["batch"], c["seqlen_k"], c["heads_k"], head_dim, dtype=dtype)
+    v = _rand(c["batch"], c["seqlen_k"], c["heads_k"], head_dim, dtype=dtype)
+    options = _options(q, window=c["window"])
+    out, lse = _forward(BACKEND, q, k, v, options)
+    dout = torch.randn_like(out)
+    first = _backward(BACKEND, dout, q, k, v, out, lse, options, deterministic=True)
+    for _ in range(3):
+        again = _backward(BACKEND, dout, q, k, v, out, lse, options, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"deterministic {name} differs between runs"
+    naive_options = dict(window=c["window"])
+    _check_grads(first, q, k, v, dout, naive_options)
+    _check_grads(_backward(BACKEND, dout, q, k, v, out, lse, options), q, k, v, dout, naive_options)
+
+
+def test_reference_backend_agrees_in_fp32():
+    # The fp32 reference backend and the kernel agree within the kernel's own error budget.
+    dtype, head_dim = torch.bfloat16, 96
+    q = _rand(2, 300, 4, head_dim, dtype=dtype)
+    k = _rand(2, 400, 2, head_dim, dtype=dtype)
+    v = _rand(2, 400, 2, head_dim, dtype=dtype)
+    options = _options(q, window=(50, 0), softcap=10.0)
+    out, lse = _forward(BACKEND, q, k, v, options)
+    dout = torch.randn_like(out)
+    ours = _backward(BACKEND, dout, q, k, v, out, lse, options)
+    f32 = [x.float() for x in (q, k, v, out, dout)]
+    ref = [torch.empty_like(x) for x in f32[:3]]
+    REFERENCE.backward(f32[4], *f32[:4], lse, *ref, deterministic=True, **options)
+    low = _naive_grads(q, k, v, dout, dtype, dict(window=(50, 0), softcap=10.0))
+    for name, a, r, lo in zip(("dq", "dk", "dv"), ours, ref, low):
+        err = (a.float() - r).abs().max().item()
+        base = (lo.float() - r).abs().max().item()
+        assert err <= 3 * base + 1e-5, f"{name}: {err:.3e} vs reference, torch {dtype} {base:.3e}"
+
+
+def test_public_api_autograd_uses_cuda_backward():
+    import portattn
+
+    dtype = torch.bfloat16
+    q, k, v = (_rand(2, 257, 4, 64, dtype=dtype).requires_grad_() for _ in range(3))
+    out = portattn.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _check_grads((q.grad, k.grad, v.grad), q.detach(), k.detach(), v.detach(), dout, dict(causal=True))
