@@ -482,9 +482,10 @@ def test_gpu_matches_cpu(chunks, dtype):
     grads = [poisoned_like(x) for x in (qc, kc, vc)]
     BACKEND.backward(doutc, qc, kc, vc, out, lse, *grads, deterministic=True,
                      **_backend_options(qc, **cuda))
-    # Both computed in fp32 with different matmul kernels: compare at fp32 accuracy
-    # before the final rounding to `dtype`, i.e. within one ulp of `dtype`.
-    tol = dict(rtol=torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
+    # Both computed in fp32 with different matmul kernels (different summation orders):
+    # equal up to fp32 rounding noise, then at most one ulp apart after rounding to dtype.
+    eps = max(torch.finfo(dtype).eps, 1e-5)
+    tol = dict(rtol=eps, atol=eps)
     torch.testing.assert_close(out.cpu(), cpu_out, **tol)
     torch.testing.assert_close(lse.cpu(), cpu_lse, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, cpu_grads):
