@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from dataclasses import asdict
@@ -280,6 +281,14 @@ def render_text(r: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `portattn-report | head`: the reader left, which is fine
+        sys.stdout = open(os.devnull, "w")
+        return 0
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = argparse.ArgumentParser(prog="portattn-report", description="What portattn can run on this machine, and why.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--selftest", action="store_true", help="run every compiled backend's self-check now")
