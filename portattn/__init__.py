@@ -8,19 +8,25 @@ The API follows flash-attn's names and semantics, so switching is an import chan
 `portattn.explain(q, k, v, ...)` says which backend runs a call and why;
 `python -m portattn` (or `portattn-report`) describes this machine's support.
 """
-from .api import (
-    explain,
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
-from .dispatch import UnsupportedCallError, force_backend, selected_backends
-
 __version__ = "0.1.0"
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _error:  # the report CLI and capability/ still work without torch
+    _TORCH_MISSING = _error
+else:
+    _TORCH_MISSING = None
+    from .api import (
+        explain,
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
+        flash_attn_with_kvcache,
+    )
+    from .dispatch import UnsupportedCallError, force_backend, selected_backends
 
 __all__ = [
     "flash_attn_func",
@@ -35,3 +41,9 @@ __all__ = [
     "selected_backends",
     "UnsupportedCallError",
 ]
+
+
+def __getattr__(name):
+    if _TORCH_MISSING is not None and name in __all__:
+        raise ImportError(f"portattn.{name} needs PyTorch (pip install torch): {_TORCH_MISSING}")
+    raise AttributeError(f"module 'portattn' has no attribute {name!r}")
