@@ -185,7 +185,9 @@ class _Problem:
         self.shift = self.seqlen_k - self.seqlen_q
         self.alibi = None
         if alibi_slopes is not None:
-            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[batch_start:batch_start + self.batch]
+            slopes = alibi_slopes
+            if slopes.dim() == 2:  # (B, H): this piece's rows of the call's batch
+                slopes = slopes[batch_start : batch_start + self.batch]
             self.alibi = slopes.to(self.compute_dtype).reshape(-1, self.nheads_k, self.group, 1, 1)
         self.dropout_p = dropout_p
         self.rng_seed = rng_seed
@@ -194,8 +196,8 @@ class _Problem:
             (batch_start + torch.arange(self.batch, device=self.device))[:, None] * self.nheads
             + torch.arange(self.nheads, device=self.device)
         ).reshape(self.batch, self.nheads_k, self.group)
-        rows_per_query = self.batch * self.nheads * max(1, min(KEY_CHUNK, self.seqlen_k))
-        self.query_chunk = max(1, min(QUERY_CHUNK, SCORE_ELEMENTS // rows_per_query))
+        scores_per_query = self.batch * self.nheads * max(1, min(KEY_CHUNK, self.seqlen_k))
+        self.query_chunk = max(1, min(QUERY_CHUNK, SCORE_ELEMENTS // scores_per_query))
 
     def _heads_first(self, x: torch.Tensor) -> torch.Tensor:
         return x.permute(0, 2, 1, 3).to(self.compute_dtype).contiguous()
@@ -302,13 +304,11 @@ def _backward(pb: _Problem, dout, out, lse, dq, dk, dv) -> None:
             s, tanh = pb.scores(q_rows, i0, i1, j0, j1)
             p = torch.exp(s - row_lse)
             z = pb.dropout_scale(i0, i1, j0, j1)
-            v_chunk = pb.v[:, :, j0:j1]
-            dp = torch.matmul(do_rows, v_chunk.transpose(-1, -2))
+            p_dropped = p if z is None else p * z
+            dv_acc[:, :, j0:j1] += torch.matmul(p_dropped.transpose(-1, -2), do_rows)
+            dp = torch.matmul(do_rows, pb.v[:, :, j0:j1].transpose(-1, -2))
             if z is not None:
-                dv_acc[:, :, j0:j1] += torch.matmul((p * z).transpose(-1, -2), do_rows)
                 dp = dp * z
-            else:
-                dv_acc[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), do_rows)
             ds = p * (dp - delta)
             if tanh is not None:
                 ds = ds * (1 - tanh * tanh)
