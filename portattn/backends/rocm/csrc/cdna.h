@@ -16,7 +16,13 @@
 // lane owns one query row (column l % 32), so its softmax statistics need a
 // single exchange between lanes l and l ^ 32.
 #pragma once
+#if defined(PORTATTN_ROCM_EMULATE)
+// tests/rocm_emulation: the kernels on the CPU, one thread per lane, MFMA and
+// cross-lane operations emulated with the layout above (logic tests only).
+#include PORTATTN_ROCM_EMULATE
+#else
 #include <hip/hip_runtime.h>
+#endif
 #include <stdint.h>
 
 namespace portattn {
@@ -28,6 +34,14 @@ typedef short i16x4 __attribute__((ext_vector_type(4)));
 typedef uint16_t u16x4 __attribute__((ext_vector_type(4)));
 typedef uint32_t u32x2 __attribute__((ext_vector_type(2)));
 typedef uint32_t u32x4 __attribute__((ext_vector_type(4)));
+
+// A kernel's fixed workgroup size and the occupancy (waves per SIMD) the
+// register allocator must preserve. The CPU emulation defines it away.
+#ifndef PORTATTN_LAUNCH_BOUNDS
+#define PORTATTN_LAUNCH_BOUNDS(threads, waves_per_simd)                 \
+  __attribute__((amdgpu_flat_work_group_size(threads, threads), \
+                 amdgpu_waves_per_eu(waves_per_simd)))
+#endif
 
 constexpr int kWaveSize = 64;
 constexpr int kMfmaM = 32;  // rows and columns of one MFMA tile
@@ -83,9 +97,13 @@ struct HalfWaveReduce {
 // of the key loop) in SGPRs, of which a wave has only ~100; at 1-2 waves per
 // SIMD VGPRs are the plentiful file, so the dropout key schedule lives there.
 __device__ __forceinline__ uint32_t in_vgpr(uint32_t x) {
+#if defined(__HIP_DEVICE_COMPILE__)
   uint32_t y;
   asm volatile("v_mov_b32 %0, %1" : "=v"(y) : "s"(x));
   return y;
+#else
+  return x;
+#endif
 }
 
 __device__ __forceinline__ uint64_t in_vgpr(uint64_t x) {

@@ -117,9 +117,8 @@ __device__ __forceinline__ void load_kv_tile(uint16_t* lds, const uint16_t* g, i
 }
 
 template <class Tile>
-__global__ void __attribute__((amdgpu_flat_work_group_size(Tile::kThreads, Tile::kThreads),
-                               amdgpu_waves_per_eu(Tile::kWavesPerSimd)))
-fwd_kernel(const PortattnFwdParams p) {
+__global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
+    fwd_kernel(const PortattnFwdParams p) {
   using T = Dtype<Tile::kIsBf16>;
   constexpr int kScoreCols = Tile::kKeyTiles * 16;
   constexpr int kOutCols = Tile::kDimTiles * 16;

@@ -7,7 +7,11 @@
 // build_config() reports what this binary contains, so Python never
 // re-derives it. This file is plain C++ (no device code): it only needs the
 // HIP runtime API.
+#if defined(PORTATTN_ROCM_EMULATE)
+#include PORTATTN_ROCM_EMULATE  // tests/rocm_emulation: the CPU stand-in for the HIP runtime
+#else
 #include <hip/hip_runtime_api.h>
+#endif
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -1,0 +1,168 @@
+// CPU stand-in for the HIP subset the ROCm kernels and module.cpp use, so the
+// kernels' logic (indexing, LDS layout, masking, online softmax, dropout,
+// varlen, GQA, stores) runs in CI without an AMD GPU.
+//
+// One workgroup at a time, one std::thread per lane. __shared__ becomes a
+// function-local static (one workgroup is live, so it is that workgroup's
+// LDS). Wave-wide operations (MFMA, __shfl_xor) exchange operands through a
+// per-wave buffer between two wave barriers, so they need what the hardware
+// needs anyway: every lane of the wave reaches them in the same order.
+//
+// What this cannot check: that Note [portattn MFMA layout] (cdna.h) matches
+// the hardware (it is emulated with the same assumed layout), the compiler's
+// code generation, timing, or races the hardware would expose but a CPU with
+// barriers hides. Those are for the self-check on a real device.
+#pragma once
+#include <stdint.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define PORTATTN_LAUNCH_BOUNDS(threads, waves_per_simd)
+
+using std::max;
+using std::min;
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+typedef int hipError_t;
+typedef void* hipStream_t;
+constexpr hipError_t hipSuccess = 0;
+constexpr hipError_t hipErrorInvalidValue = 1;
+#define HIP_VERSION 0
+
+struct hipDeviceProp_t {
+  char gcnArchName[256];
+};
+
+inline hipError_t hipGetDevice(int* device) {
+  *device = 0;
+  return hipSuccess;
+}
+inline hipError_t hipGetDeviceCount(int* count) {
+  *count = 1;
+  return hipSuccess;
+}
+inline hipError_t hipGetDeviceProperties(hipDeviceProp_t* props, int) {
+  std::strcpy(props->gcnArchName, "emu");
+  return hipSuccess;
+}
+inline hipError_t hipGetLastError() { return hipSuccess; }
+inline const char* hipGetErrorName(hipError_t status) { return status ? "hipErrorEmulated" : "hipSuccess"; }
+inline const char* hipGetErrorString(hipError_t status) { return hipGetErrorName(status); }
+
+namespace hipemu {
+
+constexpr int kWave = 64;
+constexpr int kMaxWaves = 16;
+
+struct WaveScratch {
+  float a[32][8];  // one MFMA's A operand (32 x 8)
+  float b[8][32];  // and B operand (8 x 32)
+  float lanes[kWave];
+};
+
+struct Workgroup {
+  explicit Workgroup(int threads) : block(threads) {
+    for (int w = 0; w < threads / kWave; ++w) waves.emplace_back(std::make_unique<std::barrier<>>(kWave));
+  }
+  std::barrier<> block;
+  std::vector<std::unique_ptr<std::barrier<>>> waves;
+  WaveScratch scratch[kMaxWaves];
+};
+
+struct Index3 {
+  unsigned x, y, z;
+};
+
+inline thread_local Index3 thread_idx, block_idx;
+inline thread_local Workgroup* workgroup = nullptr;
+
+inline int wave() { return thread_idx.x / kWave; }
+inline int lane() { return thread_idx.x % kWave; }
+inline void wave_barrier() { workgroup->waves[wave()]->arrive_and_wait(); }
+
+inline float shfl_xor(float x, int mask) {
+  float* lanes = workgroup->scratch[wave()].lanes;
+  lanes[lane()] = x;
+  wave_barrier();
+  const float y = lanes[lane() ^ mask];
+  wave_barrier();
+  return y;
+}
+
+inline float half_to_float(_Float16 h) { return static_cast<float>(h); }
+inline float half_to_float(short bf16_bits) {
+  const uint32_t bits = static_cast<uint32_t>(static_cast<uint16_t>(bf16_bits)) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// D(32x32) += A(32x8) B(8x32) with Note [portattn MFMA layout]'s lane mapping.
+template <class V4, class V16>
+V16 mfma_32x32x8(V4 a, V4 b, V16 c) {
+  WaveScratch& s = workgroup->scratch[wave()];
+  const int l = lane();
+  for (int k = 0; k < 4; ++k) {
+    s.a[l % 32][4 * (l / 32) + k] = half_to_float(a[k]);
+    s.b[4 * (l / 32) + k][l % 32] = half_to_float(b[k]);
+  }
+  wave_barrier();
+  for (int r = 0; r < 16; ++r) {
+    const int row = 8 * (r / 4) + 4 * (l / 32) + r % 4, col = l % 32;
+    float acc = c[r];
+    for (int k = 0; k < 8; ++k) acc += s.a[row][k] * s.b[k][col];
+    c[r] = acc;
+  }
+  wave_barrier();
+  return c;
+}
+
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        Workgroup group(static_cast<int>(block.x));
+        std::vector<std::thread> lanes;
+        lanes.reserve(block.x);
+        for (unsigned t = 0; t < block.x; ++t) {
+          lanes.emplace_back([&, t]() {
+            thread_idx = {t, 0, 0};
+            block_idx = {x, y, z};
+            workgroup = &group;
+            kernel(args...);
+            // A lane that returned early must not leave the others waiting.
+            group.block.arrive_and_drop();
+            group.waves[t / kWave]->arrive_and_drop();
+          });
+        }
+        for (std::thread& lane : lanes) lane.join();
+      }
+}
+
+}  // namespace hipemu
+
+#define threadIdx (::hipemu::thread_idx)
+#define blockIdx (::hipemu::block_idx)
+#define __syncthreads() (::hipemu::workgroup->block.arrive_and_wait())
+#define __shfl_xor(x, mask) ::hipemu::shfl_xor((x), (mask))
+#define __builtin_amdgcn_mfma_f32_32x32x8f16(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_32x32x8((a), (b), (c))
+#define __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_32x32x8((a), (b), (c))
+#define hipLaunchKernelGGL(kernel, grid, block, shared_bytes, stream, ...) \
+  ::hipemu::launch(kernel, grid, block, __VA_ARGS__)

@@ -1,0 +1,210 @@
+"""The ROCm forward kernels' logic, run on the CPU through tests/rocm_emulation/hip_emu.h.
+
+No AMD GPU is reachable. This builds the real fwd_kernel.h, the generated
+variant sources and module.cpp for a pseudo-arch "emu" with clang++-19 as
+host C++ (one thread per lane, MFMA and cross-lane ops emulated with the
+layout of Note [portattn MFMA layout]) and drives it through RocmBackend,
+checking every declared forward feature with the project's error rule:
+    max|out - ref64| <= 2 * max|out_torch_lowp - ref64| + 1e-5.
+It cannot validate the MFMA layout against hardware or the device compiler's
+code generation (tests/test_rocm_isa.py checks the latter statically; the
+first-use self-check covers the rest on a real device).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import sys
+import sysconfig
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from naive import naive_attention  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROCM_DIR = os.path.join(ROOT, "portattn", "backends", "rocm")
+EMU_HEADER = os.path.join(ROOT, "tests", "rocm_emulation", "hip_emu.h")
+HOST_CLANG = "clang++-19"  # _Float16 and ext_vector_type on the host need clang
+
+
+def _load(name: str, path: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+rocm_build = _load("portattn_rocm_build", os.path.join(ROCM_DIR, "build.py"))
+variants = rocm_build.variants
+
+
+def build_emulation(build_dir: str) -> str:
+    """Compiles every forward variant for the "emu" pseudo-arch; returns the module path."""
+    ninja_build = rocm_build.ninja_build
+    csrc = os.path.join(ROCM_DIR, "csrc")
+    chosen = variants.select(["emu"])
+    gen = os.path.join(build_dir, "gen")
+    os.makedirs(gen, exist_ok=True)
+    flags = [HOST_CLANG, "-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-attributes",
+             "-Wno-ignored-attributes", f'-DPORTATTN_ROCM_EMULATE="{EMU_HEADER}"', f"-I{csrc}",
+             f"-I{sysconfig.get_paths()['include']}", f"-I{rocm_build._pybind11_include()}"]
+    sources = [rocm_build._write_if_changed(os.path.join(gen, v.stem + ".cpp"), variants.instantiation_source(v))
+               for v in chosen]
+    sources.append(rocm_build._write_if_changed(
+        os.path.join(gen, "registry.cpp"), variants.registry_source(chosen, {"emu": "CPU emulation"})))
+    sources.append(os.path.join(csrc, "module.cpp"))
+    job = ninja_build.NinjaBuild(build_dir)
+    objects = []
+    for source in sources:
+        obj = os.path.join(build_dir, os.path.basename(source) + ".o")
+        job.compiles.append(ninja_build.CompileStep(
+            source=source, output=obj, depfile=obj + ".d",
+            command=[*flags, "-MD", "-MF", "$depfile", "-c", "$in", "-o", "$out"]))
+        objects.append(obj)
+    ext_path = os.path.join(build_dir, "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+    job.links.append(ninja_build.LinkStep(
+        inputs=objects, output=ext_path, command=[HOST_CLANG, "-shared", "-pthread", "$in", "-o", "$out"]))
+    job.run(os.environ)
+    return ext_path
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    if shutil.which(HOST_CLANG) is None:
+        pytest.skip(f"{HOST_CLANG} not found (run .ci/install_rocm_toolchain.sh)")
+    build_dir = os.environ.get("PORTATTN_ROCM_EMU_BUILD_DIR") or str(tmp_path_factory.mktemp("rocm_emu"))
+    ext_path = build_emulation(build_dir)
+    spec = importlib.util.spec_from_file_location("portattn_rocm_emu._C", ext_path)
+    emulated = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulated)
+
+    import portattn.backends.rocm as rocm
+
+    saved = rocm._C, rocm._raw_stream
+    rocm._C, rocm._raw_stream = emulated, (lambda index: 0)
+    yield rocm.RocmBackend()
+    rocm._C, rocm._raw_stream = saved
+
+
+def _run(backend, q, k, v, *, window=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, seed=0,
+         offset=0, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    out = torch.full_like(q, float("nan"))
+    if cu_q is None:
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"))
+    else:
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
+    backend.forward(
+        q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        softmax_scale=1.0 / math.sqrt(q.shape[-1]), window_left=window[0], window_right=window[1],
+        softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p, rng_seed=seed, rng_offset=offset,
+    )
+    return out, lse
+
+
+def _check(out, lse, q, k, v, **options):
+    ref, ref_lse = naive_attention(q, k, v, compute_dtype=torch.float64, **options)
+    low, _ = naive_attention(q, k, v, compute_dtype=q.dtype, **options)
+    _, low_lse = naive_attention(q.float(), k.float(), v.float(), compute_dtype=torch.float32, **options)
+    assert not out.isnan().any(), "output has NaN (unwritten or bad math)"
+    assert not lse.isnan().any(), "lse has NaN (unwritten or bad math)"
+    err = (out.double() - ref).abs().max().item()
+    base = (low.double() - ref).abs().max().item()
+    assert err <= 2 * base + 1e-5, f"out error {err:.3e} > 2 x torch {out.dtype} error {base:.3e}"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), "lse = -inf on a different set of rows"
+    if (~empty).any():
+        lse_err = (lse.double() - ref_lse)[~empty].abs().max().item()
+        lse_base = (low_lse.double() - ref_lse)[~empty].abs().max().item()
+        assert lse_err <= 2 * lse_base + 1e-4, f"lse error {lse_err:.3e} vs fp32 naive {lse_base:.3e}"
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (17, 113), (130, 70)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_forward_matches_oracle(backend, dtype, head_dim, seqlens, causal):
+    seqlen_q, seqlen_k = seqlens
+    q = _rand(1, seqlen_q, 2, head_dim, dtype=dtype)
+    k = _rand(1, seqlen_k, 2, head_dim, dtype=dtype)
+    v = _rand(1, seqlen_k, 2, head_dim, dtype=dtype)
+    out, lse = _run(backend, q, k, v, window=(-1, 0 if causal else -1))
+    _check(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_window_alibi_softcap_gqa(backend, head_dim):
+    dtype = torch.bfloat16
+    q = _rand(2, 150, 4, head_dim, dtype=dtype)
+    k = _rand(2, 97, 2, head_dim, dtype=dtype)
+    v = _rand(2, 97, 2, head_dim, dtype=dtype)
+    slopes = torch.rand(2, 4)
+    out, lse = _run(backend, q, k, v, window=(20, 3), softcap=2.0, alibi=slopes)
+    _check(out, lse, q, k, v, window=(20, 3), softcap=2.0, alibi_slopes=slopes)
+
+
+def test_rows_without_visible_keys_are_zero_with_minus_inf_lse(backend):
+    q = _rand(1, 90, 2, 64, dtype=torch.float16)
+    k = _rand(1, 40, 2, 64, dtype=torch.float16)
+    v = _rand(1, 40, 2, 64, dtype=torch.float16)
+    out, lse = _run(backend, q, k, v, window=(-1, 0))
+    assert torch.isinf(lse[:, :, :50]).all() and (out[:, :50] == 0).all()
+    _check(out, lse, q, k, v, causal=True)
+
+
+def test_strided_views_from_packed_qkv(backend):
+    qkv = _rand(2, 77, 3, 3, 64, dtype=torch.float16)
+    q, k, v = qkv.unbind(dim=2)
+    out, lse = _run(backend, q, k, v)
+    _check(out, lse, q, k, v)
+
+
+def _varlen(lens_q, lens_k, heads, head_dim, dtype):
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
+    k = _rand(sum(lens_k), heads, head_dim, dtype=dtype)
+    v = _rand(sum(lens_k), heads, head_dim, dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def test_varlen_causal(backend):
+    lens_q, lens_k = [17, 140, 1, 5], [200, 64, 33, 0]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k, 2, 64, torch.float16)
+    out, lse = _run(backend, q, k, v, window=(-1, 0), cu_q=cu_q, cu_k=cu_k,
+                    max_q=max(lens_q), max_k=max(lens_k))
+    _check(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_dropout_matches_reference_mask(backend, varlen):
+    from portattn.backends.reference import philox_keep_mask
+
+    dtype, heads, p = torch.bfloat16, 2, 0.17
+    seed, offset = 1234567, (5 << 32) + 77
+    if varlen:
+        lens_q, lens_k = [17, 130], [200, 64]
+        q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k, heads, 64, dtype)
+        batch, max_q, max_k = len(lens_q), max(lens_q), max(lens_k)
+        extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        out, lse = _run(backend, q, k, v, dropout_p=p, seed=seed, offset=offset, cu_q=cu_q, cu_k=cu_k,
+                        max_q=max_q, max_k=max_k, window=(-1, 0))
+    else:
+        batch, max_q, max_k = 2, 131, 170
+        q = _rand(batch, max_q, heads, 64, dtype=dtype)
+        k = _rand(batch, max_k, heads, 64, dtype=dtype)
+        v = _rand(batch, max_k, heads, 64, dtype=dtype)
+        extra = {}
+        out, lse = _run(backend, q, k, v, dropout_p=p, seed=seed, offset=offset, window=(-1, 0))
+    bh = torch.arange(batch * heads).reshape(batch, heads)
+    mask = philox_keep_mask(seed, offset, bh, range(max_q), range(max_k), p)
+    _check(out, lse, q, k, v, causal=True, dropout_mask=mask, dropout_p=p, **extra)
