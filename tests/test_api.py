@@ -119,3 +119,13 @@ def test_empty_inputs():
     q, k, v = rand(2, 3, 2, 8), rand(2, 0, 2, 8), rand(2, 0, 2, 8)
     out, lse, _ = portattn.flash_attn_func(q, k, v, return_attn_probs=True)
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_gradcheck_through_the_public_api():
+    q, k, v = (torch.randn(1, 5, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    slopes = torch.rand(2)
+
+    def f(q, k, v):
+        return portattn.flash_attn_func(q, k, v, causal=True, softcap=3.0, alibi_slopes=slopes.float())
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
