@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import portattn
+from portattn import dispatch
+from portattn.backends.cuda import CudaBackend
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -53,6 +55,22 @@ def _median_ms(fn):
     return do_bench(fn, warmup=50, rep=200, return_mode="median")
 
 
+def _chosen_backend(q, causal) -> str:
+    bits = dispatch.feature_bits(-1, 0 if causal else -1, 0.0, False, 0.0, False, False)
+    return dispatch.DISPATCHER.backend_for(q.device, q.dtype, q.shape[-1], bits).name
+
+
+def _kernel_only(q, k, v, causal):
+    """The CUDA backend called directly (no validation/dispatch), outputs preallocated."""
+    backend = CudaBackend()
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    options = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                   softmax_scale=q.shape[-1] ** -0.5, window_left=-1, window_right=0 if causal else -1,
+                   softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
+    return lambda: backend.forward(q, k, v, out, lse, **options)
+
+
 def bench_grid(seqlens, head_dims):
     rows = []
     for head_dim in head_dims:
@@ -66,6 +84,8 @@ def bench_grid(seqlens, head_dims):
                 flops = _flops(batch, heads, seqlen, head_dim, causal)
                 row = {"head_dim": head_dim, "heads": heads, "batch": batch, "seqlen": seqlen, "causal": causal}
                 row["portattn"] = flops / _median_ms(lambda: portattn.flash_attn_func(q, k, v, causal=causal)) / 1e9
+                row["backend"] = _chosen_backend(q, causal)
+                row["kernel"] = flops / _median_ms(_kernel_only(q, k, v, causal)) / 1e9
                 for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
                     try:
@@ -78,7 +98,7 @@ def bench_grid(seqlens, head_dims):
                 row["ratio_vs_flash"] = row["portattn"] / row["sdpa_flash"] if row["sdpa_flash"] else None
                 rows.append(row)
                 print(f"hd{head_dim} s{seqlen:5d} {'causal' if causal else 'full  '} portattn "
-                      f"{row['portattn']:6.1f}  flash {row['sdpa_flash'] or 0:6.1f}  "
+                      f"{row['portattn']:6.1f} ({row['backend']}) kernel {row['kernel']:6.1f}  flash {row['sdpa_flash'] or 0:6.1f}  "
                       f"cudnn {row['sdpa_cudnn'] or 0:6.1f}  ratio {row['ratio_vs_flash'] or 0:.3f}", flush=True)
                 del q, k, v, qt, kt, vt
     return rows
@@ -138,10 +158,13 @@ def write_results(result, out_dir):
              f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; "
              f"torch {result['torch']}", "",
              "## Forward TFLOP/s (bf16, batch x seqlen = 16k, hidden 2048)", "",
-             "| hd | seqlen | causal | portattn | SDPA flash | SDPA cuDNN | portattn / flash |",
-             "|---|---|---|---|---|---|---|"]
+             "portattn = the public `portattn.flash_attn_func` (backend it dispatched to in brackets); "
+             "kernel = CudaBackend.forward called directly with preallocated outputs.", "",
+             "| hd | seqlen | causal | portattn | kernel | SDPA flash | SDPA cuDNN | portattn / flash |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["grid"]:
-        lines.append(f"| {r['head_dim']} | {r['seqlen']} | {r['causal']} | {r['portattn']:.1f} | "
+        lines.append(f"| {r['head_dim']} | {r['seqlen']} | {r['causal']} | {r['portattn']:.1f} ({r['backend']}) | "
+                     f"{r['kernel']:.1f} | "
                      f"{r['sdpa_flash'] or 0:.1f} | {r['sdpa_cudnn'] or 0:.1f} | {r['ratio_vs_flash'] or 0:.3f} |")
     if result.get("overhead"):
         lines += ["", "## Small-problem wall time per call (us, host included, no sync in the loop)", "",

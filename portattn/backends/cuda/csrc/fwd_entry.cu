@@ -51,6 +51,10 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 bool strides_aligned(const PortattnTensor4& s) {
   return (s.batch_stride % 8) == 0 && (s.row_stride % 8) == 0 && (s.head_stride % 8) == 0;
 }
+// The tile loaders step through rows with 32-bit offsets (fwd_kernel.cuh:
+// TileLoader); 2^24 elements per row leaves room for 128-row tiles.
+constexpr int64_t kMaxRowStride = int64_t{1} << 24;
+bool row_stride_fits(const PortattnTensor4& s) { return s.row_stride < kMaxRowStride && s.row_stride > -kMaxRowStride; }
 
 int fail(char* message, int message_len, int code, const char* text) {
   if (message != nullptr && message_len > 0) snprintf(message, message_len, "%s", text);
@@ -79,6 +83,12 @@ extern "C" int portattn_cuda_fwd(const PortattnFwdParams* params, char* message,
     return fail(message, message_len, -1,
                 "portattn cuda: q, k, v and out need 16-byte aligned data pointers and strides "
                 "that are multiples of 8 elements (call .contiguous() on the input)");
+  }
+  if (!row_stride_fits(params->q_strides) || !row_stride_fits(params->k_strides) ||
+      !row_stride_fits(params->v_strides)) {
+    return fail(message, message_len, -1,
+                "portattn cuda: a q/k/v row stride of 2^24 elements or more is not supported "
+                "(call .contiguous() on the input)");
   }
   set_error_detail("");
   const cudaError_t err = variant->run(*params);

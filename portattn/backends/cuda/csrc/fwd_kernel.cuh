@@ -103,11 +103,15 @@ struct TileLoader {
     if (col >= Tile::kChunksPerRow * 8) return;
     const bool col_ok = col < headdim;
     const Elem* src = base + row0 * row_stride + col;
+    // 32-bit step offsets (the host guarantees kBlockN * row_stride < 2^31):
+    // the unrolled steps' offsets stay live across the key loop, and 64-bit
+    // ones pushed the 4-warp configs past 255 registers.
+    const int step_stride = kRowsPerStep * static_cast<int>(row_stride);
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
       const bool valid = col_ok && row0 + step * kRowsPerStep < valid_rows;
       ptx::cp_async_16(smem + smem_lane + step * kRowsPerStep * Tile::kPanelRowBytes,
-                       valid ? src + step * kRowsPerStep * row_stride : base, valid);
+                       valid ? src + step * step_stride : base, valid);
     }
   }
 };
