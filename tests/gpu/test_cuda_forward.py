@@ -219,7 +219,7 @@ def test_dropout_matches_reference_mask(p, head_dim, varlen):
 
 
 def test_misaligned_view_raises_clear_error():
-    q = _rand(1, 64 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 1, 64)
+    q = _rand(64 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 1, 64)  # 2-byte offset
     k = v = _rand(1, 64, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         _run(q, k, v)
