@@ -87,6 +87,8 @@ class RocmBackend(Backend):
             _raw_stream(q.device.index),
         )
 
-    def backward(self, *args, **kwargs) -> None:
-        # Declared "no" in capability/specs/rocm.py, so dispatch never routes here.
-        raise NotImplementedError("portattn ROCm: the backward kernels are not written yet")
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
+        # The tensors -> _C.bwd marshalling is vendor-neutral (the modules share the signature).
+        from ..cuda.backward import cuda_backward
+
+        cuda_backward(_C, _DTYPE_CODES[q.dtype], _raw_stream, dout, q, k, v, out, lse, dq, dk, dv, **options)

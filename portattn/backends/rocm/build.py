@@ -174,15 +174,17 @@ def build(ext_path: str, build_temp: str, env: Mapping[str, str]) -> None:
     job = ninja_build.NinjaBuild(build_temp)
     objects = []
     for variant in chosen:
-        source = _write_if_changed(os.path.join(gen_dir, variant.stem + ".hip"),
-                                   variants.instantiation_source(variant))
-        obj = os.path.join(obj_dir, variant.stem + ".o")
-        job.compiles.append(ninja_build.CompileStep(
-            source=source, output=obj, depfile=obj + ".d",
-            command=[*compile_env_prefix, *tools.compiler_for(variant.arch), *includes,
-                     "-save-temps=obj", "-MD", "-MF", "$depfile", "-c", "$in", "-o", "$out"],
-        ))
-        objects.append(obj)
+        for direction in variants.DIRECTIONS:
+            stem = variant.stem(direction)
+            source = _write_if_changed(os.path.join(gen_dir, stem + ".hip"),
+                                       variants.instantiation_source(variant, direction))
+            obj = os.path.join(obj_dir, stem + ".o")
+            job.compiles.append(ninja_build.CompileStep(
+                source=source, output=obj, depfile=obj + ".d",
+                command=[*compile_env_prefix, *tools.compiler_for(variant.arch), *includes,
+                         "-save-temps=obj", "-MD", "-MF", "$depfile", "-c", "$in", "-o", "$out"],
+            ))
+            objects.append(obj)
 
     compilers = {arch: os.path.basename(tools.compiler_for(arch)[0]) for arch in archs}
     registry = _write_if_changed(os.path.join(gen_dir, "registry.cpp"),

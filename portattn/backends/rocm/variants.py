@@ -25,18 +25,22 @@ DTYPES = {
 REGISTERS_PER_SIMD_LANE = 512  # CDNA2/3: unified VGPR + AGPR file
 REGISTER_GRANULE = 8
 LDS_BYTES_PER_CU = 65536
-WAVES_PER_WORKGROUP = 4  # kWaves in fwd_kernel.h: one wave per SIMD
-LDS_PAD = 4  # kPad in fwd_kernel.h
+LDS_PAD = 4  # kLdsPad in csrc/tiles.h
+ROWDOT_WAVES_PER_SIMD = 4  # bwd_rowdot_kernel's launch bounds
 
 
 @dataclass(frozen=True)
-class FwdTile:
-    """One forward tile (FwdTile<kHeadDim, kBlockN, ...> in csrc/fwd_kernel.h)."""
+class KernelTile:
+    """One kernel's tile: `kernel` names its template in csrc (fwd_kernel, bwd_dq_kernel, ...).
 
+    block: keys per block (fwd, bwd_dq) or queries per block (bwd_dkdv).
+    waves_per_simd: designed occupancy; the kernel is compiled with
+    amdgpu_waves_per_eu(this) and the ISA test holds VGPR+AGPR to the matching budget.
+    """
+
+    kernel: str
     head_dim: int
-    block_n: int
-    # Designed occupancy: the kernel is compiled with amdgpu_waves_per_eu(this)
-    # and the ISA test holds its VGPR+AGPR count to the matching budget.
+    block: int
     waves_per_simd: int
 
     @property
@@ -47,100 +51,157 @@ class FwdTile:
 
     @property
     def lds_bytes(self) -> int:
-        k_tile = self.block_n * (self.head_dim + LDS_PAD)
-        v_transposed = self.head_dim * (self.block_n + LDS_PAD)
-        return 2 * (k_tile + v_transposed)
+        rows = self.block * (self.head_dim + LDS_PAD)  # a row-major tile of `block` rows
+        if self.kernel == "fwd":  # K, V^T
+            return 2 * (rows + self.head_dim * (self.block + LDS_PAD))
+        if self.kernel == "bwd_dq":  # K, V
+            return 2 * 2 * rows
+        if self.kernel == "bwd_dkdv":  # Q, dO, fp32 LSE and rowsum(dO * O) per query
+            return 2 * 2 * rows + 2 * 4 * self.block
+        return 0
 
     @property
     def mfma_per_iteration(self) -> int:
-        """32x32x8 MFMAs per wave per key block: S^T = K Q^T, then O^T += V^T P^T."""
-        return (self.block_n // 32) * (self.head_dim // 8) + (self.head_dim // 32) * (self.block_n // 8)
+        """32x32x8 MFMAs per wave per block of the kernel's loop."""
+        tiles, steps = self.block // 32, self.block // 8
+        dim_steps, dim_tiles = self.head_dim // 8, self.head_dim // 32
+        per_product = {"fwd": (1, 1), "bwd_dq": (2, 1), "bwd_dkdv": (2, 2)}.get(self.kernel, (0, 0))
+        return per_product[0] * tiles * dim_steps + per_product[1] * dim_tiles * steps
+
+
+@dataclass(frozen=True)
+class HeadDimConfig:
+    head_dim: int
+    fwd: KernelTile
+    bwd_dq: KernelTile
+    bwd_dkdv: KernelTile
 
     @property
-    def lds_waves_per_simd(self) -> int:
-        """Occupancy LDS allows: workgroups per CU, each one wave per SIMD."""
-        return LDS_BYTES_PER_CU // self.lds_bytes
+    def kernels(self) -> tuple:
+        rowdot = KernelTile("bwd_rowdot", self.head_dim, 0, ROWDOT_WAVES_PER_SIMD)
+        return (self.fwd, self.bwd_dq, self.bwd_dkdv, rowdot)
 
 
-# Key-block sizes: 64 keys at D=64 amortise the softmax over more MFMAs; at
-# D>=128 32 keys keep K + V^T within a third (D=128) of the CU's LDS. D=256
-# needs 35 KiB of LDS, so one workgroup per CU: its registers may use the
-# whole file (1 wave per SIMD), which keeps Q (64 VGPRs) and O^T (128) resident.
-FWD_TILES = (
-    FwdTile(head_dim=64, block_n=64, waves_per_simd=2),
-    FwdTile(head_dim=128, block_n=32, waves_per_simd=2),
-    FwdTile(head_dim=256, block_n=32, waves_per_simd=1),
+def _config(head_dim, fwd, bwd_dq, bwd_dkdv) -> HeadDimConfig:
+    """(block, waves per SIMD) per kernel -> HeadDimConfig."""
+    return HeadDimConfig(head_dim, KernelTile("fwd", head_dim, *fwd), KernelTile("bwd_dq", head_dim, *bwd_dq),
+                         KernelTile("bwd_dkdv", head_dim, *bwd_dkdv))
+
+
+# Key blocks of the forward: 64 keys at D=64 amortise the softmax over more
+# MFMAs; at D>=128 32 keys keep K + V^T within a third (D=128) of the CU's LDS.
+# D=256 needs 35 KiB of LDS, so one workgroup per CU: its registers may use
+# the whole file (1 wave per SIMD), which keeps Q (64 VGPRs) and O^T (128)
+# resident. The backward's dkdv kernel holds K, V (D/2 VGPRs) and two D x 32
+# fp32 accumulators (D VGPRs): from D=128 on only one wave per SIMD fits.
+CONFIGS = (
+    _config(64, fwd=(64, 2), bwd_dq=(64, 2), bwd_dkdv=(32, 2)),
+    _config(128, fwd=(32, 2), bwd_dq=(32, 2), bwd_dkdv=(32, 1)),
+    _config(256, fwd=(32, 1), bwd_dq=(32, 1), bwd_dkdv=(32, 1)),
 )
 
-MAX_HEAD_DIM = max(tile.head_dim for tile in FWD_TILES)
+MAX_HEAD_DIM = max(config.head_dim for config in CONFIGS)
 
-for _tile in FWD_TILES:
-    if _tile.lds_bytes * _tile.waves_per_simd > LDS_BYTES_PER_CU:
-        raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per CU")
+for _config_ in CONFIGS:
+    for _tile in _config_.kernels:
+        if _tile.lds_bytes * _tile.waves_per_simd > LDS_BYTES_PER_CU:
+            raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per CU")
 
 
 @dataclass(frozen=True)
 class Variant:
     arch: str
     dtype: str
-    tile: FwdTile
+    config: HeadDimConfig
 
-    @property
-    def stem(self) -> str:
-        return f"fwd_{self.arch}_{DTYPES[self.dtype][2]}_hd{self.tile.head_dim}"
+    def stem(self, direction: str) -> str:
+        """Source / object name of the forward ("fwd") or backward ("bwd") instantiation."""
+        return f"{direction}_{self.arch}_{DTYPES[self.dtype][2]}_hd{self.config.head_dim}"
 
-    @property
-    def entry_point(self) -> str:
-        return f"portattn_rocm_{self.stem}"
+    def entry_point(self, direction: str) -> str:
+        return f"portattn_rocm_{self.stem(direction)}"
+
+
+DIRECTIONS = ("fwd", "bwd")
 
 
 def select(archs, dtypes=None, head_dims=None) -> list[Variant]:
     """The variants a build compiles; `dtypes` / `head_dims` restrict (PORTATTN_DTYPES/HEADDIMS).
 
-    A requested head dim selects the smallest tile that serves it.
+    A requested head dim selects the smallest configuration that serves it.
     """
-    tiles = list(FWD_TILES)
+    configs = list(CONFIGS)
     if head_dims:
         wanted = set()
         for head_dim in head_dims:
-            serving = [tile for tile in FWD_TILES if tile.head_dim >= head_dim]
+            serving = [config for config in CONFIGS if config.head_dim >= head_dim]
             if not serving:
                 raise ValueError(f"PORTATTN_HEADDIMS: {head_dim} exceeds the ROCm maximum {MAX_HEAD_DIM}")
             wanted.add(serving[0])
-        tiles = [tile for tile in FWD_TILES if tile in wanted]
+        configs = [config for config in CONFIGS if config in wanted]
     chosen_dtypes = list(dtypes) if dtypes else list(DTYPES)
     for dtype in chosen_dtypes:
         if dtype not in DTYPES:
             raise ValueError(f"PORTATTN_DTYPES: {dtype!r} is not one of {sorted(DTYPES)}")
-    return [Variant(arch, dtype, tile) for arch in archs for dtype in chosen_dtypes for tile in tiles]
+    return [Variant(arch, dtype, config) for arch in archs for dtype in chosen_dtypes for config in configs]
 
 
-def instantiation_source(variant: Variant) -> str:
-    tile = variant.tile
-    _, is_bf16, _ = DTYPES[variant.dtype]
-    return f"""// Generated by portattn/backends/rocm/variants.py; do not edit.
-// {variant.arch} {variant.dtype} head dim <= {tile.head_dim}: key block {tile.block_n},
-// LDS {tile.lds_bytes} bytes, {tile.mfma_per_iteration} MFMAs per key block per wave,
-// designed for {tile.waves_per_simd} wave(s) per SIMD (VGPR+AGPR <= {tile.register_budget}).
+def _template(variant: Variant, tile: KernelTile, name: str) -> str:
+    is_bf16 = DTYPES[variant.dtype][1]
+    return (f"portattn::rocm::{variant.arch}::{name}<{tile.head_dim}, {tile.block}, {is_bf16}, "
+            f"{tile.waves_per_simd}>")
+
+
+def _budget_line(tile: KernelTile) -> str:
+    return (f"// {tile.kernel}: block {tile.block}, LDS {tile.lds_bytes} bytes, {tile.mfma_per_iteration} MFMAs "
+            f"per block per wave, {tile.waves_per_simd} wave(s) per SIMD (VGPR+AGPR <= {tile.register_budget}).")
+
+
+def instantiation_source(variant: Variant, direction: str) -> str:
+    config = variant.config
+    header = (f"// Generated by portattn/backends/rocm/variants.py; do not edit.\n"
+              f"// {variant.arch} {variant.dtype} head dim <= {config.head_dim}.\n")
+    if direction == "fwd":
+        fwd = _template(variant, config.fwd, "FwdTile")
+        return f"""{header}{_budget_line(config.fwd)}
 #define PORTATTN_ROCM_ARCH_NS {variant.arch}
 #include "fwd_kernel.h"
 
-static_assert(portattn::rocm::{variant.arch}::FwdTile<{tile.head_dim}, {tile.block_n}, {is_bf16}, {tile.waves_per_simd}>::kLdsBytes == {tile.lds_bytes},
-              "variants.py and fwd_kernel.h disagree on the LDS layout");
+static_assert({fwd}::kLdsBytes == {config.fwd.lds_bytes}, "variants.py and fwd_kernel.h disagree on LDS");
+static_assert({fwd}::kMfmaPerIter == {config.fwd.mfma_per_iteration}, "variants.py and fwd_kernel.h disagree");
 
-extern "C" int {variant.entry_point}(const PortattnFwdParams* params) {{
-  using Tile = portattn::rocm::{variant.arch}::FwdTile<{tile.head_dim}, {tile.block_n}, {is_bf16}, {tile.waves_per_simd}>;
-  return static_cast<int>(portattn::rocm::{variant.arch}::launch_fwd<Tile>(*params));
+extern "C" int {variant.entry_point("fwd")}(const PortattnFwdParams* params) {{
+  return static_cast<int>(portattn::rocm::{variant.arch}::launch_fwd<{fwd}>(*params));
+}}
+"""
+    dq = _template(variant, config.bwd_dq, "BwdDqTile")
+    dkdv = _template(variant, config.bwd_dkdv, "BwdDkdvTile")
+    return f"""{header}{_budget_line(config.bwd_dq)}
+{_budget_line(config.bwd_dkdv)}
+#define PORTATTN_ROCM_ARCH_NS {variant.arch}
+#include "bwd_kernel.h"
+
+static_assert({dq}::kLdsBytes == {config.bwd_dq.lds_bytes}, "variants.py and bwd_kernel.h disagree on LDS");
+static_assert({dq}::kMfmaPerIter == {config.bwd_dq.mfma_per_iteration}, "variants.py and bwd_kernel.h disagree");
+static_assert({dkdv}::kLdsBytes == {config.bwd_dkdv.lds_bytes}, "variants.py and bwd_kernel.h disagree on LDS");
+static_assert({dkdv}::kMfmaPerIter == {config.bwd_dkdv.mfma_per_iteration}, "variants.py and bwd_kernel.h disagree");
+
+extern "C" int {variant.entry_point("bwd")}(const PortattnBwdParams* params) {{
+  return static_cast<int>(portattn::rocm::{variant.arch}::launch_bwd<{dq}, {dkdv}>(*params));
 }}
 """
 
 
 def registry_source(variants: list[Variant], compilers: dict) -> str:
     declarations = "\n".join(
-        f'extern "C" int {variant.entry_point}(const PortattnFwdParams*);' for variant in variants
+        f'extern "C" int {v.entry_point("fwd")}(const PortattnFwdParams*);\n'
+        f'extern "C" int {v.entry_point("bwd")}(const PortattnBwdParams*);'
+        for v in variants
     )
     rows = "\n".join(
-        f'    {{"{v.arch}", {DTYPES[v.dtype][0]}, {v.tile.head_dim}, &{v.entry_point}}},' for v in variants
+        f'    {{"{v.arch}", {DTYPES[v.dtype][0]}, {v.config.head_dim}, &{v.entry_point("fwd")}, '
+        f'&{v.entry_point("bwd")}}},'
+        for v in variants
     )
     compiler_rows = "\n".join(f'    {{"{arch}", "{_c_escape(text)}"}},' for arch, text in compilers.items())
     return f"""// Generated by portattn/backends/rocm/variants.py; do not edit.
@@ -150,10 +211,10 @@ def registry_source(variants: list[Variant], compilers: dict) -> str:
 
 namespace portattn {{
 namespace rocm {{
-const FwdVariant kFwdVariants[] = {{
+const KernelVariant kVariants[] = {{
 {rows}
 }};
-const int kNumFwdVariants = {len(variants)};
+const int kNumVariants = {len(variants)};
 const ArchCompiler kArchCompilers[] = {{
 {compiler_rows}
 }};

@@ -36,10 +36,7 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/philox.h"
-
-#ifndef PORTATTN_ROCM_ARCH_NS
-#error "define PORTATTN_ROCM_ARCH_NS (the gfx target this translation unit is compiled for)"
-#endif
+#include "tiles.h"
 
 namespace portattn {
 namespace rocm {
@@ -60,61 +57,14 @@ struct FwdTile {
   static constexpr int kDimSteps = kHeadDim / kMfmaK;  // MFMA steps of Q K^T
   static constexpr int kDimTiles = kHeadDim / kMfmaM;  // O^T accumulators per wave
   static constexpr int kKeySteps = kBlockN / kMfmaK;   // MFMA steps of P V
-  static constexpr int kPad = 4;
-  static constexpr int kKStride = kHeadDim + kPad;   // sK: kBlockN rows of kHeadDim
-  static constexpr int kVtStride = kBlockN + kPad;   // sVt: kHeadDim rows of kBlockN
-  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte global chunks
+  static constexpr int kKStride = row_stride<kHeadDim>();         // sK: kBlockN rows of kHeadDim
+  static constexpr int kVtStride = transposed_stride<kBlockN>();  // sVt: kHeadDim rows of kBlockN
   static constexpr int kLdsBytes = 2 * (kBlockN * kKStride + kHeadDim * kVtStride);
   static constexpr int kMfmaPerIter = kKeyTiles * kDimSteps + kDimTiles * kKeySteps;
 
   static_assert(kHeadDim % kMfmaM == 0 && kBlockN % kMfmaM == 0, "tiles are whole MFMA tiles");
-  static_assert(kBlockN * kChunksPerRow % kThreads == 0, "every lane loads the same chunk count");
   static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
 };
-
-struct SeqBounds {
-  int q_start, k_start;  // first packed row of this sequence (0 unless varlen)
-  int len_q, len_k;
-};
-
-__device__ __forceinline__ SeqBounds seq_bounds(const PortattnFwdParams& p, int b) {
-  SeqBounds seq{0, 0, p.seqlen_q, p.seqlen_k};
-  if (p.cu_seqlens_q != nullptr) {
-    seq.q_start = p.cu_seqlens_q[b];
-    seq.len_q = p.cu_seqlens_q[b + 1] - seq.q_start;
-    seq.k_start = p.cu_seqlens_k[b];
-    seq.len_k = p.cu_seqlens_k[b + 1] - seq.k_start;
-  }
-  if (p.seqused_k != nullptr) seq.len_k = p.seqused_k[b];
-  return seq;
-}
-
-// Copies keys [n0, n0 + kBlockN) of one head into LDS, rows or columns past
-// the sequence / head dim as zeros (so padded products are exact zeros).
-// kTranspose stores V^T, the A operand layout of O^T += V^T P^T.
-template <class Tile, bool kTranspose>
-__device__ __forceinline__ void load_kv_tile(uint16_t* lds, const uint16_t* g, int64_t row_stride,
-                                             int n0, int len_k, int headdim) {
-  constexpr int kChunksPerThread = Tile::kBlockN * Tile::kChunksPerRow / Tile::kThreads;
-#pragma unroll
-  for (int it = 0; it < kChunksPerThread; ++it) {
-    const int c = threadIdx.x + it * Tile::kThreads;
-    const int n = c / Tile::kChunksPerRow;
-    const int col = (c % Tile::kChunksPerRow) * 8;
-    u32x4 chunk = {0u, 0u, 0u, 0u};
-    if (n0 + n < len_k && col < headdim) chunk = load<u32x4>(g + (n0 + n) * row_stride + col);
-    if constexpr (kTranspose) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        lds[(col + e) * Tile::kVtStride + n] = static_cast<uint16_t>(chunk[e / 2] >> (16 * (e % 2)));
-      }
-    } else {
-      uint16_t* row = lds + n * Tile::kKStride + col;
-      store<u32x2>(row, u32x2{chunk.x, chunk.y});
-      store<u32x2>(row + 4, u32x2{chunk.z, chunk.w});
-    }
-  }
-}
 
 template <class Tile>
 __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
@@ -179,8 +129,10 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
   for (int n0 = (j_begin / Tile::kBlockN) * Tile::kBlockN; n0 < j_end; n0 += Tile::kBlockN) {
     __syncthreads();  // the previous block's LDS reads are done
-    load_kv_tile<Tile, false>(sK, gK, p.k_strides.row_stride, n0, seq.len_k, p.headdim);
-    load_kv_tile<Tile, true>(sVt, gV, p.v_strides.row_stride, n0, seq.len_k, p.headdim);
+    load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, false>(sK, gK, p.k_strides.row_stride, n0,
+                                                                    seq.len_k, p.headdim);
+    load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, true>(sVt, gV, p.v_strides.row_stride, n0,
+                                                                   seq.len_k, p.headdim);
     __syncthreads();
 
     f32x16 acc_s[Tile::kKeyTiles];
@@ -189,7 +141,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       acc_s[t] = f32x16{};
 #pragma unroll
       for (int s = 0; s < Tile::kDimSteps; ++s) {
-        const u16x4 a = load<u16x4>(&sK[(t * kMfmaM + lq) * Tile::kKStride + s * kMfmaK + 4 * lh]);
+        const u16x4 a = frag_along_row(sK, Tile::kKStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh);
         acc_s[t] = T::mfma(a, rQ[s], acc_s[t]);
       }
     }
@@ -249,8 +201,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
           if (bits.z < drop_threshold) pr[2] = 0.f;
           if (bits.w < drop_threshold) pr[3] = 0.f;
         }
-        rP[t * 4 + s] = u16x4{T::from_float(pr[0]), T::from_float(pr[1]), T::from_float(pr[2]),
-                              T::from_float(pr[3])};
+        rP[t * 4 + s] = pack4<Tile::kIsBf16>(pr[0], pr[1], pr[2], pr[3]);
       }
     }
 
@@ -258,7 +209,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     for (int u = 0; u < Tile::kDimTiles; ++u) {
 #pragma unroll
       for (int s = 0; s < Tile::kKeySteps; ++s) {
-        const u16x4 a = load<u16x4>(&sVt[(u * kMfmaM + lq) * Tile::kVtStride + s * kMfmaK + 4 * lh]);
+        const u16x4 a = frag_along_row(sVt, Tile::kVtStride, u * kMfmaM + lq, s * kMfmaK + 4 * lh);
         acc_o[u] = T::mfma(a, rP[s], acc_o[u]);
       }
     }
@@ -283,8 +234,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       const int d = u * kMfmaM + 8 * g + 4 * lh;
       if (d >= p.headdim) continue;
       const float* o = &rO[0][u * 16 + 4 * g];
-      store<u16x4>(gO + d, u16x4{T::from_float(o[0]), T::from_float(o[1]), T::from_float(o[2]),
-                                 T::from_float(o[3])});
+      store<u16x4>(gO + d, pack4<Tile::kIsBf16>(o[0], o[1], o[2], o[3]));
     }
   }
   if (lh == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i] = lse[0];

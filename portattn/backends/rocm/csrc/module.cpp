@@ -15,6 +15,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -34,10 +35,11 @@ constexpr int kMaxDevices = 64;
 constexpr int kPointerAlignment = 16;  // 16-byte global loads of K and V rows
 constexpr int kStrideMultiple = 8;     // keeps every row 16-byte aligned
 
-// Forward features the kernels implement (Note [portattn semantics]); the
-// support matrix's "rocm" block must declare exactly these as available.
-const std::vector<std::string> kFeatures = {"forward", "causal", "window", "softcap", "alibi",
-                                            "dropout", "gqa",    "varlen"};
+// Features the kernels implement (Note [portattn semantics]); the support
+// matrix's "rocm" block must declare exactly these. The backward has no
+// atomics, so it is always deterministic (Note [portattn rocm backward]).
+const std::vector<std::string> kFeatures = {"forward", "backward", "causal", "window", "softcap", "alibi",
+                                            "dropout", "gqa", "varlen", "deterministic_backward"};
 
 void check_hip(hipError_t status, const char* what) {
   if (status == hipSuccess) return;
@@ -82,9 +84,7 @@ void check_fwd_invariants(const PortattnFwdParams& p) {
           "batch, nheads, nheads_k must be positive with nheads % nheads_k == 0");
   require(p.headdim > 0 && p.headdim % 8 == 0, "headdim must be a positive multiple of 8");
   int max_head_dim = 0;
-  for (int index = 0; index < kNumFwdVariants; ++index) {
-    if (kFwdVariants[index].head_dim > max_head_dim) max_head_dim = kFwdVariants[index].head_dim;
-  }
+  for (int index = 0; index < kNumVariants; ++index) max_head_dim = std::max(max_head_dim, kVariants[index].head_dim);
   require(p.headdim <= max_head_dim, "headdim " + std::to_string(p.headdim) + " > " +
                                          std::to_string(max_head_dim) + ", the largest built");
   require(p.seqlen_q >= 0 && p.seqlen_k >= 0, "sequence lengths must be non-negative");
@@ -103,11 +103,32 @@ void check_fwd_invariants(const PortattnFwdParams& p) {
   check_strides(p.out_strides, "out");
 }
 
-const FwdVariant& find_fwd_variant(const std::string& arch, int dtype, int headdim) {
-  const FwdVariant* best = nullptr;
+void check_bwd_invariants(const PortattnBwdParams& p) {
+  check_fwd_invariants(p.fwd);
+  require(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");
+  check_aligned(p.dout, "dout");
+  check_aligned(p.dq, "dq");
+  check_aligned(p.dk, "dk");
+  check_aligned(p.dv, "dv");
+  check_strides(p.dout_strides, "dout");
+  check_strides(p.dq_strides, "dq");
+  check_strides(p.dk_strides, "dk");
+  check_strides(p.dv_strides, "dv");
+  const int64_t needed = bwd_workspace_bytes(p.fwd.batch, p.fwd.nheads, p.fwd.seqlen_q);
+  require(p.workspace != nullptr || needed == 0, "workspace must be non-null");
+  require(p.workspace_bytes >= needed, "workspace of " + std::to_string(p.workspace_bytes) +
+                                           " bytes, bwd_workspace_bytes() asks for " + std::to_string(needed));
+}
+
+// The smallest built head dim >= headdim for this device's arch and dtype.
+const KernelVariant& find_variant(int dtype, int headdim) {
+  int device = 0;
+  check_hip(hipGetDevice(&device), "hipGetDevice");
+  const std::string& arch = device_arch(device);
+  const KernelVariant* best = nullptr;
   bool arch_built = false;
-  for (int index = 0; index < kNumFwdVariants; ++index) {
-    const FwdVariant& variant = kFwdVariants[index];
+  for (int index = 0; index < kNumVariants; ++index) {
+    const KernelVariant& variant = kVariants[index];
     if (arch != variant.arch) continue;
     arch_built = true;
     if (variant.dtype != dtype || variant.head_dim < headdim) continue;
@@ -127,11 +148,16 @@ const FwdVariant& find_fwd_variant(const std::string& arch, int dtype, int headd
 
 void fwd(const PortattnFwdParams& params) {
   check_fwd_invariants(params);
-  if (params.batch == 0 || params.seqlen_q == 0) return;
-  int device = 0;
-  check_hip(hipGetDevice(&device), "hipGetDevice");
-  const FwdVariant& variant = find_fwd_variant(device_arch(device), params.dtype, params.headdim);
-  check_hip(static_cast<hipError_t>(variant.launch(&params)), "forward kernel launch");
+  if (params.seqlen_q == 0) return;
+  const KernelVariant& variant = find_variant(params.dtype, params.headdim);
+  check_hip(static_cast<hipError_t>(variant.fwd(&params)), "forward kernel launch");
+}
+
+void bwd(const PortattnBwdParams& params) {
+  check_bwd_invariants(params);
+  if (params.fwd.seqlen_q == 0 && params.fwd.seqlen_k == 0) return;
+  const KernelVariant& variant = find_variant(params.fwd.dtype, params.fwd.headdim);
+  check_hip(static_cast<hipError_t>(variant.bwd(&params)), "backward kernel launch");
 }
 
 py::dict build_config() {
@@ -142,8 +168,8 @@ py::dict build_config() {
       if (existing == value) return;
     list.push_back(value);
   };
-  for (int index = 0; index < kNumFwdVariants; ++index) {
-    const FwdVariant& variant = kFwdVariants[index];
+  for (int index = 0; index < kNumVariants; ++index) {
+    const KernelVariant& variant = kVariants[index];
     add_unique(archs, std::string(variant.arch));
     add_unique(dtypes, std::string(variant.dtype == PORTATTN_BF16 ? "bfloat16" : "float16"));
     add_unique(head_dims, variant.head_dim);
@@ -176,14 +202,23 @@ T* as_pointer(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-void fwd_entry(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out, std::uintptr_t lse,
-               const std::vector<int64_t>& q_strides, const std::vector<int64_t>& k_strides,
-               const std::vector<int64_t>& v_strides, const std::vector<int64_t>& out_strides,
-               int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads,
-               int nheads_k, int headdim, int seqlen_q, int seqlen_k, std::uintptr_t cu_seqlens_q,
-               std::uintptr_t cu_seqlens_k, std::uintptr_t seqused_k, float softmax_scale, float softcap,
-               int window_left, int window_right, std::uintptr_t alibi_slopes, int64_t alibi_batch_stride,
-               float dropout_p, uint64_t philox_seed, uint64_t philox_offset, std::uintptr_t stream) {
+// The forward call's arguments, shared by fwd() and bwd() (which takes them after its own).
+#define PORTATTN_ROCM_FWD_ARGS                                                                             \
+  std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out, std::uintptr_t lse,           \
+      const std::vector<int64_t>&q_strides, const std::vector<int64_t>&k_strides,                          \
+      const std::vector<int64_t>&v_strides, const std::vector<int64_t>&out_strides,                        \
+      int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads, int nheads_k,   \
+      int headdim, int seqlen_q, int seqlen_k, std::uintptr_t cu_seqlens_q, std::uintptr_t cu_seqlens_k,   \
+      std::uintptr_t seqused_k, float softmax_scale, float softcap, int window_left, int window_right,      \
+      std::uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uint64_t philox_seed,       \
+      uint64_t philox_offset, std::uintptr_t stream
+#define PORTATTN_ROCM_FWD_ARG_NAMES                                                                        \
+  q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride, lse_head_stride, dtype, \
+      batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k,          \
+      softmax_scale, softcap, window_left, window_right, alibi_slopes, alibi_batch_stride, dropout_p,       \
+      philox_seed, philox_offset, stream
+
+PortattnFwdParams fwd_params(PORTATTN_ROCM_FWD_ARGS) {
   PortattnFwdParams p{};
   p.q = as_pointer<const void>(q);
   p.k = as_pointer<const void>(k);
@@ -216,8 +251,42 @@ void fwd_entry(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintpt
   p.philox_seed = philox_seed;
   p.philox_offset = philox_offset;
   p.stream = as_pointer<void>(stream);
+  return p;
+}
+
+void fwd_entry(PORTATTN_ROCM_FWD_ARGS) {
+  const PortattnFwdParams p = fwd_params(PORTATTN_ROCM_FWD_ARG_NAMES);
   py::gil_scoped_release no_gil;
   fwd(p);
+}
+
+// bwd(dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides,
+//     workspace, workspace_bytes, deterministic, <fwd's arguments>), as the CUDA module.
+void bwd_entry(std::uintptr_t dout, const std::vector<int64_t>& dout_strides, std::uintptr_t dq,
+               const std::vector<int64_t>& dq_strides, std::uintptr_t dk, const std::vector<int64_t>& dk_strides,
+               std::uintptr_t dv, const std::vector<int64_t>& dv_strides, std::uintptr_t workspace,
+               int64_t workspace_bytes, bool deterministic, PORTATTN_ROCM_FWD_ARGS) {
+  PortattnBwdParams p{};
+  p.fwd = fwd_params(PORTATTN_ROCM_FWD_ARG_NAMES);
+  p.dout = as_pointer<const void>(dout);
+  p.dout_strides = tensor4(dout_strides);
+  p.dq = as_pointer<void>(dq);
+  p.dk = as_pointer<void>(dk);
+  p.dv = as_pointer<void>(dv);
+  p.dq_strides = tensor4(dq_strides);
+  p.dk_strides = tensor4(dk_strides);
+  p.dv_strides = tensor4(dv_strides);
+  p.workspace = as_pointer<void>(workspace);
+  p.workspace_bytes = workspace_bytes;
+  p.deterministic = deterministic ? 1 : 0;
+  py::gil_scoped_release no_gil;
+  bwd(p);
+}
+
+int64_t bwd_workspace_bytes_entry(int batch, int nheads, int nheads_k, int headdim, int seqlen_q, int seqlen_k,
+                                  bool deterministic) {
+  static_cast<void>(nheads_k), static_cast<void>(headdim), static_cast<void>(seqlen_k), static_cast<void>(deterministic);
+  return bwd_workspace_bytes(batch, nheads, seqlen_q);
 }
 
 }  // namespace
@@ -228,6 +297,9 @@ PYBIND11_MODULE(_C, m) {
   using namespace portattn::rocm;
   m.doc() = "portattn ROCm kernels (MFMA, gfx90a / gfx942); see portattn/backends/rocm/__init__.py";
   m.def("fwd", &fwd_entry, "forward attention over raw pointers (see backends/common/params.h)");
+  m.def("bwd", &bwd_entry, "backward attention over raw pointers (see backends/common/params.h)");
+  m.def("bwd_workspace_bytes", &bwd_workspace_bytes_entry,
+        "scratch bytes bwd() needs: (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic)");
   m.def("build_config", &build_config, "what this binary contains: archs, dtypes, head_dims, features");
   m.def(
       "device_count",

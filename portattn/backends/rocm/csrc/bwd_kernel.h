@@ -1,0 +1,472 @@
+// Backward attention on CDNA matrix cores (gfx90a, gfx942): three kernels,
+// no atomics, so the result is bitwise reproducible by construction.
+//
+// Note [portattn rocm backward]
+//   1. bwd_rowdot_kernel: Dr[i] = rowsum(dO * O) (fp32, into the workspace).
+//   2. bwd_dq_kernel, the forward's shape (128 queries per workgroup, loop
+//      over key blocks of kBlockN): per key block each wave computes
+//        S^T  = K Q^T,  dP^T = V dO^T                  (keys x 32 queries)
+//        P    = exp2(S log2e - lse log2e),  dS = P * (dP - Dr)   (dropout, softcap applied)
+//        dQ^T += K^T dS^T                               (D x 32 queries)
+//      with Q and dO resident as B operands and K^T read down the columns
+//      of the row-major K tile.
+//   3. bwd_dkdv_kernel, the transpose (128 keys per workgroup, one KV head,
+//      looping over the query heads of its GQA group and query blocks of
+//      kBlockQ): per query block each wave computes
+//        S = Q K^T,  dP = dO V^T                        (kBlockQ queries x 32 keys)
+//        dV^T += dO^T P_dropped,  dK^T += Q^T dS        (D x 32 keys)
+//      with K and V resident. Summing the group inside one workgroup is what
+//      makes GQA need no dK/dV accumulator.
+// Recomputing S and dP in both kernels costs 7 matrix products per tile pair
+// instead of FlashAttention-2's 5 (which adds dQ with fp32 atomics); it buys
+// determinism, no dQ workspace and no conversion pass. The register layouts
+// are those of Note [portattn MFMA layout]: the lane owning a query (dq
+// kernel) or a key (dkdv kernel) holds 4 consecutive keys / queries per
+// register group, which is also the B operand of the following product.
+//
+// Budgets (registers per lane, one wave per SIMD per workgroup; the numbers
+// are data in variants.py (BWD_TILES) and tests/test_rocm_isa.py holds the
+// compiled kernels to them):
+//   kernel  D    block  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD
+//   dq      64   64     17408      48         <= 256            2
+//   dq      128  32     16896      48         <= 256            2
+//   dq      256  32     33280      96         <= 512            1
+//   dkdv    64   32      9216      32         <= 256            2
+//   dkdv    128  32     17408      64         <= 512            1
+//   dkdv    256  32     33792     128         <= 512            1
+// (LDS of dkdv includes 256 bytes of per-query LSE and Dr.)
+#pragma once
+#include <limits.h>
+#include <math.h>
+
+#include "cdna.h"  // first: hip_runtime.h defines __forceinline__ for the common headers
+
+#include "../../common/online_softmax.h"
+#include "../../common/params.h"
+#include "../../common/philox.h"
+#include "registry.h"
+#include "tiles.h"
+
+namespace portattn {
+namespace rocm {
+namespace PORTATTN_ROCM_ARCH_NS {
+
+__device__ __forceinline__ float* rowdot_row(const PortattnBwdParams& p, int b, int h) {
+  return static_cast<float*>(p.workspace) + bwd_rowdot_offset(p.fwd.nheads, p.fwd.seqlen_q, b, h);
+}
+
+// Per-lane LSE in log2 units; rows without a visible key (lse = -inf) and
+// rows past the sequence get +inf, which turns every exp2 of the row into 0.
+__device__ __forceinline__ float lse_log2_or_inf(const PortattnFwdParams& p, const SeqBounds& seq, int b,
+                                                 int h, int i) {
+  if (i >= seq.len_q) return __builtin_huge_valf();
+  const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i];
+  return lse == -__builtin_huge_valf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
+}
+
+// ---------------------------------------------------------------------------
+// 1. Dr = rowsum(dO * O): one lane per (query row, head), 16-byte reads.
+
+constexpr int kRowdotThreads = 256;
+
+template <bool kIsBf16>
+__global__ void PORTATTN_LAUNCH_BOUNDS(kRowdotThreads, 4) bwd_rowdot_kernel(const PortattnBwdParams p) {
+  using T = Dtype<kIsBf16>;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqBounds seq = seq_bounds(p.fwd, b);
+  const int i = blockIdx.x * kRowdotThreads + threadIdx.x;
+  if (i >= seq.len_q) return;
+  const uint16_t* gO = static_cast<const uint16_t*>(p.fwd.out) + b * p.fwd.out_strides.batch_stride +
+                       (seq.q_start + i) * p.fwd.out_strides.row_stride + h * p.fwd.out_strides.head_stride;
+  const uint16_t* gdO = static_cast<const uint16_t*>(p.dout) + b * p.dout_strides.batch_stride +
+                        (seq.q_start + i) * p.dout_strides.row_stride + h * p.dout_strides.head_stride;
+  float sum = 0.f;
+  for (int d = 0; d < p.fwd.headdim; d += 8) {
+    const u32x4 o = load<u32x4>(gO + d), dout = load<u32x4>(gdO + d);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int shift = 16 * (e % 2);
+      sum += T::to_float(static_cast<uint16_t>(o[e / 2] >> shift)) *
+             T::to_float(static_cast<uint16_t>(dout[e / 2] >> shift));
+    }
+  }
+  rowdot_row(p, b, h)[i] = sum;
+}
+
+// Per-element score transform shared by both kernels: returns the
+// probability (0 where masked) and, with softcap, the tanh factor of its
+// derivative. `x` is q.k.
+struct ScoreOptions {
+  float scale, softcap, slope;
+  bool use_softcap, use_alibi;
+};
+
+__device__ __forceinline__ float probability(float qk, const ScoreOptions& o, int rel, float lse_log2,
+                                             bool visible, float& dtanh) {
+  float x = qk * o.scale;
+  dtanh = 1.f;
+  if (o.use_softcap) {
+    const float t = tanhf(x / o.softcap);
+    x = o.softcap * t;
+    dtanh = 1.f - t * t;
+  }
+  if (o.use_alibi) x -= o.slope * fabsf(static_cast<float>(rel));
+  return visible ? softmax::exp2_fast(x * softmax::kLog2e - lse_log2) : 0.f;
+}
+
+// ---------------------------------------------------------------------------
+// 2. dQ.
+
+template <int kHeadDim_, int kBlockN_, bool kIsBf16_, int kWavesPerSimd_>
+struct BwdDqTile {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr bool kIsBf16 = kIsBf16_;
+  static constexpr int kWavesPerSimd = kWavesPerSimd_;
+  static constexpr int kWaves = 4;
+  static constexpr int kThreads = kWaves * kWaveSize;
+  static constexpr int kBlockM = kWaves * kMfmaM;
+  static constexpr int kKeyTiles = kBlockN / kMfmaM;
+  static constexpr int kDimSteps = kHeadDim / kMfmaK;
+  static constexpr int kDimTiles = kHeadDim / kMfmaM;
+  static constexpr int kKeySteps = kBlockN / kMfmaK;
+  static constexpr int kStride = row_stride<kHeadDim>();
+  static constexpr int kLdsBytes = 2 * 2 * kBlockN * kStride;  // sK, sV
+  static constexpr int kMfmaPerIter = 2 * kKeyTiles * kDimSteps + kDimTiles * kKeySteps;
+  static_assert(kHeadDim % kMfmaM == 0 && kBlockN % kMfmaM == 0, "tiles are whole MFMA tiles");
+  static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
+};
+
+template <class Tile>
+__global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
+    bwd_dq_kernel(const PortattnBwdParams bp) {
+  const PortattnFwdParams& p = bp.fwd;
+  using T = Dtype<Tile::kIsBf16>;
+  __shared__ __attribute__((aligned(16))) uint16_t sK[Tile::kBlockN * Tile::kStride];
+  __shared__ __attribute__((aligned(16))) uint16_t sV[Tile::kBlockN * Tile::kStride];
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqBounds seq = seq_bounds(p, b);
+  const int m0 = blockIdx.x * Tile::kBlockM;
+  if (m0 >= seq.len_q) return;
+  const int lane = threadIdx.x % kWaveSize;
+  const int lq = lane % kMfmaM, lh = lane / kMfmaM;
+  const int i = m0 + (threadIdx.x / kWaveSize) * kMfmaM + lq;
+  const bool row_valid = i < seq.len_q;
+  const int hk = h / (p.nheads / p.nheads_k);
+
+  const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
+                       seq.q_start * p.q_strides.row_stride + h * p.q_strides.head_stride;
+  const uint16_t* gdO = static_cast<const uint16_t*>(bp.dout) + b * bp.dout_strides.batch_stride +
+                        seq.q_start * bp.dout_strides.row_stride + h * bp.dout_strides.head_stride;
+  const uint16_t* gK = static_cast<const uint16_t*>(p.k) + b * p.k_strides.batch_stride +
+                       seq.k_start * p.k_strides.row_stride + hk * p.k_strides.head_stride;
+  const uint16_t* gV = static_cast<const uint16_t*>(p.v) + b * p.v_strides.batch_stride +
+                       seq.k_start * p.v_strides.row_stride + hk * p.v_strides.head_stride;
+
+  u16x4 rQ[Tile::kDimSteps], rdO[Tile::kDimSteps];  // B operands of S^T and dP^T
+#pragma unroll
+  for (int s = 0; s < Tile::kDimSteps; ++s) {
+    rQ[s] = rdO[s] = u16x4{0, 0, 0, 0};
+    if (row_valid && s * kMfmaK < p.headdim) {
+      rQ[s] = load<u16x4>(gQ + i * p.q_strides.row_stride + s * kMfmaK + 4 * lh);
+      rdO[s] = load<u16x4>(gdO + i * bp.dout_strides.row_stride + s * kMfmaK + 4 * lh);
+    }
+  }
+  const float lse_log2 = lse_log2_or_inf(p, seq, b, h, i);
+  const float rowdot = row_valid ? rowdot_row(bp, b, h)[i] : 0.f;
+
+  const int diag = seq.len_k - seq.len_q;
+  const int q_last = min(m0 + Tile::kBlockM, seq.len_q) - 1;
+  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
+  const int j_begin = has_left ? max(0, m0 + diag - p.window_left) : 0;
+  const int j_end = has_right ? min(seq.len_k, q_last + diag + p.window_right + 1) : seq.len_k;
+
+  const ScoreOptions opt{p.softmax_scale, p.softcap,
+                         p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f,
+                         p.softcap > 0.f, p.alibi_slopes != nullptr};
+  const bool use_dropout = p.dropout_p > 0.f;
+  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
+  const float drop_scale = use_dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  const uint64_t philox_seed = use_dropout ? in_vgpr(p.philox_seed) : 0;
+  const uint64_t philox_offset = use_dropout ? in_vgpr(p.philox_offset) : 0;
+  const int philox_head = b * p.nheads + h;
+
+  f32x16 acc_dq[Tile::kDimTiles];
+#pragma unroll
+  for (int u = 0; u < Tile::kDimTiles; ++u) acc_dq[u] = f32x16{};
+
+  for (int n0 = (j_begin / Tile::kBlockN) * Tile::kBlockN; n0 < j_end; n0 += Tile::kBlockN) {
+    __syncthreads();
+    load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, false>(sK, gK, p.k_strides.row_stride, n0,
+                                                                    seq.len_k, p.headdim);
+    load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, false>(sV, gV, p.v_strides.row_stride, n0,
+                                                                    seq.len_k, p.headdim);
+    __syncthreads();
+
+    const bool block_visible = n0 + Tile::kBlockN <= seq.len_k &&
+                               (!has_left || n0 >= q_last + diag - p.window_left) &&
+                               (!has_right || n0 + Tile::kBlockN - 1 <= m0 + diag + p.window_right);
+    const int lane_key0 = n0 + 4 * lh;
+    const int rel_diag = i + diag - lane_key0;
+    const int c_lo = has_left ? rel_diag - p.window_left : INT_MIN;
+    const int c_hi = min(has_right ? rel_diag + p.window_right : INT_MAX, seq.len_k - lane_key0 - 1);
+
+    u16x4 rdS[Tile::kKeyTiles * 4];  // dS^T as B operands, 4 keys per register group
+#pragma unroll
+    for (int t = 0; t < Tile::kKeyTiles; ++t) {
+      f32x16 acc_s = f32x16{}, acc_dp = f32x16{};
+#pragma unroll
+      for (int s = 0; s < Tile::kDimSteps; ++s) {
+        acc_s = T::mfma(frag_along_row(sK, Tile::kStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh), rQ[s], acc_s);
+        acc_dp = T::mfma(frag_along_row(sV, Tile::kStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh), rdO[s], acc_dp);
+      }
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        Philox4 bits{0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
+        if (use_dropout) {
+          bits = dropout_random4(philox_seed, philox_offset, philox_head, i, lane_key0 + t * kMfmaM + 8 * g);
+        }
+        const uint32_t word[4] = {bits.x, bits.y, bits.z, bits.w};
+        float ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 4 * g + e;
+          const int c = t * kMfmaM + 8 * g + e;
+          float dtanh;
+          const bool visible = block_visible || (c >= c_lo && c <= c_hi);
+          const float prob = probability(acc_s[r], opt, rel_diag - c, lse_log2, visible, dtanh);
+          const float dp = word[e] >= drop_threshold ? acc_dp[r] * drop_scale : 0.f;
+          ds[e] = prob * (dp - rowdot) * dtanh;
+        }
+        rdS[t * 4 + g] = pack4<Tile::kIsBf16>(ds[0], ds[1], ds[2], ds[3]);
+      }
+    }
+
+#pragma unroll
+    for (int u = 0; u < Tile::kDimTiles; ++u) {
+#pragma unroll
+      for (int s = 0; s < Tile::kKeySteps; ++s) {
+        const u16x4 a = frag_down_column(sK, Tile::kStride, s * kMfmaK + 4 * lh, u * kMfmaM + lq);
+        acc_dq[u] = T::mfma(a, rdS[s], acc_dq[u]);
+      }
+    }
+  }
+
+  if (!row_valid) return;
+  uint16_t* gdQ = static_cast<uint16_t*>(bp.dq) + b * bp.dq_strides.batch_stride +
+                  (seq.q_start + i) * bp.dq_strides.row_stride + h * bp.dq_strides.head_stride;
+#pragma unroll
+  for (int u = 0; u < Tile::kDimTiles; ++u) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const int d = u * kMfmaM + 8 * g + 4 * lh;
+      if (d >= p.headdim) continue;
+      const float scale = p.softmax_scale;
+      store<u16x4>(gdQ + d, pack4<Tile::kIsBf16>(acc_dq[u][4 * g] * scale, acc_dq[u][4 * g + 1] * scale,
+                                                 acc_dq[u][4 * g + 2] * scale, acc_dq[u][4 * g + 3] * scale));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 3. dK, dV.
+
+template <int kHeadDim_, int kBlockQ_, bool kIsBf16_, int kWavesPerSimd_>
+struct BwdDkdvTile {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockQ = kBlockQ_;
+  static constexpr bool kIsBf16 = kIsBf16_;
+  static constexpr int kWavesPerSimd = kWavesPerSimd_;
+  static constexpr int kWaves = 4;
+  static constexpr int kThreads = kWaves * kWaveSize;
+  static constexpr int kBlockN = kWaves * kMfmaM;  // keys per workgroup
+  static constexpr int kQueryTiles = kBlockQ / kMfmaM;
+  static constexpr int kDimSteps = kHeadDim / kMfmaK;
+  static constexpr int kDimTiles = kHeadDim / kMfmaM;
+  static constexpr int kQuerySteps = kBlockQ / kMfmaK;
+  static constexpr int kStride = row_stride<kHeadDim>();
+  static constexpr int kLdsBytes = 2 * 2 * kBlockQ * kStride + 2 * kBlockQ * 4;  // sQ, sdO, LSE, Dr
+  static constexpr int kMfmaPerIter = 2 * kQueryTiles * kDimSteps + 2 * kDimTiles * kQuerySteps;
+  static_assert(kHeadDim % kMfmaM == 0 && kBlockQ % kMfmaM == 0, "tiles are whole MFMA tiles");
+  static_assert(kBlockQ <= kThreads, "one lane per query stages LSE and Dr");
+  static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
+};
+
+template <class Tile>
+__global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
+    bwd_dkdv_kernel(const PortattnBwdParams bp) {
+  const PortattnFwdParams& p = bp.fwd;
+  using T = Dtype<Tile::kIsBf16>;
+  __shared__ __attribute__((aligned(16))) uint16_t sQ[Tile::kBlockQ * Tile::kStride];
+  __shared__ __attribute__((aligned(16))) uint16_t sdO[Tile::kBlockQ * Tile::kStride];
+  __shared__ float sLse[Tile::kBlockQ];     // log2 units, +inf for rows without keys / past the end
+  __shared__ float sRowdot[Tile::kBlockQ];  // Dr
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const SeqBounds seq = seq_bounds(p, b);
+  const int n0 = blockIdx.x * Tile::kBlockN;
+  if (n0 >= seq.len_k) return;
+  const int lane = threadIdx.x % kWaveSize;
+  const int lk = lane % kMfmaM, lh = lane / kMfmaM;
+  const int j = n0 + (threadIdx.x / kWaveSize) * kMfmaM + lk;  // this lane's key
+  const bool key_valid = j < seq.len_k;
+  const int group = p.nheads / p.nheads_k;
+
+  const uint16_t* gK = static_cast<const uint16_t*>(p.k) + b * p.k_strides.batch_stride +
+                       seq.k_start * p.k_strides.row_stride + hk * p.k_strides.head_stride;
+  const uint16_t* gV = static_cast<const uint16_t*>(p.v) + b * p.v_strides.batch_stride +
+                       seq.k_start * p.v_strides.row_stride + hk * p.v_strides.head_stride;
+  u16x4 rK[Tile::kDimSteps], rV[Tile::kDimSteps];  // B operands of S and dP
+#pragma unroll
+  for (int s = 0; s < Tile::kDimSteps; ++s) {
+    rK[s] = rV[s] = u16x4{0, 0, 0, 0};
+    if (key_valid && s * kMfmaK < p.headdim) {
+      rK[s] = load<u16x4>(gK + j * p.k_strides.row_stride + s * kMfmaK + 4 * lh);
+      rV[s] = load<u16x4>(gV + j * p.v_strides.row_stride + s * kMfmaK + 4 * lh);
+    }
+  }
+
+  // Query i sees key j when j - diag - wr <= i <= j - diag + wl.
+  const int diag = seq.len_k - seq.len_q;
+  const int k_last = min(n0 + Tile::kBlockN, seq.len_k) - 1;
+  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
+  const int i_begin = has_right ? max(0, n0 - diag - p.window_right) : 0;
+  const int i_end = has_left ? min(seq.len_q, k_last - diag + p.window_left + 1) : seq.len_q;
+
+  const bool use_dropout = p.dropout_p > 0.f;
+  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
+  const float drop_scale = use_dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  const uint64_t philox_seed = use_dropout ? in_vgpr(p.philox_seed) : 0;
+  const uint64_t philox_offset = use_dropout ? in_vgpr(p.philox_offset) : 0;
+
+  f32x16 acc_dk[Tile::kDimTiles], acc_dv[Tile::kDimTiles];
+#pragma unroll
+  for (int u = 0; u < Tile::kDimTiles; ++u) acc_dk[u] = acc_dv[u] = f32x16{};
+
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
+                         seq.q_start * p.q_strides.row_stride + h * p.q_strides.head_stride;
+    const uint16_t* gdO = static_cast<const uint16_t*>(bp.dout) + b * bp.dout_strides.batch_stride +
+                          seq.q_start * bp.dout_strides.row_stride + h * bp.dout_strides.head_stride;
+    const ScoreOptions opt{p.softmax_scale, p.softcap,
+                           p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f,
+                           p.softcap > 0.f, p.alibi_slopes != nullptr};
+    const int philox_head = b * p.nheads + h;
+    const float* rowdot = rowdot_row(bp, b, h);
+
+    for (int m0 = (i_begin / Tile::kBlockQ) * Tile::kBlockQ; m0 < i_end; m0 += Tile::kBlockQ) {
+      __syncthreads();
+      load_tile<Tile::kBlockQ, Tile::kHeadDim, Tile::kThreads, false>(sQ, gQ, p.q_strides.row_stride, m0,
+                                                                      seq.len_q, p.headdim);
+      load_tile<Tile::kBlockQ, Tile::kHeadDim, Tile::kThreads, false>(sdO, gdO, bp.dout_strides.row_stride,
+                                                                      m0, seq.len_q, p.headdim);
+      if (threadIdx.x < Tile::kBlockQ) {
+        const int row = m0 + threadIdx.x;
+        sLse[threadIdx.x] = lse_log2_or_inf(p, seq, b, h, row);
+        sRowdot[threadIdx.x] = row < seq.len_q ? rowdot[row] : 0.f;
+      }
+      __syncthreads();
+
+      // Register r of tile t is query i = m0 + 4lh + c, c = 32t + 8(r/4) + r%4.
+      const int lane_query0 = m0 + 4 * lh;
+      const int rel_diag = lane_query0 + diag - j;  // i + diag - j at c = 0
+      const int c_lo = max(has_right ? j - diag - p.window_right - lane_query0 : INT_MIN, -lane_query0);
+      const int c_hi = has_left ? j - diag + p.window_left - lane_query0 : INT_MAX;
+      const bool all_visible = key_valid && m0 + Tile::kBlockQ <= seq.len_q && c_lo <= -4 * lh &&
+                               c_hi >= Tile::kBlockQ - 1 - 4 * lh;
+
+      u16x4 rP[Tile::kQueryTiles * 4], rdS[Tile::kQueryTiles * 4];  // B operands, 4 queries per group
+#pragma unroll
+      for (int t = 0; t < Tile::kQueryTiles; ++t) {
+        f32x16 acc_s = f32x16{}, acc_dp = f32x16{};
+#pragma unroll
+        for (int s = 0; s < Tile::kDimSteps; ++s) {
+          acc_s = T::mfma(frag_along_row(sQ, Tile::kStride, t * kMfmaM + lk, s * kMfmaK + 4 * lh), rK[s], acc_s);
+          acc_dp = T::mfma(frag_along_row(sdO, Tile::kStride, t * kMfmaM + lk, s * kMfmaK + 4 * lh), rV[s], acc_dp);
+        }
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          float pd[4], ds[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = 4 * g + e;
+            const int c = t * kMfmaM + 8 * g + e;
+            const int row = 4 * lh + c;  // query index inside the block
+            float dtanh;
+            const bool visible = all_visible || (key_valid && c >= c_lo && c <= c_hi && m0 + row < seq.len_q);
+            const float prob = probability(acc_s[r], opt, rel_diag + c, sLse[row], visible, dtanh);
+            bool keep = true;
+            if (use_dropout) {
+              // Philox draws 4 keys per call; this lane walks queries, so one call per element.
+              const Philox4 bits = dropout_random4(philox_seed, philox_offset, philox_head, m0 + row, j & ~3);
+              const uint32_t word[4] = {bits.x, bits.y, bits.z, bits.w};
+              keep = word[j & 3] >= drop_threshold;
+            }
+            pd[e] = keep ? prob * drop_scale : 0.f;
+            const float dp = keep ? acc_dp[r] * drop_scale : 0.f;
+            ds[e] = prob * (dp - sRowdot[row]) * dtanh;
+          }
+          rP[t * 4 + g] = pack4<Tile::kIsBf16>(pd[0], pd[1], pd[2], pd[3]);
+          rdS[t * 4 + g] = pack4<Tile::kIsBf16>(ds[0], ds[1], ds[2], ds[3]);
+        }
+      }
+
+#pragma unroll
+      for (int u = 0; u < Tile::kDimTiles; ++u) {
+#pragma unroll
+        for (int s = 0; s < Tile::kQuerySteps; ++s) {
+          const int q0 = s * kMfmaK + 4 * lh, col = u * kMfmaM + lk;
+          acc_dv[u] = T::mfma(frag_down_column(sdO, Tile::kStride, q0, col), rP[s], acc_dv[u]);
+          acc_dk[u] = T::mfma(frag_down_column(sQ, Tile::kStride, q0, col), rdS[s], acc_dk[u]);
+        }
+      }
+    }
+  }
+
+  if (!key_valid) return;
+  uint16_t* gdK = static_cast<uint16_t*>(bp.dk) + b * bp.dk_strides.batch_stride +
+                  (seq.k_start + j) * bp.dk_strides.row_stride + hk * bp.dk_strides.head_stride;
+  uint16_t* gdV = static_cast<uint16_t*>(bp.dv) + b * bp.dv_strides.batch_stride +
+                  (seq.k_start + j) * bp.dv_strides.row_stride + hk * bp.dv_strides.head_stride;
+  const float scale = p.softmax_scale;
+#pragma unroll
+  for (int u = 0; u < Tile::kDimTiles; ++u) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const int d = u * kMfmaM + 8 * g + 4 * lh;
+      if (d >= p.headdim) continue;
+      const f32x16& dk = acc_dk[u];
+      const f32x16& dv = acc_dv[u];
+      store<u16x4>(gdK + d, pack4<Tile::kIsBf16>(dk[4 * g] * scale, dk[4 * g + 1] * scale, dk[4 * g + 2] * scale,
+                                                 dk[4 * g + 3] * scale));
+      store<u16x4>(gdV + d, pack4<Tile::kIsBf16>(dv[4 * g], dv[4 * g + 1], dv[4 * g + 2], dv[4 * g + 3]));
+    }
+  }
+}
+
+// Every valid dK/dV row is written by the dkdv kernel (zeros where no query
+// sees the key) and every dQ row by the dq kernel, so nothing is memset.
+template <class DqTile, class DkdvTile>
+hipError_t launch_bwd(const PortattnBwdParams& p) {
+  static_assert(DqTile::kIsBf16 == DkdvTile::kIsBf16, "one dtype per variant");
+  const hipStream_t stream = static_cast<hipStream_t>(p.fwd.stream);
+  if (p.fwd.seqlen_q > 0) {
+    const dim3 rowdot_grid((p.fwd.seqlen_q + kRowdotThreads - 1) / kRowdotThreads, p.fwd.nheads, p.fwd.batch);
+    hipLaunchKernelGGL(bwd_rowdot_kernel<DqTile::kIsBf16>, rowdot_grid, dim3(kRowdotThreads), 0, stream, p);
+    const hipError_t status = hipGetLastError();
+    if (status != hipSuccess) return status;
+    const dim3 dq_grid((p.fwd.seqlen_q + DqTile::kBlockM - 1) / DqTile::kBlockM, p.fwd.nheads, p.fwd.batch);
+    hipLaunchKernelGGL(bwd_dq_kernel<DqTile>, dq_grid, dim3(DqTile::kThreads), 0, stream, p);
+    const hipError_t dq_status = hipGetLastError();
+    if (dq_status != hipSuccess) return dq_status;
+  }
+  if (p.fwd.seqlen_k == 0) return hipSuccess;
+  const dim3 dkdv_grid((p.fwd.seqlen_k + DkdvTile::kBlockN - 1) / DkdvTile::kBlockN, p.fwd.nheads_k, p.fwd.batch);
+  hipLaunchKernelGGL(bwd_dkdv_kernel<DkdvTile>, dkdv_grid, dim3(DkdvTile::kThreads), 0, stream, p);
+  return hipGetLastError();
+}
+
+}  // namespace PORTATTN_ROCM_ARCH_NS
+}  // namespace rocm
+}  // namespace portattn
