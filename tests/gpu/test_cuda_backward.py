@@ -284,3 +284,20 @@ def test_public_api_autograd_uses_cuda_backward():
     dout = torch.randn_like(out)
     out.backward(dout)
     _check_grads((q.grad, k.grad, v.grad), q.detach(), k.detach(), v.detach(), dout, dict(causal=True))
+
+
+def test_torch_compile_training_step_has_no_graph_break():
+    import portattn
+
+    def step(q, k, v):
+        return portattn.flash_attn_func(q, k, v, causal=True).float().square().mean()
+
+    compiled = torch.compile(step, fullgraph=True)  # fullgraph: a graph break raises
+    q, k, v = (_rand(2, 129, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    compiled(q, k, v).backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    step(q, k, v).backward()
+    for name, a, b in zip(("dq", "dk", "dv"), grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"compiled {name} differs from eager")
