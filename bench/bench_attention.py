@@ -32,6 +32,7 @@ from portattn import dispatch
 from portattn.backends.cuda import CudaBackend
 
 TOKENS = 16384
+KERNEL_ONLY = False  # --kernel-only: time CudaBackend.forward only (tuning runs)
 HIDDEN = 2048
 
 
@@ -83,8 +84,11 @@ def bench_grid(seqlens, head_dims):
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA's (B, H, S, D) view
                 flops = _flops(batch, heads, seqlen, head_dim, causal)
                 row = {"head_dim": head_dim, "heads": heads, "batch": batch, "seqlen": seqlen, "causal": causal}
-                row["portattn"] = flops / _median_ms(lambda: portattn.flash_attn_func(q, k, v, causal=causal)) / 1e9
-                row["backend"] = _chosen_backend(q, causal)
+                if KERNEL_ONLY:
+                    row["portattn"], row["backend"] = 0.0, "skipped"
+                else:
+                    row["portattn"] = flops / _median_ms(lambda: portattn.flash_attn_func(q, k, v, causal=causal)) / 1e9
+                    row["backend"] = _chosen_backend(q, causal)
                 row["kernel"] = flops / _median_ms(_kernel_only(q, k, v, causal)) / 1e9
                 for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -95,7 +99,8 @@ def bench_grid(seqlens, head_dims):
                     except RuntimeError as error:
                         row[name] = None
                         row[f"{name}_error"] = str(error)[:200]
-                row["ratio_vs_flash"] = row["portattn"] / row["sdpa_flash"] if row["sdpa_flash"] else None
+                ours = row["kernel"] if KERNEL_ONLY else row["portattn"]
+                row["ratio_vs_flash"] = ours / row["sdpa_flash"] if row["sdpa_flash"] else None
                 rows.append(row)
                 print(f"hd{head_dim} s{seqlen:5d} {'causal' if causal else 'full  '} portattn "
                       f"{row['portattn']:6.1f} ({row['backend']}) kernel {row['kernel']:6.1f}  flash {row['sdpa_flash'] or 0:6.1f}  "
@@ -124,11 +129,13 @@ def bench_overhead(batches, head_dims, seqlens, calls):
                            for _ in range(3))
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
                 ours = _wall_us(lambda: portattn.flash_attn_func(q, k, v), calls)
+                backend_only = _wall_us(_kernel_only(q, k, v, False), calls)
                 sdpa = _wall_us(lambda: F.scaled_dot_product_attention(qt, kt, vt), calls)
                 rows.append({"batch": batch, "heads": 16, "head_dim": head_dim, "seqlen": seqlen,
-                             "portattn_us": ours, "sdpa_auto_us": sdpa, "ratio": ours / sdpa})
-                print(f"overhead b{batch} hd{head_dim} s{seqlen}: portattn {ours:7.1f} us  sdpa {sdpa:7.1f} us",
-                      flush=True)
+                             "portattn_us": ours, "backend_only_us": backend_only, "sdpa_auto_us": sdpa,
+                             "ratio": ours / sdpa})
+                print(f"overhead b{batch} hd{head_dim} s{seqlen}: portattn {ours:7.1f} us  backend.forward "
+                      f"{backend_only:7.1f} us  sdpa {sdpa:7.1f} us", flush=True)
     return rows
 
 
@@ -149,9 +156,9 @@ def bench_memory(seqlen=32768, heads=16, head_dim=128):
             "out_plus_lse_bytes": expected}
 
 
-def write_results(result, out_dir):
+def write_results(result, out_dir, name="cuda_forward"):
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, "cuda_forward")
+    base = os.path.join(out_dir, name)
     with open(base + ".json", "w") as handle:
         json.dump(result, handle, indent=1)
     lines = [f"# CUDA forward benchmark", "",
@@ -168,10 +175,13 @@ def write_results(result, out_dir):
                      f"{r['sdpa_flash'] or 0:.1f} | {r['sdpa_cudnn'] or 0:.1f} | {r['ratio_vs_flash'] or 0:.3f} |")
     if result.get("overhead"):
         lines += ["", "## Small-problem wall time per call (us, host included, no sync in the loop)", "",
-                  "| batch | hd | seqlen | portattn | SDPA (auto) | ratio |", "|---|---|---|---|---|---|"]
+                  "backend.forward = CudaBackend.forward alone with preallocated outputs (no validation, "
+                  "dispatch or allocation).", "",
+                  "| batch | hd | seqlen | portattn | backend.forward | SDPA (auto) | portattn / SDPA |",
+                  "|---|---|---|---|---|---|---|"]
         for r in result["overhead"]:
             lines.append(f"| {r['batch']} | {r['head_dim']} | {r['seqlen']} | {r['portattn_us']:.1f} | "
-                         f"{r['sdpa_auto_us']:.1f} | {r['ratio']:.2f} |")
+                         f"{r['backend_only_us']:.1f} | {r['sdpa_auto_us']:.1f} | {r['ratio']:.2f} |")
     if result.get("memory"):
         m = result["memory"]
         lines += ["", "## Memory", "",
@@ -207,19 +217,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer points (smoke run)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--head-dims", default="64,128", help="grid head dims (comma separated)")
+    parser.add_argument("--grid-only", action="store_true", help="skip the overhead and memory parts")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--kernel-only", action="store_true", help="grid: skip the public API (tuning runs)")
     args = parser.parse_args()
+    global KERNEL_ONLY
+    KERNEL_ONLY = args.kernel_only
     seqlens = [512, 2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     result = {
         "device": torch.cuda.get_device_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _commit(),
         "torch": torch.__version__,
-        "grid": bench_grid(seqlens, [64, 128]),
-        "overhead": bench_overhead([2, 512], [16, 64], [50, 150, 300], 200 if args.quick else 2000),
-        "memory": bench_memory(),
+        "grid": bench_grid(seqlens, [int(h) for h in args.head_dims.split(",")]),
     }
-    write_results(result, args.out)
-    print(open(os.path.join(args.out, "cuda_forward.md")).read())
+    if not args.grid_only:
+        result["overhead"] = bench_overhead([2, 512], [16, 64], [50, 150, 300], 200 if args.quick else 2000)
+        result["memory"] = bench_memory()
+    write_results(result, args.out, "cuda_forward" + args.tag)
+    print(open(os.path.join(args.out, f"cuda_forward{args.tag}.md")).read())
 
 
 if __name__ == "__main__":

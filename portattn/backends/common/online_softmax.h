@@ -63,7 +63,14 @@ PORTATTN_SOFTMAX_HD float log2_accurate(float x) {
 #endif
 }
 
-PORTATTN_SOFTMAX_HD float max2(float a, float b) { return a > b ? a : b; }
+// fmaxf is one FMNMX on NVIDIA (the ?: form costs a compare and a select).
+PORTATTN_SOFTMAX_HD float max2(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return fmaxf(a, b);
+#else
+  return a > b ? a : b;
+#endif
+}
 
 template <int kRows>
 struct RowState {
@@ -99,6 +106,58 @@ PORTATTN_SOFTMAX_HD void online_softmax_step(float (&s)[kRows][kCols], float (&o
       for (int c = 0; c < kOCols; ++c) o[r][c] *= correction;
     }
     state.max[r] = block_max;
+    float row_sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      s[r][c] = exp2_fast(s[r][c] * scale_log2 - subtract);
+      row_sum += s[r][c];
+    }
+    state.sum[r] += row_sum;
+  }
+}
+
+// Note [portattn lazy rescale]
+// The same step, but O and the running sums are rescaled only when some row
+// of the warp/wavefront sees its maximum grow by more than kLazyRescaleLog2
+// (in log2 units); otherwise every row keeps its stale maximum and P may
+// exceed 1 by up to 2^kLazyRescaleLog2. This is exact: O and the sum are
+// always scaled by the same reference maximum, which cancels in O / sum and
+// is folded back into the LSE. With long key sequences the maximum settles
+// after a few blocks, so the per-block rescale of O (kOCols multiplies per
+// row) mostly disappears. RowReduce must also provide `any(bool)` across the
+// threads that share the branch (the whole warp on NVIDIA).
+constexpr float kLazyRescaleLog2 = 8.f;
+
+template <int kRows, int kCols, int kOCols, class RowReduce>
+PORTATTN_SOFTMAX_HD void online_softmax_step_lazy(float (&s)[kRows][kCols],
+                                                  float (&o)[kRows][kOCols],
+                                                  RowState<kRows>& state, float scale_log2) {
+  float block_max[kRows];
+  bool grow = false;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    float m = state.max[r];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) m = max2(m, s[r][c]);
+    block_max[r] = RowReduce::max(m);
+    // -inf - -inf is NaN and compares false: a row with nothing visible yet
+    // never asks for a rescale; a first finite maximum always does.
+    grow |= block_max[r] * scale_log2 - state.max[r] * scale_log2 > kLazyRescaleLog2;
+  }
+  if (RowReduce::any(grow)) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float subtract = block_max[r] == neg_inf() ? 0.f : block_max[r] * scale_log2;
+      const float correction = exp2_fast(state.max[r] * scale_log2 - subtract);
+      state.sum[r] *= correction;
+#pragma unroll
+      for (int c = 0; c < kOCols; ++c) o[r][c] *= correction;
+      state.max[r] = block_max[r];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float subtract = state.max[r] == neg_inf() ? 0.f : state.max[r] * scale_log2;
     float row_sum = 0.f;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {

@@ -23,13 +23,15 @@ CUDA call, so importing the module on a machine without a GPU works.
 
 Restrictions (variants.py): PORTATTN_CUDA_ARCHS, PORTATTN_HEADDIMS,
 PORTATTN_DTYPES; MAX_JOBS caps ninja's parallelism. PORTATTN_PTXAS_VERBOSE=1
-prints ptxas register/spill/shared-memory reports.
+prints ptxas register/spill/shared-memory reports; PORTATTN_NVCC_FLAGS adds
+nvcc flags (tuning experiments, e.g. -DPORTATTN_FWD_HD64_BLOCK_N=64).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -116,6 +118,7 @@ def build_library(lib_path: str, build_temp: str, env: Mapping[str, str]) -> Non
     ] + variants.gencode_flags(plan)
     if env.get("PORTATTN_PTXAS_VERBOSE") == "1":
         flags.append("-Xptxas=-v")
+    flags += shlex.split(env.get("PORTATTN_NVCC_FLAGS", ""))
     build = ninja_build.NinjaBuild(os.path.join(build_temp, "ninja_lib"))
     objects = []
     for source in sources:

@@ -45,7 +45,10 @@ struct FwdTileConfig {
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;  // m16 tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
+#ifndef PORTATTN_FWD_HD64_BLOCK_N
+#define PORTATTN_FWD_HD64_BLOCK_N 128
+#endif
+  static constexpr int kBlockN = kHeadDim <= 32 ? 128 : kHeadDim <= 64 ? PORTATTN_FWD_HD64_BLOCK_N : 64;
   static constexpr int kThreads = kWarps * 32;
   // Two CTAs per SM hide each other's barriers; the 8-warp configs need all
   // 255 registers per thread and fit one CTA only.
@@ -70,6 +73,7 @@ struct FwdKernelTraits : FwdTileConfig<kHeadDim> {
 struct QuadReduce {
   static __device__ __forceinline__ float max(float x) { return ptx::quad_allreduce_max(x); }
   static __device__ __forceinline__ float sum(float x) { return ptx::quad_allreduce_sum(x); }
+  static __device__ __forceinline__ bool any(bool x) { return __any_sync(0xffffffffu, x) != 0; }
 };
 
 constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
@@ -297,8 +301,8 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
         }
       }
 
-      softmax::online_softmax_step<false, kRows, kSCols, kOCols, QuadReduce>(s, o, state,
-                                                                              softmax_scale_log2);
+      softmax::online_softmax_step_lazy<kRows, kSCols, kOCols, QuadReduce>(s, o, state,
+                                                                            softmax_scale_log2);
 
       if (kExtras && params.dropout_p > 0.f) {
         const uint32_t threshold = dropout_threshold(params.dropout_p);
