@@ -64,21 +64,34 @@ def bench_grid(seqlens, head_dims):
                 for name, det in (("portattn", False), ("portattn_det", True)):
                     ms = _median_ms(lambda: _portattn_step(q, k, v, dout, causal, det))
                     row[name] = flops / ms / 1e9
+                    row[f"{name}_ms"] = ms
                 for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
                     try:
                         with sdpa_kernel(backend):
                             ms = _median_ms(lambda: _sdpa_step(q, k, v, dout, causal))
                         row[name] = flops / ms / 1e9
+                        row[f"{name}_ms"] = ms
                     except RuntimeError as error:
                         row[name] = None
                         row[f"{name}_error"] = str(error)[:200]
+                # The backward alone = fwd+bwd minus a forward (no grad), for both.
+                with torch.no_grad():
+                    fwd_ms = _median_ms(lambda: portattn.flash_attn_func(q, k, v, causal=causal))
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        flash_fwd_ms = _median_ms(lambda: F.scaled_dot_product_attention(
+                            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal))
+                bwd_flops = (FWD_BWD_FACTOR - 1) * flops / FWD_BWD_FACTOR
+                row["portattn_bwd"] = bwd_flops / (row["portattn_ms"] - fwd_ms) / 1e9
+                row["sdpa_flash_bwd"] = (bwd_flops / (row["sdpa_flash_ms"] - flash_fwd_ms) / 1e9
+                                         if row["sdpa_flash"] else None)
                 row["ratio_vs_flash"] = row["portattn"] / row["sdpa_flash"] if row["sdpa_flash"] else None
                 row["det_cost"] = row["portattn"] / row["portattn_det"]
                 rows.append(row)
                 print(f"fwd+bwd hd{head_dim} s{seqlen:5d} {'causal' if causal else 'full  '} portattn "
                       f"{row['portattn']:6.1f} (det {row['portattn_det']:6.1f})  flash {row['sdpa_flash'] or 0:6.1f}  "
-                      f"cudnn {row['sdpa_cudnn'] or 0:6.1f}  ratio {row['ratio_vs_flash'] or 0:.3f}", flush=True)
+                      f"cudnn {row['sdpa_cudnn'] or 0:6.1f}  ratio {row['ratio_vs_flash'] or 0:.3f}  bwd only "
+                      f"{row['portattn_bwd']:6.1f} vs flash {row['sdpa_flash_bwd'] or 0:6.1f}", flush=True)
                 del q, k, v, dout
     return rows
 
@@ -115,12 +128,15 @@ def write_results(result, out_dir):
              f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; "
              f"torch {result['torch']}", "",
              "## Forward+backward TFLOP/s (bf16, batch x seqlen = 16k, hidden 2048, FLOPs = 3.5 x forward)", "",
-             "| hd | seqlen | causal | portattn | portattn det | SDPA flash | SDPA cuDNN | portattn / flash | default / det |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| hd | seqlen | causal | portattn | portattn det | SDPA flash | SDPA cuDNN | portattn / flash "
+             "| default / det | bwd only: portattn | bwd only: flash |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["grid"]:
         lines.append(f"| {r['head_dim']} | {r['seqlen']} | {r['causal']} | {r['portattn']:.1f} | "
                      f"{r['portattn_det']:.1f} | {r['sdpa_flash'] or 0:.1f} | {r['sdpa_cudnn'] or 0:.1f} | "
-                     f"{r['ratio_vs_flash'] or 0:.3f} | {r['det_cost']:.2f} |")
+                     f"{r['ratio_vs_flash'] or 0:.3f} | {r['det_cost']:.2f} | {r['portattn_bwd']:.1f} | "
+                     f"{r['sdpa_flash_bwd'] or 0:.1f} |")
+    lines += ["", "bwd only = (backward FLOPs = 2.5 x forward) / (fwd+bwd time - forward time)."]
     if result.get("memory"):
         m = result["memory"]
         lines += ["", "## Peak memory of forward+backward", "",
