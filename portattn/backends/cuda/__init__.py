@@ -14,6 +14,7 @@ import torch
 
 from ...capability.callspec import CallSpec
 from ..base import Backend
+from .backward import cuda_backward
 
 try:
     from . import _C  # type: ignore[attr-defined]
@@ -86,3 +87,8 @@ class CudaBackend(Backend):
             alibi, alibi_batch_stride, dropout_p, rng_seed, rng_offset,
             _raw_stream(q.device.index),
         )
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
+        # Owned by the backward engineer; the body lives in backward.py.
+        cuda_backward(_C, _DTYPE_CODES[q.dtype], _raw_stream, dout, q, k, v, out, lse, dq, dk, dv,
+                      **options)

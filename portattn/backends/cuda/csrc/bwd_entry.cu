@@ -15,7 +15,7 @@ namespace {
 // on smaller parts; a function of the shape only, so a given call reduces in
 // the same order on every GPU. Each split costs one fp32 copy of dQ.
 constexpr int kDetTargetCtas = 256;
-// Smallest kBlockN of any candidate: more splits than key blocks would idle.
+// About the smallest kBlockN: more splits than key blocks would only idle.
 constexpr int kMinBlockN = 64;
 
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
