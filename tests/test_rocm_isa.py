@@ -107,39 +107,45 @@ def designed_waves(total_registers: int) -> int:
     return min(8, variants.REGISTERS_PER_SIMD_LANE // allocated)
 
 
-def resource_report(build_dir: str, variant) -> dict:
-    path = rocm_build.device_assembly(build_dir)[(variant.arch, variant.stem)]
+def kernel_tile(variant, symbol: str):
+    """The KernelTile (budget) of a kernel symbol of `variant`, by its template name."""
+    for tile in variant.config.kernels:
+        name = f"{tile.kernel}_kernel"
+        if f"{len(name)}{name}" in symbol:  # Itanium mangling: <length><identifier>
+            return tile
+    raise AssertionError(f"kernel {symbol} is not in the variant table")
+
+
+def resource_reports(build_dir: str, variant, direction: str) -> list:
+    """[(KernelTile, resources)] for every kernel of one instantiation's device assembly."""
+    path = rocm_build.device_assembly(build_dir)[(variant.arch, variant.stem(direction))]
     with open(path) as handle:
         assembly = handle.read()
-    kernels = parse_kernel_metadata(assembly)
-    assert len(kernels) == 1, f"{path}: expected one kernel, found {sorted(kernels)}"
-    (symbol, meta), = kernels.items()
-    body = kernel_body(assembly, symbol)
-    mfma = re.findall(r"^\s+(v_mfma_\w+)", body, flags=re.MULTILINE)
-    return {
-        "vgpr": meta[".vgpr_count"], "agpr": meta[".agpr_count"], "sgpr": meta[".sgpr_count"],
-        "vgpr_spill": meta[".vgpr_spill_count"], "sgpr_spill": meta[".sgpr_spill_count"],
-        "lds": meta[".group_segment_fixed_size"], "scratch": meta[".private_segment_fixed_size"],
-        "mfma": mfma,
-    }
+    reports = []
+    for symbol, meta in parse_kernel_metadata(assembly).items():
+        body = kernel_body(assembly, symbol)
+        reports.append((kernel_tile(variant, symbol), {
+            "vgpr": meta[".vgpr_count"], "agpr": meta[".agpr_count"], "sgpr": meta[".sgpr_count"],
+            "vgpr_spill": meta[".vgpr_spill_count"], "sgpr_spill": meta[".sgpr_spill_count"],
+            "lds": meta[".group_segment_fixed_size"], "scratch": meta[".private_segment_fixed_size"],
+            "mfma": re.findall(r"^\s+(v_mfma_\w+)", body, flags=re.MULTILINE),
+        }))
+    return reports
 
 
-@pytest.mark.parametrize(
-    "variant", variants.select(ISA_ARCHS), ids=lambda v: v.stem.replace("fwd_", "")
-)
-def test_forward_kernel_isa_meets_its_budget(built, variant):
-    build_dir, _ = built
-    tile = variant.tile
-    r = resource_report(build_dir, variant)
+def budget_problems(variant, tile, r) -> list:
     # .vgpr_count is the unified VGPR+AGPR total on gfx90a/gfx94x (AGPRs sit above the arch VGPRs).
     problems = []
     want = _mfma_mnemonic(variant.arch, variant.dtype)
-    if not r["mfma"]:
+    if tile.mfma_per_iteration == 0:
+        if r["mfma"]:
+            problems.append(f"unexpected MFMA instructions {sorted(set(r['mfma']))}")
+    elif not r["mfma"]:
         problems.append("no MFMA instruction")
     elif set(r["mfma"]) != {want}:
         problems.append(f"MFMA instructions {sorted(set(r['mfma']))}, expected only {want}")
     elif len(r["mfma"]) % tile.mfma_per_iteration:
-        problems.append(f"{len(r['mfma'])} MFMAs is not a whole number of {tile.mfma_per_iteration}-MFMA key blocks")
+        problems.append(f"{len(r['mfma'])} MFMAs is not a whole number of {tile.mfma_per_iteration}-MFMA blocks")
     if r["vgpr_spill"] or r["sgpr_spill"]:
         problems.append(f"spills: {r['vgpr_spill']} VGPR, {r['sgpr_spill']} SGPR")
     if r["scratch"]:
@@ -153,13 +159,26 @@ def test_forward_kernel_isa_meets_its_budget(built, variant):
             f"VGPR+AGPR {r['vgpr']} (AGPR {r['agpr']}) > budget {tile.register_budget} "
             f"for {tile.waves_per_simd} waves per SIMD"
         )
-    assert not problems, f"{variant.stem}: " + "; ".join(problems)
+    return problems
+
+
+@pytest.mark.parametrize("direction", variants.DIRECTIONS)
+@pytest.mark.parametrize(
+    "variant", variants.select(ISA_ARCHS), ids=lambda v: v.stem("fwd").replace("fwd_", "")
+)
+def test_kernels_isa_meet_their_budget(built, variant, direction):
+    reports = resource_reports(built[0], variant, direction)
+    expected = {"fwd": {"fwd"}, "bwd": {"bwd_rowdot", "bwd_dq", "bwd_dkdv"}}[direction]
+    assert {tile.kernel for tile, _ in reports} == expected
+    problems = [f"{tile.kernel}: {problem}" for tile, r in reports for problem in budget_problems(variant, tile, r)]
+    assert not problems, f"{variant.stem(direction)}: " + "; ".join(problems)
 
 
 def test_every_variant_has_assembly_for_both_archs(built):
     build_dir, _ = built
     found = rocm_build.device_assembly(build_dir)
-    missing = [v.stem for v in variants.select(ISA_ARCHS) if (v.arch, v.stem) not in found]
+    missing = [v.stem(d) for v in variants.select(ISA_ARCHS) for d in variants.DIRECTIONS
+               if (v.arch, v.stem(d)) not in found]
     assert not missing, f"no device assembly for {missing}"
 
 
@@ -196,32 +215,42 @@ def _fwd_args(**overrides):
     return list(args.values())
 
 
-FEATURE_ARGS = {  # one call per declared feature, using it
-    "forward": {},
-    "causal": {"window_right": 0},
-    "window": {"window_left": 8, "window_right": 2},
-    "softcap": {"softcap": 30.0},
-    "alibi": {"alibi_slopes": 24576},
-    "dropout": {"dropout_p": 0.1},
-    "gqa": {"nheads_k": 1},
-    "varlen": {"cu_seqlens_q": 28672, "cu_seqlens_k": 28672, "q_strides": (128, 64, 1)},
+def _bwd_args(deterministic=False, **fwd_overrides):
+    """A well-formed bwd() argument list: its own arguments, then fwd()'s."""
+    strides = (2048, 128, 64, 1)
+    own = [32768, strides, 36864, strides, 40960, strides, 45056, strides, 49152, 1 << 20, deterministic]
+    return own + _fwd_args(**fwd_overrides)
+
+
+FEATURE_CALLS = {  # one call per declared feature, using it: (module function, arguments)
+    "forward": ("fwd", _fwd_args()),
+    "causal": ("fwd", _fwd_args(window_right=0)),
+    "window": ("fwd", _fwd_args(window_left=8, window_right=2)),
+    "softcap": ("fwd", _fwd_args(softcap=30.0)),
+    "alibi": ("fwd", _fwd_args(alibi_slopes=24576)),
+    "dropout": ("fwd", _fwd_args(dropout_p=0.1)),
+    "gqa": ("fwd", _fwd_args(nheads_k=1)),
+    "varlen": ("fwd", _fwd_args(cu_seqlens_q=28672, cu_seqlens_k=28672, q_strides=(128, 64, 1))),
+    "backward": ("bwd", _bwd_args()),
+    "deterministic_backward": ("bwd", _bwd_args(deterministic=True)),
 }
 
 
-@pytest.mark.parametrize("feature", sorted(FEATURE_ARGS))
-def test_fwd_accepts_each_declared_feature_up_to_the_device(built, feature):
+@pytest.mark.parametrize("feature", sorted(FEATURE_CALLS))
+def test_each_declared_feature_passes_the_module_up_to_the_device(built, feature):
     """Every declared feature passes the module's checks and reaches the HIP device step
     (which fails on this GPU-less machine); a feature the kernels did not implement would be
     refused with ValueError before that."""
     from portattn.capability.specs.rocm import SPEC
 
-    assert set(FEATURE_ARGS) == set(SPEC.supported)
+    assert set(FEATURE_CALLS) == set(SPEC.supported)
     module = _load_built_module(built[1])
     count, status = module.device_count()
     if count:
         pytest.skip(f"an AMD GPU is present ({count}); this test needs the no-device path")
+    function, args = FEATURE_CALLS[feature]
     with pytest.raises(RuntimeError, match="hipGet"):
-        module.fwd(*_fwd_args(**FEATURE_ARGS[feature]))
+        getattr(module, function)(*args)
 
 
 @pytest.mark.parametrize(
@@ -241,11 +270,14 @@ def test_fwd_rejects_broken_invariants(built, overrides, message):
         module.fwd(*_fwd_args(**overrides))
 
 
-def test_module_has_no_backward_while_undeclared(built):
-    from portattn.capability.specs.rocm import SPEC
-
+def test_bwd_rejects_a_short_workspace(built):
     module = _load_built_module(built[1])
-    assert ("backward" in SPEC.supported) == hasattr(module, "bwd")
+    needed = module.bwd_workspace_bytes(1, 2, 2, 64, 16, 16, False)
+    assert needed == 1 * 2 * 16 * 4  # fp32 rowsum(dO * O) per (batch, head, query)
+    args = _bwd_args()
+    args[9] = needed - 1
+    with pytest.raises(ValueError, match="workspace"):
+        module.bwd(*args)
 
 
 def test_backend_without_amd_gpu_is_unavailable_with_a_reason():
@@ -263,7 +295,7 @@ def test_backend_without_amd_gpu_is_unavailable_with_a_reason():
 
 
 def test_declaration_routes_undone_features_away_on_an_amd_device():
-    """On a (fake) MI300 every undone feature is a reason, so dispatch falls back for it."""
+    """On a (fake) MI300 an undone feature is a reason, so dispatch falls back for it."""
     from portattn.capability.archs import amd_arch
     from portattn.capability.matrix import check_call
     from portattn.capability.probe import DeviceInfo
@@ -271,9 +303,9 @@ def test_declaration_routes_undone_features_away_on_an_amd_device():
 
     mi300 = DeviceInfo(0, "amd", "AMD Instinct MI300X", amd_arch("gfx942"), 304, 64, 65536,
                        None, None, None, "fake")
-    forward = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "causal", "dropout"}))
+    forward = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "backward", "causal", "dropout"}))
     assert check_call("rocm", mi300, forward) == []
-    backward = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "backward"}))
-    assert any("backward" in reason for reason in check_call("rocm", mi300, backward))
+    paged = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "paged_kv"}))
+    assert any("paged_kv" in reason for reason in check_call("rocm", mi300, paged))
     too_big = CallSpec("float16", 264, 264, "cuda", frozenset({"forward"}))
     assert any("264" in reason for reason in check_call("rocm", mi300, too_big))

@@ -54,19 +54,24 @@ class KernelTile:
         rows = self.block * (self.head_dim + LDS_PAD)  # a row-major tile of `block` rows
         if self.kernel == "fwd":  # K, V^T
             return 2 * (rows + self.head_dim * (self.block + LDS_PAD))
-        if self.kernel == "bwd_dq":  # K, V
-            return 2 * 2 * rows
+        if self.kernel == "bwd_dq":  # K, V, K^T
+            return 2 * (2 * rows + self.head_dim * (self.block + LDS_PAD))
         if self.kernel == "bwd_dkdv":  # Q, dO, fp32 LSE and rowsum(dO * O) per query
             return 2 * 2 * rows + 2 * 4 * self.block
         return 0
 
     @property
+    def dim_split(self) -> int:
+        """Workgroups sharing one block, each owning a slice of the head dim (kDimSplit)."""
+        return 2 if self.kernel in ("bwd_dq", "bwd_dkdv") and self.head_dim > 128 else 1
+
+    @property
     def mfma_per_iteration(self) -> int:
         """32x32x8 MFMAs per wave per block of the kernel's loop."""
         tiles, steps = self.block // 32, self.block // 8
-        dim_steps, dim_tiles = self.head_dim // 8, self.head_dim // 32
+        dim_steps, out_tiles = self.head_dim // 8, self.head_dim // self.dim_split // 32
         per_product = {"fwd": (1, 1), "bwd_dq": (2, 1), "bwd_dkdv": (2, 2)}.get(self.kernel, (0, 0))
-        return per_product[0] * tiles * dim_steps + per_product[1] * dim_tiles * steps
+        return per_product[0] * tiles * dim_steps + per_product[1] * out_tiles * steps
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,14 @@ def _config(head_dim, fwd, bwd_dq, bwd_dkdv) -> HeadDimConfig:
 # MFMAs; at D>=128 32 keys keep K + V^T within a third (D=128) of the CU's LDS.
 # D=256 needs 35 KiB of LDS, so one workgroup per CU: its registers may use
 # the whole file (1 wave per SIMD), which keeps Q (64 VGPRs) and O^T (128)
-# resident. The backward's dkdv kernel holds K, V (D/2 VGPRs) and two D x 32
-# fp32 accumulators (D VGPRs): from D=128 on only one wave per SIMD fits.
+# resident. The backward's dq kernel holds Q, dO (D/2 VGPRs) and a D x 32 fp32
+# accumulator (D/2), its dkdv kernel K, V and two accumulators: at D=128 the
+# compiler needs a few more than 256 registers for either (2-4 spills at 2
+# waves per SIMD on both archs), so they are designed for one; at D=256 both
+# split the output head dim over 2 workgroups (kDimSplit in bwd_kernel.h).
 CONFIGS = (
     _config(64, fwd=(64, 2), bwd_dq=(64, 2), bwd_dkdv=(32, 2)),
-    _config(128, fwd=(32, 2), bwd_dq=(32, 2), bwd_dkdv=(32, 1)),
+    _config(128, fwd=(32, 2), bwd_dq=(32, 1), bwd_dkdv=(32, 1)),
     _config(256, fwd=(32, 1), bwd_dq=(32, 1), bwd_dkdv=(32, 1)),
 )
 

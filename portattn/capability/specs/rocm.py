@@ -4,17 +4,16 @@ Declare a feature in SUPPORTED once the HIP kernels implement it, and an arch
 in VERIFIED once the GPU suite passed on that hardware.
 """
 from ..archs import ArchRange
-from ..declare import BackendSpec
+from ..declare import ALL_FEATURES, BackendSpec
 
-# Exactly the forward features the HIP kernels implement: module.cpp's
-# build_config()["features"] lists the same set and tests/test_rocm_isa.py keeps
-# them equal. Nothing here has run on AMD hardware: every entry is "compiled".
-SUPPORTED = frozenset({"forward", "causal", "window", "softcap", "alibi", "dropout", "gqa", "varlen"})
+# Exactly the features the HIP kernels implement: module.cpp's build_config()
+# ["features"] lists the same set and tests/test_rocm_isa.py keeps them equal.
+# The backward has no atomics, so it is always deterministic. Nothing here has
+# run on AMD hardware: every entry is "compiled".
+SUPPORTED = ALL_FEATURES - {"paged_kv"}
 
 UNSUPPORTED_NOTES = {
-    "backward": "not written yet for ROCm; the backward runs on the reference backend",
-    "deterministic_backward": "no ROCm backward yet; the reference backend runs it",
-    "paged_kv": "no block-table reads in the HIP kernels; the reference backend runs it",
+    "paged_kv": "is gathered into a packed varlen call first (an O(cached tokens) copy)",
 }
 
 # arch name -> features our GPU suite passed on that hardware.

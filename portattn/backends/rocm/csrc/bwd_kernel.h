@@ -8,15 +8,16 @@
 //        S^T  = K Q^T,  dP^T = V dO^T                  (keys x 32 queries)
 //        P    = exp2(S log2e - lse log2e),  dS = P * (dP - Dr)   (dropout, softcap applied)
 //        dQ^T += K^T dS^T                               (D x 32 queries)
-//      with Q and dO resident as B operands and K^T read down the columns
-//      of the row-major K tile.
+//      with Q and dO resident as B operands and K^T from a transposed copy
+//      of the K tile.
 //   3. bwd_dkdv_kernel, the transpose (128 keys per workgroup, one KV head,
 //      looping over the query heads of its GQA group and query blocks of
 //      kBlockQ): per query block each wave computes
 //        S = Q K^T,  dP = dO V^T                        (kBlockQ queries x 32 keys)
 //        dV^T += dO^T P_dropped,  dK^T += Q^T dS        (D x 32 keys)
-//      with K and V resident. Summing the group inside one workgroup is what
-//      makes GQA need no dK/dV accumulator.
+//      with K and V resident and Q^T, dO^T read down the columns of the
+//      row-major tiles. Summing the group inside one workgroup is what makes
+//      GQA need no dK/dV accumulator.
 // Recomputing S and dP in both kernels costs 7 matrix products per tile pair
 // instead of FlashAttention-2's 5 (which adds dQ with fp32 atomics); it buys
 // determinism, no dQ workspace and no conversion pass. The register layouts
@@ -24,17 +25,24 @@
 // kernel) or a key (dkdv kernel) holds 4 consecutive keys / queries per
 // register group, which is also the B operand of the following product.
 //
-// Budgets (registers per lane, one wave per SIMD per workgroup; the numbers
-// are data in variants.py (BWD_TILES) and tests/test_rocm_isa.py holds the
-// compiled kernels to them):
-//   kernel  D    block  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD
-//   dq      64   64     17408      48         <= 256            2
-//   dq      128  32     16896      48         <= 256            2
-//   dq      256  32     33280      96         <= 512            1
-//   dkdv    64   32      9216      32         <= 256            2
-//   dkdv    128  32     17408      64         <= 512            1
-//   dkdv    256  32     33792     128         <= 512            1
-// (LDS of dkdv includes 256 bytes of per-query LSE and Dr.)
+// D=256 splits the dQ / dK,dV head dim over 2 workgroups per block (kDimSplit),
+// each recomputing S and dP, so the accumulators fit next to the resident
+// operands.
+//
+// Budgets (registers per lane, a workgroup is one wave per SIMD; data in
+// variants.py (CONFIGS), checked on the compiled kernels by
+// tests/test_rocm_isa.py; measured VGPR+AGPR as gfx90a / gfx942):
+//   kernel  D    block  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD  measured
+//   dq      64   64     26112      48         <= 256            2           241-242 / 238-239
+//   dq      128  32     26112      48         <= 512            1           288-292 / 320
+//   dq      256  32     51712      80         <= 512            1           364-365 / 395-396
+//   dkdv    64   32      8960      32         <= 256            2           245-246 / 248-250
+//   dkdv    128  32     17152      64         <= 512            1           419-420 / 416
+//   dkdv    256  32     33536      96         <= 512            1           483 / 454-456
+//   rowdot  any  -          0       0         <= 128            4           22-26
+// (dq LDS: K, V and K^T; dkdv LDS: Q, dO and 256 bytes of per-query LSE and
+// rowsum. At D=128 both dq and dkdv need a few registers more than 256, so
+// they run at one wave per SIMD.)
 #pragma once
 #include <limits.h>
 #include <math.h>
@@ -130,9 +138,17 @@ struct BwdDqTile {
   static constexpr int kDimSteps = kHeadDim / kMfmaK;
   static constexpr int kDimTiles = kHeadDim / kMfmaM;
   static constexpr int kKeySteps = kBlockN / kMfmaK;
+  // As in the dkdv kernel, D=256 splits the dQ head dim over 2 workgroups.
+  static constexpr int kDimSplit = kHeadDim > 128 ? 2 : 1;
+  static constexpr int kOutDim = kHeadDim / kDimSplit;
+  static constexpr int kOutTiles = kOutDim / kMfmaM;
   static constexpr int kStride = row_stride<kHeadDim>();
-  static constexpr int kLdsBytes = 2 * 2 * kBlockN * kStride;  // sK, sV
-  static constexpr int kMfmaPerIter = 2 * kKeyTiles * kDimSteps + kDimTiles * kKeySteps;
+  static constexpr int kTStride = transposed_stride<kBlockN>();
+  // sK, sV row-major (A operands of S^T, dP^T) and sKt (A operand of dQ^T):
+  // the transposed copy makes that operand one 8-byte read instead of four
+  // 2-byte ones, which also keeps fewer fragments in flight.
+  static constexpr int kLdsBytes = 2 * (2 * kBlockN * kStride + kHeadDim * kTStride);
+  static constexpr int kMfmaPerIter = 2 * kKeyTiles * kDimSteps + kOutTiles * kKeySteps;
   static_assert(kHeadDim % kMfmaM == 0 && kBlockN % kMfmaM == 0, "tiles are whole MFMA tiles");
   static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
 };
@@ -144,10 +160,12 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   using T = Dtype<Tile::kIsBf16>;
   __shared__ __attribute__((aligned(16))) uint16_t sK[Tile::kBlockN * Tile::kStride];
   __shared__ __attribute__((aligned(16))) uint16_t sV[Tile::kBlockN * Tile::kStride];
+  __shared__ __attribute__((aligned(16))) uint16_t sKt[Tile::kHeadDim * Tile::kTStride];
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds seq = seq_bounds(p, b);
-  const int m0 = blockIdx.x * Tile::kBlockM;
+  const int m0 = (blockIdx.x / Tile::kDimSplit) * Tile::kBlockM;
+  const int d0 = (blockIdx.x % Tile::kDimSplit) * Tile::kOutDim;  // this workgroup's dQ head-dim slice
   if (m0 >= seq.len_q) return;
   const int lane = threadIdx.x % kWaveSize;
   const int lq = lane % kMfmaM, lh = lane / kMfmaM;
@@ -157,6 +175,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
   const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
                        seq.q_start * p.q_strides.row_stride + h * p.q_strides.head_stride;
+  uint16_t* const gdQ = opaque(static_cast<uint16_t*>(bp.dq) + b * bp.dq_strides.batch_stride +
+                               (seq.q_start + i) * bp.dq_strides.row_stride + h * bp.dq_strides.head_stride);
   const uint16_t* gdO = static_cast<const uint16_t*>(bp.dout) + b * bp.dout_strides.batch_stride +
                         seq.q_start * bp.dout_strides.row_stride + h * bp.dout_strides.head_stride;
   const uint16_t* gK = static_cast<const uint16_t*>(p.k) + b * p.k_strides.batch_stride +
@@ -192,14 +212,14 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const uint64_t philox_offset = use_dropout ? in_vgpr(p.philox_offset) : 0;
   const int philox_head = b * p.nheads + h;
 
-  f32x16 acc_dq[Tile::kDimTiles];
+  f32x16 acc_dq[Tile::kOutTiles];
 #pragma unroll
-  for (int u = 0; u < Tile::kDimTiles; ++u) acc_dq[u] = f32x16{};
+  for (int u = 0; u < Tile::kOutTiles; ++u) acc_dq[u] = f32x16{};
 
   for (int n0 = (j_begin / Tile::kBlockN) * Tile::kBlockN; n0 < j_end; n0 += Tile::kBlockN) {
     __syncthreads();
-    load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, false>(sK, gK, p.k_strides.row_stride, n0,
-                                                                    seq.len_k, p.headdim);
+    load_tile_layouts<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads>(sK, sKt, gK, p.k_strides.row_stride, n0,
+                                                                     seq.len_k, p.headdim);
     load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, false>(sV, gV, p.v_strides.row_stride, n0,
                                                                     seq.len_k, p.headdim);
     __syncthreads();
@@ -221,22 +241,30 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
         acc_s = T::mfma(frag_along_row(sK, Tile::kStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh), rQ[s], acc_s);
         acc_dp = T::mfma(frag_along_row(sV, Tile::kStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh), rdO[s], acc_dp);
       }
+      // Register group g holds keys lane_key0 + 32t + 8g + 0..3 of query i: one
+      // Philox call each, in a rolled loop that keeps its registers few.
+      uint32_t kept = 0xFFFFu;  // bit r: element r survives dropout
+      if (use_dropout) {
+        kept = 0;
+#pragma unroll 1
+        for (int g = 0; g < 4; ++g) {
+          const Philox4 bits = dropout_random4(philox_seed, philox_offset, philox_head, i, lane_key0 + t * kMfmaM + 8 * g);
+          kept |= (static_cast<uint32_t>(bits.x >= drop_threshold) | static_cast<uint32_t>(bits.y >= drop_threshold) << 1 |
+                   static_cast<uint32_t>(bits.z >= drop_threshold) << 2 | static_cast<uint32_t>(bits.w >= drop_threshold) << 3)
+                  << (4 * g);
+        }
+      }
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
-        Philox4 bits{0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
-        if (use_dropout) {
-          bits = dropout_random4(philox_seed, philox_offset, philox_head, i, lane_key0 + t * kMfmaM + 8 * g);
-        }
-        const uint32_t word[4] = {bits.x, bits.y, bits.z, bits.w};
         float ds[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = 4 * g + e;
           const int c = t * kMfmaM + 8 * g + e;
           float dtanh;
-          const bool visible = block_visible || (c >= c_lo && c <= c_hi);
+          const bool visible = block_visible | ((c >= c_lo) & (c <= c_hi));
           const float prob = probability(acc_s[r], opt, rel_diag - c, lse_log2, visible, dtanh);
-          const float dp = word[e] >= drop_threshold ? acc_dp[r] * drop_scale : 0.f;
+          const float dp = (kept >> r) & 1u ? acc_dp[r] * drop_scale : 0.f;
           ds[e] = prob * (dp - rowdot) * dtanh;
         }
         rdS[t * 4 + g] = pack4<Tile::kIsBf16>(ds[0], ds[1], ds[2], ds[3]);
@@ -244,23 +272,21 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     }
 
 #pragma unroll
-    for (int u = 0; u < Tile::kDimTiles; ++u) {
+    for (int u = 0; u < Tile::kOutTiles; ++u) {
 #pragma unroll
       for (int s = 0; s < Tile::kKeySteps; ++s) {
-        const u16x4 a = frag_down_column(sK, Tile::kStride, s * kMfmaK + 4 * lh, u * kMfmaM + lq);
+        const u16x4 a = frag_along_row(sKt, Tile::kTStride, d0 + u * kMfmaM + lq, s * kMfmaK + 4 * lh);
         acc_dq[u] = T::mfma(a, rdS[s], acc_dq[u]);
       }
     }
   }
 
   if (!row_valid) return;
-  uint16_t* gdQ = static_cast<uint16_t*>(bp.dq) + b * bp.dq_strides.batch_stride +
-                  (seq.q_start + i) * bp.dq_strides.row_stride + h * bp.dq_strides.head_stride;
 #pragma unroll
-  for (int u = 0; u < Tile::kDimTiles; ++u) {
+  for (int u = 0; u < Tile::kOutTiles; ++u) {
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      const int d = u * kMfmaM + 8 * g + 4 * lh;
+      const int d = d0 + u * kMfmaM + 8 * g + 4 * lh;
       if (d >= p.headdim) continue;
       const float scale = p.softmax_scale;
       store<u16x4>(gdQ + d, pack4<Tile::kIsBf16>(acc_dq[u][4 * g] * scale, acc_dq[u][4 * g + 1] * scale,
@@ -285,10 +311,18 @@ struct BwdDkdvTile {
   static constexpr int kDimSteps = kHeadDim / kMfmaK;
   static constexpr int kDimTiles = kHeadDim / kMfmaM;
   static constexpr int kQuerySteps = kBlockQ / kMfmaK;
+  // Above D=128, K + V fragments (D/2 VGPRs) and the dK^T, dV^T accumulators
+  // (D) do not fit 512 registers with the score tiles: kDimSplit workgroups
+  // share a key block, each accumulating dK and dV for its slice of the head
+  // dim (S and dP are recomputed by each, +50% MFMAs at D=256).
+  static constexpr int kDimSplit = kHeadDim > 128 ? 2 : 1;
+  static constexpr int kOutDim = kHeadDim / kDimSplit;
+  static constexpr int kOutTiles = kOutDim / kMfmaM;
   static constexpr int kStride = row_stride<kHeadDim>();
   static constexpr int kLdsBytes = 2 * 2 * kBlockQ * kStride + 2 * kBlockQ * 4;  // sQ, sdO, LSE, Dr
-  static constexpr int kMfmaPerIter = 2 * kQueryTiles * kDimSteps + 2 * kDimTiles * kQuerySteps;
+  static constexpr int kMfmaPerIter = 2 * kQueryTiles * kDimSteps + 2 * kOutTiles * kQuerySteps;
   static_assert(kHeadDim % kMfmaM == 0 && kBlockQ % kMfmaM == 0, "tiles are whole MFMA tiles");
+  static_assert(kOutDim % kMfmaM == 0, "head-dim slices are whole MFMA tiles");
   static_assert(kBlockQ <= kThreads, "one lane per query stages LSE and Dr");
   static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
 };
@@ -305,7 +339,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const SeqBounds seq = seq_bounds(p, b);
-  const int n0 = blockIdx.x * Tile::kBlockN;
+  const int n0 = (blockIdx.x / Tile::kDimSplit) * Tile::kBlockN;
+  const int d0 = (blockIdx.x % Tile::kDimSplit) * Tile::kOutDim;  // this workgroup's head-dim slice
   if (n0 >= seq.len_k) return;
   const int lane = threadIdx.x % kWaveSize;
   const int lk = lane % kMfmaM, lh = lane / kMfmaM;
@@ -317,7 +352,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
                        seq.k_start * p.k_strides.row_stride + hk * p.k_strides.head_stride;
   const uint16_t* gV = static_cast<const uint16_t*>(p.v) + b * p.v_strides.batch_stride +
                        seq.k_start * p.v_strides.row_stride + hk * p.v_strides.head_stride;
-  u16x4 rK[Tile::kDimSteps], rV[Tile::kDimSteps];  // B operands of S and dP
+  u16x4 rK[Tile::kDimSteps], rV[Tile::kDimSteps];  // B operands of S and dP, resident
 #pragma unroll
   for (int s = 0; s < Tile::kDimSteps; ++s) {
     rK[s] = rV[s] = u16x4{0, 0, 0, 0};
@@ -326,6 +361,13 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       rV[s] = load<u16x4>(gV + j * p.v_strides.row_stride + s * kMfmaK + 4 * lh);
     }
   }
+
+  // Output rows, addressed now and moved to VGPRs (opaque), where the loop
+  // below leaves room: otherwise their uniform parts pin SGPRs across it.
+  uint16_t* const gdK = opaque(static_cast<uint16_t*>(bp.dk) + b * bp.dk_strides.batch_stride +
+                               (seq.k_start + j) * bp.dk_strides.row_stride + hk * bp.dk_strides.head_stride);
+  uint16_t* const gdV = opaque(static_cast<uint16_t*>(bp.dv) + b * bp.dv_strides.batch_stride +
+                               (seq.k_start + j) * bp.dv_strides.row_stride + hk * bp.dv_strides.head_stride);
 
   // Query i sees key j when j - diag - wr <= i <= j - diag + wl.
   const int diag = seq.len_k - seq.len_q;
@@ -340,9 +382,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const uint64_t philox_seed = use_dropout ? in_vgpr(p.philox_seed) : 0;
   const uint64_t philox_offset = use_dropout ? in_vgpr(p.philox_offset) : 0;
 
-  f32x16 acc_dk[Tile::kDimTiles], acc_dv[Tile::kDimTiles];
+  f32x16 acc_dk[Tile::kOutTiles], acc_dv[Tile::kOutTiles];
 #pragma unroll
-  for (int u = 0; u < Tile::kDimTiles; ++u) acc_dk[u] = acc_dv[u] = f32x16{};
+  for (int u = 0; u < Tile::kOutTiles; ++u) acc_dk[u] = acc_dv[u] = f32x16{};
 
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
@@ -368,13 +410,15 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       }
       __syncthreads();
 
-      // Register r of tile t is query i = m0 + 4lh + c, c = 32t + 8(r/4) + r%4.
+      // Register r of tile t is query i = m0 + 4lh + c, c = 32t + 8(r/4) + r%4;
+      // every test below is c against per-lane bounds (no per-element branches,
+      // whose lane masks would cost two SGPRs each).
       const int lane_query0 = m0 + 4 * lh;
       const int rel_diag = lane_query0 + diag - j;  // i + diag - j at c = 0
-      const int c_lo = max(has_right ? j - diag - p.window_right - lane_query0 : INT_MIN, -lane_query0);
-      const int c_hi = has_left ? j - diag + p.window_left - lane_query0 : INT_MAX;
-      const bool all_visible = key_valid && m0 + Tile::kBlockQ <= seq.len_q && c_lo <= -4 * lh &&
-                               c_hi >= Tile::kBlockQ - 1 - 4 * lh;
+      const int c_lo = has_right ? j - diag - p.window_right - lane_query0 : 0;
+      const int c_hi = key_valid ? min(has_left ? j - diag + p.window_left - lane_query0 : INT_MAX,
+                                       seq.len_q - 1 - lane_query0)
+                                 : -1;
 
       u16x4 rP[Tile::kQueryTiles * 4], rdS[Tile::kQueryTiles * 4];  // B operands, 4 queries per group
 #pragma unroll
@@ -385,6 +429,19 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
           acc_s = T::mfma(frag_along_row(sQ, Tile::kStride, t * kMfmaM + lk, s * kMfmaK + 4 * lh), rK[s], acc_s);
           acc_dp = T::mfma(frag_along_row(sdO, Tile::kStride, t * kMfmaM + lk, s * kMfmaK + 4 * lh), rV[s], acc_dp);
         }
+        // Philox draws 4 keys of one query per call and this lane walks queries,
+        // so one call per element: a rolled loop keeps its registers few.
+        uint32_t kept = 0xFFFFu;  // bit r: element r survives dropout
+        if (use_dropout) {
+          kept = 0;
+#pragma unroll 1
+          for (int r = 0; r < 16; ++r) {
+            const int i = lane_query0 + t * kMfmaM + 8 * (r / 4) + r % 4;
+            const Philox4 bits = dropout_random4(philox_seed, philox_offset, philox_head, i, j & ~3);
+            const uint32_t word = (j & 3) == 0 ? bits.x : (j & 3) == 1 ? bits.y : (j & 3) == 2 ? bits.z : bits.w;
+            kept |= static_cast<uint32_t>(word >= drop_threshold) << r;
+          }
+        }
 #pragma unroll
         for (int g = 0; g < 4; ++g) {
           float pd[4], ds[4];
@@ -394,18 +451,11 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
             const int c = t * kMfmaM + 8 * g + e;
             const int row = 4 * lh + c;  // query index inside the block
             float dtanh;
-            const bool visible = all_visible || (key_valid && c >= c_lo && c <= c_hi && m0 + row < seq.len_q);
+            const bool visible = (c >= c_lo) & (c <= c_hi);
             const float prob = probability(acc_s[r], opt, rel_diag + c, sLse[row], visible, dtanh);
-            bool keep = true;
-            if (use_dropout) {
-              // Philox draws 4 keys per call; this lane walks queries, so one call per element.
-              const Philox4 bits = dropout_random4(philox_seed, philox_offset, philox_head, m0 + row, j & ~3);
-              const uint32_t word[4] = {bits.x, bits.y, bits.z, bits.w};
-              keep = word[j & 3] >= drop_threshold;
-            }
-            pd[e] = keep ? prob * drop_scale : 0.f;
-            const float dp = keep ? acc_dp[r] * drop_scale : 0.f;
-            ds[e] = prob * (dp - sRowdot[row]) * dtanh;
+            const float keep_scale = (kept >> r) & 1u ? drop_scale : 0.f;
+            pd[e] = prob * keep_scale;
+            ds[e] = prob * (acc_dp[r] * keep_scale - sRowdot[row]) * dtanh;
           }
           rP[t * 4 + g] = pack4<Tile::kIsBf16>(pd[0], pd[1], pd[2], pd[3]);
           rdS[t * 4 + g] = pack4<Tile::kIsBf16>(ds[0], ds[1], ds[2], ds[3]);
@@ -413,10 +463,10 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       }
 
 #pragma unroll
-      for (int u = 0; u < Tile::kDimTiles; ++u) {
+      for (int u = 0; u < Tile::kOutTiles; ++u) {
 #pragma unroll
         for (int s = 0; s < Tile::kQuerySteps; ++s) {
-          const int q0 = s * kMfmaK + 4 * lh, col = u * kMfmaM + lk;
+          const int q0 = s * kMfmaK + 4 * lh, col = d0 + u * kMfmaM + lk;
           acc_dv[u] = T::mfma(frag_down_column(sdO, Tile::kStride, q0, col), rP[s], acc_dv[u]);
           acc_dk[u] = T::mfma(frag_down_column(sQ, Tile::kStride, q0, col), rdS[s], acc_dk[u]);
         }
@@ -425,16 +475,12 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   }
 
   if (!key_valid) return;
-  uint16_t* gdK = static_cast<uint16_t*>(bp.dk) + b * bp.dk_strides.batch_stride +
-                  (seq.k_start + j) * bp.dk_strides.row_stride + hk * bp.dk_strides.head_stride;
-  uint16_t* gdV = static_cast<uint16_t*>(bp.dv) + b * bp.dv_strides.batch_stride +
-                  (seq.k_start + j) * bp.dv_strides.row_stride + hk * bp.dv_strides.head_stride;
   const float scale = p.softmax_scale;
 #pragma unroll
-  for (int u = 0; u < Tile::kDimTiles; ++u) {
+  for (int u = 0; u < Tile::kOutTiles; ++u) {
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      const int d = u * kMfmaM + 8 * g + 4 * lh;
+      const int d = d0 + u * kMfmaM + 8 * g + 4 * lh;
       if (d >= p.headdim) continue;
       const f32x16& dk = acc_dk[u];
       const f32x16& dv = acc_dv[u];
@@ -456,13 +502,15 @@ hipError_t launch_bwd(const PortattnBwdParams& p) {
     hipLaunchKernelGGL(bwd_rowdot_kernel<DqTile::kIsBf16>, rowdot_grid, dim3(kRowdotThreads), 0, stream, p);
     const hipError_t status = hipGetLastError();
     if (status != hipSuccess) return status;
-    const dim3 dq_grid((p.fwd.seqlen_q + DqTile::kBlockM - 1) / DqTile::kBlockM, p.fwd.nheads, p.fwd.batch);
+    const dim3 dq_grid((p.fwd.seqlen_q + DqTile::kBlockM - 1) / DqTile::kBlockM * DqTile::kDimSplit, p.fwd.nheads,
+                       p.fwd.batch);
     hipLaunchKernelGGL(bwd_dq_kernel<DqTile>, dq_grid, dim3(DqTile::kThreads), 0, stream, p);
     const hipError_t dq_status = hipGetLastError();
     if (dq_status != hipSuccess) return dq_status;
   }
   if (p.fwd.seqlen_k == 0) return hipSuccess;
-  const dim3 dkdv_grid((p.fwd.seqlen_k + DkdvTile::kBlockN - 1) / DkdvTile::kBlockN, p.fwd.nheads_k, p.fwd.batch);
+  const dim3 dkdv_grid((p.fwd.seqlen_k + DkdvTile::kBlockN - 1) / DkdvTile::kBlockN * DkdvTile::kDimSplit,
+                       p.fwd.nheads_k, p.fwd.batch);
   hipLaunchKernelGGL(bwd_dkdv_kernel<DkdvTile>, dkdv_grid, dim3(DkdvTile::kThreads), 0, stream, p);
   return hipGetLastError();
 }

@@ -111,6 +111,17 @@ __device__ __forceinline__ uint64_t in_vgpr(uint64_t x) {
          in_vgpr(static_cast<uint32_t>(x));
 }
 
+// Makes `value` opaque to the optimiser at this point, so loads through it
+// are not hoisted out of the enclosing loop (which would keep them resident
+// in registers, exactly what the caller is avoiding).
+template <class T>
+__device__ __forceinline__ T opaque(T value) {
+#if defined(__HIP_DEVICE_COMPILE__)
+  asm volatile("" : "+v"(value));
+#endif
+  return value;
+}
+
 template <class T>
 __device__ __forceinline__ T load(const void* ptr) {
   return *reinterpret_cast<const T*>(ptr);

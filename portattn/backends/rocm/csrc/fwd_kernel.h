@@ -14,15 +14,15 @@
 // 8-byte LDS reads; global loads are 16 bytes per lane, consecutive lanes on
 // consecutive 16-byte chunks of a row.
 //
-// Budget per variant (32x32x8 MFMAs; registers per lane; one workgroup = one
-// wave per SIMD; CDNA2/3 have 512 unified VGPR+AGPR per SIMD lane and 64 KiB
-// LDS per CU). The numbers are data in variants.py (FWD_TILES), which the ISA
-// test reads; measured on both archs they are:
+// Budget per variant (32x32x8 MFMAs per wave per key block; registers per
+// lane; a workgroup is one wave per SIMD; CDNA2/3 have 512 unified VGPR+AGPR
+// per SIMD lane and 64 KiB LDS per CU). The numbers are data in variants.py
+// (CONFIGS), from which tests/test_rocm_isa.py checks the compiled kernels:
 //
-//   D    kBlockN  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD (regs, LDS)
-//   64   64       17408      32         <= 168            3 (3, 3)
-//   128  32       17664      32         <= 168            3 (3, 3)
-//   256  32       35072      64         <= 256            1 (2, 1)
+//   D    kBlockN  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD   measured VGPR+AGPR (gfx90a / gfx942)
+//   64   64       17408      32         <= 256            2            174-176 / 194
+//   128  32       17664      32         <= 256            2            190-192 / 202-203
+//   256  32       35072      64         <= 512            1 (LDS: 1)   421-423 / 439-494
 //
 // LDS rows are padded by 4 elements (8 bytes) so the 32 rows read by one MFMA
 // operand fall on distinct bank pairs. There is no software pipelining yet:

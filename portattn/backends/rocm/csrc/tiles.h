@@ -47,11 +47,12 @@ constexpr int transposed_stride() {
   return kRows + kLdsPad;
 }
 
-// Copies rows [row0, row0 + kRows) of one head (g points at row 0) into LDS,
-// row-major or transposed (kHeadDim rows of kRows).
-template <int kRows, int kHeadDim, int kThreads, bool kTranspose>
-__device__ __forceinline__ void load_tile(uint16_t* lds, const uint16_t* g, int64_t g_row_stride,
-                                          int row0, int rows_valid, int headdim) {
+// Copies rows [row0, row0 + kRows) of one head (g points at row 0) into LDS:
+// row-major into `lds_rows` and/or transposed (kHeadDim rows of kRows) into
+// `lds_cols` (either may be null), reading global memory once.
+template <int kRows, int kHeadDim, int kThreads>
+__device__ __forceinline__ void load_tile_layouts(uint16_t* lds_rows, uint16_t* lds_cols, const uint16_t* g,
+                                                  int64_t g_row_stride, int row0, int rows_valid, int headdim) {
   constexpr int kChunksPerRow = kHeadDim / 8;
   static_assert(kRows * kChunksPerRow % kThreads == 0, "every lane copies the same chunk count");
 #pragma unroll
@@ -61,17 +62,25 @@ __device__ __forceinline__ void load_tile(uint16_t* lds, const uint16_t* g, int6
     const int col = (c % kChunksPerRow) * 8;
     u32x4 chunk = {0u, 0u, 0u, 0u};
     if (row0 + n < rows_valid && col < headdim) chunk = load<u32x4>(g + (row0 + n) * g_row_stride + col);
-    if constexpr (kTranspose) {
+    if (lds_cols != nullptr) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        lds[(col + e) * transposed_stride<kRows>() + n] = static_cast<uint16_t>(chunk[e / 2] >> (16 * (e % 2)));
+        lds_cols[(col + e) * transposed_stride<kRows>() + n] = static_cast<uint16_t>(chunk[e / 2] >> (16 * (e % 2)));
       }
-    } else {
-      uint16_t* row = lds + n * row_stride<kHeadDim>() + col;
+    }
+    if (lds_rows != nullptr) {
+      uint16_t* row = lds_rows + n * row_stride<kHeadDim>() + col;
       store<u32x2>(row, u32x2{chunk.x, chunk.y});
       store<u32x2>(row + 4, u32x2{chunk.z, chunk.w});
     }
   }
+}
+
+template <int kRows, int kHeadDim, int kThreads, bool kTranspose>
+__device__ __forceinline__ void load_tile(uint16_t* lds, const uint16_t* g, int64_t g_row_stride, int row0,
+                                          int rows_valid, int headdim) {
+  load_tile_layouts<kRows, kHeadDim, kThreads>(kTranspose ? nullptr : lds, kTranspose ? lds : nullptr, g,
+                                               g_row_stride, row0, rows_valid, headdim);
 }
 
 // MFMA operand fragments from a row-major LDS tile (Note [portattn MFMA layout]):
