@@ -121,7 +121,12 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG from a saved train_check.json")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as handle:
+            plot(json.load(handle), args.out)
+        return
     torch.manual_seed(0)
     batches = make_batches(args.steps, "cuda")
     reference = Model(sdpa_attention).cuda()
@@ -152,6 +157,11 @@ def main():
     print(f"train_check: first loss sdpa {curves['sdpa'][0]:.4f} portattn {curves['portattn'][0]:.4f}; "
           f"final (smoothed) sdpa {sdpa_s[-1]:.4f} portattn {ours_s[-1]:.4f}; mean |gap| over the second "
           f"half {gap:.4f} vs SDPA noise rms {noise:.4f} -> {'agree' if result['agree'] else 'DIFFER'}")
+    plot(result, args.out)
+
+
+def plot(result, out_dir):
+    curves = result["losses"]
     try:
         import matplotlib
 
@@ -168,7 +178,7 @@ def main():
     ax.set_title(f"train_check: {result['device']} {result['date']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "train_check.png"), dpi=90)
+    fig.savefig(os.path.join(out_dir, "train_check.png"), dpi=90)
 
 
 if __name__ == "__main__":
