@@ -10,7 +10,11 @@ from ..declare import ALL_FEATURES, BackendSpec, ResourceRule
 SUPPORTED = ALL_FEATURES - {"paged_kv"}
 
 # arch name -> features our GPU suite passed on that hardware.
-VERIFIED = {}
+# sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_forward.py, 568 passed
+# (bench/results/cuda_forward_tests.md). Backward features join after its suite.
+VERIFIED = {
+    "sm90": frozenset({"forward", "causal", "window", "softcap", "alibi", "dropout", "gqa", "varlen"}),
+}
 
 # The backward kernel for head dims above 192 keeps K, V, dK and dV tiles
 # resident in shared memory; the kernel engineer sets the bytes its tile

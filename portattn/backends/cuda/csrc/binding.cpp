@@ -21,6 +21,7 @@ const char* portattn_cuda_build_archs();
 const char* portattn_cuda_build_ptx();
 int portattn_cuda_num_fwd_variants();
 void portattn_cuda_fwd_variant(int index, int* head_dim, int* dtype);
+int portattn_cuda_fwd_smem_bytes(int head_dim);
 // ---- backward (owned by the backward engineer): declare its C entry points here ----
 int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int message_len);
 long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params);
@@ -205,7 +206,11 @@ py::dict build_config() {
   config["ptx"] = ptx;
   config["head_dims"] = head_dims;
   config["dtypes"] = dtypes;
-  config["smem_bytes"] = smem_budgets(head_dims);
+  py::dict budgets = smem_budgets(head_dims);
+  py::dict forward;
+  for (py::handle hd : head_dims) forward[hd] = portattn_cuda_fwd_smem_bytes(hd.cast<int>());
+  budgets["forward"] = forward;
+  config["smem_bytes"] = budgets;
   return config;
 }
 

@@ -5,6 +5,7 @@
 
 #include <mutex>
 
+#include "fwd_kernel.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -61,11 +62,32 @@ int fail(char* message, int message_len, int code, const char* text) {
   return code == 0 ? -1 : code;
 }
 
+// Shared memory of the forward tile for an instantiable head dim (multiple of 32).
+template <int kHeadDim = 32>
+int fwd_smem_bytes_of(int head_dim) {
+  if constexpr (kHeadDim > 256) {
+    return -1;
+  } else {
+    return head_dim == kHeadDim ? FwdKernelTraits<kHeadDim, __half>::kSmemBytes
+                                : fwd_smem_bytes_of<kHeadDim + 32>(head_dim);
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace portattn
 
 using namespace portattn::cuda;
+
+// Bytes of dynamic shared memory the forward kernel serving `head_dim` needs
+// (the same for both dtypes), or -1 when no built variant serves it. The
+// support matrix compares it with the device's opt-in limit (sm86/sm89 allow
+// 99 KB, less than head dims 224 and 256 need).
+extern "C" int portattn_cuda_fwd_smem_bytes(int head_dim) {
+  const Variant<FwdFn>* variant = find_variant(kFwdVariants, kNumFwdVariants, head_dim, PORTATTN_FP16);
+  if (variant == nullptr) variant = find_variant(kFwdVariants, kNumFwdVariants, head_dim, PORTATTN_BF16);
+  return variant == nullptr ? -1 : fwd_smem_bytes_of(variant->head_dim);
+}
 
 extern "C" int portattn_cuda_fwd(const PortattnFwdParams* params, char* message, int message_len) {
   const Variant<FwdFn>* variant =

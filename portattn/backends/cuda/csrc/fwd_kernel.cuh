@@ -7,8 +7,12 @@
 //   head dim <= 128: 4 warps, each owning 32 query rows (two m16 tiles), so one
 //     K/V fragment read from shared memory feeds two mma's (shared-memory
 //     bandwidth, not the tensor cores, is the limit with 16 rows per warp).
-//     kBlockN = 128 for head dim <= 64, else 64 (S and O must fit in 255 regs).
+//     kBlockN = 128 for head dim <= 64, else 64 (S and O must fit in 255 regs;
+//     sm_90: 255 registers, no spills at 96/128, 60-68 B at 32/64).
 //   head dim > 128: 8 warps of 16 rows: O alone is head_dim / 2 fp32 registers.
+//   The online softmax rescales O lazily (Note [portattn lazy rescale] in
+//   online_softmax.h); with the FMNMX row max and the removed spill it gained
+//   2-5% on the H100 (bench/results/cuda_fwd_notes.md).
 //   Shared memory: Q (kBlockM x D) + K (kBlockN x D) + V (kBlockN x D), bf16/fp16,
 //   XOR-swizzled (ptx.cuh: SwizzledTile): 64 KB at D=128, 128 KB at D=256.
 //
@@ -45,10 +49,9 @@ struct FwdTileConfig {
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;  // m16 tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;
-#ifndef PORTATTN_FWD_HD64_BLOCK_N
-#define PORTATTN_FWD_HD64_BLOCK_N 128
-#endif
-  static constexpr int kBlockN = kHeadDim <= 32 ? 128 : kHeadDim <= 64 ? PORTATTN_FWD_HD64_BLOCK_N : 64;
+  // Head dim 64 at kBlockN = 64 measured within noise of 128 on the H100
+  // (faster from 2k keys on, slower below; bench/results/cuda_fwd_notes.md).
+  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
   static constexpr int kThreads = kWarps * 32;
   // Two CTAs per SM hide each other's barriers; the 8-warp configs need all
   // 255 registers per thread and fit one CTA only.

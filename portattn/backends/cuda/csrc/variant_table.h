@@ -84,4 +84,5 @@ const char* portattn_cuda_build_archs();
 const char* portattn_cuda_build_ptx();
 int portattn_cuda_num_fwd_variants();
 void portattn_cuda_fwd_variant(int index, int* head_dim, int* dtype);
+int portattn_cuda_fwd_smem_bytes(int head_dim);
 }
