@@ -84,10 +84,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(kRowdotThreads, 4) bwd_rowdot_kernel(cons
   const SeqBounds seq = seq_bounds(p.fwd, b);
   const int i = blockIdx.x * kRowdotThreads + threadIdx.x;
   if (i >= seq.len_q) return;
-  const uint16_t* gO = static_cast<const uint16_t*>(p.fwd.out) + b * p.fwd.out_strides.batch_stride +
-                       (seq.q_start + i) * p.fwd.out_strides.row_stride + h * p.fwd.out_strides.head_stride;
-  const uint16_t* gdO = static_cast<const uint16_t*>(p.dout) + b * p.dout_strides.batch_stride +
-                        (seq.q_start + i) * p.dout_strides.row_stride + h * p.dout_strides.head_stride;
+  const uint16_t* gO = head_row(p.fwd.out, p.fwd.out_strides, b, seq.q_start + i, h);
+  const uint16_t* gdO = head_row(p.dout, p.dout_strides, b, seq.q_start + i, h);
   float sum = 0.f;
   for (int d = 0; d < p.fwd.headdim; d += 8) {
     const u32x4 o = load<u32x4>(gO + d), dout = load<u32x4>(gdO + d);
@@ -173,16 +171,12 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const bool row_valid = i < seq.len_q;
   const int hk = h / (p.nheads / p.nheads_k);
 
-  const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
-                       seq.q_start * p.q_strides.row_stride + h * p.q_strides.head_stride;
-  uint16_t* const gdQ = opaque(static_cast<uint16_t*>(bp.dq) + b * bp.dq_strides.batch_stride +
-                               (seq.q_start + i) * bp.dq_strides.row_stride + h * bp.dq_strides.head_stride);
-  const uint16_t* gdO = static_cast<const uint16_t*>(bp.dout) + b * bp.dout_strides.batch_stride +
-                        seq.q_start * bp.dout_strides.row_stride + h * bp.dout_strides.head_stride;
-  const uint16_t* gK = static_cast<const uint16_t*>(p.k) + b * p.k_strides.batch_stride +
-                       seq.k_start * p.k_strides.row_stride + hk * p.k_strides.head_stride;
-  const uint16_t* gV = static_cast<const uint16_t*>(p.v) + b * p.v_strides.batch_stride +
-                       seq.k_start * p.v_strides.row_stride + hk * p.v_strides.head_stride;
+  const uint16_t* gQ = head_row(p.q, p.q_strides, b, seq.q_start, h);
+  const uint16_t* gdO = head_row(bp.dout, bp.dout_strides, b, seq.q_start, h);
+  const uint16_t* gK = head_row(p.k, p.k_strides, b, seq.k_start, hk);
+  const uint16_t* gV = head_row(p.v, p.v_strides, b, seq.k_start, hk);
+  // Moved to VGPRs (opaque): its uniform part would otherwise pin SGPRs across the loop.
+  uint16_t* const gdQ = opaque(head_row(bp.dq, bp.dq_strides, b, seq.q_start + i, h));
 
   u16x4 rQ[Tile::kDimSteps], rdO[Tile::kDimSteps];  // B operands of S^T and dP^T
 #pragma unroll
@@ -205,12 +199,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const ScoreOptions opt{p.softmax_scale, p.softcap,
                          p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f,
                          p.softcap > 0.f, p.alibi_slopes != nullptr};
-  const bool use_dropout = p.dropout_p > 0.f;
-  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
-  const float drop_scale = use_dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
-  const uint64_t philox_seed = use_dropout ? in_vgpr(p.philox_seed) : 0;
-  const uint64_t philox_offset = use_dropout ? in_vgpr(p.philox_offset) : 0;
-  const int philox_head = b * p.nheads + h;
+  const DropoutLane dropout(p, b, h);
 
   f32x16 acc_dq[Tile::kOutTiles];
 #pragma unroll
@@ -244,15 +233,10 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       // Register group g holds keys lane_key0 + 32t + 8g + 0..3 of query i: one
       // Philox call each, in a rolled loop that keeps its registers few.
       uint32_t kept = 0xFFFFu;  // bit r: element r survives dropout
-      if (use_dropout) {
+      if (dropout.on) {
         kept = 0;
 #pragma unroll 1
-        for (int g = 0; g < 4; ++g) {
-          const Philox4 bits = dropout_random4(philox_seed, philox_offset, philox_head, i, lane_key0 + t * kMfmaM + 8 * g);
-          kept |= (static_cast<uint32_t>(bits.x >= drop_threshold) | static_cast<uint32_t>(bits.y >= drop_threshold) << 1 |
-                   static_cast<uint32_t>(bits.z >= drop_threshold) << 2 | static_cast<uint32_t>(bits.w >= drop_threshold) << 3)
-                  << (4 * g);
-        }
+        for (int g = 0; g < 4; ++g) kept |= dropout.keep4(i, lane_key0 + t * kMfmaM + 8 * g) << (4 * g);
       }
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
@@ -264,7 +248,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
           float dtanh;
           const bool visible = block_visible | ((c >= c_lo) & (c <= c_hi));
           const float prob = probability(acc_s[r], opt, rel_diag - c, lse_log2, visible, dtanh);
-          const float dp = (kept >> r) & 1u ? acc_dp[r] * drop_scale : 0.f;
+          const float dp = (kept >> r) & 1u ? acc_dp[r] * dropout.scale : 0.f;
           ds[e] = prob * (dp - rowdot) * dtanh;
         }
         rdS[t * 4 + g] = pack4<Tile::kIsBf16>(ds[0], ds[1], ds[2], ds[3]);
@@ -348,10 +332,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const bool key_valid = j < seq.len_k;
   const int group = p.nheads / p.nheads_k;
 
-  const uint16_t* gK = static_cast<const uint16_t*>(p.k) + b * p.k_strides.batch_stride +
-                       seq.k_start * p.k_strides.row_stride + hk * p.k_strides.head_stride;
-  const uint16_t* gV = static_cast<const uint16_t*>(p.v) + b * p.v_strides.batch_stride +
-                       seq.k_start * p.v_strides.row_stride + hk * p.v_strides.head_stride;
+  const uint16_t* gK = head_row(p.k, p.k_strides, b, seq.k_start, hk);
+  const uint16_t* gV = head_row(p.v, p.v_strides, b, seq.k_start, hk);
   u16x4 rK[Tile::kDimSteps], rV[Tile::kDimSteps];  // B operands of S and dP, resident
 #pragma unroll
   for (int s = 0; s < Tile::kDimSteps; ++s) {
@@ -364,10 +346,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
   // Output rows, addressed now and moved to VGPRs (opaque), where the loop
   // below leaves room: otherwise their uniform parts pin SGPRs across it.
-  uint16_t* const gdK = opaque(static_cast<uint16_t*>(bp.dk) + b * bp.dk_strides.batch_stride +
-                               (seq.k_start + j) * bp.dk_strides.row_stride + hk * bp.dk_strides.head_stride);
-  uint16_t* const gdV = opaque(static_cast<uint16_t*>(bp.dv) + b * bp.dv_strides.batch_stride +
-                               (seq.k_start + j) * bp.dv_strides.row_stride + hk * bp.dv_strides.head_stride);
+  uint16_t* const gdK = opaque(head_row(bp.dk, bp.dk_strides, b, seq.k_start + j, hk));
+  uint16_t* const gdV = opaque(head_row(bp.dv, bp.dv_strides, b, seq.k_start + j, hk));
 
   // Query i sees key j when j - diag - wr <= i <= j - diag + wl.
   const int diag = seq.len_k - seq.len_q;
@@ -376,25 +356,18 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const int i_begin = has_right ? max(0, n0 - diag - p.window_right) : 0;
   const int i_end = has_left ? min(seq.len_q, k_last - diag + p.window_left + 1) : seq.len_q;
 
-  const bool use_dropout = p.dropout_p > 0.f;
-  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
-  const float drop_scale = use_dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
-  const uint64_t philox_seed = use_dropout ? in_vgpr(p.philox_seed) : 0;
-  const uint64_t philox_offset = use_dropout ? in_vgpr(p.philox_offset) : 0;
-
+  DropoutLane dropout(p, b, hk * group);  // bh is set per query head below
   f32x16 acc_dk[Tile::kOutTiles], acc_dv[Tile::kOutTiles];
 #pragma unroll
   for (int u = 0; u < Tile::kOutTiles; ++u) acc_dk[u] = acc_dv[u] = f32x16{};
 
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
-    const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
-                         seq.q_start * p.q_strides.row_stride + h * p.q_strides.head_stride;
-    const uint16_t* gdO = static_cast<const uint16_t*>(bp.dout) + b * bp.dout_strides.batch_stride +
-                          seq.q_start * bp.dout_strides.row_stride + h * bp.dout_strides.head_stride;
+    const uint16_t* gQ = head_row(p.q, p.q_strides, b, seq.q_start, h);
+    const uint16_t* gdO = head_row(bp.dout, bp.dout_strides, b, seq.q_start, h);
     const ScoreOptions opt{p.softmax_scale, p.softcap,
                            p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f,
                            p.softcap > 0.f, p.alibi_slopes != nullptr};
-    const int philox_head = b * p.nheads + h;
+    dropout.bh = b * p.nheads + h;
     const float* rowdot = rowdot_row(bp, b, h);
 
     for (int m0 = (i_begin / Tile::kBlockQ) * Tile::kBlockQ; m0 < i_end; m0 += Tile::kBlockQ) {
@@ -432,14 +405,12 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
         // Philox draws 4 keys of one query per call and this lane walks queries,
         // so one call per element: a rolled loop keeps its registers few.
         uint32_t kept = 0xFFFFu;  // bit r: element r survives dropout
-        if (use_dropout) {
+        if (dropout.on) {
           kept = 0;
 #pragma unroll 1
           for (int r = 0; r < 16; ++r) {
             const int i = lane_query0 + t * kMfmaM + 8 * (r / 4) + r % 4;
-            const Philox4 bits = dropout_random4(philox_seed, philox_offset, philox_head, i, j & ~3);
-            const uint32_t word = (j & 3) == 0 ? bits.x : (j & 3) == 1 ? bits.y : (j & 3) == 2 ? bits.z : bits.w;
-            kept |= static_cast<uint32_t>(word >= drop_threshold) << r;
+            kept |= dropout.keep1(i, j) << r;
           }
         }
 #pragma unroll
@@ -453,7 +424,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
             float dtanh;
             const bool visible = (c >= c_lo) & (c <= c_hi);
             const float prob = probability(acc_s[r], opt, rel_diag + c, sLse[row], visible, dtanh);
-            const float keep_scale = (kept >> r) & 1u ? drop_scale : 0.f;
+            const float keep_scale = (kept >> r) & 1u ? dropout.scale : 0.f;
             pd[e] = prob * keep_scale;
             ds[e] = prob * (acc_dp[r] * keep_scale - sRowdot[row]) * dtanh;
           }

@@ -88,12 +88,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const bool row_valid = i < seq.len_q;
   const int hk = h / (p.nheads / p.nheads_k);
 
-  const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
-                       seq.q_start * p.q_strides.row_stride + h * p.q_strides.head_stride;
-  const uint16_t* gK = static_cast<const uint16_t*>(p.k) + b * p.k_strides.batch_stride +
-                       seq.k_start * p.k_strides.row_stride + hk * p.k_strides.head_stride;
-  const uint16_t* gV = static_cast<const uint16_t*>(p.v) + b * p.v_strides.batch_stride +
-                       seq.k_start * p.v_strides.row_stride + hk * p.v_strides.head_stride;
+  const uint16_t* gQ = head_row(p.q, p.q_strides, b, seq.q_start, h);
+  const uint16_t* gK = head_row(p.k, p.k_strides, b, seq.k_start, hk);
+  const uint16_t* gV = head_row(p.v, p.v_strides, b, seq.k_start, hk);
 
   u16x4 rQ[Tile::kDimSteps];  // B operand of S^T = K Q^T, all steps
 #pragma unroll
@@ -114,12 +111,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
   const bool use_softcap = p.softcap > 0.f;
   const bool use_alibi = p.alibi_slopes != nullptr;
-  const bool use_dropout = p.dropout_p > 0.f;
   const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
-  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
-  const int philox_head = b * p.nheads + h;
-  const uint64_t philox_seed = use_dropout ? in_vgpr(p.philox_seed) : 0;
-  const uint64_t philox_offset = use_dropout ? in_vgpr(p.philox_offset) : 0;
+  const DropoutLane dropout(p, b, h);
 
   f32x16 acc_o[Tile::kDimTiles];
 #pragma unroll
@@ -193,13 +186,10 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
         float pr[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) pr[e] = rS[0][t * 16 + 4 * s + e];
-        if (use_dropout) {
-          const int j0 = n0 + t * kMfmaM + s * kMfmaK + 4 * lh;
-          const Philox4 bits = dropout_random4(philox_seed, philox_offset, philox_head, i, j0);
-          if (bits.x < drop_threshold) pr[0] = 0.f;
-          if (bits.y < drop_threshold) pr[1] = 0.f;
-          if (bits.z < drop_threshold) pr[2] = 0.f;
-          if (bits.w < drop_threshold) pr[3] = 0.f;
+        if (dropout.on) {
+          const uint32_t kept = dropout.keep4(i, n0 + t * kMfmaM + s * kMfmaK + 4 * lh);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pr[e] = (kept >> e) & 1u ? pr[e] : 0.f;
         }
         rP[t * 4 + s] = pack4<Tile::kIsBf16>(pr[0], pr[1], pr[2], pr[3]);
       }
@@ -221,12 +211,10 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
     for (int r = 0; r < 16; ++r) rO[0][u * 16 + r] = acc_o[u][r];
   float lse[1];
-  const float out_scale = use_dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
-  softmax::online_softmax_finalize<1, kOutCols, HalfWaveReduce>(rO, state, 1.f, out_scale, lse);
+  softmax::online_softmax_finalize<1, kOutCols, HalfWaveReduce>(rO, state, 1.f, dropout.scale, lse);
   if (!row_valid) return;
 
-  uint16_t* gO = static_cast<uint16_t*>(p.out) + b * p.out_strides.batch_stride +
-                 (seq.q_start + i) * p.out_strides.row_stride + h * p.out_strides.head_stride;
+  uint16_t* gO = head_row(p.out, p.out_strides, b, seq.q_start + i, h);
 #pragma unroll
   for (int u = 0; u < Tile::kDimTiles; ++u) {
 #pragma unroll

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -65,16 +66,22 @@ void require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument("portattn ROCm: " + message);
 }
 
-void check_aligned(const void* pointer, const char* name) {
-  require(reinterpret_cast<std::uintptr_t>(pointer) % kPointerAlignment == 0,
-          std::string(name) + " must be " + std::to_string(kPointerAlignment) + "-byte aligned");
-}
+struct TensorLayout {
+  const void* pointer;
+  const PortattnTensor4* strides;
+  const char* name;
+};
 
-void check_strides(const PortattnTensor4& strides, const char* name) {
-  for (const int64_t stride : {strides.batch_stride, strides.row_stride, strides.head_stride}) {
-    require(stride % kStrideMultiple == 0,
-            std::string(name) + " strides must be multiples of " + std::to_string(kStrideMultiple) +
-                " elements, got " + std::to_string(stride));
+// The kernels read and write rows with 16-byte accesses.
+void check_layouts(std::initializer_list<TensorLayout> tensors) {
+  for (const TensorLayout& t : tensors) {
+    require(reinterpret_cast<std::uintptr_t>(t.pointer) % kPointerAlignment == 0,
+            std::string(t.name) + " must be " + std::to_string(kPointerAlignment) + "-byte aligned");
+    for (const int64_t stride : {t.strides->batch_stride, t.strides->row_stride, t.strides->head_stride}) {
+      require(stride % kStrideMultiple == 0, std::string(t.name) + " strides must be multiples of " +
+                                                 std::to_string(kStrideMultiple) + " elements, got " +
+                                                 std::to_string(stride));
+    }
   }
 }
 
@@ -93,27 +100,15 @@ void check_fwd_invariants(const PortattnFwdParams& p) {
   require(p.dropout_p >= 0.f && p.dropout_p < 1.f, "dropout_p must be in [0, 1)");
   require(p.softcap >= 0.f, "softcap must be >= 0");
   require(p.q && p.k && p.v && p.out && p.lse, "q, k, v, out and lse must be non-null");
-  check_aligned(p.q, "q");
-  check_aligned(p.k, "k");
-  check_aligned(p.v, "v");
-  check_aligned(p.out, "out");
-  check_strides(p.q_strides, "q");
-  check_strides(p.k_strides, "k");
-  check_strides(p.v_strides, "v");
-  check_strides(p.out_strides, "out");
+  check_layouts({{p.q, &p.q_strides, "q"}, {p.k, &p.k_strides, "k"}, {p.v, &p.v_strides, "v"},
+                 {p.out, &p.out_strides, "out"}});
 }
 
 void check_bwd_invariants(const PortattnBwdParams& p) {
   check_fwd_invariants(p.fwd);
   require(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");
-  check_aligned(p.dout, "dout");
-  check_aligned(p.dq, "dq");
-  check_aligned(p.dk, "dk");
-  check_aligned(p.dv, "dv");
-  check_strides(p.dout_strides, "dout");
-  check_strides(p.dq_strides, "dq");
-  check_strides(p.dk_strides, "dk");
-  check_strides(p.dv_strides, "dv");
+  check_layouts({{p.dout, &p.dout_strides, "dout"}, {p.dq, &p.dq_strides, "dq"}, {p.dk, &p.dk_strides, "dk"},
+                 {p.dv, &p.dv_strides, "dv"}});
   const int64_t needed = bwd_workspace_bytes(p.fwd.batch, p.fwd.nheads, p.fwd.seqlen_q);
   require(p.workspace != nullptr || needed == 0, "workspace must be non-null");
   require(p.workspace_bytes >= needed, "workspace of " + std::to_string(p.workspace_bytes) +

@@ -7,8 +7,10 @@
 // row; rows past the sequence and columns past the head dim are stored as
 // zeros, so padded products are exact zeros.
 #pragma once
+#include "cdna.h"  // first: hip_runtime.h defines __forceinline__ for the common headers
+
 #include "../../common/params.h"
-#include "cdna.h"
+#include "../../common/philox.h"
 
 #ifndef PORTATTN_ROCM_ARCH_NS
 #error "define PORTATTN_ROCM_ARCH_NS (the gfx target this translation unit is compiled for)"
@@ -36,6 +38,56 @@ __device__ __forceinline__ SeqBounds seq_bounds(const PortattnFwdParams& p, int 
   if (p.seqused_k != nullptr) seq.len_k = p.seqused_k[b];
   return seq;
 }
+
+// Row `row` of head `h` of sequence `b` in a (batch, seqlen, heads, headdim)
+// tensor (varlen: row counts from the packed start, batch stride 0).
+template <class T>
+__device__ __forceinline__ T* head_row(T* base, const PortattnTensor4& strides, int b, int64_t row, int h) {
+  return static_cast<T*>(base) + b * strides.batch_stride + row * strides.row_stride + h * strides.head_stride;
+}
+
+__device__ __forceinline__ const uint16_t* head_row(const void* base, const PortattnTensor4& strides, int b,
+                                                    int64_t row, int h) {
+  return head_row(static_cast<const uint16_t*>(base), strides, b, row, h);
+}
+
+__device__ __forceinline__ uint16_t* head_row(void* base, const PortattnTensor4& strides, int b, int64_t row,
+                                              int h) {
+  return head_row(static_cast<uint16_t*>(base), strides, b, row, h);
+}
+
+// Dropout of one (sequence, head) as a lane sees it (Note [portattn dropout
+// mask]); the Philox key material is moved to VGPRs (in_vgpr) so its ten
+// round keys, hoisted out of the key loop, do not exhaust the SGPRs.
+struct DropoutLane {
+  bool on;
+  uint32_t threshold;
+  float scale;  // 1 / (1 - p): applied to kept entries
+  uint64_t seed, offset;
+  int bh;  // b * nheads + h, Philox's third counter word
+
+  __device__ __forceinline__ DropoutLane(const PortattnFwdParams& p, int b, int h)
+      : on(p.dropout_p > 0.f),
+        threshold(dropout_threshold(p.dropout_p)),
+        scale(p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f),
+        seed(p.dropout_p > 0.f ? in_vgpr(p.philox_seed) : 0),
+        offset(p.dropout_p > 0.f ? in_vgpr(p.philox_offset) : 0),
+        bh(b * p.nheads + h) {}
+
+  // Keep bits (bit e = key j0 + e) of keys j0..j0+3 of query i, j0 % 4 == 0.
+  __device__ __forceinline__ uint32_t keep4(int i, int j0) const {
+    const Philox4 r = dropout_random4(seed, offset, bh, i, j0);
+    return static_cast<uint32_t>(r.x >= threshold) | static_cast<uint32_t>(r.y >= threshold) << 1 |
+           static_cast<uint32_t>(r.z >= threshold) << 2 | static_cast<uint32_t>(r.w >= threshold) << 3;
+  }
+
+  // Keep bit of the single entry (i, j), for lanes that walk queries.
+  __device__ __forceinline__ uint32_t keep1(int i, int j) const {
+    const Philox4 r = dropout_random4(seed, offset, bh, i, j & ~3);
+    const uint32_t word = (j & 3) == 0 ? r.x : (j & 3) == 1 ? r.y : (j & 3) == 2 ? r.z : r.w;
+    return word >= threshold ? 1u : 0u;
+  }
+};
 
 // Row-major stride of a kRows x kHeadDim tile, and of its transpose.
 template <int kHeadDim>
