@@ -137,6 +137,8 @@ def write_results(result, out_dir):
                      f"{r['ratio_vs_flash'] or 0:.3f} | {r['det_cost']:.2f} | {r['portattn_bwd']:.1f} | "
                      f"{r['sdpa_flash_bwd'] or 0:.1f} |")
     lines += ["", "bwd only = (backward FLOPs = 2.5 x forward) / (fwd+bwd time - forward time)."]
+    if not result["grid"]:
+        lines = lines[:4]
     if result.get("memory"):
         m = result["memory"]
         lines += ["", "## Peak memory of forward+backward", "",
@@ -145,6 +147,8 @@ def write_results(result, out_dir):
                   f"SDPA flash {m['sdpa_flash_peak_extra_bytes'] / 2**20:.1f} MiB."]
     with open(base + ".md", "w") as handle:
         handle.write("\n".join(lines) + "\n")
+    if not result["grid"]:
+        return
     try:
         import matplotlib
 
@@ -173,6 +177,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer points (smoke run)")
     parser.add_argument("--no-memory", action="store_true", help="skip the 32k peak-memory case")
+    parser.add_argument("--memory-only", action="store_true", help="only the 32k peak-memory case")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     seqlens = [1024, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
@@ -181,7 +186,7 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _commit(),
         "torch": torch.__version__,
-        "grid": bench_grid(seqlens, [64, 128]),
+        "grid": [] if args.memory_only else bench_grid(seqlens, [64, 128]),
         "memory": None if args.no_memory else bench_memory(),
     }
     write_results(result, args.out)

@@ -302,3 +302,28 @@ def test_torch_compile_training_step_has_no_graph_break():
     step(q, k, v).backward()
     for name, a, b in zip(("dq", "dk", "dv"), grads, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"compiled {name} differs from eager")
+
+
+@pytest.mark.parametrize("heads, heads_k", [(4, 4), (8, 2)])
+def test_large_calls_run_in_head_chunks(heads, heads_k):
+    # Deterministic dQ slices make the fp32 accumulator large enough for the
+    # launch to be split into chunks of KV heads (bwd_workspace_layout): the
+    # chunk offsets (query heads, KV heads, GQA groups) must not change the result.
+    from portattn.backends.cuda import _C
+
+    batch, seqlen, head_dim, dtype = 1, 4096, 128, torch.bfloat16
+    splits = min(-(-256 // (batch * heads_k)), -(-seqlen // 64))  # csrc/bwd_entry.cu: det_splits
+    unchunked_dq = splits * batch * heads * seqlen * head_dim * 4
+    workspace = _C.bwd_workspace_bytes(batch, heads, heads_k, head_dim, seqlen, seqlen, True)
+    assert workspace < 0.6 * unchunked_dq, "this shape is meant to run in head chunks"
+    q = _rand(batch, seqlen, heads, head_dim, dtype=dtype)
+    k = _rand(batch, seqlen, heads_k, head_dim, dtype=dtype)
+    v = _rand(batch, seqlen, heads_k, head_dim, dtype=dtype)
+    options = _options(q, window=(-1, 0))
+    out, lse = _forward(BACKEND, q, k, v, options)
+    dout = torch.randn_like(out)
+    first = _backward(BACKEND, dout, q, k, v, out, lse, options, deterministic=True)
+    again = _backward(BACKEND, dout, q, k, v, out, lse, options, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), first, again):
+        assert torch.equal(a, b), f"deterministic {name} differs between runs"
+    _check_grads(first, q, k, v, dout, dict(causal=True))

@@ -18,6 +18,12 @@ constexpr int kDetTargetCtas = 256;
 // About the smallest kBlockN: more splits than key blocks would only idle.
 constexpr int kMinBlockN = 64;
 
+// Chunking by KV heads (Note [portattn cuda backward]): a chunk's fp32 dQ
+// accumulator stays at least this large, so only long launches are split
+// (each chunk is then still thousands of CTAs) while a 32k-token, 16-head
+// call keeps half the scratch of an unchunked one.
+constexpr int64_t kMinChunkDqBytes = int64_t(128) << 20;
+
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int det_splits(const PortattnFwdParams& f) {
@@ -41,16 +47,20 @@ int min_smem(BwdCandidates<Cfgs...>) {
 BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params) {
   const PortattnFwdParams& f = params.fwd;
   BwdWorkspace ws{};
-  const int64_t rows = static_cast<int64_t>(f.batch) * f.nheads * f.seqlen_q;
   ws.slices = params.deterministic ? det_splits(f) : 1;
+  const int group = f.nheads_k > 0 ? f.nheads / f.nheads_k : 1;
+  const int64_t dq_per_kv_head = static_cast<int64_t>(ws.slices) * f.batch * group * f.seqlen_q *
+                                 f.headdim * 4;
+  ws.chunk_heads_k = f.nheads_k;
+  while (ws.chunk_heads_k % 2 == 0 && dq_per_kv_head * (ws.chunk_heads_k / 2) >= kMinChunkDqBytes)
+    ws.chunk_heads_k /= 2;
+  const int64_t rows = static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group * f.seqlen_q;
   ws.dq_slice = rows * f.headdim;
   ws.dkv_accum = !params.deterministic && f.nheads != f.nheads_k;
-  const int64_t dkv = ws.dkv_accum
-                          ? static_cast<int64_t>(f.batch) * f.seqlen_k * f.nheads_k * f.headdim * 4
-                          : 0;
-  ws.lse2 = 0;
-  ws.delta = align_up(rows * 4);
-  ws.dq = ws.delta + align_up(rows * 4);
+  const int64_t dkv =
+      ws.dkv_accum ? static_cast<int64_t>(f.batch) * f.seqlen_k * ws.chunk_heads_k * f.headdim * 4 : 0;
+  ws.delta = 0;
+  ws.dq = align_up(rows * 4);
   ws.dk = ws.dq + align_up(ws.slices * ws.dq_slice * 4);
   ws.dv = ws.dk + align_up(dkv);
   ws.total = ws.dv + align_up(dkv);
@@ -62,7 +72,7 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   if (f.seqlen_q == 0) return cudaSuccess;
   constexpr int kRowsPerBlock = 256 / 32;
-  const dim3 grid((f.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, f.nheads, f.batch);
+  const dim3 grid((f.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, args.heads, f.batch);
   bwd_preprocess<Elem><<<grid, 256, 0, stream>>>(args);
   return cudaGetLastError();
 }
@@ -71,13 +81,13 @@ template <typename Elem>
 cudaError_t launch_bwd_convert(const BwdArgs& args, int slices, bool dkv_accum, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   const int64_t chunks = f.headdim / 8;
-  const int64_t dq_threads = static_cast<int64_t>(f.seqlen_q) * f.nheads * chunks;
+  const int64_t dq_threads = static_cast<int64_t>(f.seqlen_q) * args.heads * chunks;
   if (dq_threads > 0) {
     bwd_convert_dq<Elem><<<dim3((dq_threads + 255) / 256, f.batch), 256, 0, stream>>>(args, slices);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  const int64_t dkv_threads = static_cast<int64_t>(f.seqlen_k) * f.nheads_k * chunks;
+  const int64_t dkv_threads = static_cast<int64_t>(f.seqlen_k) * args.heads_k * chunks;
   if (dkv_accum && dkv_threads > 0) {
     bwd_convert_dkv<Elem><<<dim3((dkv_threads + 255) / 256, f.batch), 256, 0, stream>>>(args);
     return cudaGetLastError();

@@ -2,9 +2,10 @@
 //
 // Note [portattn cuda backward]
 // Three launches (bwd_launch.cuh runs them):
-//   1. bwd_preprocess: per query row, delta = rowsum(dO * O) in fp32 and the
-//      LSE in log2 units (lse2; a fully masked row's -inf becomes +inf so that
-//      its probabilities exp2(s - lse2) are exactly 0, never NaN).
+//   1. bwd_preprocess: per query row, delta = rowsum(dO * O) in fp32. (The
+//      saved LSE is read as it is and turned into log2 units when a query
+//      block is loaded; a fully masked row's -inf becomes +inf there, so its
+//      probabilities exp2(s - lse2) are exactly 0, never NaN.)
 //   2. bwd_kernel: one CTA per (key block, head, batch[, head-dim half]). K and
 //      V of its key block stay in shared memory; the CTA walks the query blocks
 //      that can see those keys (causal/window ranges skip the rest) and, per
@@ -22,6 +23,9 @@
 //      Working on S^T rather than S makes P^T and dS^T exactly the A fragments
 //      of the dV and dK mma's once packed to 16 bits, so neither leaves
 //      registers for those two products.
+//   Large problems run these launches once per chunk of KV heads (with their
+//   query heads), reusing one chunk-sized workspace: the fp32 dQ accumulator
+//   is the backward's largest scratch (bwd_workspace_layout says when).
 //   3. bwd_convert_dq (and, for GQA in the default mode, bwd_convert_dkv): scale
 //      the fp32 accumulators by the softmax scale and cast to the output dtype.
 //
@@ -58,7 +62,7 @@ namespace portattn {
 namespace cuda {
 
 // Block shape of the main kernel: kBlockN keys per CTA (16 per warp), kBlockM
-// queries per step, kStages shared-memory buffers for Q/dO/lse2/delta (2 lets
+// queries per step, kStages shared-memory buffers for Q/dO/LSE/delta (2 lets
 // the next query block stream in during the whole step; 1 overlaps it with
 // the dQ product only). The per-head-dim choices and their shared-memory
 // needs are in bwd_launch.cuh.
@@ -99,10 +103,12 @@ struct BwdTileConfig {
 // bwd_launch.cuh (BwdWorkspace).
 struct BwdArgs {
   PortattnBwdParams p;
-  float* lse2;      // (B, H, Sq_max) log2-unit LSE, +inf for fully masked rows
-  float* delta;     // (B, H, Sq_max) rowsum(dO * O)
-  float* dq_accum;  // [slices] x (B, H, Sq_max, headdim) fp32
-  float* dk_accum;  // (B, Sk_max, Hk, headdim) fp32, GQA default mode only
+  // This launch's chunk of heads: query heads [head0, head0 + heads), KV heads
+  // [head0 / group, + heads_k). The workspace arrays cover the chunk only.
+  int head0, heads, heads_k;
+  float* delta;     // (B, heads, Sq_max) rowsum(dO * O)
+  float* dq_accum;  // [slices] x (B, heads, Sq_max, headdim) fp32
+  float* dk_accum;  // (B, Sk_max, heads_k, headdim) fp32, GQA default mode only
   float* dv_accum;
   int64_t dq_slice;  // elements per dq_accum slice
   int splits;        // deterministic: grid.x; default: unused
@@ -124,10 +130,10 @@ __device__ __forceinline__ SeqInfo seq_info(const PortattnFwdParams& f, int batc
   return s;
 }
 
-// Row of the (B, H, Sq_max) workspace arrays; varlen rows are padded to the
-// longest sequence, so the layout needs nothing but the params.
-__device__ __forceinline__ int64_t ws_row(const PortattnFwdParams& f, int batch, int head, int i) {
-  return (static_cast<int64_t>(batch) * f.nheads + head) * f.seqlen_q + i;
+// Row of the (B, chunk heads, Sq_max) workspace arrays; varlen rows are padded
+// to the longest sequence, so the layout needs nothing but the params.
+__device__ __forceinline__ int64_t ws_row(const BwdArgs& args, int batch, int head, int i) {
+  return (static_cast<int64_t>(batch) * args.heads + head - args.head0) * args.p.fwd.seqlen_q + i;
 }
 
 // ---- 1. preprocess ------------------------------------------------------------
@@ -138,7 +144,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args) {
   const PortattnFwdParams& f = args.p.fwd;
   const int lane = threadIdx.x % 32;
   const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int head = blockIdx.y;
+  const int head = args.head0 + blockIdx.y;
   const int batch = blockIdx.z;
   const SeqInfo s = seq_info(f, batch);
   if (i >= s.seqlen_q) return;
@@ -159,12 +165,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args) {
   }
 #pragma unroll
   for (int mask = 16; mask > 0; mask /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
-  if (lane == 0) {
-    const float lse = f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + s.q_start + i];
-    const int64_t w = ws_row(f, batch, head, i);
-    args.delta[w] = acc;
-    args.lse2[w] = lse == softmax::neg_inf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
-  }
+  if (lane == 0) args.delta[ws_row(args, batch, head, i)] = acc;
 }
 
 // ---- 2. main kernel -------------------------------------------------------------
@@ -251,8 +252,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
   const bool det = p.deterministic != 0;
   const int group = f.nheads / f.nheads_k;
   // Deterministic: a CTA per KV head walks its group; default: a CTA per query head.
-  const int head_k = det ? static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.y) / group;
-  const int head_first = det ? head_k * group : static_cast<int>(blockIdx.y);
+  const int head_k = det ? args.head0 / group + static_cast<int>(blockIdx.y)
+                         : (args.head0 + static_cast<int>(blockIdx.y)) / group;
+  const int head_first = det ? head_k * group : args.head0 + static_cast<int>(blockIdx.y);
   const int heads = det ? group : 1;
   const bool gqa_atomic = !det && group > 1;
 
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
     const int m_blocks = m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0;
     const int iters = heads * m_blocks;
 
-    // Q/dO/lse2/delta of step `it` (head head_first + it / m_blocks) into `stage`.
+    // Q/dO/LSE/delta of step `it` (head head_first + it / m_blocks) into `stage`.
     auto load_step = [&](int it, int stage) {
       const int head = head_first + it / m_blocks;
       const int m0 = (m_begin + it % m_blocks) * kBlockM;
@@ -306,11 +308,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
       bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffDo + stage * QTile::kBytes,
                                                          gDo, p.dout_strides.row_stride,
                                                          s.seqlen_q - m0, headdim);
+      const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + s.q_start + m0;
       for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
         const bool valid = m0 + r < s.seqlen_q;
-        const int64_t w = ws_row(f, batch, head, m0 + r);
-        sLse[stage * kBlockM + r] = valid ? args.lse2[w] : __builtin_huge_valf();
-        sDelta[stage * kBlockM + r] = valid ? args.delta[w] : 0.f;
+        const float lse = valid ? gLse[r] : softmax::neg_inf();
+        sLse[stage * kBlockM + r] = lse == softmax::neg_inf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
+        sDelta[stage * kBlockM + r] = valid ? args.delta[ws_row(args, batch, head, m0 + r)] : 0.f;
       }
       ptx::cp_async_commit();
     };
@@ -478,7 +481,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
       // ---- dQ += dS K (kBlockM x kDOut, in 16 x kDqChunk tiles over the warps)
       constexpr int kTilesM = kBlockM / 16;
       constexpr int kTiles = kTilesM * (kDOut / kDqChunk);
-      float* gDq = dq_slice + ws_row(f, batch, head, m0) * headdim;
+      float* gDq = dq_slice + ws_row(args, batch, head, m0) * headdim;
       for (int tile = warp; tile < kTiles; tile += kWarps) {
         const int tm = tile % kTilesM;
         const int col0 = col_base + (tile / kTilesM) * kDqChunk;
@@ -519,9 +522,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
     // ---- epilogue: dK (scaled) and dV of this warp's 16 keys -------------------
     const int key_row = warp * 16 + g;  // and key_row + 8
     if (gqa_atomic) {
-      const int64_t stride = static_cast<int64_t>(f.nheads_k) * headdim;
+      const int64_t stride = static_cast<int64_t>(args.heads_k) * headdim;
       const int64_t base = (static_cast<int64_t>(batch) * f.seqlen_k + n0) * stride +
-                           static_cast<int64_t>(head_k) * headdim;
+                           static_cast<int64_t>(head_k - args.head0 / group) * headdim;
 #pragma unroll
       for (int t = 0; t < kOTiles; ++t) {
         const int col = col_base + t * 8 + q2;
@@ -575,11 +578,11 @@ __global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int sl
   const int batch = blockIdx.y;
   const int chunk = index % chunks;
   const int64_t rest = index / chunks;
-  const int head = rest % f.nheads;
-  const int i = static_cast<int>(rest / f.nheads);
+  const int head = args.head0 + static_cast<int>(rest % args.heads);
+  const int i = static_cast<int>(rest / args.heads);
   const SeqInfo s = seq_info(f, batch);
   if (i >= s.seqlen_q) return;
-  const float* src = args.dq_accum + ws_row(f, batch, head, i) * f.headdim + chunk * 8;
+  const float* src = args.dq_accum + ws_row(args, batch, head, i) * f.headdim + chunk * 8;
   float acc[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
@@ -611,11 +614,12 @@ __global__ void __launch_bounds__(256) bwd_convert_dkv(const BwdArgs args) {
   const int batch = blockIdx.y;
   const int chunk = index % chunks;
   const int64_t rest = index / chunks;
-  const int head_k = rest % f.nheads_k;
-  const int j = static_cast<int>(rest / f.nheads_k);
+  const int local_k = static_cast<int>(rest % args.heads_k);
+  const int head_k = args.head0 / (f.nheads / f.nheads_k) + local_k;
+  const int j = static_cast<int>(rest / args.heads_k);
   const SeqInfo s = seq_info(f, batch);
   if (j >= s.seqlen_k) return;
-  const int64_t src = ((static_cast<int64_t>(batch) * f.seqlen_k + j) * f.nheads_k + head_k) *
+  const int64_t src = ((static_cast<int64_t>(batch) * f.seqlen_k + j) * args.heads_k + local_k) *
                           f.headdim + chunk * 8;
   const int64_t row = s.k_start + j;
   Elem* dk = static_cast<Elem*>(args.p.dk) + batch * args.p.dk_strides.batch_stride +

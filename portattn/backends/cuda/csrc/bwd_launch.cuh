@@ -72,13 +72,15 @@ struct BwdConfigsFor<256> {
 
 // ---- workspace -------------------------------------------------------------------------
 
-// Byte offsets into PortattnBwdParams::workspace. Everything from `dq` on is
-// zeroed before the main kernel (fp32 accumulators).
+// Byte offsets into PortattnBwdParams::workspace, sized for one chunk of
+// heads. Everything from `dq` on is zeroed before each chunk's main kernel
+// (fp32 accumulators).
 struct BwdWorkspace {
-  int64_t lse2, delta, dq, dk, dv, total;
-  int64_t dq_slice;  // elements of one dQ slice
-  int slices;        // 1, or the deterministic split count
-  bool dkv_accum;    // GQA in the default mode
+  int64_t delta, dq, dk, dv, total;
+  int64_t dq_slice;   // elements of one dQ slice
+  int slices;         // 1, or the deterministic split count
+  bool dkv_accum;     // GQA in the default mode
+  int chunk_heads_k;  // KV heads per chunk (nheads_k when not chunked)
 };
 
 // Defined in bwd_entry.cu (one definition: the size Python allocates and the
@@ -106,7 +108,7 @@ cudaError_t launch_bwd_main(const BwdArgs& args, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   const int n_blocks = (f.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const bool det = args.p.deterministic != 0;
-  const dim3 grid(det ? args.splits : n_blocks, det ? f.nheads_k : f.nheads, f.batch * Cfg::kDSplit);
+  const dim3 grid(det ? args.splits : n_blocks, det ? args.heads_k : args.heads, f.batch * Cfg::kDSplit);
   if (grid.x == 0) return cudaSuccess;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
@@ -139,7 +141,6 @@ cudaError_t run_bwd(const PortattnBwdParams& params) {
   char* base = static_cast<char*>(params.workspace);
   BwdArgs args;
   args.p = params;
-  args.lse2 = reinterpret_cast<float*>(base + ws.lse2);
   args.delta = reinterpret_cast<float*>(base + ws.delta);
   args.dq_accum = reinterpret_cast<float*>(base + ws.dq);
   args.dk_accum = ws.dkv_accum ? reinterpret_cast<float*>(base + ws.dk) : nullptr;
@@ -148,18 +149,26 @@ cudaError_t run_bwd(const PortattnBwdParams& params) {
   args.splits = ws.slices;
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
 
-  cudaError_t err = cudaMemsetAsync(base + ws.dq, 0, ws.total - ws.dq, stream);
-  if (err != cudaSuccess) return err;
-  err = launch_bwd_preprocess<Elem>(args, stream);
-  if (err != cudaSuccess) return err;
   int device = 0, smem_optin = 0;
-  err = cudaGetDevice(&device);
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  err = launch_first_fitting<Elem>(args, smem_optin, stream, typename BwdConfigsFor<kHeadDim>::type{});
-  if (err != cudaSuccess) return err;
-  return launch_bwd_convert<Elem>(args, ws.slices, ws.dkv_accum, stream);
+  const int group = f.nheads / f.nheads_k;
+  for (int head_k0 = 0; head_k0 < f.nheads_k; head_k0 += ws.chunk_heads_k) {
+    args.heads_k = ws.chunk_heads_k < f.nheads_k - head_k0 ? ws.chunk_heads_k : f.nheads_k - head_k0;
+    args.heads = args.heads_k * group;
+    args.head0 = head_k0 * group;
+    err = cudaMemsetAsync(base + ws.dq, 0, ws.total - ws.dq, stream);
+    if (err != cudaSuccess) return err;
+    err = launch_bwd_preprocess<Elem>(args, stream);
+    if (err != cudaSuccess) return err;
+    err = launch_first_fitting<Elem>(args, smem_optin, stream, typename BwdConfigsFor<kHeadDim>::type{});
+    if (err != cudaSuccess) return err;
+    err = launch_bwd_convert<Elem>(args, ws.slices, ws.dkv_accum, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace cuda
