@@ -120,6 +120,39 @@ __device__ __forceinline__ float probability(float qk, const ScoreOptions& o, in
   return visible ? softmax::exp2_fast(x * softmax::kLog2e - lse_log2) : 0.f;
 }
 
+// S and dP of one 32 x 32 tile (rows from two row-major LDS tiles as A
+// operands, the lane's resident fragments as B operands).
+template <bool kIsBf16, int kDimSteps>
+__device__ __forceinline__ void scores_and_grads(f32x16& acc_s, f32x16& acc_dp, const uint16_t* lds_s,
+                                                 const uint16_t* lds_dp, int stride, int row, int lh,
+                                                 const u16x4 (&b_s)[kDimSteps], const u16x4 (&b_dp)[kDimSteps]) {
+  using T = Dtype<kIsBf16>;
+  acc_s = acc_dp = f32x16{};
+#pragma unroll
+  for (int s = 0; s < kDimSteps; ++s) {
+    acc_s = T::mfma(frag_along_row(lds_s, stride, row, s * kMfmaK + 4 * lh), b_s[s], acc_s);
+    acc_dp = T::mfma(frag_along_row(lds_dp, stride, row, s * kMfmaK + 4 * lh), b_dp[s], acc_dp);
+  }
+}
+
+// Writes columns [d0, d0 + 32 kTiles) of one output row from accumulators in
+// the transposed layout (Note [portattn MFMA layout]: 4 consecutive columns per
+// register group), times `scale`; columns past the head dim are skipped.
+template <bool kIsBf16, int kTiles>
+__device__ __forceinline__ void store_row(uint16_t* g_row, const f32x16 (&acc)[kTiles], int d0, int lh, int headdim,
+                                          float scale) {
+#pragma unroll
+  for (int u = 0; u < kTiles; ++u) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const int d = d0 + u * kMfmaM + 8 * g + 4 * lh;
+      if (d >= headdim) continue;
+      store<u16x4>(g_row + d, pack4<kIsBf16>(acc[u][4 * g] * scale, acc[u][4 * g + 1] * scale,
+                                              acc[u][4 * g + 2] * scale, acc[u][4 * g + 3] * scale));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // 2. dQ.
 
@@ -224,12 +257,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     u16x4 rdS[Tile::kKeyTiles * 4];  // dS^T as B operands, 4 keys per register group
 #pragma unroll
     for (int t = 0; t < Tile::kKeyTiles; ++t) {
-      f32x16 acc_s = f32x16{}, acc_dp = f32x16{};
-#pragma unroll
-      for (int s = 0; s < Tile::kDimSteps; ++s) {
-        acc_s = T::mfma(frag_along_row(sK, Tile::kStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh), rQ[s], acc_s);
-        acc_dp = T::mfma(frag_along_row(sV, Tile::kStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh), rdO[s], acc_dp);
-      }
+      f32x16 acc_s, acc_dp;
+      scores_and_grads<Tile::kIsBf16>(acc_s, acc_dp, sK, sV, Tile::kStride, t * kMfmaM + lq, lh, rQ, rdO);
       // Register group g holds keys lane_key0 + 32t + 8g + 0..3 of query i: one
       // Philox call each, in a rolled loop that keeps its registers few.
       uint32_t kept = 0xFFFFu;  // bit r: element r survives dropout
@@ -265,18 +294,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     }
   }
 
-  if (!row_valid) return;
-#pragma unroll
-  for (int u = 0; u < Tile::kOutTiles; ++u) {
-#pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      const int d = d0 + u * kMfmaM + 8 * g + 4 * lh;
-      if (d >= p.headdim) continue;
-      const float scale = p.softmax_scale;
-      store<u16x4>(gdQ + d, pack4<Tile::kIsBf16>(acc_dq[u][4 * g] * scale, acc_dq[u][4 * g + 1] * scale,
-                                                 acc_dq[u][4 * g + 2] * scale, acc_dq[u][4 * g + 3] * scale));
-    }
-  }
+  if (row_valid) store_row<Tile::kIsBf16>(gdQ, acc_dq, d0, lh, p.headdim, p.softmax_scale);
 }
 
 // ---------------------------------------------------------------------------
@@ -396,12 +414,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       u16x4 rP[Tile::kQueryTiles * 4], rdS[Tile::kQueryTiles * 4];  // B operands, 4 queries per group
 #pragma unroll
       for (int t = 0; t < Tile::kQueryTiles; ++t) {
-        f32x16 acc_s = f32x16{}, acc_dp = f32x16{};
-#pragma unroll
-        for (int s = 0; s < Tile::kDimSteps; ++s) {
-          acc_s = T::mfma(frag_along_row(sQ, Tile::kStride, t * kMfmaM + lk, s * kMfmaK + 4 * lh), rK[s], acc_s);
-          acc_dp = T::mfma(frag_along_row(sdO, Tile::kStride, t * kMfmaM + lk, s * kMfmaK + 4 * lh), rV[s], acc_dp);
-        }
+        f32x16 acc_s, acc_dp;
+        scores_and_grads<Tile::kIsBf16>(acc_s, acc_dp, sQ, sdO, Tile::kStride, t * kMfmaM + lk, lh, rK, rV);
         // Philox draws 4 keys of one query per call and this lane walks queries,
         // so one call per element: a rolled loop keeps its registers few.
         uint32_t kept = 0xFFFFu;  // bit r: element r survives dropout
@@ -446,20 +460,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   }
 
   if (!key_valid) return;
-  const float scale = p.softmax_scale;
-#pragma unroll
-  for (int u = 0; u < Tile::kOutTiles; ++u) {
-#pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      const int d = d0 + u * kMfmaM + 8 * g + 4 * lh;
-      if (d >= p.headdim) continue;
-      const f32x16& dk = acc_dk[u];
-      const f32x16& dv = acc_dv[u];
-      store<u16x4>(gdK + d, pack4<Tile::kIsBf16>(dk[4 * g] * scale, dk[4 * g + 1] * scale, dk[4 * g + 2] * scale,
-                                                 dk[4 * g + 3] * scale));
-      store<u16x4>(gdV + d, pack4<Tile::kIsBf16>(dv[4 * g], dv[4 * g + 1], dv[4 * g + 2], dv[4 * g + 3]));
-    }
-  }
+  store_row<Tile::kIsBf16>(gdK, acc_dk, d0, lh, p.headdim, p.softmax_scale);
+  store_row<Tile::kIsBf16>(gdV, acc_dv, d0, lh, p.headdim, 1.f);
 }
 
 // Every valid dK/dV row is written by the dkdv kernel (zeros where no query
