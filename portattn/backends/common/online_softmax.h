@@ -86,6 +86,18 @@ struct RowState {
   }
 };
 
+// P = exp2(S * scale_log2 - subtract) for one row, in place; returns the row's sum.
+template <int kCols>
+PORTATTN_SOFTMAX_HD float exp2_row(float (&s)[kCols], float scale_log2, float subtract) {
+  float row_sum = 0.f;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    s[c] = exp2_fast(s[c] * scale_log2 - subtract);
+    row_sum += s[c];
+  }
+  return row_sum;
+}
+
 // One key block: turns S into unnormalised probabilities P (in place) and
 // rescales O and the running sums. `kFirst` skips the rescale of O, which is
 // still zero on the first block.
@@ -106,13 +118,7 @@ PORTATTN_SOFTMAX_HD void online_softmax_step(float (&s)[kRows][kCols], float (&o
       for (int c = 0; c < kOCols; ++c) o[r][c] *= correction;
     }
     state.max[r] = block_max;
-    float row_sum = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      s[r][c] = exp2_fast(s[r][c] * scale_log2 - subtract);
-      row_sum += s[r][c];
-    }
-    state.sum[r] += row_sum;
+    state.sum[r] += exp2_row(s[r], scale_log2, subtract);
   }
 }
 
@@ -158,13 +164,7 @@ PORTATTN_SOFTMAX_HD void online_softmax_step_lazy(float (&s)[kRows][kCols],
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float subtract = state.max[r] == neg_inf() ? 0.f : state.max[r] * scale_log2;
-    float row_sum = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      s[r][c] = exp2_fast(s[r][c] * scale_log2 - subtract);
-      row_sum += s[r][c];
-    }
-    state.sum[r] += row_sum;
+    state.sum[r] += exp2_row(s[r], scale_log2, subtract);
   }
 }
 

@@ -13,15 +13,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "../../common/params.h"
+#include "c_api.h"
 
 extern "C" {
-int portattn_cuda_fwd(const PortattnFwdParams* params, char* message, int message_len);
-const char* portattn_cuda_build_archs();
-const char* portattn_cuda_build_ptx();
-int portattn_cuda_num_fwd_variants();
-void portattn_cuda_fwd_variant(int index, int* head_dim, int* dtype);
-int portattn_cuda_fwd_smem_bytes(int head_dim);
 // ---- backward (owned by the backward engineer): declare its C entry points here ----
 int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int message_len);
 long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params);

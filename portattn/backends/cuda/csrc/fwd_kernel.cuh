@@ -73,6 +73,18 @@ struct FwdKernelTraits : FwdTileConfig<kHeadDim> {
   static constexpr int kOCols = kHeadDim / 4;
 };
 
+// acc[2 mt .. 2 mt + 1][4 n16 .. 4 n16 + 3] += A(mt) * B, for the two n8 tiles
+// of one 16-column block (b[0..1]: first n8 tile, b[2..3]: second); the
+// register layout is the (row, column-pair) one documented in ptx.cuh.
+template <typename Elem, int kRows, int kCols>
+__device__ __forceinline__ void mma_m16n16(float (&acc)[kRows][kCols], int mt, int n16,
+                                           const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  ptx::mma_16816<Elem>(acc[2 * mt][4 * n16], acc[2 * mt][4 * n16 + 1], acc[2 * mt + 1][4 * n16],
+                       acc[2 * mt + 1][4 * n16 + 1], a, b[0], b[1]);
+  ptx::mma_16816<Elem>(acc[2 * mt][4 * n16 + 2], acc[2 * mt][4 * n16 + 3],
+                       acc[2 * mt + 1][4 * n16 + 2], acc[2 * mt + 1][4 * n16 + 3], a, b[2], b[3]);
+}
+
 struct QuadReduce {
   static __device__ __forceinline__ float max(float x) { return ptx::quad_allreduce_max(x); }
   static __device__ __forceinline__ float sum(float x) { return ptx::quad_allreduce_sum(x); }
@@ -253,13 +265,7 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
           uint32_t b[4];
           ptx::ldmatrix_x4(b, (k_frag ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(np * 16, kk * 2));
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            ptx::mma_16816<Elem>(s[2 * mt][4 * np], s[2 * mt][4 * np + 1], s[2 * mt + 1][4 * np],
-                                 s[2 * mt + 1][4 * np + 1], a[mt], b[0], b[1]);
-            ptx::mma_16816<Elem>(s[2 * mt][4 * np + 2], s[2 * mt][4 * np + 3],
-                                 s[2 * mt + 1][4 * np + 2], s[2 * mt + 1][4 * np + 3], a[mt], b[2],
-                                 b[3]);
-          }
+          for (int mt = 0; mt < kMTiles; ++mt) mma_m16n16<Elem>(s, mt, np, a[mt], b);
         }
       }
 
@@ -348,13 +354,7 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
           uint32_t b[4];
           ptx::ldmatrix_x4_trans(b, (v_frag ^ KVTile::chunk_xor(dp * 2)) + KVTile::fixed(kk * 16, dp * 2));
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            ptx::mma_16816<Elem>(o[2 * mt][4 * dp], o[2 * mt][4 * dp + 1], o[2 * mt + 1][4 * dp],
-                                 o[2 * mt + 1][4 * dp + 1], p[mt], b[0], b[1]);
-            ptx::mma_16816<Elem>(o[2 * mt][4 * dp + 2], o[2 * mt][4 * dp + 3],
-                                 o[2 * mt + 1][4 * dp + 2], o[2 * mt + 1][4 * dp + 3], p[mt], b[2],
-                                 b[3]);
-          }
+          for (int mt = 0; mt < kMTiles; ++mt) mma_m16n16<Elem>(o, mt, dp, p[mt], b);
         }
       }
     }

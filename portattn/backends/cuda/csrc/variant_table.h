@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "../../common/params.h"
+#include "c_api.h"
 
 namespace portattn {
 namespace cuda {
@@ -76,13 +77,3 @@ SmemOptInState SmemOptIn<kHeadDim, Elem, kFlag>::state = {0ull};
 
 }  // namespace cuda
 }  // namespace portattn
-
-extern "C" {
-// 0 on success; otherwise a cudaError_t value (or -1) with a message in `message`.
-int portattn_cuda_fwd(const PortattnFwdParams* params, char* message, int message_len);
-const char* portattn_cuda_build_archs();
-const char* portattn_cuda_build_ptx();
-int portattn_cuda_num_fwd_variants();
-void portattn_cuda_fwd_variant(int index, int* head_dim, int* dtype);
-int portattn_cuda_fwd_smem_bytes(int head_dim);
-}
