@@ -65,6 +65,19 @@ class BuildBackends(build_ext):
         os.makedirs(os.path.dirname(ext_path), exist_ok=True)
         module.build(ext_path, build_temp, dict(os.environ))
 
+    def copy_extensions_to_source(self):
+        # In-place and editable builds copy only the extension module itself; a
+        # backend's sibling files (SIBLING_FILES in its build.py, e.g. the CUDA
+        # kernels' libportattn_cuda.so that _C loads via rpath $ORIGIN) must follow it.
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            module = load_build_module(ext.name.split(".")[-2])
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            for name in getattr(module, "SIBLING_FILES", ()):
+                self.copy_file(os.path.join(os.path.dirname(regular_file), name),
+                               os.path.join(os.path.dirname(inplace_file), name), level=self.verbose)
+
 
 ext_modules = [Extension(f"portattn.backends.{name}._C", sources=[]) for name in chosen_backends()]
 

@@ -28,6 +28,7 @@ nvcc flags (tuning experiments, e.g. -DPORTATTN_FWD_HD64_BLOCK_N=64).
 """
 from __future__ import annotations
 
+import filecmp
 import importlib.util
 import os
 import re
@@ -42,6 +43,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _CSRC = os.path.join(_HERE, "csrc")
 _COMMON = os.path.join(os.path.dirname(_HERE), "common")
 LIBRARY_NAME = "libportattn_cuda.so"
+# Files build() writes beside the extension module that must travel with it
+# (setup.py copies them for in-place / editable installs).
+SIBLING_FILES = (LIBRARY_NAME,)
 
 
 def _load_sibling(name: str, path: str):
@@ -142,11 +146,14 @@ def build_library(lib_path: str, build_temp: str, env: Mapping[str, str]) -> Non
     build.run(env)
 
 
-def build_binding(ext_path: str, build_temp: str, env: Mapping[str, str]) -> None:
-    """csrc/binding.cpp -> ext_path, linked to the libportattn_cuda.so beside it."""
+def build_binding(ext_path: str, build_temp: str, env: Mapping[str, str],
+                  library_dir: Optional[str] = None) -> None:
+    """csrc/binding.cpp -> ext_path, linked to library_dir/libportattn_cuda.so (default: beside
+    ext_path); at run time the library is found beside the module (rpath $ORIGIN)."""
     import pybind11  # build requirement, torch-free
 
-    out_dir = os.path.dirname(os.path.abspath(ext_path))
+    out_dir = library_dir or os.path.dirname(os.path.abspath(ext_path))
+    os.makedirs(os.path.dirname(os.path.abspath(ext_path)), exist_ok=True)
     if not os.path.exists(os.path.join(out_dir, LIBRARY_NAME)):
         raise RuntimeError(f"portattn: {LIBRARY_NAME} must be built into {out_dir} before the binding")
     cxx = env.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
@@ -178,12 +185,28 @@ def build_binding(ext_path: str, build_temp: str, env: Mapping[str, str]) -> Non
     build.run(env)
 
 
+def _install(built: str, target: str) -> None:
+    # Each build dir links into itself and copies out only on change: several
+    # build dirs (setup.py's, the in-place one, tests) may target the same
+    # folder, and ninja would otherwise trust a newer file another one wrote.
+    if not os.path.exists(target) or not filecmp.cmp(built, target, shallow=False):
+        tmp = target + ".tmp"
+        shutil.copyfile(built, tmp)
+        shutil.copymode(built, tmp)
+        os.replace(tmp, target)
+
+
 def build(ext_path: str, build_temp: str, env: Mapping[str, str]) -> None:
     """The build interface of docs/ARCHITECTURE.md: library, then the binding."""
     out_dir = os.path.dirname(os.path.abspath(ext_path))
     os.makedirs(out_dir, exist_ok=True)
-    build_library(os.path.join(out_dir, LIBRARY_NAME), os.path.join(build_temp, "cuda"), env)
-    build_binding(ext_path, os.path.join(build_temp, "cuda"), env)
+    temp = os.path.join(build_temp, "cuda")
+    built_lib = os.path.join(temp, "out", LIBRARY_NAME)
+    build_library(built_lib, temp, env)
+    _install(built_lib, os.path.join(out_dir, LIBRARY_NAME))
+    built_ext = os.path.join(temp, "out", os.path.basename(ext_path))
+    build_binding(built_ext, temp, env, library_dir=out_dir)
+    _install(built_ext, os.path.abspath(ext_path))
 
 
 def inplace_ext_path() -> str:
@@ -201,7 +224,10 @@ def main(argv=None) -> int:
     ext_path = inplace_ext_path()
     build_temp = os.path.abspath(args.build_temp)
     if args.binding_only:
-        build_binding(ext_path, os.path.join(build_temp, "cuda"), os.environ)
+        temp = os.path.join(build_temp, "cuda")
+        built_ext = os.path.join(temp, "out", os.path.basename(ext_path))
+        build_binding(built_ext, temp, os.environ, library_dir=_HERE)
+        _install(built_ext, ext_path)
     else:
         build(ext_path, build_temp, os.environ)
     print(f"built {ext_path}")
