@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the HIP toolchain that compiles portattn's ROCm backend on a CPU-only
-# Debian 12 machine (see shared notes in docs / ROCM_TOOLCHAIN): Debian's hipcc 5.2
-# (gfx90a) plus clang-19 (gfx942, which LLVM 15 does not know), and makes the
-# gfx942 device-library folder that ROCm 5.2 lacks. Idempotent and quiet; ~1-2 min.
+# Debian 12 machine: Debian's hipcc 5.2 (gfx90a) plus clang-19 (gfx942, which
+# LLVM 15 does not know; also the host compiler of tests/test_rocm_emulated.py),
+# and makes the gfx942 device-library folder that ROCm 5.2 lacks (its ISA-version
+# stub). Idempotent and quiet; about 1-2 minutes on a fresh machine, ~0.1 s after.
 #
 # Prints, on its last line, the device-library folder to pass as
 # PORTATTN_ROCM_DEVICE_LIB_PATH (build.py also finds it at the default place).
@@ -21,8 +22,9 @@ for pkg in "${PACKAGES[@]}"; do
 done
 if [ "${#missing[@]}" -gt 0 ]; then
   $SUDO apt-get update -qq
+  # debconf's "delaying package configuration" notice is noise on minimal images.
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >/dev/null
+    "${missing[@]}" >/dev/null 2> >(grep -v '^debconf: ' >&2)
 fi
 
 # ROCm 5.2's device libraries stop at gfx940: give clang-19 the ISA-version stub
