@@ -301,3 +301,35 @@ def test_declaration_routes_undone_features_away_on_an_amd_device():
     assert any("paged_kv" in reason for reason in check_call("rocm", mi300, paged))
     too_big = CallSpec("float16", 264, 264, "cuda", frozenset({"forward"}))
     assert any("264" in reason for reason in check_call("rocm", mi300, too_big))
+
+
+# ---------------------------------------------------------------------------------------------
+# Build selection (torch-free, no toolchain needed)
+
+
+def test_head_dim_restriction_selects_the_serving_configs():
+    chosen = variants.select(["gfx942"], ["bfloat16"], [40, 128])
+    assert [(v.dtype, v.config.head_dim) for v in chosen] == [("bfloat16", 64), ("bfloat16", 128)]
+    with pytest.raises(ValueError, match=f"264 exceeds the ROCm maximum {variants.MAX_HEAD_DIM}"):
+        variants.select(["gfx942"], None, [264])
+    with pytest.raises(ValueError, match="PORTATTN_DTYPES"):
+        variants.select(["gfx942"], ["float32"])
+
+
+def _debian_tools(clang: bool):
+    return rocm_build.Toolchain("debian", "/usr", "/usr/bin/hipcc", "/usr/bin/clang++-19" if clang else None,
+                                "/lib/bitcode" if clang else None)
+
+
+def test_arch_selection_from_env_and_toolchain(monkeypatch):
+    monkeypatch.setattr(rocm_build, "_present_gpu_archs", lambda tools, env: [])
+    assert rocm_build.selected_archs(_debian_tools(True), {}) == ["gfx90a", "gfx942"]
+    # Debian without clang-19 still builds what hipcc 5.2 can, instead of failing the install.
+    assert rocm_build.selected_archs(_debian_tools(False), {}) == ["gfx90a"]
+    assert rocm_build.selected_archs(_debian_tools(True), {"PORTATTN_HIP_ARCHS": "gfx942"}) == ["gfx942"]
+    with pytest.raises(ValueError, match="gfx1100"):
+        rocm_build.selected_archs(_debian_tools(True), {"PORTATTN_HIP_ARCHS": "gfx90a;gfx1100"})
+    with pytest.raises(RuntimeError, match="cannot compile gfx942"):
+        _debian_tools(False).compiler_for("gfx942")
+    monkeypatch.setattr(rocm_build, "_present_gpu_archs", lambda tools, env: ["gfx942"])
+    assert rocm_build.selected_archs(_debian_tools(True), {}) == ["gfx942"]
