@@ -31,18 +31,19 @@
 //
 // Budgets (registers per lane, a workgroup is one wave per SIMD; data in
 // variants.py (CONFIGS), checked on the compiled kernels by
-// tests/test_rocm_isa.py; measured VGPR+AGPR as gfx90a / gfx942):
-//   kernel  D    block  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD  measured
-//   dq      64   64     26112      48         <= 256            2           241-242 / 238-239
-//   dq      128  32     26112      48         <= 512            1           288-292 / 320
-//   dq      256  32     51712      80         <= 512            1           364-365 / 395-396
-//   dkdv    64   32      8960      32         <= 256            2           245-246 / 248-250
-//   dkdv    128  32     17152      64         <= 512            1           419-420 / 416
-//   dkdv    256  32     33536      96         <= 512            1           483 / 454-456
-//   rowdot  any  -          0       0         <= 128            4           22-26
-// (dq LDS: K, V and K^T; dkdv LDS: Q, dO and 256 bytes of per-query LSE and
-// rowsum. At D=128 both dq and dkdv need a few registers more than 256, so
-// they run at one wave per SIMD.)
+// tests/test_rocm_isa.py). Measured VGPR+AGPR total (AGPR), gfx90a / gfx942:
+//   kernel  D    block  LDS bytes  MFMA/iter  budget  waves/SIMD  measured
+//   dq      64   64     26112      48         256     2           241-242 (0) / 238-239 (0)
+//   dq      128  32     26112      48         512     1           288-292 (96) / 320 (64)
+//   dq      256  32     51712      80         512     1           364-365 (108) / 395-396 (140)
+//   dkdv    64   32      8960      32         256     2           245-246 (0) / 248-250 (0)
+//   dkdv    128  32     17152      64         512     1           419-420 (164) / 416 (160)
+//   dkdv    256  32     33536      96         512     1           483 (227) / 454-456 (200)
+//   rowdot  any  -          0       0         128     4           22-26 (0)
+// SGPRs 67-96, no spills, no scratch. dq LDS: K, V and K^T; dkdv LDS: Q, dO
+// and 256 bytes of per-query LSE and rowsum. At D=128 both dq and dkdv need a
+// few registers more than 256 (2-4 spills when held to 2 waves per SIMD), so
+// they are designed for one.
 #pragma once
 #include <limits.h>
 #include <math.h>

@@ -19,10 +19,13 @@
 // per SIMD lane and 64 KiB LDS per CU). The numbers are data in variants.py
 // (CONFIGS), from which tests/test_rocm_isa.py checks the compiled kernels:
 //
-//   D    kBlockN  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD   measured VGPR+AGPR (gfx90a / gfx942)
-//   64   64       17408      32         <= 256            2            174-176 / 194
-//   128  32       17664      32         <= 256            2            190-192 / 202-203
-//   256  32       35072      64         <= 512            1 (LDS: 1)   421-423 / 439-494
+//   D    kBlockN  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD
+//   64   64       17408      32         <= 256            2 (LDS allows 3)
+//   128  32       17664      32         <= 256            2 (LDS allows 3)
+//   256  32       35072      64         <= 512            1 (LDS allows 1)
+// Measured (VGPR+AGPR total, of which AGPR; gfx90a / gfx942):
+//   64: 176-180, 0 / 197-198, 0;  128: 192-194, 0 / 206, 0;
+//   256: 425-427, 169-171 / 442-497, 186-241.  SGPRs 84-90, no spills, no scratch.
 //
 // LDS rows are padded by 4 elements (8 bytes) so the 32 rows read by one MFMA
 // operand fall on distinct bank pairs. There is no software pipelining yet:
