@@ -105,20 +105,6 @@ template cudaError_t launch_bwd_convert<__nv_bfloat16>(const BwdArgs&, int, bool
 
 using namespace portattn::cuda;
 
-namespace {
-
-bool bwd_aligned(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-bool bwd_strides_aligned(const PortattnTensor4& s) {
-  return (s.batch_stride % 8) == 0 && (s.row_stride % 8) == 0 && (s.head_stride % 8) == 0;
-}
-
-int bwd_fail(char* message, int message_len, int code, const char* text) {
-  if (message != nullptr && message_len > 0) snprintf(message, message_len, "%s", text);
-  return code == 0 ? -1 : code;
-}
-
-}  // namespace
-
 extern "C" long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params) {
   return bwd_workspace_layout(*params).total;
 }
@@ -147,15 +133,15 @@ extern "C" int portattn_cuda_bwd(const PortattnBwdParams* params, char* message,
     char text[160];
     snprintf(text, sizeof(text), "portattn cuda: no backward kernel built for head_dim %d dtype %d",
              f.headdim, f.dtype);
-    return bwd_fail(message, message_len, -1, text);
+    return fail(message, message_len, -1, text);
   }
   const void* pointers[] = {f.q, f.k, f.v, f.out, params->dout, params->dq, params->dk, params->dv};
   const PortattnTensor4* strides[] = {&f.q_strides,       &f.k_strides,        &f.v_strides,
                                       &f.out_strides,     &params->dout_strides, &params->dq_strides,
                                       &params->dk_strides, &params->dv_strides};
   for (int t = 0; t < 8; ++t) {
-    if (!bwd_aligned(pointers[t]) || !bwd_strides_aligned(*strides[t]))
-      return bwd_fail(message, message_len, -1,
+    if (!aligned16(pointers[t]) || !strides_aligned(*strides[t]))
+      return fail(message, message_len, -1,
                       "portattn cuda backward: q, k, v, out, dout, dq, dk and dv need 16-byte "
                       "aligned data pointers and strides that are multiples of 8 elements");
   }
@@ -165,7 +151,7 @@ extern "C" int portattn_cuda_bwd(const PortattnBwdParams* params, char* message,
     char text[400];
     snprintf(text, sizeof(text), "portattn cuda backward: %s%s%s", cudaGetErrorString(err),
              last_error_detail()[0] ? ": " : "", last_error_detail());
-    return bwd_fail(message, message_len, static_cast<int>(err), text);
+    return fail(message, message_len, static_cast<int>(err), text);
   }
   return 0;
 }

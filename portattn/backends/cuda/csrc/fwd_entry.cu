@@ -43,8 +43,6 @@ cudaError_t ensure_dynamic_smem(const void* kernel, int bytes, SmemOptInState* s
   return err;
 }
 
-namespace {
-
 // 16-byte vector loads/stores need 16-byte aligned rows. Python passes any
 // strided view; views of real models (packed qkv, slices along seqlen or
 // heads) keep this, and a view that does not gets a clear error.
@@ -52,15 +50,18 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 bool strides_aligned(const PortattnTensor4& s) {
   return (s.batch_stride % 8) == 0 && (s.row_stride % 8) == 0 && (s.head_stride % 8) == 0;
 }
-// The tile loaders step through rows with 32-bit offsets (fwd_kernel.cuh:
-// TileLoader); 2^24 elements per row leaves room for 128-row tiles.
-constexpr int64_t kMaxRowStride = int64_t{1} << 24;
-bool row_stride_fits(const PortattnTensor4& s) { return s.row_stride < kMaxRowStride && s.row_stride > -kMaxRowStride; }
 
 int fail(char* message, int message_len, int code, const char* text) {
   if (message != nullptr && message_len > 0) snprintf(message, message_len, "%s", text);
   return code == 0 ? -1 : code;
 }
+
+namespace {
+
+// The tile loaders step through rows with 32-bit offsets (fwd_kernel.cuh:
+// TileLoader); 2^24 elements per row leaves room for 128-row tiles.
+constexpr int64_t kMaxRowStride = int64_t{1} << 24;
+bool row_stride_fits(const PortattnTensor4& s) { return s.row_stride < kMaxRowStride && s.row_stride > -kMaxRowStride; }
 
 // Shared memory of the forward tile for an instantiable head dim (multiple of 32).
 template <int kHeadDim = 32>

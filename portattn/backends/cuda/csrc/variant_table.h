@@ -65,6 +65,12 @@ struct SmemOptInState {
   unsigned long long done_devices;  // bit d: attribute already raised on device d
 };
 cudaError_t ensure_dynamic_smem(const void* kernel, int bytes, SmemOptInState* state);
+
+// Entry-point checks shared by the forward and backward entries (fwd_entry.cu).
+bool aligned16(const void* ptr);
+bool strides_aligned(const PortattnTensor4& s);
+// Writes `text` into the caller's message buffer; returns `code`, or -1 for 0.
+int fail(char* message, int message_len, int code, const char* text);
 const char* last_error_detail();
 void set_error_detail(const char* text);
 
