@@ -211,6 +211,31 @@ __device__ __forceinline__ void accum_add2(float* ptr, float v0, float v1) {
 #endif
 }
 
+// C fragments of two adjacent n8 tiles (fp32) -> one m16 x k16 A fragment.
+template <typename Elem>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = ptx::ElemTraits<Elem>::pack(lo[0], lo[1]);
+  a[1] = ptx::ElemTraits<Elem>::pack(lo[2], lo[3]);
+  a[2] = ptx::ElemTraits<Elem>::pack(hi[0], hi[1]);
+  a[3] = ptx::ElemTraits<Elem>::pack(hi[2], hi[3]);
+}
+
+// acc (16 x kCols) += a (16 x 16) * tile[k0 : k0 + 16, col0 : col0 + kCols], where the
+// shared tile is row-major in k (Q, dO, K as stored): ldmatrix.trans makes it the B operand.
+template <class Tile, int kCols, typename Elem>
+__device__ __forceinline__ void mma_a_tile(float (&acc)[kCols / 8][4], const uint32_t (&a)[4],
+                                           uint32_t tile, int k0, int col0, int lane) {
+#pragma unroll
+  for (int dp = 0; dp < kCols / 16; ++dp) {
+    uint32_t b[4];
+    ptx::ldmatrix_x4_trans(b, tile + Tile::offset(k0 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                  col0 + dp * 16 + (lane / 16) * 8));
+    ptx::mma_16816<Elem>(acc[2 * dp][0], acc[2 * dp][1], acc[2 * dp][2], acc[2 * dp][3], a, b[0], b[1]);
+    ptx::mma_16816<Elem>(acc[2 * dp + 1][0], acc[2 * dp + 1][1], acc[2 * dp + 1][2],
+                         acc[2 * dp + 1][3], a, b[2], b[3]);
+  }
+}
+
 // kExtras: softcap, ALiBi or dropout present (their per-element work and
 // registers stay out of the common path, as in the forward). `deterministic`
 // is a runtime flag (uniform per launch): it changes the grid mapping, not
@@ -436,43 +461,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
         uint32_t a[4];
-        a[0] = ptx::ElemTraits<Elem>::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-        a[1] = ptx::ElemTraits<Elem>::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-        a[2] = ptx::ElemTraits<Elem>::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-        a[3] = ptx::ElemTraits<Elem>::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-#pragma unroll
-        for (int dp = 0; dp < kDOut / 16; ++dp) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, sDo + QTile::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                        col_base + dp * 16 + (lane / 16) * 8));
-          ptx::mma_16816<Elem>(acc_dv[2 * dp][0], acc_dv[2 * dp][1], acc_dv[2 * dp][2],
-                               acc_dv[2 * dp][3], a, b[0], b[1]);
-          ptx::mma_16816<Elem>(acc_dv[2 * dp + 1][0], acc_dv[2 * dp + 1][1],
-                               acc_dv[2 * dp + 1][2], acc_dv[2 * dp + 1][3], a, b[2], b[3]);
-        }
+        pack_a<Elem>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
+        mma_a_tile<QTile, kDOut, Elem>(acc_dv, a, sDo, kk * 16, col_base, lane);
       }
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
         uint32_t a[4];
-        a[0] = ptx::ElemTraits<Elem>::pack(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
-        a[1] = ptx::ElemTraits<Elem>::pack(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
-        a[2] = ptx::ElemTraits<Elem>::pack(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
-        a[3] = ptx::ElemTraits<Elem>::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
+        pack_a<Elem>(a, acc_dp[2 * kk], acc_dp[2 * kk + 1]);
         const int row = warp * 16 + g;
         st_shared_b32(sDs + DsTile::offset(row, kk * 16) + q2 * 2, a[0]);
         st_shared_b32(sDs + DsTile::offset(row + 8, kk * 16) + q2 * 2, a[1]);
         st_shared_b32(sDs + DsTile::offset(row, kk * 16 + 8) + q2 * 2, a[2]);
         st_shared_b32(sDs + DsTile::offset(row + 8, kk * 16 + 8) + q2 * 2, a[3]);
-#pragma unroll
-        for (int dp = 0; dp < kDOut / 16; ++dp) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, sQ + QTile::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                       col_base + dp * 16 + (lane / 16) * 8));
-          ptx::mma_16816<Elem>(acc_dk[2 * dp][0], acc_dk[2 * dp][1], acc_dk[2 * dp][2],
-                               acc_dk[2 * dp][3], a, b[0], b[1]);
-          ptx::mma_16816<Elem>(acc_dk[2 * dp + 1][0], acc_dk[2 * dp + 1][1],
-                               acc_dk[2 * dp + 1][2], acc_dk[2 * dp + 1][3], a, b[2], b[3]);
-        }
+        mma_a_tile<QTile, kDOut, Elem>(acc_dk, a, sQ, kk * 16, col_base, lane);
       }
 
       __syncthreads();  // dS^T complete; every warp is done reading Q and dO of this step
@@ -495,16 +496,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
           uint32_t a[4];
           ptx::ldmatrix_x4_trans(a, sDs + DsTile::offset(kk * 16 + (lane / 16) * 8 + lane % 8,
                                                          tm * 16 + ((lane / 8) % 2) * 8));
-#pragma unroll
-          for (int dp = 0; dp < kDqChunk / 16; ++dp) {
-            uint32_t b[4];
-            ptx::ldmatrix_x4_trans(b, sK + KVTile::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                          col0 + dp * 16 + (lane / 16) * 8));
-            ptx::mma_16816<Elem>(acc[2 * dp][0], acc[2 * dp][1], acc[2 * dp][2], acc[2 * dp][3], a,
-                                 b[0], b[1]);
-            ptx::mma_16816<Elem>(acc[2 * dp + 1][0], acc[2 * dp + 1][1], acc[2 * dp + 1][2],
-                                 acc[2 * dp + 1][3], a, b[2], b[3]);
-          }
+          mma_a_tile<KVTile, kDqChunk, Elem>(acc, a, sK, kk * 16, col0, lane);
         }
 #pragma unroll
         for (int t = 0; t < kDqChunk / 8; ++t) {
