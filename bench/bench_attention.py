@@ -221,6 +221,8 @@ def main():
     parser.add_argument("--grid-only", action="store_true", help="skip the overhead and memory parts")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--kernel-only", action="store_true", help="grid: skip the public API (tuning runs)")
+    parser.add_argument("--backward", action="store_true",
+                        help="also forward+backward vs SDPA flash/cuDNN (bench_backward.py) in this run")
     args = parser.parse_args()
     global KERNEL_ONLY
     KERNEL_ONLY = args.kernel_only
@@ -237,6 +239,10 @@ def main():
         result["memory"] = bench_memory()
     write_results(result, args.out, "cuda_forward" + args.tag)
     print(open(os.path.join(args.out, f"cuda_forward{args.tag}.md")).read())
+    if args.backward:
+        import bench_backward  # issue #4's columns: fwd+bwd TFLOP/s, deterministic cost, memory
+
+        bench_backward.run(args.out, seqlens, memory=not args.grid_only)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 The backward columns of bench_attention.py (issue #4), measured side by side in one run:
   python bench/bench_backward.py [--quick] [--out bench/results]
+  python bench/bench_attention.py --backward   (forward tables, then these)
 
 1. FA2 paper grid: bf16, hidden 2048 (32 x 64 or 16 x 128 heads), batch x seqlen
    = 16k tokens, seqlen 512..16k, causal and not. One forward + backward
@@ -173,6 +174,20 @@ def write_results(result, out_dir):
     fig.savefig(base + ".png", dpi=90)
 
 
+def run(out_dir, seqlens, memory=True, grid=True):
+    """Grid and/or memory case -> <out_dir>/cuda_fwd_bwd.{json,md,png}; also called by bench_attention.py --backward."""
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "grid": bench_grid(seqlens, [64, 128]) if grid else [],
+        "memory": bench_memory() if memory else None,
+    }
+    write_results(result, out_dir)
+    print(open(os.path.join(out_dir, "cuda_fwd_bwd.md")).read())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer points (smoke run)")
@@ -181,16 +196,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     seqlens = [1024, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
-        "torch": torch.__version__,
-        "grid": [] if args.memory_only else bench_grid(seqlens, [64, 128]),
-        "memory": None if args.no_memory else bench_memory(),
-    }
-    write_results(result, args.out)
-    print(open(os.path.join(args.out, "cuda_fwd_bwd.md")).read())
+    run(args.out, seqlens, memory=not args.no_memory, grid=not args.memory_only)
 
 
 if __name__ == "__main__":
