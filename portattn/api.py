@@ -33,7 +33,7 @@ def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     out, lse = attention(
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
         None, None, q.shape[1], k.shape[1], scale, window_left, window_right, float(softcap),
-        float(dropout_p), bool(deterministic),
+        float(dropout_p), bool(deterministic), return_attn_probs,
     )
     return (out, lse, None) if return_attn_probs else out
 
@@ -53,7 +53,7 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     out, lse = attention(
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
-        float(softcap), float(dropout_p), bool(deterministic),
+        float(softcap), float(dropout_p), bool(deterministic), return_attn_probs,
     )
     return (out, lse, None) if return_attn_probs else out
 

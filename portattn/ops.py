@@ -22,19 +22,14 @@ from .validation import check_cu_seqlens_values
 _TRUST_CU_SEQLENS = os.environ.get("PORTATTN_TRUST_CU_SEQLENS", "0") == "1"
 
 
-def _lse_shape(q: torch.Tensor, varlen: bool):
-    if varlen:
-        return (q.shape[1], q.shape[0])  # (H, total_q), as flash-attn's varlen API
-    return (q.shape[0], q.shape[2], q.shape[1])  # (B, H, Sq)
-
-
-def _empty_outputs(q: torch.Tensor, varlen: bool):
-    out = torch.empty_like(q)
+def _empty_lse(q: torch.Tensor, varlen: bool) -> torch.Tensor:
+    shape = q.shape
+    # (H, total_q) for varlen, as flash-attn's varlen API; else (B, H, Sq).
+    lse_shape = (shape[1], shape[0]) if varlen else (shape[0], shape[2], shape[1])
     # float64 inputs (reference backend only) keep a float64 LSE, so gradients through
     # the public API are exact enough for torch.autograd.gradcheck.
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.empty(_lse_shape(q, varlen), dtype=lse_dtype, device=q.device)
-    return out, lse
+    return torch.empty(lse_shape, dtype=lse_dtype, device=q.device)
 
 
 def _no_keys(k: torch.Tensor, varlen: bool) -> bool:
@@ -43,12 +38,18 @@ def _no_keys(k: torch.Tensor, varlen: bool) -> bool:
 
 def run_forward(
     q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    softmax_scale, window_left, window_right, softcap, dropout_p,
+    softmax_scale, window_left, window_right, softcap, dropout_p, need_lse=True,
 ):
-    """Returns (out, lse, rng_seed, rng_offset)."""
+    """Returns (out, lse, rng_seed, rng_offset); lse is None when not `need_lse`.
+
+    This is every call's hot path: each tensor attribute is read once, and an
+    inference call that does not ask for the LSE does not allocate it (the
+    kernels skip its store when given no pointer).
+    """
     varlen = cu_seqlens_q is not None
-    out, lse = _empty_outputs(q, varlen)
-    if q.numel() == 0:
+    out = torch.empty_like(q)
+    lse = _empty_lse(q, varlen) if need_lse else None
+    if out.numel() == 0:
         return out, lse, 0, 0
     if varlen and not _TRUST_CU_SEQLENS:
         check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0])
@@ -56,14 +57,17 @@ def run_forward(
     if _no_keys(k, varlen):
         # Nothing to attend to: the documented result for an empty row.
         out.zero_()
-        lse.fill_(float("-inf"))
+        if lse is not None:
+            lse.fill_(float("-inf"))
         return out, lse, 0, 0
+    *_, nheads, head_dim = q.shape
     bits = dispatch.feature_bits(
         window_left, window_right, softcap, alibi_slopes is not None, dropout_p,
-        q.shape[-2] != k.shape[-2], varlen,
+        nheads != k.shape[-2], varlen,
     )
-    backend = dispatch.DISPATCHER.backend_for(q.device, q.dtype, q.shape[-1], bits)
-    seed, offset = draw_philox_seed_offset(q.device) if dropout_p > 0.0 else (0, 0)
+    device = q.device
+    backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
+    seed, offset = draw_philox_seed_offset(device) if dropout_p > 0.0 else (0, 0)
     backend.forward(
         q, k, v, out, lse,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -152,8 +156,7 @@ def _fwd_op(
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, window_left, window_right, softcap, dropout_p, deterministic):
-    out, lse = _empty_outputs(q, cu_seqlens_q is not None)
-    return out, lse, torch.empty(2, dtype=torch.int64)
+    return torch.empty_like(q), _empty_lse(q, cu_seqlens_q is not None), torch.empty(2, dtype=torch.int64)
 
 
 @torch.library.custom_op("portattn::bwd", mutates_args=())
@@ -205,8 +208,11 @@ torch.library.register_autograd("portattn::fwd", _fwd_backward, setup_context=_f
 
 
 def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic):
-    """Route one validated call to the cheapest correct path. Returns (out, lse)."""
+              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic,
+              need_lse=True):
+    """Route one validated call to the cheapest correct path. Returns (out, lse).
+
+    lse may be None for an eager call without gradients when `need_lse` is False."""
     args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, window_left, window_right, softcap, dropout_p)
     if torch.compiler.is_compiling():
@@ -214,5 +220,5 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         return out, lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return AttentionFunction.apply(*args, deterministic)
-    out, lse, _, _ = run_forward(*args)
+    out, lse, _, _ = run_forward(*args, need_lse)
     return out, lse

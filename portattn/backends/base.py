@@ -8,7 +8,8 @@ Tensor contract for `forward` / `backward` (see also backends/common/params.h):
 - q: (B, Sq, H, D) or, varlen, (total_q, H, D); k, v: (B, Sk, Hk, D) / (total_k, Hk, D).
   Any strides with the last dimension contiguous. Hk divides H.
 - out: like q (caller-allocated, maybe poisoned; every element must be written).
-- lse: float32 (B, H, Sq) or, varlen, (H, total_q); caller-allocated, contiguous.
+- lse: float32 (B, H, Sq) or, varlen, (H, total_q); caller-allocated, contiguous;
+  or None in `forward` when the caller does not need it (inference calls skip the allocation).
 - window_left / window_right: -1 = unbounded; causal is window_right == 0.
 - softcap: 0.0 = off. alibi_slopes: None or float32 (H,) / (B, H).
 - dropout_p: 0.0 = off; (rng_seed, rng_offset) select the philox.h mask.

@@ -367,6 +367,9 @@ class ReferenceBackend(Backend):
 
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, **options) -> None:
+        if lse is None:  # the caller does not need it; the algorithm does
+            rows = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+            lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         if cu_seqlens_q is not None:
             # Packed rows outside every sequence belong to no query; define them anyway,
             # since `out` may arrive poisoned.

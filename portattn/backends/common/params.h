@@ -43,7 +43,7 @@ typedef struct PortattnFwdParams {
   const void* k;
   const void* v;
   void* out;
-  float* lse;  // always written
+  float* lse;  // null: not wanted (inference calls); else written for every row
 
   PortattnTensor4 q_strides, k_strides, v_strides, out_strides;
   int64_t lse_batch_stride;  // lse[b * lse_batch_stride + h * lse_head_stride + i]

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ...capability.callspec import CallSpec
+from ..abi import fwd_args
 from ..base import Backend
 
 try:
@@ -64,28 +65,9 @@ class RocmBackend(Backend):
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                 rng_seed, rng_offset) -> None:
-        if cu_seqlens_q is None:
-            batch, seqlen_q, nheads, headdim = q.shape
-            seqlen_k, nheads_k = k.shape[1], k.shape[2]
-            cu_q = cu_k = 0
-            lse_batch_stride, lse_head_stride = lse.stride(0), lse.stride(1)
-        else:
-            _, nheads, headdim = q.shape
-            nheads_k = k.shape[1]
-            batch = cu_seqlens_q.shape[0] - 1
-            seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-            cu_q, cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
-            lse_batch_stride, lse_head_stride = 0, lse.stride(0)
-        alibi = 0 if alibi_slopes is None else alibi_slopes.data_ptr()
-        alibi_batch_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
-        _C.fwd(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-            q.stride(), k.stride(), v.stride(), out.stride(), lse_batch_stride, lse_head_stride,
-            _DTYPE_CODES[q.dtype], batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
-            cu_q, cu_k, 0, softmax_scale, softcap, window_left, window_right,
-            alibi, alibi_batch_stride, dropout_p, rng_seed, rng_offset,
-            _raw_stream(q.device.index),
-        )
+        _C.fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                         rng_seed, rng_offset))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
         # The tensors -> _C.bwd marshalling is vendor-neutral (the modules share the signature).

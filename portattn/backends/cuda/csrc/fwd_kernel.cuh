@@ -366,7 +366,8 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
   softmax::online_softmax_finalize<kRows, kOCols, QuadReduce>(o, state, softmax_scale_log2,
                                                               out_scale, lse);
 
-  if (lane % 4 == 0) {
+  // A null lse means the caller does not want it (inference): skip the store.
+  if (params.lse != nullptr && lane % 4 == 0) {
     float* gLse = params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride +
                   q_start + m0;
 #pragma unroll

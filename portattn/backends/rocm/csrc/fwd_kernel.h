@@ -228,7 +228,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       store<u16x4>(gO + d, pack4<Tile::kIsBf16>(o[0], o[1], o[2], o[3]));
     }
   }
-  if (lh == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i] = lse[0];
+  if (lh == 0 && p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i] = lse[0];
 }
 
 template <class Tile>
