@@ -30,8 +30,15 @@ namespace cuda {
 // caps the unsplit head dim at 128. Two Q/dO stages are worth a full tile of
 // shared memory where it exists: the next query block then loads during the
 // whole step instead of only during the dQ product.
-// bwd_smem_table() below reports the smallest budget per head dim to the
-// support matrix (capability declaration of "cuda": backward shared memory).
+// portattn_cuda_bwd_smem_bytes() (bwd_entry.cu) reports the smallest budget
+// per head dim to the support matrix through build_config()["smem_bytes"].
+// Registers (ptxas -v, sm_90, nvcc 13.0, no extras): 255 per thread for every
+// shape except hd 32 (172); spills are small and sit outside the S/dP loop
+// (hd 64: none; hd 96-256: 36-152 bytes of stores). Alternatives measured on
+// an H100 and rejected (bench/results/cuda_backward_summary.md): square
+// 32x32 warp tiles with P^T/dS^T through shared memory (fewer ldmatrix, one
+// more barrier: 5-20% slower), 64-key CTAs at 2 per SM (3-7% slower),
+// 128x128 blocks at hd 64 (spills inside the main loop).
 template <class... Cfgs>
 struct BwdCandidates {};
 
