@@ -37,7 +37,7 @@ namespace cuda {
 // (hd 64: none; hd 96-256: 36-152 bytes of stores). Alternatives measured on
 // an H100 and rejected (bench/results/cuda_backward_summary.md): square
 // 32x32 warp tiles with P^T/dS^T through shared memory (fewer ldmatrix, one
-// more barrier: 5-20% slower), 64-key CTAs at 2 per SM (3-7% slower),
+// more barrier: 4-20% slower), 64-key CTAs at 2 per SM (3-7% slower),
 // 128x128 blocks at hd 64 (spills inside the main loop).
 template <class... Cfgs>
 struct BwdCandidates {};
