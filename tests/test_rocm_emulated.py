@@ -72,12 +72,20 @@ def backend(tmp_path_factory):
     emulated = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(emulated)
 
+    import portattn.backends as backends
     import portattn.backends.rocm as rocm
 
-    saved = rocm._C, rocm._raw_stream
-    rocm._C, rocm._raw_stream = emulated, (lambda index: 0)
+    # The module and the stream getter (CPU torch has none) wherever the wrapper looks them up.
+    patches = [(rocm, "_C", emulated), (rocm, "_raw_stream", lambda index: 0)]
+    abi = getattr(backends, "abi", None)
+    if abi is not None and hasattr(abi, "raw_stream"):
+        patches.append((abi, "raw_stream", lambda index: 0))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     yield rocm.RocmBackend()
-    rocm._C, rocm._raw_stream = saved
+    for owner, name, value in saved:
+        setattr(owner, name, value)
 
 
 def _run(backend, q, k, v, *, window=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, seed=0,

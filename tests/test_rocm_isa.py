@@ -333,3 +333,11 @@ def test_arch_selection_from_env_and_toolchain(monkeypatch):
         _debian_tools(False).compiler_for("gfx942")
     monkeypatch.setattr(rocm_build, "_present_gpu_archs", lambda tools, env: ["gfx942"])
     assert rocm_build.selected_archs(_debian_tools(True), {}) == ["gfx942"]
+
+
+def test_build_config_reports_lds_per_head_dim(built):
+    config = _load_built_module(built[1]).build_config()
+    assert config["smem_bytes"] == {
+        "forward": {c.head_dim: c.fwd.lds_bytes for c in variants.CONFIGS},
+        "backward": {c.head_dim: max(c.bwd_dq.lds_bytes, c.bwd_dkdv.lds_bytes) for c in variants.CONFIGS},
+    }

@@ -208,7 +208,8 @@ def registry_source(variants: list[Variant], compilers: dict) -> str:
     )
     rows = "\n".join(
         f'    {{"{v.arch}", {DTYPES[v.dtype][0]}, {v.config.head_dim}, &{v.entry_point("fwd")}, '
-        f'&{v.entry_point("bwd")}}},'
+        f'&{v.entry_point("bwd")}, {v.config.fwd.lds_bytes}, '
+        f'{max(v.config.bwd_dq.lds_bytes, v.config.bwd_dkdv.lds_bytes)}}},'
         for v in variants
     )
     compiler_rows = "\n".join(f'    {{"{arch}", "{_c_escape(text)}"}},' for arch, text in compilers.items())

@@ -99,14 +99,14 @@ void check_fwd_invariants(const PortattnFwdParams& p) {
           "cu_seqlens_q and cu_seqlens_k are given together");
   require(p.dropout_p >= 0.f && p.dropout_p < 1.f, "dropout_p must be in [0, 1)");
   require(p.softcap >= 0.f, "softcap must be >= 0");
-  require(p.q && p.k && p.v && p.out && p.lse, "q, k, v, out and lse must be non-null");
+  require(p.q && p.k && p.v && p.out, "q, k, v and out must be non-null");  // lse may be (not wanted)
   check_layouts({{p.q, &p.q_strides, "q"}, {p.k, &p.k_strides, "k"}, {p.v, &p.v_strides, "v"},
                  {p.out, &p.out_strides, "out"}});
 }
 
 void check_bwd_invariants(const PortattnBwdParams& p) {
   check_fwd_invariants(p.fwd);
-  require(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");
+  require(p.fwd.lse && p.dout && p.dq && p.dk && p.dv, "lse, dout, dq, dk and dv must be non-null");
   check_layouts({{p.dout, &p.dout_strides, "dout"}, {p.dq, &p.dq_strides, "dq"}, {p.dk, &p.dk_strides, "dk"},
                  {p.dv, &p.dv_strides, "dv"}});
   const int64_t needed = bwd_workspace_bytes(p.fwd.batch, p.fwd.nheads, p.fwd.seqlen_q);
@@ -180,6 +180,17 @@ py::dict build_config() {
   config["compilers"] = compilers;
   config["features"] = kFeatures;
   config["hip_runtime_version"] = HIP_VERSION;
+  // LDS per workgroup per built head dim (the same on every arch), which the
+  // support matrix compares with the device's (capability/matrix.py).
+  py::dict forward_lds, backward_lds;
+  for (int index = 0; index < kNumVariants; ++index) {
+    forward_lds[py::int_(kVariants[index].head_dim)] = kVariants[index].fwd_lds_bytes;
+    backward_lds[py::int_(kVariants[index].head_dim)] = kVariants[index].bwd_lds_bytes;
+  }
+  py::dict lds;
+  lds["forward"] = forward_lds;
+  lds["backward"] = backward_lds;
+  config["smem_bytes"] = lds;
   return config;
 }
 

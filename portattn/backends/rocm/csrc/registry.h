@@ -15,6 +15,8 @@ struct KernelVariant {
   int head_dim;      // serves params.headdim <= head_dim
   int (*fwd)(const PortattnFwdParams*);  // return a hipError_t
   int (*bwd)(const PortattnBwdParams*);
+  int fwd_lds_bytes;  // per workgroup, the largest of the direction's kernels
+  int bwd_lds_bytes;
 };
 
 struct ArchCompiler {
