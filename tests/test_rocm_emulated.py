@@ -76,10 +76,11 @@ def backend(tmp_path_factory):
     import portattn.backends.rocm as rocm
 
     # The module and the stream getter (CPU torch has none) wherever the wrapper looks them up.
-    patches = [(rocm, "_C", emulated), (rocm, "_raw_stream", lambda index: 0)]
-    abi = getattr(backends, "abi", None)
-    if abi is not None and hasattr(abi, "raw_stream"):
-        patches.append((abi, "raw_stream", lambda index: 0))
+    no_stream = lambda index: 0  # noqa: E731
+    patches = [(rocm, "_C", emulated)]
+    for owner, name in ((rocm, "_raw_stream"), (getattr(backends, "abi", None), "raw_stream")):
+        if owner is not None and hasattr(owner, name):
+            patches.append((owner, name, no_stream))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
