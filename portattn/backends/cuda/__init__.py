@@ -25,9 +25,6 @@ except ImportError as error:  # not built (no nvcc at install time) or built for
     _C = None
     _IMPORT_ERROR = f"the CUDA module is not built ({error})"
 
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
-_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
-
 
 class CudaBackend(Backend):
     name = "cuda"
@@ -68,5 +65,4 @@ class CudaBackend(Backend):
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
         # Owned by the backward engineer; the body lives in backward.py.
-        cuda_backward(_C, _DTYPE_CODES[q.dtype], _raw_stream, dout, q, k, v, out, lse, dq, dk, dv,
-                      **options)
+        cuda_backward(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)

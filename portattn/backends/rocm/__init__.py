@@ -28,9 +28,6 @@ except ImportError as error:  # not built, built for another Python, or libamdhi
     _C = None
     _IMPORT_ERROR = f"the ROCm module is not built or cannot load its HIP runtime ({error})"
 
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
 
 def _availability() -> str:
     """Why this process cannot use the ROCm kernels at all; "" = it can."""
@@ -73,4 +70,4 @@ class RocmBackend(Backend):
         # The tensors -> _C.bwd marshalling is vendor-neutral (the modules share the signature).
         from ..cuda.backward import cuda_backward
 
-        cuda_backward(_C, _DTYPE_CODES[q.dtype], _raw_stream, dout, q, k, v, out, lse, dq, dk, dv, **options)
+        cuda_backward(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)
