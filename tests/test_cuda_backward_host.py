@@ -1,0 +1,87 @@
+"""CPU-side tests of the CUDA backward's host logic (csrc/bwd_entry.cu, bwd_launch.cuh).
+
+Where nvcc is installed, a restricted build (sm_80, hd 64, bf16) is imported on a
+machine without a GPU; the workspace sizing, the per-head-dim shared-memory
+budgets reported to the support matrix, and the workspace check run no CUDA call.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import sysconfig
+
+import pytest
+
+_BUILD_PY = os.path.join(os.path.dirname(__file__), "..", "portattn", "backends", "cuda", "build.py")
+_spec = importlib.util.spec_from_file_location("_portattn_cuda_build_for_bwd_tests", _BUILD_PY)
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
+
+SM86_OPTIN = 99 * 1024  # the smallest opt-in shared memory of any sm80+ part
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def module(tmp_path_factory):
+    if build.find_nvcc() is None:
+        pytest.skip("nvcc not installed")
+    pytest.importorskip("pybind11")
+    if shutil.which("ninja") is None:
+        pytest.importorskip("ninja")
+    root = tmp_path_factory.mktemp("cuda_bwd_host")
+    env = dict(os.environ, PORTATTN_CUDA_ARCHS="80", PORTATTN_HEADDIMS="64", PORTATTN_DTYPES="bf16")
+    ext_path = str(root / "pkg" / ("_C" + sysconfig.get_config_var("EXT_SUFFIX")))
+    build.build(ext_path, str(root / "temp"), env)
+    spec = importlib.util.spec_from_file_location("_C", ext_path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def _align(nbytes):
+    return (nbytes + 255) // 256 * 256
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_head_dim_has_a_backward_shape_for_99_kib_parts(module):
+    budgets = {hd: module.bwd_smem_bytes(hd) for hd in (32, 64, 96, 128, 160, 192, 224, 256)}
+    assert all(0 < b <= SM86_OPTIN for b in budgets.values()), budgets
+    assert module.bwd_smem_bytes(40) == -1  # only instantiable head dims have shapes
+    assert module.build_config()["smem_bytes"]["backward"] == {64: budgets[64]}
+
+
+def test_workspace_default_gqa_and_deterministic(module):
+    b, h, hk, d, sq, sk = 2, 8, 2, 64, 1000, 777
+    rows = b * h * sq
+    dq = _align(rows * 4) + _align(rows * d * 4)  # delta + one fp32 dQ
+    assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, False) == dq
+    dkv = _align(b * sk * hk * d * 4)  # fp32 dK and dV accumulators for the group sums
+    assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, False) == dq + 2 * dkv
+    # Deterministic: dK/dV stay in registers (a CTA walks its group), dQ has one slice per split.
+    splits = min(math.ceil(256 / (b * hk)), math.ceil(sk / 64))
+    assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True) == _align(rows * 4) + _align(splits * rows * d * 4)
+
+
+def test_large_calls_are_chunked_by_kv_heads(module):
+    def one_chunk(heads, seqlen, d=128):
+        rows = heads * seqlen
+        return _align(rows * 4) + _align(rows * d * 4)
+
+    # B=1, H=16, S=32k, hd 128: one fp32 dQ would be 256 MiB; two chunks of 8 heads keep 128 MiB.
+    assert module.bwd_workspace_bytes(1, 16, 16, 128, 32768, 32768, False) == one_chunk(8, 32768)
+    # The 16k-token benchmark grid stays in one launch (a half would be under 128 MiB).
+    assert module.bwd_workspace_bytes(1, 16, 16, 128, 16384, 16384, False) == one_chunk(16, 16384)
+    assert one_chunk(8, 32768) < 130 * MIB
+
+
+def test_too_small_workspace_is_a_clear_error(module):
+    b, s, h, d = 1, 128, 2, 64
+    strides = (s * h * d, h * d, d, 1)
+    fwd_args = (256, 256, 256, 256, 256, strides, strides, strides, strides, h * s, s,
+                1, b, h, h, d, s, s, 0, 0, 0, 0.125, 0.0, -1, -1, 0, 0, 0.0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="workspace smaller"):
+        module.bwd(256, strides, 256, strides, 256, strides, 256, strides, 0, 0, False, *fwd_args)
