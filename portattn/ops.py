@@ -120,10 +120,14 @@ class AttentionFunction(torch.autograd.Function):
         ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
                        softcap, dropout_p, seed, offset, deterministic)
         ctx.mark_non_differentiable(lse)
+        # lse never receives a gradient: do not let autograd allocate a zero one per call.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # out did not reach the loss
+            return (None,) * 14
         q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
          softcap, dropout_p, seed, offset, deterministic) = ctx.options

@@ -141,8 +141,9 @@ def test_rocm_ranges_exclude_gfx90c_apu():
 
 def test_check_call_lists_every_reason():
     reasons = matrix.check_call("cuda", probe.fake_device("t4"), call("float32", 264, features=("forward", "paged_kv")))
-    assert len(reasons) == 4, reasons
+    assert len(reasons) == 5, reasons
     text = "\n".join(reasons)
+    assert "needs 128 KiB of opt-in shared memory per block" in text
     assert "arch sm75 (Tesla T4) below cuda's minimum sm80" in text
     assert "dtype float32 not supported (cuda: float16, bfloat16)" in text
     assert "head_dim 264 > 256 (cuda supports multiples of 8 up to 256)" in text
@@ -179,13 +180,13 @@ def test_resource_rule_is_decided_from_device_memory_not_arch():
     h100, rtx4090 = probe.fake_device("h100"), probe.fake_device("rtx4090")
     assert matrix.check_call("cuda", h100, big) == []
     reasons = matrix.check_call("cuda", rtx4090, big)
-    assert len(reasons) == 1 and "144 KiB" in reasons[0] and "99 KiB" in reasons[0], reasons
+    assert len(reasons) == 1 and "128 KiB" in reasons[0] and "99 KiB" in reasons[0], reasons
     assert matrix.check_call("cuda", rtx4090, small) == []
-    assert matrix.check_call("cuda", rtx4090, call(head_dim=256)) == []  # forward only
+    assert "112 KiB" in matrix.check_call("cuda", rtx4090, call(head_dim=224))[0]
     # Same arch, different memory: the memory decides.
     cut_down_h100 = dataclasses.replace(h100, smem_per_block_optin=99 * KIB)
     assert matrix.check_call("cuda", cut_down_h100, big) != []
-    roomy_4090 = dataclasses.replace(rtx4090, smem_per_block_optin=cuda_spec.BWD_LARGE_HEADDIM_SMEM)
+    roomy_4090 = dataclasses.replace(rtx4090, smem_per_block_optin=cuda_spec.FWD_HEADDIM_SMEM[-1][1])
     assert matrix.check_call("cuda", roomy_4090, big) == []
     # Unknown opt-in memory (a text-tool probe) is not a reason.
     assert matrix.check_call("cuda", dataclasses.replace(rtx4090, smem_per_block_optin=None), big) == []
@@ -379,10 +380,12 @@ def test_build_reported_smem_budgets_replace_the_static_rule():
     bwd256 = call(head_dim=256, features=("forward", "backward"))
     rtx4090 = probe.fake_device("rtx4090")
     # The kernel's own budget (82 KiB for hd256) fits 99 KiB: the 144 KiB default no longer applies.
-    fits = {"head_dims": [128, 256], "smem_bytes": {"backward": {"128": 73 * KIB, "256": 82 * KIB}}}
+    fits = {"head_dims": [128, 256], "smem_bytes": {"forward": {"128": 64 * KIB, "256": 96 * KIB},
+                                                     "backward": {"128": 73 * KIB, "256": 82 * KIB}}}
     assert matrix.check_call("cuda", rtx4090, bwd256, fits) == []
     # A head dim is judged by the built variant that serves it (hd 136 -> the hd 256 kernel).
-    too_big = {"head_dims": [128, 256], "smem_bytes": {"backward": {128: 73 * KIB, 256: 100 * KIB}}}
+    too_big = {"head_dims": [128, 256], "smem_bytes": {"forward": {128: 64 * KIB, 256: 96 * KIB},
+                                                        "backward": {128: 73 * KIB, 256: 100 * KIB}}}
     reasons = matrix.check_call("cuda", rtx4090, call(head_dim=136, features=("forward", "backward")), too_big)
     assert reasons == [
         "backward with head_dim 136 needs 100 KiB of opt-in shared memory per block "

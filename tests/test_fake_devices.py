@@ -12,7 +12,8 @@ from portattn.capability.callspec import FEATURES, CallSpec
 FWD = CallSpec("float16", 128, 128, "cuda", frozenset({"forward"}))
 BWD_256 = CallSpec("bfloat16", 256, 256, "cuda", frozenset({"forward", "backward"}))
 
-# kind: (family, cuda serves fwd?, substring of cuda's first reason, rocm arch ok?, cuda bwd hd256 ok?)
+# kind: (family, cuda serves fwd?, substring of cuda's first reason, rocm arch ok?, cuda hd256 fwd+bwd ok?
+#        (needs 128 KiB of opt-in shared memory: not on 99 KiB consumer parts))
 CASES = {
     "a100": ("ampere", True, None, False, True),
     "rtx3090": ("ampere", True, None, False, False),

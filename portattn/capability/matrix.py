@@ -156,10 +156,17 @@ def _check_resources(spec: BackendSpec, device: Optional[DeviceInfo], call: Call
     # A build that reports its kernels' smallest shared-memory budgets decides for those features.
     budgets = build.get("smem_bytes") or {}
     reasons = []
+    # Rules form steps over the head dim; only the most specific step that applies
+    # speaks (per feature set), so a head dim never gets two answers.
+    steps = {}
     for rule in spec.resource_rules:
-        if any(f in budgets for f in rule.features):
+        if any(f in budgets for f in rule.features) or not rule.applies(call.features, head_dim):
             continue
-        if rule.applies(call.features, head_dim) and have < rule.min_smem_optin:
+        current = steps.get(rule.features)
+        if current is None or rule.head_dim_above > current.head_dim_above:
+            steps[rule.features] = rule
+    for rule in steps.values():
+        if have < rule.min_smem_optin:
             what = " + ".join(rule.features)
             reasons.append(
                 f"{what} with head_dim {head_dim} > {rule.head_dim_above} needs {_kib(rule.min_smem_optin)} "

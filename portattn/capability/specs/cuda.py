@@ -16,11 +16,14 @@ VERIFIED = {
     "sm90": frozenset({"forward", "causal", "window", "softcap", "alibi", "dropout", "gqa", "varlen"}),
 }
 
-# The backward kernel for head dims above 192 keeps K, V, dK and dV tiles
-# resident in shared memory; the kernel engineer sets the bytes its tile
-# configuration needs. Parts with 99 KiB opt-in (sm86/sm89/sm120) fall back.
-BWD_LARGE_HEADDIM = 192
-BWD_LARGE_HEADDIM_SMEM = 144 * 1024
+# Shared memory per block that the forward tiles need above 192 (measured from
+# the kernels' own budget functions, portattn_cuda_fwd_smem_bytes: 96 KiB at
+# hd192, 112 KiB at hd224, 128 KiB at hd256). Parts with 99 KiB of opt-in
+# shared memory (sm86, sm89, sm120) run those head dims on another backend.
+# The backward needs at most 88.5 KiB at any head dim (every sm80+ part has it),
+# so it needs no rule. With the module built, its build_config()["smem_bytes"]
+# gives the exact per-head-dim numbers and takes precedence over these.
+FWD_HEADDIM_SMEM = ((192, 112 * 1024), (224, 128 * 1024))
 
 SPEC = BackendSpec(
     name="cuda",
@@ -34,13 +37,14 @@ SPEC = BackendSpec(
     head_dim_max=256,
     supported=SUPPORTED,
     verified=VERIFIED,
-    resource_rules=(
+    resource_rules=tuple(
         ResourceRule(
-            features=("backward",),
-            head_dim_above=BWD_LARGE_HEADDIM,
-            min_smem_optin=BWD_LARGE_HEADDIM_SMEM,
-            why="backward tiles for large head dims",
-        ),
+            features=("forward",),
+            head_dim_above=above,
+            min_smem_optin=need,
+            why="forward tiles for large head dims",
+        )
+        for above, need in FWD_HEADDIM_SMEM
     ),
     unsupported_notes={"paged_kv": "is gathered into a packed varlen call first (an O(cached tokens) copy)"},
     build_arch_env="PORTATTN_CUDA_ARCHS",
