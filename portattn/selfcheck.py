@@ -9,7 +9,9 @@ arch, driver) in the user cache directory, so later processes pay nothing and a
 warm call never does (dispatch caches its decisions). On failure the backend is
 disabled for that device with a warning and dispatch falls back.
 
-PORTATTN_SELFCHECK=0 skips it (trust the build); PORTATTN_CACHE_DIR moves the cache.
+PORTATTN_SELFCHECK=0 skips it (trust the build); PORTATTN_SELFCHECK=force checks
+every compiled backend, verified archs too, ignoring the cache (to vet an install);
+PORTATTN_CACHE_DIR moves the cache.
 """
 from __future__ import annotations
 
@@ -108,11 +110,12 @@ def needs_selfcheck(backend: Backend, device: torch.device) -> bool:
 
 def ensure_verified(backend: Backend, device: torch.device) -> str:
     """'' if the backend may run on `device`, else why it is disabled. Cached on disk."""
-    if os.environ.get("PORTATTN_SELFCHECK", "1") == "0" or not needs_selfcheck(backend, device):
+    mode = os.environ.get("PORTATTN_SELFCHECK", "1")
+    if mode == "0" or (mode != "force" and not needs_selfcheck(backend, device)):
         return ""
     arch, driver = _device_identity(device)
     key = f"{backend.name}|{_build_identity(backend)}|{arch}|{driver}"
-    cached = _load_cache().get(key)
+    cached = None if mode == "force" else _load_cache().get(key)
     if cached is not None:
         return cached
     results = check_backend(backend, device)

@@ -152,3 +152,14 @@ def test_reference_forced_by_name(monkeypatch):
     q, k, v = qkv()
     assert portattn.explain(q, k, v).chosen == "reference"
     assert portattn.selected_backends() == ["reference"]
+
+
+def test_selfcheck_force_checks_verified_backends_and_ignores_the_cache(use_backends, monkeypatch):
+    monkeypatch.setenv("PORTATTN_SELFCHECK", "force")
+    fake = use_backends(FakeCompiled(wrong=True, verified=True))
+    q, k, v = qkv()
+    with pytest.warns(RuntimeWarning, match="failed self-check"):
+        portattn.flash_attn_func(q, k, v, causal=True)
+    calls = fake.calls
+    assert selfcheck.ensure_verified(fake, torch.device("cpu")) != ""
+    assert fake.calls > calls  # ran again: force never trusts the cache

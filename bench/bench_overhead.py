@@ -1,0 +1,98 @@
+"""Host overhead per call: portattn vs SDPA (no backend forced), and what the self-check costs.
+
+Each mode runs in its own process, so the first call is really the first:
+  PORTATTN_SELFCHECK=0      no self-check at all (the baseline)
+  PORTATTN_SELFCHECK=force  the self-check runs at the first call of the process
+The warm per-call times of the two must match: dispatch caches its decision, so
+after the first call a self-checked backend costs nothing extra. Wall time per
+call with no sync inside the loop (the host is the bottleneck at these sizes).
+Writes overhead.json and overhead.md under --out.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+SHAPES = [(2, 16, 50), (2, 16, 150), (2, 16, 300), (2, 64, 50), (2, 64, 150), (2, 64, 300),
+          (512, 16, 50), (512, 16, 150), (512, 16, 300), (512, 64, 50), (512, 64, 150), (512, 64, 300)]
+
+
+def _child(calls: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import portattn
+
+    def wall_us(fn):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    q, k, v = (torch.randn(2, 150, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    portattn.flash_attn_func(q, k, v)
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - start) * 1e3
+    rows = []
+    for batch, head_dim, seqlen in SHAPES:
+        q, k, v = (torch.randn(batch, seqlen, 16, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        rows.append({"batch": batch, "heads": 16, "head_dim": head_dim, "seqlen": seqlen,
+                     "portattn_us": wall_us(lambda: portattn.flash_attn_func(q, k, v)),
+                     "portattn_causal_us": wall_us(lambda: portattn.flash_attn_func(q, k, v, causal=True)),
+                     "sdpa_us": wall_us(lambda: F.scaled_dot_product_attention(qt, kt, vt)),
+                     "sdpa_causal_us": wall_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))})
+    return {"first_call_ms": first_ms, "rows": rows, "backend": portattn.explain(q, k, v).chosen}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.calls)))
+        return
+    import torch
+
+    modes = {}
+    for mode in ("0", "force"):
+        env = dict(os.environ, PORTATTN_SELFCHECK=mode)
+        done = subprocess.run([sys.executable, __file__, "--child", "--calls", str(args.calls)], env=env,
+                              capture_output=True, text=True, check=True)
+        modes[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "commit": os.environ.get("PORTATTN_COMMIT", "unknown"), "modes": modes}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "overhead.json"), "w") as handle:
+        json.dump(result, handle, indent=1)
+    off, on = modes["0"], modes["force"]
+    lines = ["# Host overhead per call (us, wall time, no sync in the loop, bf16, 16 heads)", "",
+             f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; torch {result['torch']}; "
+             f"backend: {off['backend']}", "",
+             f"First call of a process: {off['first_call_ms']:.1f} ms without the self-check, "
+             f"{on['first_call_ms']:.1f} ms with it (PORTATTN_SELFCHECK=force).", "",
+             "| batch | hd | seqlen | portattn | portattn (self-checked) | SDPA | ratio | causal: portattn | causal: SDPA | causal ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for a, b in zip(off["rows"], on["rows"]):
+        lines.append(f"| {a['batch']} | {a['head_dim']} | {a['seqlen']} | {a['portattn_us']:.1f} | {b['portattn_us']:.1f} | "
+                     f"{a['sdpa_us']:.1f} | {a['portattn_us'] / a['sdpa_us']:.2f} | {a['portattn_causal_us']:.1f} | "
+                     f"{a['sdpa_causal_us']:.1f} | {a['portattn_causal_us'] / a['sdpa_causal_us']:.2f} |")
+    with open(os.path.join(args.out, "overhead.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

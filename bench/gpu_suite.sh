@@ -1,0 +1,37 @@
+#!/bin/bash
+# The integrated GPU run (one device call): rebuild the per-Python binding against the
+# carried libportattn_cuda.so (built on the dev machine: `python3 portattn/backends/cuda/build.py`,
+# Python-independent), then the stages named in the arguments, logs under $OUT:
+#   tests     every `gpu`-marked test (forward, backward, reference on GPU) -> gpu_tests.log
+#   sanitize  compute-sanitizer memcheck + racecheck on the small forward/backward cases
+#   overhead  bench/bench_overhead.py (host overhead, self-check cost)
+#   report    portattn-report, --selftest and the quickstart example -> report.txt
+#   bench     bench/bench_attention.py --backward (TFLOP/s grid vs SDPA flash/cuDNN)
+# Set PORTATTN_COMMIT to the commit under test (the device copy has no .git).
+set -o pipefail
+export PYTHONPATH=$PWD:$PWD/bench PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/report.txt"
+python3 portattn/backends/cuda/build.py --binding-only 2>&1 | tail -1 || exit 1
+for stage in "$@"; do
+  start=$SECONDS
+  case "$stage" in
+    tests)
+      timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
+    sanitize)
+      for script in sanitize_cuda_forward sanitize_cuda_backward; do
+        for tool in memcheck racecheck; do
+          echo "== $tool $script" >> "$OUT/sanitize.log"
+          timeout 150 compute-sanitizer --tool $tool python3 tests/gpu/$script.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
+        done
+      done ;;
+    overhead)
+      timeout 200 python3 bench/bench_overhead.py --out "$OUT" 2>&1 | tail -18 ;;
+    report)
+      { python3 -m portattn; python3 -m portattn --selftest; python3 examples/quickstart.py; } 2>&1 | tee -a "$OUT/report.txt" | tail -12 ;;
+    bench)
+      timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_attention.py --backward --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+  esac
+  echo "== stage $stage took $((SECONDS - start)) s"
+done
