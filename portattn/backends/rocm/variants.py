@@ -42,6 +42,9 @@ class KernelTile:
     head_dim: int
     block: int
     waves_per_simd: int
+    # Next block's global reads in flight (registers) while this one computes;
+    # costs 2 x block x head_dim / 128 VGPRs, so only where the budget has room.
+    prefetch: bool = False
 
     @property
     def register_budget(self) -> int:
@@ -88,7 +91,7 @@ class HeadDimConfig:
 
 
 def _config(head_dim, fwd, bwd_dq, bwd_dkdv) -> HeadDimConfig:
-    """(block, waves per SIMD) per kernel -> HeadDimConfig."""
+    """(block, waves per SIMD, prefetch) per kernel -> HeadDimConfig."""
     return HeadDimConfig(head_dim, KernelTile("fwd", head_dim, *fwd), KernelTile("bwd_dq", head_dim, *bwd_dq),
                          KernelTile("bwd_dkdv", head_dim, *bwd_dkdv))
 
@@ -103,9 +106,9 @@ def _config(head_dim, fwd, bwd_dq, bwd_dkdv) -> HeadDimConfig:
 # waves per SIMD on both archs), so they are designed for one; at D=256 both
 # split the output head dim over 2 workgroups (kDimSplit in bwd_kernel.h).
 CONFIGS = (
-    _config(64, fwd=(64, 2), bwd_dq=(64, 2), bwd_dkdv=(32, 2)),
-    _config(128, fwd=(32, 2), bwd_dq=(32, 1), bwd_dkdv=(32, 1)),
-    _config(256, fwd=(32, 1), bwd_dq=(32, 1), bwd_dkdv=(32, 1)),
+    _config(64, fwd=(64, 2, True), bwd_dq=(64, 2, False), bwd_dkdv=(32, 2, False)),
+    _config(128, fwd=(32, 2, True), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, True)),
+    _config(256, fwd=(32, 1, False), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, False)),
 )
 
 MAX_HEAD_DIM = max(config.head_dim for config in CONFIGS)
@@ -157,12 +160,13 @@ def select(archs, dtypes=None, head_dims=None) -> list[Variant]:
 def _template(variant: Variant, tile: KernelTile, name: str) -> str:
     is_bf16 = DTYPES[variant.dtype][1]
     return (f"portattn::rocm::{variant.arch}::{name}<{tile.head_dim}, {tile.block}, {is_bf16}, "
-            f"{tile.waves_per_simd}>")
+            f"{tile.waves_per_simd}, {'true' if tile.prefetch else 'false'}>")
 
 
 def _budget_line(tile: KernelTile) -> str:
     return (f"// {tile.kernel}: block {tile.block}, LDS {tile.lds_bytes} bytes, {tile.mfma_per_iteration} MFMAs "
-            f"per block per wave, {tile.waves_per_simd} wave(s) per SIMD (VGPR+AGPR <= {tile.register_budget}).")
+            f"per block per wave, {tile.waves_per_simd} wave(s) per SIMD (VGPR+AGPR <= {tile.register_budget})"
+            f"{', next block prefetched' if tile.prefetch else ''}.")
 
 
 def instantiation_source(variant: Variant, direction: str) -> str:

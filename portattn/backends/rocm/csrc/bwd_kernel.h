@@ -32,15 +32,15 @@
 // Budgets (registers per lane, a workgroup is one wave per SIMD; data in
 // variants.py (CONFIGS), checked on the compiled kernels by
 // tests/test_rocm_isa.py). Measured VGPR+AGPR total (AGPR), gfx90a / gfx942:
-//   kernel  D    block  LDS bytes  MFMA/iter  budget  waves/SIMD  measured
-//   dq      64   64     26112      48         256     2           241-242 (0) / 238-239 (0)
-//   dq      128  32     26112      48         512     1           288-292 (96) / 320 (64)
-//   dq      256  32     51712      80         512     1           364-365 (108) / 395-396 (140)
-//   dkdv    64   32      8960      32         256     2           245-246 (0) / 248-250 (0)
-//   dkdv    128  32     17152      64         512     1           419-420 (164) / 416 (160)
-//   dkdv    256  32     33536      96         512     1           483 (227) / 454-456 (200)
-//   rowdot  any  -          0       0         128     4           22-26 (0)
-// SGPRs 67-96, no spills, no scratch. dq LDS: K, V and K^T; dkdv LDS: Q, dO
+//   kernel  D    block  LDS bytes  MFMA/iter  budget  waves/SIMD  prefetch  measured
+//   dq      64   64     26112      48         256     2           no        241-242 (0) / 238-239 (0)
+//   dq      128  32     26112      48         512     1           yes       304 (96) / 332-333 (76-77)
+//   dq      256  32     51712      80         512     1           yes       394-395 (138-139) / 424-425 (168-169)
+//   dkdv    64   32      8960      32         256     2           no        245-246 (0) / 249-250 (0)
+//   dkdv    128  32     17152      64         512     1           yes       442 (186) / 404 (160)
+//   dkdv    256  32     33536      96         512     1           no        483 (227) / 453 (197)
+//   rowdot  any  -          0       0         128     4           -         22-26 (0)
+// SGPRs 66-101, no spills, no scratch. dq LDS: K, V and K^T; dkdv LDS: Q, dO
 // and 256 bytes of per-query LSE and rowsum. At D=128 both dq and dkdv need a
 // few registers more than 256 (2-4 spills when held to 2 waves per SIMD), so
 // they are designed for one.
@@ -157,12 +157,13 @@ __device__ __forceinline__ void store_row(uint16_t* g_row, const f32x16 (&acc)[k
 // ---------------------------------------------------------------------------
 // 2. dQ.
 
-template <int kHeadDim_, int kBlockN_, bool kIsBf16_, int kWavesPerSimd_>
+template <int kHeadDim_, int kBlockN_, bool kIsBf16_, int kWavesPerSimd_, bool kPrefetch_>
 struct BwdDqTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kIsBf16 = kIsBf16_;
   static constexpr int kWavesPerSimd = kWavesPerSimd_;
+  static constexpr bool kPrefetch = kPrefetch_;  // next key block in flight during compute
   static constexpr int kWaves = 4;
   static constexpr int kThreads = kWaves * kWaveSize;
   static constexpr int kBlockM = kWaves * kMfmaM;
@@ -239,13 +240,21 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
   for (int u = 0; u < Tile::kOutTiles; ++u) acc_dq[u] = f32x16{};
 
-  for (int n0 = (j_begin / Tile::kBlockN) * Tile::kBlockN; n0 < j_end; n0 += Tile::kBlockN) {
+  TileInFlight<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads> next_k, next_v;
+  auto fetch = [&](int n) {
+    next_k.fetch(gK, p.k_strides.row_stride, n, seq.len_k, p.headdim);
+    next_v.fetch(gV, p.v_strides.row_stride, n, seq.len_k, p.headdim);
+  };
+  const int n_first = (j_begin / Tile::kBlockN) * Tile::kBlockN;
+  if (Tile::kPrefetch && n_first < j_end) fetch(n_first);
+
+  for (int n0 = n_first; n0 < j_end; n0 += Tile::kBlockN) {
     __syncthreads();
-    load_tile_layouts<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads>(sK, sKt, gK, p.k_strides.row_stride, n0,
-                                                                     seq.len_k, p.headdim);
-    load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, false>(sV, gV, p.v_strides.row_stride, n0,
-                                                                    seq.len_k, p.headdim);
+    if (!Tile::kPrefetch) fetch(n0);
+    next_k.deposit(sK, sKt);
+    next_v.deposit(sV, nullptr);
     __syncthreads();
+    if (Tile::kPrefetch && n0 + Tile::kBlockN < j_end) fetch(n0 + Tile::kBlockN);
 
     const bool block_visible = n0 + Tile::kBlockN <= seq.len_k &&
                                (!has_left || n0 >= q_last + diag - p.window_left) &&
@@ -301,12 +310,13 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 // ---------------------------------------------------------------------------
 // 3. dK, dV.
 
-template <int kHeadDim_, int kBlockQ_, bool kIsBf16_, int kWavesPerSimd_>
+template <int kHeadDim_, int kBlockQ_, bool kIsBf16_, int kWavesPerSimd_, bool kPrefetch_>
 struct BwdDkdvTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockQ = kBlockQ_;
   static constexpr bool kIsBf16 = kIsBf16_;
   static constexpr int kWavesPerSimd = kWavesPerSimd_;
+  static constexpr bool kPrefetch = kPrefetch_;  // next query block in flight during compute
   static constexpr int kWaves = 4;
   static constexpr int kThreads = kWaves * kWaveSize;
   static constexpr int kBlockN = kWaves * kMfmaM;  // keys per workgroup
@@ -380,27 +390,35 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
   for (int u = 0; u < Tile::kOutTiles; ++u) acc_dk[u] = acc_dv[u] = f32x16{};
 
+  const int m_first = (i_begin / Tile::kBlockQ) * Tile::kBlockQ;
+  TileInFlight<Tile::kBlockQ, Tile::kHeadDim, Tile::kThreads> next_q, next_do;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const uint16_t* gQ = head_row(p.q, p.q_strides, b, seq.q_start, h);
     const uint16_t* gdO = head_row(bp.dout, bp.dout_strides, b, seq.q_start, h);
+    auto fetch = [&](int m) {
+      next_q.fetch(gQ, p.q_strides.row_stride, m, seq.len_q, p.headdim);
+      next_do.fetch(gdO, bp.dout_strides.row_stride, m, seq.len_q, p.headdim);
+    };
     const ScoreOptions opt{p.softmax_scale, p.softcap,
                            p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f,
                            p.softcap > 0.f, p.alibi_slopes != nullptr};
     dropout.bh = b * p.nheads + h;
     const float* rowdot = rowdot_row(bp, b, h);
+    // Prefetching stays within one query head: its first block is fetched here.
+    if (Tile::kPrefetch && m_first < i_end) fetch(m_first);
 
-    for (int m0 = (i_begin / Tile::kBlockQ) * Tile::kBlockQ; m0 < i_end; m0 += Tile::kBlockQ) {
+    for (int m0 = m_first; m0 < i_end; m0 += Tile::kBlockQ) {
       __syncthreads();
-      load_tile<Tile::kBlockQ, Tile::kHeadDim, Tile::kThreads, false>(sQ, gQ, p.q_strides.row_stride, m0,
-                                                                      seq.len_q, p.headdim);
-      load_tile<Tile::kBlockQ, Tile::kHeadDim, Tile::kThreads, false>(sdO, gdO, bp.dout_strides.row_stride,
-                                                                      m0, seq.len_q, p.headdim);
+      if (!Tile::kPrefetch) fetch(m0);
+      next_q.deposit(sQ, nullptr);
+      next_do.deposit(sdO, nullptr);
       if (threadIdx.x < Tile::kBlockQ) {
         const int row = m0 + threadIdx.x;
         sLse[threadIdx.x] = lse_log2_or_inf(p, seq, b, h, row);
         sRowdot[threadIdx.x] = row < seq.len_q ? rowdot[row] : 0.f;
       }
       __syncthreads();
+      if (Tile::kPrefetch && m0 + Tile::kBlockQ < i_end) fetch(m0 + Tile::kBlockQ);
 
       // Register r of tile t is query i = m0 + 4lh + c, c = 32t + 8(r/4) + r%4;
       // every test below is c against per-lane bounds (no per-element branches,

@@ -19,17 +19,18 @@
 // per SIMD lane and 64 KiB LDS per CU). The numbers are data in variants.py
 // (CONFIGS), from which tests/test_rocm_isa.py checks the compiled kernels:
 //
-//   D    kBlockN  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD
-//   64   64       17408      32         <= 256            2 (LDS allows 3)
-//   128  32       17664      32         <= 256            2 (LDS allows 3)
-//   256  32       35072      64         <= 512            1 (LDS allows 1)
+//   D    kBlockN  LDS bytes  MFMA/iter  VGPR+AGPR budget  waves/SIMD        prefetch
+//   64   64       17408      32         <= 256            2 (LDS allows 3)  yes
+//   128  32       17664      32         <= 256            2 (LDS allows 3)  yes
+//   256  32       35072      64         <= 512            1 (LDS allows 1)  no (registers)
 // Measured (VGPR+AGPR total, of which AGPR; gfx90a / gfx942):
-//   64: 176-180, 0 / 197-198, 0;  128: 192-194, 0 / 206, 0;
-//   256: 425-427, 169-171 / 442-497, 186-241.  SGPRs 84-90, no spills, no scratch.
+//   64: 190-195, 0 / 213-214, 0;  128: 208, 0 / 222, 0;
+//   256: 425-427, 169-171 / 452-501, 196-245.  SGPRs 86-90, no spills, no scratch.
 //
 // LDS rows are padded by 4 elements (8 bytes) so the 32 rows read by one MFMA
-// operand fall on distinct bank pairs. There is no software pipelining yet:
-// two barriers per key block, loads not overlapped with MFMAs.
+// operand fall on distinct bank pairs. With kPrefetch (D <= 128) the next key
+// block's global reads are in flight in registers while this block computes;
+// LDS is single-buffered (two barriers per key block).
 #pragma once
 #include <limits.h>
 #include <math.h>
@@ -45,13 +46,16 @@ namespace portattn {
 namespace rocm {
 namespace PORTATTN_ROCM_ARCH_NS {
 
-template <int kHeadDim_, int kBlockN_, bool kIsBf16_, int kWavesPerSimd_>
+template <int kHeadDim_, int kBlockN_, bool kIsBf16_, int kWavesPerSimd_, bool kPrefetch_>
 struct FwdTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kIsBf16 = kIsBf16_;
   // Occupancy the register allocator must preserve (amdgpu_waves_per_eu).
   static constexpr int kWavesPerSimd = kWavesPerSimd_;
+  // Fetch the next key block into registers while computing on this one
+  // (where the register budget leaves room for 2 x kBlockN x D / 128 VGPRs).
+  static constexpr bool kPrefetch = kPrefetch_;
 
   static constexpr int kWaves = 4;  // one per SIMD of a CU
   static constexpr int kThreads = kWaves * kWaveSize;
@@ -123,13 +127,21 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   softmax::RowState<1> state;
   state.init();
 
-  for (int n0 = (j_begin / Tile::kBlockN) * Tile::kBlockN; n0 < j_end; n0 += Tile::kBlockN) {
+  TileInFlight<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads> next_k, next_v;
+  auto fetch = [&](int n) {
+    next_k.fetch(gK, p.k_strides.row_stride, n, seq.len_k, p.headdim);
+    next_v.fetch(gV, p.v_strides.row_stride, n, seq.len_k, p.headdim);
+  };
+  const int n_first = (j_begin / Tile::kBlockN) * Tile::kBlockN;
+  if (Tile::kPrefetch && n_first < j_end) fetch(n_first);
+
+  for (int n0 = n_first; n0 < j_end; n0 += Tile::kBlockN) {
     __syncthreads();  // the previous block's LDS reads are done
-    load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, false>(sK, gK, p.k_strides.row_stride, n0,
-                                                                    seq.len_k, p.headdim);
-    load_tile<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, true>(sVt, gV, p.v_strides.row_stride, n0,
-                                                                   seq.len_k, p.headdim);
+    if (!Tile::kPrefetch) fetch(n0);
+    next_k.deposit(sK, nullptr);
+    next_v.deposit(nullptr, sVt);
     __syncthreads();
+    if (Tile::kPrefetch && n0 + Tile::kBlockN < j_end) fetch(n0 + Tile::kBlockN);
 
     f32x16 acc_s[Tile::kKeyTiles];
 #pragma unroll

@@ -99,33 +99,57 @@ constexpr int transposed_stride() {
   return kRows + kLdsPad;
 }
 
-// Copies rows [row0, row0 + kRows) of one head (g points at row 0) into LDS:
-// row-major into `lds_rows` and/or transposed (kHeadDim rows of kRows) into
-// `lds_cols` (either may be null), reading global memory once.
+// Rows [row0, row0 + kRows) of one head (g points at row 0), in flight from
+// global memory to LDS: `fetch` issues this lane's 16-byte reads into
+// registers, `deposit` writes them row-major into `lds_rows` and/or
+// transposed (kHeadDim rows of kRows) into `lds_cols` (either may be null).
+// Between the two a kernel can compute on the previous tile, which hides the
+// global-memory latency (software pipelining through registers).
+template <int kRows, int kHeadDim, int kThreads>
+struct TileInFlight {
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kChunks = kRows * kChunksPerRow / kThreads;  // per lane
+  static_assert(kRows * kChunksPerRow % kThreads == 0, "every lane copies the same chunk count");
+  u32x4 chunk[kChunks];
+
+  __device__ __forceinline__ void fetch(const uint16_t* g, int64_t g_row_stride, int row0, int rows_valid,
+                                        int headdim) {
+#pragma unroll
+    for (int it = 0; it < kChunks; ++it) {
+      const int c = threadIdx.x + it * kThreads;
+      const int n = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      chunk[it] = u32x4{0u, 0u, 0u, 0u};
+      if (row0 + n < rows_valid && col < headdim) chunk[it] = load<u32x4>(g + (row0 + n) * g_row_stride + col);
+    }
+  }
+
+  __device__ __forceinline__ void deposit(uint16_t* lds_rows, uint16_t* lds_cols) const {
+#pragma unroll
+    for (int it = 0; it < kChunks; ++it) {
+      const int c = threadIdx.x + it * kThreads;
+      const int n = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      if (lds_cols != nullptr) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          lds_cols[(col + e) * transposed_stride<kRows>() + n] =
+              static_cast<uint16_t>(chunk[it][e / 2] >> (16 * (e % 2)));
+        }
+      }
+      if (lds_rows != nullptr) {
+        uint16_t* row = lds_rows + n * row_stride<kHeadDim>() + col;
+        store<u32x2>(row, u32x2{chunk[it].x, chunk[it].y});
+        store<u32x2>(row + 4, u32x2{chunk[it].z, chunk[it].w});
+      }
+    }
+  }
+};
+
 template <int kRows, int kHeadDim, int kThreads>
 __device__ __forceinline__ void load_tile_layouts(uint16_t* lds_rows, uint16_t* lds_cols, const uint16_t* g,
                                                   int64_t g_row_stride, int row0, int rows_valid, int headdim) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  static_assert(kRows * kChunksPerRow % kThreads == 0, "every lane copies the same chunk count");
-#pragma unroll
-  for (int it = 0; it < kRows * kChunksPerRow / kThreads; ++it) {
-    const int c = threadIdx.x + it * kThreads;
-    const int n = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    u32x4 chunk = {0u, 0u, 0u, 0u};
-    if (row0 + n < rows_valid && col < headdim) chunk = load<u32x4>(g + (row0 + n) * g_row_stride + col);
-    if (lds_cols != nullptr) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        lds_cols[(col + e) * transposed_stride<kRows>() + n] = static_cast<uint16_t>(chunk[e / 2] >> (16 * (e % 2)));
-      }
-    }
-    if (lds_rows != nullptr) {
-      uint16_t* row = lds_rows + n * row_stride<kHeadDim>() + col;
-      store<u32x2>(row, u32x2{chunk.x, chunk.y});
-      store<u32x2>(row + 4, u32x2{chunk.z, chunk.w});
-    }
-  }
+  TileInFlight<kRows, kHeadDim, kThreads> tile;
+  tile.fetch(g, g_row_stride, row0, rows_valid, headdim);
+  tile.deposit(lds_rows, lds_cols);
 }
 
 template <int kRows, int kHeadDim, int kThreads, bool kTranspose>
