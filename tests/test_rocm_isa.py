@@ -308,8 +308,9 @@ def test_declaration_routes_undone_features_away_on_an_amd_device():
 
 
 def test_head_dim_restriction_selects_the_serving_configs():
-    chosen = variants.select(["gfx942"], ["bfloat16"], [40, 128])
+    chosen = variants.select(["gfx942"], ["bf16"], [40, 128])  # README spells them fp16 / bf16
     assert [(v.dtype, v.config.head_dim) for v in chosen] == [("bfloat16", 64), ("bfloat16", 128)]
+    assert [v.dtype for v in variants.select(["gfx90a"], ["float16", "fp16"], [64])] == ["float16"]
     with pytest.raises(ValueError, match=f"264 exceeds the ROCm maximum {variants.MAX_HEAD_DIM}"):
         variants.select(["gfx942"], None, [264])
     with pytest.raises(ValueError, match="PORTATTN_DTYPES"):

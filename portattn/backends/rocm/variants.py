@@ -150,10 +150,13 @@ def select(archs, dtypes=None, head_dims=None) -> list[Variant]:
                 raise ValueError(f"PORTATTN_HEADDIMS: {head_dim} exceeds the ROCm maximum {MAX_HEAD_DIM}")
             wanted.add(serving[0])
         configs = [config for config in CONFIGS if config in wanted]
-    chosen_dtypes = list(dtypes) if dtypes else list(DTYPES)
-    for dtype in chosen_dtypes:
-        if dtype not in DTYPES:
-            raise ValueError(f"PORTATTN_DTYPES: {dtype!r} is not one of {sorted(DTYPES)}")
+    names = {name: name for name in DTYPES} | {tag: name for name, (_, _, tag) in DTYPES.items()}
+    chosen_dtypes = []
+    for dtype in dtypes or DTYPES:
+        if dtype.lower() not in names:
+            raise ValueError(f"PORTATTN_DTYPES: {dtype!r} is not one of {', '.join(sorted(names))}")
+        if names[dtype.lower()] not in chosen_dtypes:
+            chosen_dtypes.append(names[dtype.lower()])
     return [Variant(arch, dtype, config) for arch in archs for dtype in chosen_dtypes for config in configs]
 
 
