@@ -4,8 +4,11 @@ reports what it was built with, on a machine without a GPU."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -100,11 +103,18 @@ def test_restricted_build_imports_without_gpu(tmp_path):
     ext_path = str(tmp_path / "pkg" / ("_C" + sysconfig.get_config_var("EXT_SUFFIX")))
     build.build(ext_path, str(tmp_path / "temp"), env)
     assert os.path.exists(tmp_path / "pkg" / build.LIBRARY_NAME)
-    # The init symbol is PyInit__C, so the module keeps its name (it is not put in sys.modules).
-    spec = importlib.util.spec_from_file_location("_C", ext_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # needs no GPU and no driver: cudart loads libcuda lazily
-    config = module.build_config()
+    # Imported in a fresh process: this one may already hold the installed
+    # libportattn_cuda.so, and the loader would reuse it (same soname) instead of
+    # the restricted build's. Needs no GPU and no driver: cudart loads libcuda lazily.
+    probe = (
+        "import importlib.util, json, sys; "
+        "spec = importlib.util.spec_from_file_location('_C', sys.argv[1]); "
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "print(json.dumps(module.build_config()))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, ext_path], capture_output=True, text=True, check=True)
+    config = json.loads(done.stdout)
+    config["smem_bytes"] = {f: {int(d): n for d, n in t.items()} for f, t in config["smem_bytes"].items()}
     assert config["archs"] == ["sm_80"] and config["head_dims"] == [64] and config["dtypes"] == ["bfloat16"]
     assert config["smem_bytes"]["forward"] == {64: 48 * 1024}
 

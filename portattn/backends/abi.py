@@ -42,3 +42,21 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         alibi, alibi_batch_stride, dropout_p, rng_seed, rng_offset,
         raw_stream(q.device.index),
     )
+
+
+def load_extension(package: str, what: str):
+    """(module, "") or (None, why): the compiled `_C` of a backend package.
+
+    Tells "not built" (no `_C` file in this install) apart from "built but does not
+    load" (wrong Python, missing runtime library), since the fixes differ.
+    """
+    import importlib
+    import importlib.util
+
+    name = f"{package}._C"
+    try:
+        if importlib.util.find_spec(name) is None:
+            return None, f"the {what} module is not built in this install (no {name})"
+        return importlib.import_module(name), ""
+    except ImportError as error:
+        return None, f"the {what} module is built but does not load ({error})"

@@ -13,17 +13,12 @@ from typing import Optional
 import torch
 
 from ...capability.callspec import CallSpec
-from ..abi import fwd_args
+from ..abi import fwd_args, load_extension
 from ..base import Backend
 from .backward import cuda_backward
 
-try:
-    from . import _C  # type: ignore[attr-defined]
-
-    _IMPORT_ERROR = ""
-except ImportError as error:  # not built (no nvcc at install time) or built for another Python
-    _C = None
-    _IMPORT_ERROR = f"the CUDA module is not built ({error})"
+# Not built (no nvcc at install time), or built for another Python: a reason, not an error.
+_C, _IMPORT_ERROR = load_extension(__name__, "CUDA")
 
 
 class CudaBackend(Backend):

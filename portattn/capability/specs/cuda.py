@@ -13,7 +13,9 @@ SUPPORTED = ALL_FEATURES - {"paged_kv"}
 # sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_forward.py, 568 passed
 # (bench/results/cuda_forward_tests.md). Backward features join after its suite.
 VERIFIED = {
-    "sm90": frozenset({"forward", "causal", "window", "softcap", "alibi", "dropout", "gqa", "varlen"}),
+    # bench/results/gpu_suite.md: forward and backward suites, H100, commit 0a4116c.
+    "sm90": frozenset({"forward", "backward", "deterministic_backward", "causal", "window", "softcap",
+                       "alibi", "dropout", "gqa", "varlen"}),
 }
 
 # Shared memory per block that the forward tiles need above 192 (measured from
