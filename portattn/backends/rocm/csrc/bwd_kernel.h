@@ -240,21 +240,12 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
   for (int u = 0; u < Tile::kOutTiles; ++u) acc_dq[u] = f32x16{};
 
-  TileInFlight<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads> next_k, next_v;
-  auto fetch = [&](int n) {
-    next_k.fetch(gK, p.k_strides.row_stride, n, seq.len_k, p.headdim);
-    next_v.fetch(gV, p.v_strides.row_stride, n, seq.len_k, p.headdim);
-  };
+  KeyBlockStream<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, Tile::kPrefetch> kv{gK, gV, p, seq.len_k, j_end};
   const int n_first = (j_begin / Tile::kBlockN) * Tile::kBlockN;
-  if (Tile::kPrefetch && n_first < j_end) fetch(n_first);
+  kv.start(n_first);
 
   for (int n0 = n_first; n0 < j_end; n0 += Tile::kBlockN) {
-    __syncthreads();
-    if (!Tile::kPrefetch) fetch(n0);
-    next_k.deposit(sK, sKt);
-    next_v.deposit(sV, nullptr);
-    __syncthreads();
-    if (Tile::kPrefetch && n0 + Tile::kBlockN < j_end) fetch(n0 + Tile::kBlockN);
+    kv.stage(n0, sK, sKt, sV, nullptr);
 
     const bool block_visible = n0 + Tile::kBlockN <= seq.len_k &&
                                (!has_left || n0 >= q_last + diag - p.window_left) &&

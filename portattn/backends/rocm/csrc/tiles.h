@@ -144,20 +144,37 @@ struct TileInFlight {
   }
 };
 
-template <int kRows, int kHeadDim, int kThreads>
-__device__ __forceinline__ void load_tile_layouts(uint16_t* lds_rows, uint16_t* lds_cols, const uint16_t* g,
-                                                  int64_t g_row_stride, int row0, int rows_valid, int headdim) {
-  TileInFlight<kRows, kHeadDim, kThreads> tile;
-  tile.fetch(g, g_row_stride, row0, rows_valid, headdim);
-  tile.deposit(lds_rows, lds_cols);
-}
+// The K and V rows of a kernel's key blocks, streamed into LDS: `stage`
+// brackets the block's deposit with the two barriers of single-buffered LDS
+// and, with kPrefetch, issues the next block's reads right after, so they are
+// in flight while the caller computes on this block.
+template <int kBlockN, int kHeadDim, int kThreads, bool kPrefetch>
+struct KeyBlockStream {
+  const uint16_t* g_k;
+  const uint16_t* g_v;
+  const PortattnFwdParams& p;
+  int len_k, j_end;
+  TileInFlight<kBlockN, kHeadDim, kThreads> k, v;
 
-template <int kRows, int kHeadDim, int kThreads, bool kTranspose>
-__device__ __forceinline__ void load_tile(uint16_t* lds, const uint16_t* g, int64_t g_row_stride, int row0,
-                                          int rows_valid, int headdim) {
-  load_tile_layouts<kRows, kHeadDim, kThreads>(kTranspose ? nullptr : lds, kTranspose ? lds : nullptr, g,
-                                               g_row_stride, row0, rows_valid, headdim);
-}
+  __device__ __forceinline__ void fetch(int n0) {
+    k.fetch(g_k, p.k_strides.row_stride, n0, len_k, p.headdim);
+    v.fetch(g_v, p.v_strides.row_stride, n0, len_k, p.headdim);
+  }
+
+  __device__ __forceinline__ void start(int n_first) {
+    if (kPrefetch && n_first < j_end) fetch(n_first);
+  }
+
+  __device__ __forceinline__ void stage(int n0, uint16_t* k_rows, uint16_t* k_cols, uint16_t* v_rows,
+                                        uint16_t* v_cols) {
+    __syncthreads();  // the previous block's LDS reads are done
+    if (!kPrefetch) fetch(n0);
+    k.deposit(k_rows, k_cols);
+    v.deposit(v_rows, v_cols);
+    __syncthreads();
+    if (kPrefetch && n0 + kBlockN < j_end) fetch(n0 + kBlockN);
+  }
+};
 
 // MFMA operand fragments from a row-major LDS tile (Note [portattn MFMA layout]):
 // 4 consecutive elements along a row (one 8-byte read) ...
