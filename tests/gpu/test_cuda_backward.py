@@ -20,24 +20,11 @@ from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 
-cuda_backend = pytest.importorskip("portattn.backends.cuda", reason="portattn CUDA backend not importable")
-if cuda_backend._C is None:
-    pytest.skip(f"portattn CUDA backend not built: {cuda_backend._IMPORT_ERROR}", allow_module_level=True)
-if not torch.cuda.is_available() or torch.version.hip is not None:
-    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+from cuda_gpu_setup import BACKEND, DTYPES, HEAD_DIMS, SEQLENS, rand  # noqa: E402  (skips without a GPU)
 
 from portattn.backends.reference import ReferenceBackend, philox_keep_mask  # noqa: E402
 
-BACKEND = cuda_backend.CudaBackend()
 REFERENCE = ReferenceBackend()
-DTYPES = [torch.float16, torch.bfloat16]
-# Instantiated head dims plus ones served by a larger variant with a masked tail.
-HEAD_DIMS = [32, 40, 64, 80, 96, 128, 160, 192, 200, 224, 256]
-SEQLENS = [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (4097, 1000)]
-
-
-def _rand(*shape, dtype):
-    return torch.randn(*shape, device="cuda", dtype=dtype)
 
 
 def _options(q, *, window=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, seed=0, offset=0,
@@ -98,9 +85,9 @@ def _run_and_check(q, k, v, *, naive_options, deterministic=False, dout=None, **
 def test_backward_grid(dtype, head_dim, seqlens, causal):
     seqlen_q, seqlen_k = seqlens
     batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
-    q = _rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
-    k = _rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
-    v = _rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    v = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
     window = (-1, 0 if causal else -1)
     _run_and_check(q, k, v, window=window, naive_options=dict(causal=causal))
 
@@ -135,9 +122,9 @@ def test_backward_features(dtype, head_dim, feature, seqlens, gqa, deterministic
     opts = dict(FEATURES[feature])
     seqlen_q, seqlen_k = seqlens
     batch, heads = 2, 6
-    q = _rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
-    k = _rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
-    v = _rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    v = rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
     alibi = _alibi(opts.pop("alibi", None), batch, heads)
     naive_options = dict(opts, alibi_slopes=alibi)
     _run_and_check(q, k, v, alibi=alibi, deterministic=deterministic, naive_options=naive_options,
@@ -162,9 +149,9 @@ def test_backward_varlen(dtype, head_dim, lengths, gqa, causal, deterministic):
     heads = 4
     cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
-    q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
-    k = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
-    v = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+    q = rand(sum(lens_q), heads, head_dim, dtype=dtype)
+    k = rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+    v = rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
     window = (-1, 0 if causal else -1)
     _run_and_check(q, k, v, window=window, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q),
                    max_k=max(lens_k), deterministic=deterministic,
@@ -176,16 +163,16 @@ def test_backward_varlen(dtype, head_dim, lengths, gqa, causal, deterministic):
 def test_backward_strided_inputs_and_grads(layout, head_dim):
     dtype, batch, seqlen, heads = torch.bfloat16, 2, 300, 4
     if layout == "qkv_packed":
-        q, k, v = _rand(batch, seqlen, 3, heads, head_dim, dtype=dtype).unbind(2)
+        q, k, v = rand(batch, seqlen, 3, heads, head_dim, dtype=dtype).unbind(2)
     elif layout == "heads_first":
-        q, k, v = (_rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2) for _ in range(3))
+        q, k, v = (rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2) for _ in range(3))
     else:
-        q = _rand(batch, seqlen + 64, heads, head_dim, dtype=dtype)[:, 32 : 32 + seqlen]
-        k, v = _rand(batch, seqlen, heads, 2, head_dim, dtype=dtype).unbind(3)
+        q = rand(batch, seqlen + 64, heads, head_dim, dtype=dtype)[:, 32 : 32 + seqlen]
+        k, v = rand(batch, seqlen, heads, 2, head_dim, dtype=dtype).unbind(3)
     options = _options(q, window=(-1, 0))
     out, lse = _forward(BACKEND, q, k, v, options)
     # dout heads-first (non-contiguous), gradients written into strided views.
-    dout = _rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2)
+    dout = rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2)
     grads = torch.full((3, batch, heads, seqlen, head_dim), float("nan"), device="cuda", dtype=dtype)
     dq, dk, dv = (g.transpose(1, 2) for g in grads)
     BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, deterministic=False, **options)
@@ -208,17 +195,17 @@ def test_backward_dropout_matches_reference_mask(p, head_dim, gqa, varlen):
         lens_q, lens_k = [17, 130, 1], [200, 64, 33]
         cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
         cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
-        q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
-        k = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
-        v = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+        q = rand(sum(lens_q), heads, head_dim, dtype=dtype)
+        k = rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+        v = rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
         batch, max_q, max_k = len(lens_q), max(lens_q), max(lens_k)
         extra = dict(cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
         naive_extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     else:
         batch, max_q, max_k = 2, 211, 333
-        q = _rand(batch, max_q, heads, head_dim, dtype=dtype)
-        k = _rand(batch, max_k, heads // gqa, head_dim, dtype=dtype)
-        v = _rand(batch, max_k, heads // gqa, head_dim, dtype=dtype)
+        q = rand(batch, max_q, heads, head_dim, dtype=dtype)
+        k = rand(batch, max_k, heads // gqa, head_dim, dtype=dtype)
+        v = rand(batch, max_k, heads // gqa, head_dim, dtype=dtype)
         extra, naive_extra = {}, {}
     bh = torch.arange(batch * heads, device="cuda").reshape(batch, heads)
     mask = philox_keep_mask(seed, offset, bh, range(max_q), range(max_k), p, device="cuda")
@@ -239,9 +226,9 @@ CASES = {
 def test_deterministic_is_bitwise_reproducible(case, head_dim):
     c = CASES[case]
     dtype = torch.bfloat16
-    q = _rand(c["batch"], c["seqlen_q"], c["heads"], head_dim, dtype=dtype)
-    k = _rand(c["batch"], c["seqlen_k"], c["heads_k"], head_dim, dtype=dtype)
-    v = _rand(c["batch"], c["seqlen_k"], c["heads_k"], head_dim, dtype=dtype)
+    q = rand(c["batch"], c["seqlen_q"], c["heads"], head_dim, dtype=dtype)
+    k = rand(c["batch"], c["seqlen_k"], c["heads_k"], head_dim, dtype=dtype)
+    v = rand(c["batch"], c["seqlen_k"], c["heads_k"], head_dim, dtype=dtype)
     options = _options(q, window=c["window"])
     out, lse = _forward(BACKEND, q, k, v, options)
     dout = torch.randn_like(out)
@@ -258,9 +245,9 @@ def test_deterministic_is_bitwise_reproducible(case, head_dim):
 def test_reference_backend_agrees_in_fp32():
     # The fp32 reference backend and the kernel agree within the kernel's own error budget.
     dtype, head_dim = torch.bfloat16, 96
-    q = _rand(2, 300, 4, head_dim, dtype=dtype)
-    k = _rand(2, 400, 2, head_dim, dtype=dtype)
-    v = _rand(2, 400, 2, head_dim, dtype=dtype)
+    q = rand(2, 300, 4, head_dim, dtype=dtype)
+    k = rand(2, 400, 2, head_dim, dtype=dtype)
+    v = rand(2, 400, 2, head_dim, dtype=dtype)
     options = _options(q, window=(50, 0), softcap=10.0)
     out, lse = _forward(BACKEND, q, k, v, options)
     dout = torch.randn_like(out)
@@ -279,7 +266,7 @@ def test_public_api_autograd_uses_cuda_backward():
     import portattn
 
     dtype = torch.bfloat16
-    q, k, v = (_rand(2, 257, 4, 64, dtype=dtype).requires_grad_() for _ in range(3))
+    q, k, v = (rand(2, 257, 4, 64, dtype=dtype).requires_grad_() for _ in range(3))
     out = portattn.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)
@@ -294,7 +281,7 @@ def test_torch_compile_training_step_has_no_graph_break():
         return portattn.flash_attn_func(q, k, v, causal=True, deterministic=True).float().square().mean()
 
     compiled = torch.compile(step, fullgraph=True)  # fullgraph: a graph break raises
-    q, k, v = (_rand(2, 129, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    q, k, v = (rand(2, 129, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     compiled(q, k, v).backward()
     grads = [x.grad.clone() for x in (q, k, v)]
     for x in (q, k, v):
@@ -316,9 +303,9 @@ def test_large_calls_run_in_head_chunks(heads, heads_k):
     unchunked_dq = splits * batch * heads * seqlen * head_dim * 4
     workspace = _C.bwd_workspace_bytes(batch, heads, heads_k, head_dim, seqlen, seqlen, True)
     assert workspace < 0.6 * unchunked_dq, "this shape is meant to run in head chunks"
-    q = _rand(batch, seqlen, heads, head_dim, dtype=dtype)
-    k = _rand(batch, seqlen, heads_k, head_dim, dtype=dtype)
-    v = _rand(batch, seqlen, heads_k, head_dim, dtype=dtype)
+    q = rand(batch, seqlen, heads, head_dim, dtype=dtype)
+    k = rand(batch, seqlen, heads_k, head_dim, dtype=dtype)
+    v = rand(batch, seqlen, heads_k, head_dim, dtype=dtype)
     options = _options(q, window=(-1, 0))
     out, lse = _forward(BACKEND, q, k, v, options)
     dout = torch.randn_like(out)

@@ -18,19 +18,10 @@ from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 
-cuda_backend = pytest.importorskip("portattn.backends.cuda", reason="portattn CUDA backend not importable")
-if cuda_backend._C is None:
-    pytest.skip(f"portattn CUDA backend not built: {cuda_backend._IMPORT_ERROR}", allow_module_level=True)
-if not torch.cuda.is_available() or torch.version.hip is not None:
-    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+from cuda_gpu_setup import BACKEND, DTYPES, HEAD_DIMS, SEQLENS, rand  # noqa: E402  (skips without a GPU)
 
 from portattn.backends.reference import philox_keep_mask  # noqa: E402
 
-BACKEND = cuda_backend.CudaBackend()
-DTYPES = [torch.float16, torch.bfloat16]
-# Instantiated head dims plus ones served by a larger variant with a masked tail.
-HEAD_DIMS = [32, 40, 64, 80, 96, 128, 160, 192, 200, 224, 256]
-SEQLENS = [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (4097, 1000)]
 
 
 def _run(q, k, v, *, window=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, seed=0, offset=0,
@@ -70,10 +61,6 @@ def _check(out, lse, q, k, v, **naive_options):
         assert lse_err <= 2 * lse_base + 1e-4, f"lse error {lse_err:.3e} vs fp32 naive {lse_base:.3e}"
 
 
-def _rand(*shape, dtype):
-    return torch.randn(*shape, device="cuda", dtype=dtype)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -81,9 +68,9 @@ def _rand(*shape, dtype):
 def test_forward_grid(dtype, head_dim, seqlens, causal):
     seqlen_q, seqlen_k = seqlens
     batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
-    q = _rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
-    k = _rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
-    v = _rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    v = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
     out, lse = _run(q, k, v, window=(-1, 0 if causal else -1))
     _check(out, lse, q, k, v, causal=causal)
 
@@ -109,9 +96,9 @@ def test_forward_features(dtype, head_dim, feature, seqlens, gqa):
     options = dict(FEATURES[feature])
     seqlen_q, seqlen_k = seqlens
     batch, heads = 2, 6
-    q = _rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
-    k = _rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
-    v = _rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    v = rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
     alibi = options.pop("alibi", None)
     if alibi == "h":
         alibi = torch.rand(heads, device="cuda") * 0.3
@@ -138,9 +125,9 @@ def test_forward_varlen(dtype, head_dim, lengths, gqa, causal):
     heads = 4
     cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
-    q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
-    k = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
-    v = _rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+    q = rand(sum(lens_q), heads, head_dim, dtype=dtype)
+    k = rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
+    v = rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype)
     window = (-1, 0 if causal else -1)
     out, lse = _run(q, k, v, window=window, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), max_k=max(lens_k))
     _check(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -151,13 +138,13 @@ def test_forward_varlen(dtype, head_dim, lengths, gqa, causal):
 def test_forward_strided(layout, head_dim):
     dtype, batch, seqlen, heads = torch.bfloat16, 2, 300, 4
     if layout == "qkv_packed":
-        qkv = _rand(batch, seqlen, 3, heads, head_dim, dtype=dtype)
+        qkv = rand(batch, seqlen, 3, heads, head_dim, dtype=dtype)
         q, k, v = qkv.unbind(2)
     elif layout == "heads_first":
-        q, k, v = (_rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2) for _ in range(3))
+        q, k, v = (rand(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2) for _ in range(3))
     else:  # k/v interleaved along heads, queries a slice of a longer sequence
-        q = _rand(batch, seqlen + 64, heads, head_dim, dtype=dtype)[:, 32 : 32 + seqlen]
-        kv = _rand(batch, seqlen, heads, 2, head_dim, dtype=dtype)
+        q = rand(batch, seqlen + 64, heads, head_dim, dtype=dtype)[:, 32 : 32 + seqlen]
+        kv = rand(batch, seqlen, heads, 2, head_dim, dtype=dtype)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]
     assert not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
     out, lse = _run(q, k, v, window=(-1, 0))
@@ -175,9 +162,9 @@ def test_forward_strided(layout, head_dim):
 def test_fully_masked_rows_are_zero_with_lse_minus_inf():
     # seqlen_q > seqlen_k with a causal mask: the first rows see no key at all;
     # a narrow window with a large right offset also empties rows.
-    q = _rand(2, 300, 2, 64, dtype=torch.bfloat16)
-    k = _rand(2, 100, 2, 64, dtype=torch.bfloat16)
-    v = _rand(2, 100, 2, 64, dtype=torch.bfloat16)
+    q = rand(2, 300, 2, 64, dtype=torch.bfloat16)
+    k = rand(2, 100, 2, 64, dtype=torch.bfloat16)
+    v = rand(2, 100, 2, 64, dtype=torch.bfloat16)
     out, lse = _run(q, k, v, window=(-1, 0))
     assert torch.isinf(lse[:, :, :200]).all() and (lse[:, :, :200] < 0).all()
     assert (out[:, :200] == 0).all()
@@ -198,18 +185,18 @@ def test_dropout_matches_reference_mask(p, head_dim, varlen):
         lens_q, lens_k = [17, 130, 1], [200, 64, 33]
         cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
         cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
-        q = _rand(sum(lens_q), heads, head_dim, dtype=dtype)
-        k = _rand(sum(lens_k), heads, head_dim, dtype=dtype)
-        v = _rand(sum(lens_k), heads, head_dim, dtype=dtype)
+        q = rand(sum(lens_q), heads, head_dim, dtype=dtype)
+        k = rand(sum(lens_k), heads, head_dim, dtype=dtype)
+        v = rand(sum(lens_k), heads, head_dim, dtype=dtype)
         batch, max_q, max_k = len(lens_q), max(lens_q), max(lens_k)
         extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
         out, lse = _run(q, k, v, dropout_p=p, seed=seed, offset=offset, cu_q=cu_q, cu_k=cu_k,
                         max_q=max_q, max_k=max_k, window=(-1, 0))
     else:
         batch, max_q, max_k = 2, 211, 333
-        q = _rand(batch, max_q, heads, head_dim, dtype=dtype)
-        k = _rand(batch, max_k, heads, head_dim, dtype=dtype)
-        v = _rand(batch, max_k, heads, head_dim, dtype=dtype)
+        q = rand(batch, max_q, heads, head_dim, dtype=dtype)
+        k = rand(batch, max_k, heads, head_dim, dtype=dtype)
+        v = rand(batch, max_k, heads, head_dim, dtype=dtype)
         extra = {}
         out, lse = _run(q, k, v, dropout_p=p, seed=seed, offset=offset, window=(-1, 0))
     bh = torch.arange(batch * heads, device="cuda").reshape(batch, heads)
@@ -219,7 +206,7 @@ def test_dropout_matches_reference_mask(p, head_dim, varlen):
 
 
 def test_misaligned_view_raises_clear_error():
-    q = _rand(64 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 1, 64)  # 2-byte offset
-    k = v = _rand(1, 64, 1, 64, dtype=torch.bfloat16)
+    q = rand(64 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 1, 64)  # 2-byte offset
+    k = v = rand(1, 64, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         _run(q, k, v)

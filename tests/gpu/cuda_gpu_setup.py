@@ -1,0 +1,23 @@
+"""What every CUDA GPU test module shares: the skip rules and the parameter grid.
+
+Importing this module skips the importing test module (with the reason) when there
+is no NVIDIA GPU or the CUDA backend is not built, so GPU tests never pass vacuously.
+"""
+import pytest
+import torch
+
+cuda_backend = pytest.importorskip("portattn.backends.cuda", reason="portattn CUDA backend not importable")
+if cuda_backend._C is None:
+    pytest.skip(f"portattn CUDA backend not built: {cuda_backend._IMPORT_ERROR}", allow_module_level=True)
+if not torch.cuda.is_available() or torch.version.hip is not None:
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+
+BACKEND = cuda_backend.CudaBackend()
+DTYPES = [torch.float16, torch.bfloat16]
+# Instantiated head dims plus ones served by a larger variant with a masked tail.
+HEAD_DIMS = [32, 40, 64, 80, 96, 128, 160, 192, 200, 224, 256]
+SEQLENS = [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (4097, 1000)]
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
