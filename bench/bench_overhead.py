@@ -25,16 +25,10 @@ def _child(calls: int) -> dict:
     import torch.nn.functional as F
 
     import portattn
+    from bench_attention import _wall_us
 
     def wall_us(fn):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / calls * 1e6
+        return _wall_us(fn, calls)
 
     q, k, v = (torch.randn(2, 150, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     torch.cuda.synchronize()
