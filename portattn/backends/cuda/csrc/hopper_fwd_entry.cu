@@ -1,0 +1,213 @@
+// C entry point of the Hopper forward kernel (hopper_fwd_kernel.cuh):
+//   int portattn_cuda_hopper_fwd(const PortattnFwdParams*, char* message, int message_len)
+// 0 on success; otherwise nonzero with the reason in `message`, including for
+// every call this first version does not serve (it is not in dispatch; the
+// sm80+ entry portattn_cuda_fwd serves everything).
+//
+// Compiled only when the build opts in (PORTATTN_CUDA_HOPPER=1, variants.py),
+// and then only for sm_90a: wgmma and setmaxnreg exist nowhere else.
+//
+// Tensor maps are encoded on the host with cuTensorMapEncodeTiled, which the
+// runtime hands out through cudaGetDriverEntryPointByVersion: the library
+// keeps linking cudart statically and never links libcuda.
+#include <cudaTypedefs.h>
+#include <stdio.h>
+
+#include <mutex>
+
+#include "hopper_fwd_kernel.cuh"
+#include "variant_table.h"
+
+namespace portattn {
+namespace hopper {
+namespace {
+
+using HopperFn = cudaError_t (*)(const PortattnFwdParams&);
+
+// Its own opt-in flags: the sm80+ kernels' SmemOptIn<hd, Elem, bool> would alias.
+template <int kHeadDim, typename Elem, bool kCausal>
+struct HopperSmemOptIn {
+  static portattn::cuda::SmemOptInState state;
+};
+template <int kHeadDim, typename Elem, bool kCausal>
+portattn::cuda::SmemOptInState HopperSmemOptIn<kHeadDim, Elem, kCausal>::state = {0ull};
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(cudaError_t* err) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encoder = nullptr;
+  static cudaError_t status = cudaSuccess;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                              cudaEnableDefault, &found);
+    if (status == cudaSuccess && found != cudaDriverEntryPointSuccess) status = cudaErrorNotSupported;
+    encoder = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  });
+  *err = status;
+  return encoder;
+}
+
+// A (batch, seqlen, heads, head_dim) tensor as a 4-d tensor map whose box is
+// one 64-column panel of `box_rows` rows of one (head, batch), 128B-swizzled.
+cudaError_t encode_bshd(CUtensorMap* map, const void* data, const PortattnTensor4& strides,
+                        int dtype, int batch, int seqlen, int heads, int head_dim, int box_rows) {
+  cudaError_t err = cudaSuccess;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(&err);
+  if (err != cudaSuccess) {
+    portattn::cuda::set_error_detail("cuTensorMapEncodeTiled is not available from the driver");
+    return err;
+  }
+  // A dimension of extent 1 may carry any stride (e.g. 0 for an expanded
+  // view); TMA wants a nonzero multiple of 16 bytes, which it never uses there.
+  auto stride_bytes = [](int64_t elems, int extent) -> cuuint64_t {
+    return (extent == 1 && elems * 2 < 16) ? 16 : static_cast<cuuint64_t>(elems * 2);
+  };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t global_strides[3] = {stride_bytes(strides.row_stride, seqlen),
+                                        stride_bytes(strides.head_stride, heads),
+                                        stride_bytes(strides.batch_stride, batch)};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult res = encode(
+      map, dtype == PORTATTN_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      4, const_cast<void*>(data), dims, global_strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    char text[160];
+    snprintf(text, sizeof(text), "cuTensorMapEncodeTiled failed (CUresult %d)", static_cast<int>(res));
+    portattn::cuda::set_error_detail(text);
+    return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
+template <int kHeadDim, typename Elem, bool kCausal>
+cudaError_t launch(const PortattnFwdParams& params) {
+  using Traits = HopperFwdTraits<kHeadDim>;
+  auto kernel = &hopper_fwd_kernel<kHeadDim, Elem, kCausal>;
+  cudaError_t err = portattn::cuda::ensure_dynamic_smem(
+      reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
+      &HopperSmemOptIn<kHeadDim, Elem, kCausal>::state);
+  if (err != cudaSuccess) return err;
+  CUtensorMap tm_q, tm_k, tm_v;
+  err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, params.batch,
+                    params.seqlen_q, params.nheads, kHeadDim, Traits::kBlockM);
+  if (err == cudaSuccess)
+    err = encode_bshd(&tm_k, params.k, params.k_strides, params.dtype, params.batch,
+                      params.seqlen_k, params.nheads_k, kHeadDim, Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = encode_bshd(&tm_v, params.v, params.v_strides, params.dtype, params.batch,
+                      params.seqlen_k, params.nheads_k, kHeadDim, Traits::kBlockN);
+  if (err != cudaSuccess) return err;
+  HopperFwdArgs args;
+  args.out = params.out;
+  args.out_strides = params.out_strides;
+  args.lse = params.lse;
+  args.lse_batch_stride = params.lse_batch_stride;
+  args.lse_head_stride = params.lse_head_stride;
+  args.seqlen_q = params.seqlen_q;
+  args.seqlen_k = params.seqlen_k;
+  args.heads_per_kv = params.nheads / params.nheads_k;
+  args.scale_log2 = params.softmax_scale * softmax::kLog2e;
+  const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.nheads,
+                  params.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(
+      tm_q, tm_k, tm_v, args);
+  return cudaGetLastError();
+}
+
+template <int kHeadDim, typename Elem>
+cudaError_t run(const PortattnFwdParams& params) {
+  if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
+  return params.window_right == 0 ? launch<kHeadDim, Elem, true>(params)
+                                  : launch<kHeadDim, Elem, false>(params);
+}
+
+struct HopperVariant {
+  int head_dim;
+  int dtype;  // PortattnDtype
+  HopperFn run;
+};
+
+// The instantiated (head dim, dtype) pairs; causal is a run-time choice inside run().
+constexpr HopperVariant kVariants[] = {
+    {64, PORTATTN_FP16, &run<64, __half>},
+    {64, PORTATTN_BF16, &run<64, __nv_bfloat16>},
+    {128, PORTATTN_FP16, &run<128, __half>},
+    {128, PORTATTN_BF16, &run<128, __nv_bfloat16>},
+};
+
+const HopperVariant* find(int head_dim, int dtype) {
+  for (const HopperVariant& v : kVariants)
+    if (v.head_dim == head_dim && v.dtype == dtype) return &v;
+  return nullptr;
+}
+
+// Why this first version cannot serve the call, or nullptr. Input validation
+// proper (shapes, dtypes, GQA divisibility) happened in portattn/validation.py.
+const char* unsupported(const PortattnFwdParams& p) {
+  if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr)
+    return "varlen / seqused_k calls are served by the sm80+ kernel only";
+  if (p.window_left >= 0 || (p.window_right != -1 && p.window_right != 0))
+    return "sliding windows are served by the sm80+ kernel only (causal is supported)";
+  if (p.softcap > 0.f) return "softcap is served by the sm80+ kernel only";
+  if (p.alibi_slopes != nullptr) return "ALiBi is served by the sm80+ kernel only";
+  if (p.dropout_p > 0.f) return "dropout is served by the sm80+ kernel only";
+  return nullptr;
+}
+
+}  // namespace
+}  // namespace hopper
+}  // namespace portattn
+
+extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message,
+                                        int message_len) {
+  using namespace portattn::hopper;
+  using portattn::cuda::fail;
+  const HopperVariant* variant = find(params->headdim, params->dtype);
+  if (variant == nullptr) {
+    char text[160];
+    snprintf(text, sizeof(text),
+             "portattn cuda hopper: no kernel for head_dim %d dtype %d (built: 64, 128; fp16, bf16)",
+             params->headdim, params->dtype);
+    return fail(message, message_len, -1, text);
+  }
+  if (const char* why = unsupported(*params)) {
+    char text[200];
+    snprintf(text, sizeof(text), "portattn cuda hopper: %s", why);
+    return fail(message, message_len, -1, text);
+  }
+  if (!portattn::cuda::aligned16(params->q) || !portattn::cuda::aligned16(params->k) ||
+      !portattn::cuda::aligned16(params->v) || !portattn::cuda::aligned16(params->out) ||
+      !portattn::cuda::strides_aligned(params->q_strides) ||
+      !portattn::cuda::strides_aligned(params->k_strides) ||
+      !portattn::cuda::strides_aligned(params->v_strides) ||
+      !portattn::cuda::strides_aligned(params->out_strides)) {
+    return fail(message, message_len, -1,
+                "portattn cuda hopper: TMA needs 16-byte aligned data pointers and strides that "
+                "are multiples of 8 elements (call .contiguous() on the input)");
+  }
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err == cudaSuccess && (major != 9 || minor != 0)) {
+    char text[160];
+    snprintf(text, sizeof(text),
+             "portattn cuda hopper: needs an sm_90 device (built for sm_90a); device %d is sm_%d%d",
+             device, major, minor);
+    return fail(message, message_len, -1, text);
+  }
+  portattn::cuda::set_error_detail("");
+  if (err == cudaSuccess) err = variant->run(*params);
+  if (err != cudaSuccess) {
+    char text[400];
+    snprintf(text, sizeof(text), "portattn cuda hopper forward: %s%s%s", cudaGetErrorString(err),
+             portattn::cuda::last_error_detail()[0] ? ": " : "", portattn::cuda::last_error_detail());
+    return fail(message, message_len, static_cast<int>(err), text);
+  }
+  return 0;
+}
