@@ -1,4 +1,4 @@
-"""Tensors -> the positional arguments of the compiled modules' `fwd` / `bwd`.
+"""Tensors -> the compiled modules' `fwd` / `bwd` calls, for both vendors.
 
 Both vendor modules (cuda/_C, rocm/_C) export the same signatures over the one C ABI
 (common/params.h; the argument list is common/binding_args.h), so the marshalling is
@@ -42,6 +42,39 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         alibi, alibi_batch_stride, dropout_p, rng_seed, rng_offset,
         raw_stream(q.device.index),
     )
+
+
+# (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k) inside fwd_args' tuple
+# (PORTATTN_FWD_ARGS order), the shape bwd_workspace_bytes takes.
+_SHAPE = slice(12, 18)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    # The kernels read 16-byte chunks: pointer and every non-unit stride must allow it.
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+            alibi_slopes, dropout_p, rng_seed, rng_offset, deterministic) -> None:
+    """One backward call of a compiled module (CUDA or ROCm: same `bwd` signature).
+
+    The scratch the kernels need (fp32 dQ accumulator, rowsum(dO * O), for GQA fp32
+    dK/dV accumulators) is one uint8 tensor from torch's caching allocator, sized by
+    the module's own `bwd_workspace_bytes`, so the size cannot drift from what the
+    launch carves (Note [portattn cuda backward] in cuda/csrc/bwd_entry.cu).
+    """
+    args = fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                    rng_seed, rng_offset)
+    # dout comes from autograd (the user did not choose its layout): copy rather than fail.
+    if not _aligned(dout):
+        dout = dout.contiguous()
+    deterministic = bool(deterministic)
+    workspace_bytes = module.bwd_workspace_bytes(*args[_SHAPE], deterministic)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
+    module.bwd(dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(),
+               dv.data_ptr(), dv.stride(), workspace.data_ptr(), workspace_bytes, deterministic, *args)
 
 
 def load_extension(package: str, what: str):

@@ -13,9 +13,8 @@ from typing import Optional
 import torch
 
 from ...capability.callspec import CallSpec
-from ..abi import fwd_args, load_extension
+from ..abi import fwd_args, load_extension, run_bwd
 from ..base import Backend
-from .backward import cuda_backward
 
 # Not built (no nvcc at install time), or built for another Python: a reason, not an error.
 _C, _IMPORT_ERROR = load_extension(__name__, "CUDA")
@@ -59,5 +58,4 @@ class CudaBackend(Backend):
                          rng_seed, rng_offset))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
-        # Owned by the backward engineer; the body lives in backward.py.
-        cuda_backward(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)
+        run_bwd(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)

@@ -17,16 +17,11 @@ from typing import Optional
 import torch
 
 from ...capability.callspec import CallSpec
-from ..abi import fwd_args
+from ..abi import fwd_args, load_extension, run_bwd
 from ..base import Backend
 
-try:
-    from . import _C  # type: ignore[attr-defined]
-
-    _IMPORT_ERROR = ""
-except ImportError as error:  # not built, built for another Python, or libamdhip64 missing
-    _C = None
-    _IMPORT_ERROR = f"the ROCm module is not built or cannot load its HIP runtime ({error})"
+# Not built, built for another Python, or libamdhip64 missing: a reason, not an error.
+_C, _IMPORT_ERROR = load_extension(__name__, "ROCm")
 
 
 def _availability() -> str:
@@ -68,6 +63,4 @@ class RocmBackend(Backend):
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
         # The tensors -> _C.bwd marshalling is vendor-neutral (the modules share the signature).
-        from ..cuda.backward import cuda_backward
-
-        cuda_backward(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)
+        run_bwd(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)
