@@ -22,8 +22,10 @@ loader path). The driver itself (libcuda.so.1) is only opened at the first
 CUDA call, so importing the module on a machine without a GPU works.
 
 Restrictions (variants.py): PORTATTN_CUDA_ARCHS, PORTATTN_HEADDIMS,
-PORTATTN_DTYPES; MAX_JOBS caps ninja's parallelism. PORTATTN_PTXAS_VERBOSE=1
-prints ptxas register/spill/shared-memory reports; PORTATTN_NVCC_FLAGS adds
+PORTATTN_DTYPES; MAX_JOBS caps ninja's parallelism. PORTATTN_CUDA_HOPPER=1
+also compiles the unverified sm_90a forward kernel (csrc/hopper_*.cu, sm_90a
+only) and exposes it as _C.hopper_fwd; without it the build is unchanged.
+PORTATTN_PTXAS_VERBOSE=1 prints ptxas register/spill/shared-memory reports; PORTATTN_NVCC_FLAGS adds
 nvcc flags (tuning experiments, e.g. -DPORTATTN_FWD_HD64_BLOCK_N=64).
 """
 from __future__ import annotations
@@ -94,8 +96,15 @@ def _write_if_changed(path: str, text: str) -> None:
 
 
 def _hand_written_sources() -> list:
-    """Every csrc/*.cu that is not a per-variant template (entry points, helpers)."""
-    return sorted(os.path.join(_CSRC, f) for f in os.listdir(_CSRC) if f.endswith(".cu"))
+    """Every csrc/*.cu that is not a per-variant template (entry points, helpers),
+    except the opt-in Hopper ones (_hopper_sources)."""
+    return sorted(os.path.join(_CSRC, f) for f in os.listdir(_CSRC)
+                  if f.endswith(".cu") and not variants.is_hopper_source(f))
+
+
+def _hopper_sources() -> list:
+    return sorted(os.path.join(_CSRC, f) for f in os.listdir(_CSRC)
+                  if f.endswith(".cu") and variants.is_hopper_source(f))
 
 
 def build_library(lib_path: str, build_temp: str, env: Mapping[str, str]) -> None:
@@ -116,16 +125,18 @@ def build_library(lib_path: str, build_temp: str, env: Mapping[str, str]) -> Non
     _write_if_changed(os.path.join(gen_dir, "plan.txt"), repr(plan))
     sources += _hand_written_sources()
 
-    flags = [
-        "-O3", "-std=c++17", "-DNDEBUG", "-Xcompiler", "-fPIC",
-        f"-I{_CSRC}", f"-I{_COMMON}",
-    ] + variants.gencode_flags(plan)
-    if env.get("PORTATTN_PTXAS_VERBOSE") == "1":
-        flags.append("-Xptxas=-v")
-    flags += shlex.split(env.get("PORTATTN_NVCC_FLAGS", ""))
+    common = ["-O3", "-std=c++17", "-DNDEBUG", "-Xcompiler", "-fPIC", f"-I{_CSRC}", f"-I{_COMMON}"]
+    extra = ["-Xptxas=-v"] if env.get("PORTATTN_PTXAS_VERBOSE") == "1" else []
+    extra += shlex.split(env.get("PORTATTN_NVCC_FLAGS", ""))
+    flags = common + variants.gencode_flags(plan) + extra
+    compiles = [(source, flags) for source in sources]
+    # ---- Hopper opt-in (variants.HOPPER_ENV): its own sources and arch only ----
+    if variants.hopper_enabled(env):
+        hopper_flags = common + list(variants.HOPPER_GENCODE) + extra
+        compiles += [(source, hopper_flags) for source in _hopper_sources()]
     build = ninja_build.NinjaBuild(os.path.join(build_temp, "ninja_lib"))
     objects = []
-    for source in sources:
+    for source, flags in compiles:
         obj = os.path.join(obj_dir, os.path.basename(source) + ".o")
         build.compiles.append(
             ninja_build.CompileStep(
@@ -166,6 +177,7 @@ def build_binding(ext_path: str, build_temp: str, env: Mapping[str, str],
             output=obj,
             command=[
                 cxx, "-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden",
+                *([variants.HOPPER_BINDING_DEFINE] if variants.hopper_enabled(env) else []),
                 f"-I{sysconfig.get_paths()['include']}", f"-I{pybind11.get_include()}",
                 "-MD", "-MF", "$depfile", "-c", "$in", "-o", "$out",
             ],

@@ -21,6 +21,10 @@ int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int messag
 long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params);
 int portattn_cuda_bwd_smem_bytes(int head_dim);
 // ---- end backward declarations ----
+#ifdef PORTATTN_WITH_HOPPER
+// Opt-in sm_90a forward (hopper_fwd_entry.cu; build with PORTATTN_CUDA_HOPPER=1).
+int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message, int message_len);
+#endif
 }
 
 namespace py = pybind11;
@@ -107,6 +111,19 @@ void fwd(PORTATTN_FWD_ARGS) {
   char message[512];
   check(portattn_cuda_fwd(&p, message, sizeof(message)), message);
 }
+
+#ifdef PORTATTN_WITH_HOPPER
+// Same arguments as fwd(); refuses (RuntimeError) what the first Hopper kernel does not serve.
+void hopper_fwd(PORTATTN_FWD_ARGS) {
+  const PortattnFwdParams p = fwd_params(
+      q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,
+      lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,
+      cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,
+      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream);
+  char message[512];
+  check(portattn_cuda_hopper_fwd(&p, message, sizeof(message)), message);
+}
+#endif
 
 // ---- backward (owned by the backward engineer) ----
 PortattnBwdParams bwd_params(uintptr_t dout, py::handle dout_strides, uintptr_t dq,
@@ -213,6 +230,10 @@ py::dict build_config() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "portattn CUDA kernels (sm80+); see portattn/backends/cuda/__init__.py";
   m.def("fwd", &fwd, "forward attention over raw pointers (see backends/common/params.h)");
+#ifdef PORTATTN_WITH_HOPPER
+  m.def("hopper_fwd", &hopper_fwd,
+        "unverified sm_90a forward (TMA + wgmma), fwd()'s arguments; not used by dispatch");
+#endif
   m.def("build_config", &build_config,
         "what this build contains: {'archs', 'ptx', 'head_dims', 'dtypes'}");
   // ---- backward (owned by the backward engineer): m.def("bwd", ...) and helpers here ----

@@ -1,0 +1,176 @@
+"""GPU tests of the opt-in sm_90a forward kernel (csrc/hopper_fwd_*.cu), called directly.
+
+The kernel is not in dispatch; it exists in `_C` only when the backend was built
+with PORTATTN_CUDA_HOPPER=1 (then `_C.hopper_fwd` takes `_C.fwd`'s arguments).
+Everything here skips with the reason otherwise, and on any GPU but sm_90.
+
+Error rule (DEVELOPERS.md): with the same low-precision inputs,
+    max|out - ref| <= 2 * max|out_torch_lowp - ref| + 1e-5
+where ref is ReferenceBackend run on the inputs upcast to fp32 and out_torch_lowp
+the same naive math run by PyTorch in the input dtype; LSE against the fp32
+reference with the fp32 naive LSE's error as the base. Outputs are NaN-poisoned
+before every launch and the inputs are fresh random normals.
+
+`python tests/gpu/test_cuda_hopper_forward.py` (or pytest -s) also prints TFLOP/s
+against SDPA's cuDNN kernel at 16k tokens per batch.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from naive import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+from cuda_gpu_setup import rand  # noqa: E402  (skips without a GPU or without the CUDA backend)
+
+from portattn.backends.abi import fwd_args  # noqa: E402
+from portattn.backends.cuda import _C  # noqa: E402
+from portattn.backends.reference import ReferenceBackend  # noqa: E402
+
+if not hasattr(_C, "hopper_fwd"):
+    pytest.skip("the CUDA backend was built without the Hopper path (rebuild with PORTATTN_CUDA_HOPPER=1)",
+                allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip(f"the Hopper kernel is built for sm_90a only; this GPU is sm_"
+                f"{''.join(map(str, torch.cuda.get_device_capability()))}", allow_module_level=True)
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128]
+SEQLENS = [(1, 1), (17, 113), (113, 17), (128, 128), (1000, 1000), (1, 4097), (4097, 1000), (2048, 2048)]
+
+
+def _options(scale, causal):
+    return dict(softmax_scale=scale, window_left=-1, window_right=0 if causal else -1, softcap=0.0,
+                alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
+
+
+def hopper_forward(q, k, v, *, causal, out=None, lse=None, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.full_like(q, float("nan")) if out is None else out
+    if lse is None:
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    o = _options(scale, causal)
+    _C.hopper_fwd(*fwd_args(q, k, v, out, lse, None, None, 0, 0, o["softmax_scale"], o["window_left"],
+                            o["window_right"], o["softcap"], o["alibi_slopes"], o["dropout_p"],
+                            o["rng_seed"], o["rng_offset"]))
+    return out, lse
+
+
+def _check(out, lse, q, k, v, causal):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    ref = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    ref_lse = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    ReferenceBackend().forward(q.float(), k.float(), v.float(), ref, ref_lse, cu_seqlens_q=None,
+                               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, **_options(scale, causal))
+    low, _ = naive_attention(q, k, v, compute_dtype=q.dtype, causal=causal)
+    _, low_lse = naive_attention(q.float(), k.float(), v.float(), compute_dtype=torch.float32, causal=causal)
+    assert not out.isnan().any(), "output has NaN (unwritten or bad math)"
+    assert not lse.isnan().any(), "lse has NaN (unwritten or bad math)"
+    err = (out.float() - ref).abs().max().item()
+    base = (low.float() - ref).abs().max().item()
+    assert err <= 2 * base + 1e-5, f"out error {err:.3e} > 2 x torch {out.dtype} error {base:.3e}"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), "lse = -inf on a different set of rows"
+    finite = ~empty
+    if finite.any():
+        lse_err = (lse - ref_lse)[finite].abs().max().item()
+        lse_base = (low_lse.float() - ref_lse)[finite].abs().max().item()
+        assert lse_err <= 2 * lse_base + 1e-4, f"lse error {lse_err:.3e} vs fp32 naive {lse_base:.3e}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hopper_forward_grid(dtype, head_dim, seqlens, causal):
+    seqlen_q, seqlen_k = seqlens
+    batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    v = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    out, lse = hopper_forward(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_gqa_and_strided_views(head_dim):
+    # q/k/v as views of one packed (B, S, 3 * H, D) tensor: row strides != H * D;
+    # GQA with 2 query heads per key head.
+    batch, seqlen, heads, heads_k = 2, 300, 4, 2
+    packed = rand(batch, seqlen, heads + 2 * heads_k, head_dim, dtype=torch.bfloat16)
+    q, k, v = packed.split([heads, heads_k, heads_k], dim=2)
+    for causal in (False, True):
+        out, lse = hopper_forward(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        _check(out, lse, q, k, v, causal)
+
+
+def test_hopper_forward_refuses_what_it_does_not_serve():
+    q = rand(1, 64, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 2, 64, device="cuda")
+    args = list(fwd_args(q, q, q, out, lse, None, None, 0, 0, 0.125, 37, 11, 0.0, None, 0.0, 0, 0))
+    with pytest.raises(RuntimeError, match="sliding windows"):
+        _C.hopper_fwd(*args)
+    q96 = rand(1, 64, 2, 96, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_dim 96"):
+        hopper_forward(q96, q96, q96, causal=False)
+
+
+# ---- timing against SDPA (cuDNN) ------------------------------------------------------
+
+def _median_ms(fn, reps=20):
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def timing_table():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = ["| hd | seqlen | causal | hopper TFLOP/s | cuDNN TFLOP/s | ratio |", "|---|---|---|---|---|---|"]
+    for head_dim, heads in ((64, 32), (128, 16)):
+        for seqlen in (1024, 4096, 16384):
+            batch = 16384 // seqlen
+            q, k, v = (rand(batch, seqlen, heads, head_dim, dtype=torch.bfloat16) for _ in range(3))
+            out = torch.empty_like(q)
+            lse = torch.empty(batch, heads, seqlen, device="cuda")
+            for causal in (False, True):
+                flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                ours = _median_ms(lambda: hopper_forward(q, k, v, causal=causal, out=out, lse=lse))
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                try:
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        ref = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                            qt, kt, vt, is_causal=causal))
+                    cudnn = f"{flops / ref / 1e9:.0f}"
+                    ratio = f"{ref / ours:.2f}"
+                except RuntimeError as error:  # cuDNN attention unavailable in this torch
+                    cudnn, ratio = f"n/a ({str(error)[:40]})", "-"
+                rows.append(f"| {head_dim} | {seqlen} | {causal} | {flops / ours / 1e9:.0f} | {cudnn} | {ratio} |")
+    return "\n".join(rows)
+
+
+def test_hopper_forward_timing_printout():
+    # A printout, not a gate: the kernel's correctness is checked above.
+    table = timing_table()
+    print("\n" + table)
+    assert table.count("\n") == 13, "a timing row is missing"
+
+
+if __name__ == "__main__":
+    print(timing_table())
