@@ -1,0 +1,71 @@
+"""CPU-side tests of the PORTATTN_CUDA_HOPPER opt-in (variants.py / build.py): the
+default build never sees csrc/hopper_*.cu; the opt-in compiles them for sm_90a only
+and defines PORTATTN_WITH_HOPPER for the binding. Nothing is compiled here: the ninja
+steps are captured instead of run."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+_BUILD_PY = os.path.join(os.path.dirname(__file__), "..", "portattn", "backends", "cuda", "build.py")
+_SPEC = importlib.util.spec_from_file_location("_portattn_cuda_build_hopper_test", _BUILD_PY)
+build = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(build)
+variants = build.variants
+HOPPER_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+
+
+def _library_compiles(monkeypatch, tmp_path, env):
+    """{source file name: nvcc command} that build_library would run."""
+    captured = []
+    monkeypatch.setattr(build.ninja_build.NinjaBuild, "run", lambda self, env: captured.append(self))
+    monkeypatch.setattr(build, "find_nvcc", lambda env=None: "/usr/local/cuda/bin/nvcc")
+    build.build_library(str(tmp_path / "lib.so"), str(tmp_path / "tmp"), env)
+    (ninja,) = captured
+    return {os.path.basename(step.source): step.command for step in ninja.compiles}
+
+
+@pytest.mark.parametrize("value", [None, "", "0"])
+def test_default_build_leaves_the_hopper_sources_out(monkeypatch, tmp_path, value):
+    env = {"PORTATTN_CUDA_ARCHS": "90", "PORTATTN_HEADDIMS": "64", "PORTATTN_DTYPES": "bf16"}
+    if value is not None:
+        env["PORTATTN_CUDA_HOPPER"] = value
+    compiles = _library_compiles(monkeypatch, tmp_path, env)
+    assert "fwd_entry.cu" in compiles
+    assert not any(variants.is_hopper_source(name) for name in compiles)
+    assert not any(HOPPER_GENCODE in command for command in compiles.values())
+
+
+def test_opt_in_compiles_hopper_sources_for_sm90a_only(monkeypatch, tmp_path):
+    env = {"PORTATTN_CUDA_ARCHS": "80;90", "PORTATTN_HEADDIMS": "64", "PORTATTN_DTYPES": "bf16",
+           "PORTATTN_CUDA_HOPPER": "1"}
+    compiles = _library_compiles(monkeypatch, tmp_path, env)
+    hopper = {name: cmd for name, cmd in compiles.items() if variants.is_hopper_source(name)}
+    assert "hopper_fwd_entry.cu" in hopper
+    for command in hopper.values():
+        gencodes = [flag for flag in command if flag.startswith("-gencode")]
+        assert gencodes == [HOPPER_GENCODE]
+    # The other sources keep the plan's arch flags, untouched by the opt-in.
+    assert [f for f in compiles["fwd_entry.cu"] if f.startswith("-gencode")] == variants.gencode_flags(
+        variants.plan_from_env(env))
+
+
+def test_opt_in_value_is_checked():
+    assert variants.hopper_enabled({"PORTATTN_CUDA_HOPPER": "1"})
+    assert not variants.hopper_enabled({})
+    with pytest.raises(ValueError, match="PORTATTN_CUDA_HOPPER"):
+        variants.hopper_enabled({"PORTATTN_CUDA_HOPPER": "yes"})
+
+
+@pytest.mark.parametrize("value, defined", [("1", True), ("0", False)])
+def test_binding_sees_the_hopper_define_only_with_the_opt_in(monkeypatch, tmp_path, value, defined):
+    pytest.importorskip("pybind11")
+    captured = []
+    monkeypatch.setattr(build.ninja_build.NinjaBuild, "run", lambda self, env: captured.append(self))
+    (tmp_path / build.LIBRARY_NAME).write_bytes(b"")  # build_binding only checks that it exists
+    build.build_binding(str(tmp_path / "_C.so"), str(tmp_path / "tmp"), {"PORTATTN_CUDA_HOPPER": value})
+    (ninja,) = captured
+    (step,) = ninja.compiles
+    assert (variants.HOPPER_BINDING_DEFINE in step.command) == defined
