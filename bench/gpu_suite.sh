@@ -21,11 +21,9 @@ for stage in "$@"; do
     tests)
       timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
     sanitize)
-      for script in sanitize_cuda_forward sanitize_cuda_backward; do
-        for tool in memcheck racecheck; do
-          echo "== $tool $script" >> "$OUT/sanitize.log"
-          timeout 150 compute-sanitizer --tool $tool python3 tests/gpu/$script.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
-        done
+      for tool in memcheck racecheck; do
+        echo "== $tool" >> "$OUT/sanitize.log"
+        timeout 240 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_cuda.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
       done ;;
     overhead)
       timeout 200 python3 bench/bench_overhead.py --out "$OUT" 2>&1 | tail -18 ;;

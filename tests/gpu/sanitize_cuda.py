@@ -1,0 +1,75 @@
+"""A few small CUDA forward and backward launches for compute-sanitizer (not collected by pytest).
+
+    compute-sanitizer --tool memcheck  python tests/gpu/sanitize_cuda.py
+    compute-sanitizer --tool racecheck python tests/gpu/sanitize_cuda.py
+
+The cases cover the code paths that index memory differently: sequence tails
+(17, 113 rows), a head dim served by a larger variant (40 -> 64, 200 -> 224, the
+backward splitting it in two halves), GQA and MQA (the backward's fp32 dK/dV
+atomics and its per-KV-head loop), varlen with empty and single-row sequences,
+the extras kernel (softcap + ALiBi + dropout), and the backward's deterministic
+dQ slices. Outputs and gradients are NaN-poisoned; exits non-zero if any stays
+unwritten, while the sanitizer reports access errors and races.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from portattn.backends.cuda import CudaBackend
+
+BACKEND = CudaBackend()
+
+
+def unwritten(q, k, v, **options) -> int:
+    """Forward, then backward in both modes; how many of the three left a NaN."""
+    varlen = options.get("cu_seqlens_q") is not None
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(lse_shape, float("nan"), device=q.device)
+    args = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                softmax_scale=1 / math.sqrt(q.shape[-1]), window_left=-1, window_right=-1, softcap=0.0,
+                alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
+    args.update(options)
+    BACKEND.forward(q, k, v, out, lse, **args)
+    torch.cuda.synchronize()
+    failures = int(out.isnan().any().item() or lse.isnan().any().item())
+    for deterministic in (False, True):
+        grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+        BACKEND.backward(torch.randn_like(out), q, k, v, out, lse, *grads, deterministic=deterministic, **args)
+        torch.cuda.synchronize()
+        failures += int(any(g.isnan().any().item() for g in grads))
+    return failures
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    failures = 0
+    for head_dim, sq, sk, hk, options in [
+        (40, 17, 113, 2, dict(window_right=0)),
+        (128, 113, 17, 1, dict()),
+        (200, 130, 70, 2, dict(window_left=20, window_right=3)),
+        (64, 65, 129, 2, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,
+                              rng_seed=7, rng_offset=3)),
+        (64, 65, 129, 1, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,
+                              rng_seed=7, rng_offset=3)),
+    ]:
+        q = torch.randn(2, sq, 2, head_dim, **bf16)
+        k = torch.randn(2, sk, hk, head_dim, **bf16)
+        v = torch.randn(2, sk, hk, head_dim, **bf16)
+        failures += unwritten(q, k, v, **options)
+    lens = [0, 1, 17, 130]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens), 4, 96, **bf16)
+    kv = torch.randn(sum(lens), 2, 2, 96, **bf16)
+    failures += unwritten(q, kv[:, :, 0], kv[:, :, 1], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130,
+                          max_seqlen_k=130, window_right=0)
+    print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
