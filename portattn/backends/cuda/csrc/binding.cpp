@@ -102,26 +102,25 @@ PortattnFwdParams fwd_params(PORTATTN_FWD_ARGS) {
   return p;
 }
 
-void fwd(PORTATTN_FWD_ARGS) {
-  const PortattnFwdParams p = fwd_params(
-      q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,
-      lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,
-      cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,
-      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream);
+// The names of PORTATTN_FWD_ARGS, in order, to pass them on.
+#define PORTATTN_FWD_ARG_NAMES                                                                     \
+  q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,               \
+      lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,  \
+      cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,    \
+      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream
+
+// Runs a forward C entry point (sm80+ or the opt-in Hopper one); its message becomes the error.
+void call_fwd_entry(int (*entry)(const PortattnFwdParams*, char*, int), const PortattnFwdParams& p) {
   char message[512];
-  check(portattn_cuda_fwd(&p, message, sizeof(message)), message);
+  check(entry(&p, message, sizeof(message)), message);
 }
+
+void fwd(PORTATTN_FWD_ARGS) { call_fwd_entry(portattn_cuda_fwd, fwd_params(PORTATTN_FWD_ARG_NAMES)); }
 
 #ifdef PORTATTN_WITH_HOPPER
 // Same arguments as fwd(); refuses (RuntimeError) what the first Hopper kernel does not serve.
 void hopper_fwd(PORTATTN_FWD_ARGS) {
-  const PortattnFwdParams p = fwd_params(
-      q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,
-      lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,
-      cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,
-      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream);
-  char message[512];
-  check(portattn_cuda_hopper_fwd(&p, message, sizeof(message)), message);
+  call_fwd_entry(portattn_cuda_hopper_fwd, fwd_params(PORTATTN_FWD_ARG_NAMES));
 }
 #endif
 
