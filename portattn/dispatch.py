@@ -25,8 +25,10 @@ from .backends.base import Backend
 from .backends.reference import ReferenceBackend
 from .capability.callspec import FEATURES, CallSpec
 
-# Priority order. Each entry: (name, module, class). A later Hopper path goes first.
+# Priority order. Each entry: (name, module, class). The Hopper path goes first: it
+# declares the calls it serves on sm90, and everything else falls through to "cuda".
 _COMPILED = (
+    ("cuda-sm90", "portattn.backends.cuda", "CudaSm90Backend"),
     ("cuda", "portattn.backends.cuda", "CudaBackend"),
     ("rocm", "portattn.backends.rocm", "RocmBackend"),
 )

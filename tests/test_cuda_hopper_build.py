@@ -1,6 +1,6 @@
-"""CPU-side tests of the PORTATTN_CUDA_HOPPER opt-in (variants.py / build.py): the
-default build never sees csrc/hopper_*.cu; the opt-in compiles them for sm_90a only
-and defines PORTATTN_WITH_HOPPER for the binding. Nothing is compiled here: the ninja
+"""CPU-side tests of the Hopper path's build rule (variants.py / build.py): csrc/hopper_*.cu
+are compiled, for sm_90a only, when the archs include sm_90 (PORTATTN_CUDA_HOPPER=0 leaves
+them out, =1 forces them), and PORTATTN_WITH_HOPPER is then defined for the binding. Nothing is compiled here: the ninja
 steps are captured instead of run."""
 from __future__ import annotations
 
@@ -27,15 +27,21 @@ def _library_compiles(monkeypatch, tmp_path, env):
     return {os.path.basename(step.source): step.command for step in ninja.compiles}
 
 
-@pytest.mark.parametrize("value", [None, "", "0"])
-def test_default_build_leaves_the_hopper_sources_out(monkeypatch, tmp_path, value):
-    env = {"PORTATTN_CUDA_ARCHS": "90", "PORTATTN_HEADDIMS": "64", "PORTATTN_DTYPES": "bf16"}
+@pytest.mark.parametrize("archs, value", [("80", None), ("80;86", ""), ("90", "0"), ("80;90", "0")])
+def test_builds_without_sm90_or_opted_out_leave_the_hopper_sources_out(monkeypatch, tmp_path, archs, value):
+    env = {"PORTATTN_CUDA_ARCHS": archs, "PORTATTN_HEADDIMS": "64", "PORTATTN_DTYPES": "bf16"}
     if value is not None:
         env["PORTATTN_CUDA_HOPPER"] = value
     compiles = _library_compiles(monkeypatch, tmp_path, env)
     assert "fwd_entry.cu" in compiles
     assert not any(variants.is_hopper_source(name) for name in compiles)
     assert not any(HOPPER_GENCODE in command for command in compiles.values())
+
+
+def test_builds_with_sm90_include_the_hopper_sources(monkeypatch, tmp_path):
+    env = {"PORTATTN_CUDA_ARCHS": "90", "PORTATTN_HEADDIMS": "64", "PORTATTN_DTYPES": "bf16"}
+    compiles = _library_compiles(monkeypatch, tmp_path, env)
+    assert "hopper_fwd_entry.cu" in compiles
 
 
 def test_opt_in_compiles_hopper_sources_for_sm90a_only(monkeypatch, tmp_path):
@@ -53,8 +59,9 @@ def test_opt_in_compiles_hopper_sources_for_sm90a_only(monkeypatch, tmp_path):
 
 
 def test_opt_in_value_is_checked():
-    assert variants.hopper_enabled({"PORTATTN_CUDA_HOPPER": "1"})
-    assert not variants.hopper_enabled({})
+    assert variants.hopper_enabled({"PORTATTN_CUDA_HOPPER": "1", "PORTATTN_CUDA_ARCHS": "80"})
+    assert variants.hopper_enabled({})  # the default archs include sm_90
+    assert not variants.hopper_enabled({"PORTATTN_CUDA_ARCHS": "80;89"})
     with pytest.raises(ValueError, match="PORTATTN_CUDA_HOPPER"):
         variants.hopper_enabled({"PORTATTN_CUDA_HOPPER": "yes"})
 

@@ -28,7 +28,7 @@ from .declare import ANY_ARCH, COMPILED, NO, VERIFIED, BackendSpec
 from .probe import DeviceInfo
 
 # Table order; dispatch has its own priority order.
-_SPEC_MODULES = ("reference", "cuda", "rocm")
+_SPEC_MODULES = ("reference", "cuda_sm90", "cuda", "rocm")
 
 _VENDOR_TITLE = {"nvidia": "NVIDIA", "amd": "AMD"}
 _DTYPE_ORDER = ("float16", "bfloat16", "float32")

@@ -8,7 +8,7 @@ The cases cover the code paths that index memory differently: sequence tails
 backward splitting it in two halves), GQA and MQA (the backward's fp32 dK/dV
 atomics and its per-KV-head loop), varlen with empty and single-row sequences,
 the extras kernel (softcap + ALiBi + dropout), and the backward's deterministic
-dQ slices. Outputs and gradients are NaN-poisoned; exits non-zero if any stays
+dQ slices, and the sm_90a forward on an sm_90 device. Outputs and gradients are NaN-poisoned; exits non-zero if any stays
 unwritten, while the sanitizer reports access errors and races.
 """
 from __future__ import annotations
@@ -18,9 +18,24 @@ import sys
 
 import torch
 
-from portattn.backends.cuda import CudaBackend
+from portattn.backends.cuda import CudaBackend, CudaSm90Backend
+from portattn.capability.callspec import CallSpec
 
 BACKEND = CudaBackend()
+BACKEND_SM90 = CudaSm90Backend()
+HOPPER_CALL = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "causal", "gqa"}))
+
+
+def unwritten_forward(backend, q, k, v, **options) -> int:
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    args = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                softmax_scale=1 / math.sqrt(q.shape[-1]), window_left=-1, window_right=-1, softcap=0.0,
+                alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
+    args.update(options)
+    backend.forward(q, k, v, out, lse, **args)
+    torch.cuda.synchronize()
+    return int(out.isnan().any().item() or lse.isnan().any().item())
 
 
 def unwritten(q, k, v, **options) -> int:
@@ -67,6 +82,11 @@ def main() -> int:
     kv = torch.randn(sum(lens), 2, 2, 96, **bf16)
     failures += unwritten(q, kv[:, :, 0], kv[:, :, 1], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130,
                           max_seqlen_k=130, window_right=0)
+    if BACKEND_SM90.unsupported_reasons(HOPPER_CALL) == []:  # the sm_90a path, on an sm_90 device
+        for seqlen_q, seqlen_k in ((17, 113), (130, 70)):
+            q = torch.randn(2, seqlen_q, 4, 128, **bf16)
+            k, v = (torch.randn(2, seqlen_k, 2, 128, **bf16) for _ in range(2))
+            failures += unwritten_forward(BACKEND_SM90, q, k, v, window_right=0)
     print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs")
     return 1 if failures else 0
 

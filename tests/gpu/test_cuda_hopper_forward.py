@@ -1,7 +1,7 @@
-"""GPU tests of the opt-in sm_90a forward kernel (csrc/hopper_fwd_*.cu), called directly.
+"""GPU tests of the sm_90a forward kernel (csrc/hopper_fwd_*.cu), called directly and through dispatch.
 
-The kernel is not in dispatch; it exists in `_C` only when the backend was built
-with PORTATTN_CUDA_HOPPER=1 (then `_C.hopper_fwd` takes `_C.fwd`'s arguments).
+The kernel exists in `_C` when the build's archs include sm_90 (then `_C.hopper_fwd`
+takes `_C.fwd`'s arguments) and dispatch serves it as the "cuda-sm90" backend.
 Everything here skips with the reason otherwise, and on any GPU but sm_90.
 
 Error rule (DEVELOPERS.md): with the same low-precision inputs,
@@ -33,7 +33,7 @@ from portattn.backends.cuda import _C  # noqa: E402
 from portattn.backends.reference import ReferenceBackend  # noqa: E402
 
 if not hasattr(_C, "hopper_fwd"):
-    pytest.skip("the CUDA backend was built without the Hopper path (rebuild with PORTATTN_CUDA_HOPPER=1)",
+    pytest.skip("the CUDA backend was built without the Hopper path (sm_90 not among its archs)",
                 allow_module_level=True)
 if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip(f"the Hopper kernel is built for sm_90a only; this GPU is sm_"
@@ -163,6 +163,30 @@ def timing_table():
                     cudnn, ratio = f"n/a ({str(error)[:40]})", "-"
                 rows.append(f"| {head_dim} | {seqlen} | {causal} | {flops / ours / 1e9:.0f} | {cudnn} | {ratio} |")
     return "\n".join(rows)
+
+
+def test_dispatch_routes_eligible_calls_to_the_hopper_path_and_the_rest_to_sm80():
+    import portattn
+
+    q, k, v = (rand(2, 300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
+    assert portattn.explain(q, k, v, softcap=5.0).chosen == "cuda"  # declared: sm80+ path only
+    assert portattn.explain(q[..., :96], k[..., :96], v[..., :96]).chosen == "cuda"  # head dim 96
+    q.requires_grad_()
+    assert portattn.explain(q, k, v, causal=True).reasons["cuda-sm90"] == [
+        "feature backward not supported by cuda-sm90 (runs on the sm80+ path (cuda))"]
+    # A Hopper forward pairs with the sm80+ backward (same out / LSE contract).
+    out = portattn.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_q = q.detach().double().requires_grad_()
+    ref_out = naive_attention(ref_q, k.double(), v.double(), causal=True)[0]
+    ref_out.backward(dout.double())
+    low_q = q.detach().clone().requires_grad_()
+    low_out = naive_attention(low_q, k, v, causal=True, compute_dtype=torch.bfloat16)[0]
+    low_out.backward(dout)
+    assert (out.double() - ref_out).abs().max() <= 2 * (low_out.double() - ref_out).abs().max() + 1e-5
+    assert (q.grad.double() - ref_q.grad).abs().max() <= 3 * (low_q.grad.double() - ref_q.grad).abs().max() + 1e-5
 
 
 def test_hopper_forward_timing_printout():

@@ -48,7 +48,7 @@ class CudaBackend(Backend):
             return [self.unavailable_reason]
         if torch.version.hip is not None:
             return ["this torch is a ROCm build (the CUDA backend needs CUDA)"]
-        return check_call("cuda", self._device_info(), call, self._build_config)
+        return check_call(self.name, self._device_info(), call, self.build_config())
 
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
@@ -59,3 +59,32 @@ class CudaBackend(Backend):
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
         run_bwd(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)
+
+
+class CudaSm90Backend(CudaBackend):
+    """The Hopper path (csrc/hopper_fwd_*: TMA + wgmma, sm_90a), forward only.
+
+    Dispatch tries it first on sm90; its declaration (capability/specs/cuda_sm90.py)
+    sends every other call, the backward included, to the sm80+ path above. Both
+    write the same out/LSE, so a Hopper forward pairs with the sm80+ backward.
+    """
+
+    name = "cuda-sm90"
+
+    def __init__(self) -> None:
+        super().__init__()
+        if not self.unavailable_reason and not hasattr(_C, "hopper_fwd"):
+            self.unavailable_reason = "this build has no sm_90a path (sm_90 was not among PORTATTN_CUDA_ARCHS, or PORTATTN_CUDA_HOPPER=0)"
+
+    def build_config(self) -> Optional[dict]:
+        return None if self._build_config is None else self._build_config.get("hopper")
+
+    def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                rng_seed, rng_offset) -> None:
+        _C.hopper_fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                                alibi_slopes, dropout_p, rng_seed, rng_offset))
+
+    def backward(self, *args, **options) -> None:
+        raise NotImplementedError("cuda-sm90 declares no backward; dispatch routes it to cuda")

@@ -198,12 +198,13 @@ def _table_source(plan: BuildPlan, families: Iterable[Family]) -> str:
     return "\n".join(lines)
 
 
-# ---- Hopper opt-in (issue #6) -------------------------------------------------
-# The sm_90a forward kernel (csrc/hopper_fwd_*.cu) is not verified and not in
-# dispatch, so it is compiled only when PORTATTN_CUDA_HOPPER=1: its sources
-# are left out of every other build, get SASS for sm_90a only (wgmma and
-# setmaxnreg exist nowhere else, and no PTX is embedded for newer GPUs), and
-# the binding then exposes `hopper_fwd` (compile definition below).
+# ---- Hopper path (issue #6) -----------------------------------------------------
+# The sm_90a forward kernel (csrc/hopper_fwd_*.cu) is built whenever the plan
+# includes sm_90 (PORTATTN_CUDA_HOPPER=0 leaves it out, =1 forces it): its
+# sources are left out of the generic arch loop, get SASS for sm_90a only
+# (wgmma and setmaxnreg exist nowhere else, and no PTX is embedded for newer
+# GPUs), and the binding then exposes `hopper_fwd` (compile definition below).
+# Dispatch serves it as the "cuda-sm90" backend (capability/specs/cuda_sm90.py).
 HOPPER_ENV = "PORTATTN_CUDA_HOPPER"
 HOPPER_SOURCE_PREFIX = "hopper_"
 HOPPER_GENCODE: Tuple[str, ...] = ("-gencode=arch=compute_90a,code=sm_90a",)
@@ -211,12 +212,15 @@ HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
 
 
 def hopper_enabled(env: Mapping[str, str]) -> bool:
+    """Whether the library (and so the binding) carries the sm_90a path."""
     value = env.get(HOPPER_ENV, "").strip()
-    if value in ("", "0"):
+    if value == "0":
         return False
     if value == "1":
         return True
-    raise ValueError(f"{HOPPER_ENV}: expected 0 or 1, got {value!r}")
+    if value == "":
+        return any(_arch_number(arch) == 90 for arch in plan_from_env(env).archs)
+    raise ValueError(f"{HOPPER_ENV}: expected 0 or 1 (unset: built when the archs include sm_90), got {value!r}")
 
 
 def is_hopper_source(file_name: str) -> bool:

@@ -13,10 +13,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "../../common/binding_args.h"
 #include "c_api.h"
 
 extern "C" {
-// ---- backward (owned by the backward engineer): declare its C entry points here ----
+// ---- backward entry points ----
 int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int message_len);
 long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params);
 int portattn_cuda_bwd_smem_bytes(int head_dim);
@@ -24,6 +25,8 @@ int portattn_cuda_bwd_smem_bytes(int head_dim);
 #ifdef PORTATTN_WITH_HOPPER
 // Opt-in sm_90a forward (hopper_fwd_entry.cu; build with PORTATTN_CUDA_HOPPER=1).
 int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message, int message_len);
+int portattn_cuda_hopper_num_variants();
+void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype);
 #endif
 }
 
@@ -31,83 +34,13 @@ namespace py = pybind11;
 
 namespace {
 
-int64_t tuple_item(PyObject* tuple, Py_ssize_t index) {
-  return PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, index));
-}
-
-// (B, S, H, D) strides -> batch/row/head; a varlen (total, H, D) tensor has no batch stride.
-PortattnTensor4 tensor4(py::handle strides) {
-  PyObject* t = strides.ptr();
-  if (!PyTuple_Check(t)) throw py::type_error("portattn cuda: strides must be a tuple");
-  const Py_ssize_t n = PyTuple_GET_SIZE(t);
-  if (n == 4) return PortattnTensor4{tuple_item(t, 0), tuple_item(t, 1), tuple_item(t, 2)};
-  if (n == 3) return PortattnTensor4{0, tuple_item(t, 0), tuple_item(t, 1)};
-  throw py::value_error("portattn cuda: expected the strides of a 3-d or 4-d tensor");
-}
-
 void check(int code, const char* message) {
   if (code != 0) throw std::runtime_error(message);
 }
 
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-// The forward call's arguments, shared by fwd() and bwd() (which takes them
-// after its own, in this order).
-#define PORTATTN_FWD_ARGS                                                                          \
-  uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, py::handle q_strides,       \
-      py::handle k_strides, py::handle v_strides, py::handle out_strides,                          \
-      int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads,         \
-      int nheads_k, int headdim, int seqlen_q, int seqlen_k, uintptr_t cu_seqlens_q,               \
-      uintptr_t cu_seqlens_k, uintptr_t seqused_k, float softmax_scale, float softcap,             \
-      int window_left, int window_right, uintptr_t alibi_slopes, int64_t alibi_batch_stride,       \
-      float dropout_p, unsigned long long philox_seed, unsigned long long philox_offset,           \
-      uintptr_t stream
-
-PortattnFwdParams fwd_params(PORTATTN_FWD_ARGS) {
-  PortattnFwdParams p;
-  p.q = ptr<const void>(q);
-  p.k = ptr<const void>(k);
-  p.v = ptr<const void>(v);
-  p.out = ptr<void>(out);
-  p.lse = ptr<float>(lse);
-  p.q_strides = tensor4(q_strides);
-  p.k_strides = tensor4(k_strides);
-  p.v_strides = tensor4(v_strides);
-  p.out_strides = tensor4(out_strides);
-  p.lse_batch_stride = lse_batch_stride;
-  p.lse_head_stride = lse_head_stride;
-  p.dtype = dtype;
-  p.batch = batch;
-  p.nheads = nheads;
-  p.nheads_k = nheads_k;
-  p.headdim = headdim;
-  p.seqlen_q = seqlen_q;
-  p.seqlen_k = seqlen_k;
-  p.cu_seqlens_q = ptr<const int32_t>(cu_seqlens_q);
-  p.cu_seqlens_k = ptr<const int32_t>(cu_seqlens_k);
-  p.seqused_k = ptr<const int32_t>(seqused_k);
-  p.softmax_scale = softmax_scale;
-  p.softcap = softcap;
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.alibi_slopes = ptr<const float>(alibi_slopes);
-  p.alibi_batch_stride = alibi_batch_stride;
-  p.dropout_p = dropout_p;
-  p.philox_seed = philox_seed;
-  p.philox_offset = philox_offset;
-  p.stream = ptr<void>(stream);
-  return p;
-}
-
-// The names of PORTATTN_FWD_ARGS, in order, to pass them on.
-#define PORTATTN_FWD_ARG_NAMES                                                                     \
-  q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,               \
-      lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,  \
-      cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,    \
-      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream
+// The argument list and its unpacking are shared with the ROCm module.
+using portattn::binding::bwd_params;
+using portattn::binding::fwd_params;
 
 // Runs a forward C entry point (sm80+ or the opt-in Hopper one); its message becomes the error.
 void call_fwd_entry(int (*entry)(const PortattnFwdParams*, char*, int), const PortattnFwdParams& p) {
@@ -124,41 +57,11 @@ void hopper_fwd(PORTATTN_FWD_ARGS) {
 }
 #endif
 
-// ---- backward (owned by the backward engineer) ----
-PortattnBwdParams bwd_params(uintptr_t dout, py::handle dout_strides, uintptr_t dq,
-                             py::handle dq_strides, uintptr_t dk, py::handle dk_strides,
-                             uintptr_t dv, py::handle dv_strides, uintptr_t workspace,
-                             int64_t workspace_bytes, bool deterministic,
-                             const PortattnFwdParams& fwd) {
-  PortattnBwdParams p;
-  p.fwd = fwd;
-  p.dout = ptr<const void>(dout);
-  p.dout_strides = tensor4(dout_strides);
-  p.dq = ptr<void>(dq);
-  p.dk = ptr<void>(dk);
-  p.dv = ptr<void>(dv);
-  p.dq_strides = tensor4(dq_strides);
-  p.dk_strides = tensor4(dk_strides);
-  p.dv_strides = tensor4(dv_strides);
-  p.workspace = ptr<void>(workspace);
-  p.workspace_bytes = workspace_bytes;
-  p.deterministic = deterministic ? 1 : 0;
-  return p;
-}
-
+// ---- backward ----
 // bwd(dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides,
 //     workspace, workspace_bytes, deterministic, <the forward call's arguments>)
-void bwd(uintptr_t dout, py::handle dout_strides, uintptr_t dq, py::handle dq_strides,
-         uintptr_t dk, py::handle dk_strides, uintptr_t dv, py::handle dv_strides,
-         uintptr_t workspace, int64_t workspace_bytes, bool deterministic, PORTATTN_FWD_ARGS) {
-  const PortattnBwdParams p = bwd_params(
-      dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides, workspace,
-      workspace_bytes, deterministic,
-      fwd_params(q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides,
-                 lse_batch_stride, lse_head_stride, dtype, batch, nheads, nheads_k, headdim,
-                 seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap,
-                 window_left, window_right, alibi_slopes, alibi_batch_stride, dropout_p,
-                 philox_seed, philox_offset, stream));
+void bwd(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
+  const PortattnBwdParams p = bwd_params(PORTATTN_BWD_OWN_ARG_NAMES, fwd_params(PORTATTN_FWD_ARG_NAMES));
   char message[512];
   check(portattn_cuda_bwd(&p, message, sizeof(message)), message);
 }
@@ -221,6 +124,25 @@ py::dict build_config() {
   for (py::handle hd : head_dims) forward[hd] = portattn_cuda_fwd_smem_bytes(hd.cast<int>());
   budgets["forward"] = forward;
   config["smem_bytes"] = budgets;
+#ifdef PORTATTN_WITH_HOPPER
+  // The sm_90a path (dispatch's "cuda-sm90" backend): its own head dims and dtypes.
+  py::list hopper_head_dims, hopper_dtypes;
+  for (int i = 0; i < portattn_cuda_hopper_num_variants(); ++i) {
+    int head_dim = 0, dtype = 0;
+    portattn_cuda_hopper_variant(i, &head_dim, &dtype);
+    py::int_ hd(head_dim);
+    py::str name(kDtypeNames[dtype]);
+    if (!hopper_head_dims.contains(hd)) hopper_head_dims.append(hd);
+    if (!hopper_dtypes.contains(name)) hopper_dtypes.append(name);
+  }
+  py::dict hopper;
+  py::list hopper_archs;
+  hopper_archs.append(py::str("sm_90a"));
+  hopper["archs"] = hopper_archs;
+  hopper["head_dims"] = hopper_head_dims;
+  hopper["dtypes"] = hopper_dtypes;
+  config["hopper"] = hopper;
+#endif
   return config;
 }
 
@@ -235,7 +157,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("build_config", &build_config,
         "what this build contains: {'archs', 'ptx', 'head_dims', 'dtypes'}");
-  // ---- backward (owned by the backward engineer): m.def("bwd", ...) and helpers here ----
+  // ---- backward ----
   m.def("bwd", &bwd, "backward attention over raw pointers (see backends/common/params.h)");
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes,
         "scratch bytes bwd() needs: (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, "

@@ -211,3 +211,13 @@ extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* m
   }
   return 0;
 }
+
+// What this build contains, for build_config()["hopper"] (the support matrix's head dims).
+extern "C" int portattn_cuda_hopper_num_variants() {
+  return static_cast<int>(sizeof(portattn::hopper::kVariants) / sizeof(portattn::hopper::kVariants[0]));
+}
+
+extern "C" void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype) {
+  *head_dim = portattn::hopper::kVariants[index].head_dim;
+  *dtype = portattn::hopper::kVariants[index].dtype;
+}

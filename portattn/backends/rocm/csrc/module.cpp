@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../../common/binding_args.h"
 #include "../../common/params.h"
 #include "registry.h"
 
@@ -194,97 +195,20 @@ py::dict build_config() {
   return config;
 }
 
-// The same argument list as the CUDA module's fwd (one Python marshalling for
-// both vendors): pointers as ints, strides as torch's stride tuples of a 4-d
-// (B, S, H, D) or varlen 3-d (total, H, D) tensor.
-PortattnTensor4 tensor4(const std::vector<int64_t>& strides) {
-  if (strides.size() == 4) return PortattnTensor4{strides[0], strides[1], strides[2]};
-  if (strides.size() == 3) return PortattnTensor4{0, strides[0], strides[1]};
-  throw std::invalid_argument("portattn ROCm: expected the strides of a 3-d or 4-d tensor");
-}
+// The same argument list as the CUDA module's fwd (common/binding_args.h): one
+// Python marshalling for both vendors (portattn/backends/abi.py).
+using binding::bwd_params;
+using binding::fwd_params;
 
-template <class T>
-T* as_pointer(std::uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-// The forward call's arguments, shared by fwd() and bwd() (which takes them after its own).
-#define PORTATTN_ROCM_FWD_ARGS                                                                             \
-  std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out, std::uintptr_t lse,           \
-      const std::vector<int64_t>&q_strides, const std::vector<int64_t>&k_strides,                          \
-      const std::vector<int64_t>&v_strides, const std::vector<int64_t>&out_strides,                        \
-      int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads, int nheads_k,   \
-      int headdim, int seqlen_q, int seqlen_k, std::uintptr_t cu_seqlens_q, std::uintptr_t cu_seqlens_k,   \
-      std::uintptr_t seqused_k, float softmax_scale, float softcap, int window_left, int window_right,      \
-      std::uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uint64_t philox_seed,       \
-      uint64_t philox_offset, std::uintptr_t stream
-#define PORTATTN_ROCM_FWD_ARG_NAMES                                                                        \
-  q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride, lse_head_stride, dtype, \
-      batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k,          \
-      softmax_scale, softcap, window_left, window_right, alibi_slopes, alibi_batch_stride, dropout_p,       \
-      philox_seed, philox_offset, stream
-
-PortattnFwdParams fwd_params(PORTATTN_ROCM_FWD_ARGS) {
-  PortattnFwdParams p{};
-  p.q = as_pointer<const void>(q);
-  p.k = as_pointer<const void>(k);
-  p.v = as_pointer<const void>(v);
-  p.out = as_pointer<void>(out);
-  p.lse = as_pointer<float>(lse);
-  p.q_strides = tensor4(q_strides);
-  p.k_strides = tensor4(k_strides);
-  p.v_strides = tensor4(v_strides);
-  p.out_strides = tensor4(out_strides);
-  p.lse_batch_stride = lse_batch_stride;
-  p.lse_head_stride = lse_head_stride;
-  p.dtype = dtype;
-  p.batch = batch;
-  p.nheads = nheads;
-  p.nheads_k = nheads_k;
-  p.headdim = headdim;
-  p.seqlen_q = seqlen_q;
-  p.seqlen_k = seqlen_k;
-  p.cu_seqlens_q = as_pointer<const int32_t>(cu_seqlens_q);
-  p.cu_seqlens_k = as_pointer<const int32_t>(cu_seqlens_k);
-  p.seqused_k = as_pointer<const int32_t>(seqused_k);
-  p.softmax_scale = softmax_scale;
-  p.softcap = softcap;
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.alibi_slopes = as_pointer<const float>(alibi_slopes);
-  p.alibi_batch_stride = alibi_batch_stride;
-  p.dropout_p = dropout_p;
-  p.philox_seed = philox_seed;
-  p.philox_offset = philox_offset;
-  p.stream = as_pointer<void>(stream);
-  return p;
-}
-
-void fwd_entry(PORTATTN_ROCM_FWD_ARGS) {
-  const PortattnFwdParams p = fwd_params(PORTATTN_ROCM_FWD_ARG_NAMES);
+void fwd_entry(PORTATTN_FWD_ARGS) {
+  const PortattnFwdParams p = fwd_params(PORTATTN_FWD_ARG_NAMES);
   py::gil_scoped_release no_gil;
   fwd(p);
 }
 
-// bwd(dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides,
-//     workspace, workspace_bytes, deterministic, <fwd's arguments>), as the CUDA module.
-void bwd_entry(std::uintptr_t dout, const std::vector<int64_t>& dout_strides, std::uintptr_t dq,
-               const std::vector<int64_t>& dq_strides, std::uintptr_t dk, const std::vector<int64_t>& dk_strides,
-               std::uintptr_t dv, const std::vector<int64_t>& dv_strides, std::uintptr_t workspace,
-               int64_t workspace_bytes, bool deterministic, PORTATTN_ROCM_FWD_ARGS) {
-  PortattnBwdParams p{};
-  p.fwd = fwd_params(PORTATTN_ROCM_FWD_ARG_NAMES);
-  p.dout = as_pointer<const void>(dout);
-  p.dout_strides = tensor4(dout_strides);
-  p.dq = as_pointer<void>(dq);
-  p.dk = as_pointer<void>(dk);
-  p.dv = as_pointer<void>(dv);
-  p.dq_strides = tensor4(dq_strides);
-  p.dk_strides = tensor4(dk_strides);
-  p.dv_strides = tensor4(dv_strides);
-  p.workspace = as_pointer<void>(workspace);
-  p.workspace_bytes = workspace_bytes;
-  p.deterministic = deterministic ? 1 : 0;
+// bwd(<PORTATTN_BWD_OWN_ARGS>, <fwd's arguments>), as the CUDA module.
+void bwd_entry(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
+  const PortattnBwdParams p = bwd_params(PORTATTN_BWD_OWN_ARG_NAMES, fwd_params(PORTATTN_FWD_ARG_NAMES));
   py::gil_scoped_release no_gil;
   bwd(p);
 }

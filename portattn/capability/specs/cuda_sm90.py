@@ -1,0 +1,43 @@
+"""The Hopper path of the CUDA backend (csrc/hopper_fwd_*: TMA + wgmma, sm_90a).
+
+Dispatch tries it before the sm80+ path; every call it does not declare here
+(windows, softcap, ALiBi, dropout, varlen, other head dims, the backward) goes to
+the sm80+ path ("cuda"), never silently served differently. The kernel is built
+for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
+"""
+from ..archs import ArchRange
+from ..declare import BackendSpec
+
+SUPPORTED = frozenset({"forward", "causal", "gqa"})
+
+# sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_hopper_forward.py, 67 passed
+# calling the kernel directly (bench/results/hopper_fwd_first_run.md); the same file's
+# dispatch test routes through the public API (bench/results/gpu_suite.md).
+VERIFIED = {"sm90": SUPPORTED}
+
+SPEC = BackendSpec(
+    name="cuda-sm90",
+    title="CUDA Hopper",
+    vendor="nvidia",
+    archs=(ArchRange("nvidia", "sm90", "sm90"),),
+    arch_note="Hopper (sm_90a)",
+    ptx_forward_compatible=False,
+    dtypes=("float16", "bfloat16"),
+    # Exactly 64 and 128: the kernel has no masked head-dim tail.
+    head_dim_multiple=64,
+    head_dim_max=128,
+    supported=SUPPORTED,
+    verified=VERIFIED,
+    unsupported_notes={
+        "backward": "runs on the sm80+ path (cuda)",
+        "window": "runs on the sm80+ path (cuda)",
+        "softcap": "runs on the sm80+ path (cuda)",
+        "alibi": "runs on the sm80+ path (cuda)",
+        "dropout": "runs on the sm80+ path (cuda)",
+        "varlen": "runs on the sm80+ path (cuda)",
+        "deterministic_backward": "runs on the sm80+ path (cuda)",
+        "paged_kv": "is gathered into a packed varlen call first",
+    },
+    build_arch_env="PORTATTN_CUDA_ARCHS",
+    fallback_when_unbuilt="build with sm_90 among PORTATTN_CUDA_ARCHS (the default) to include it",
+)
