@@ -6,7 +6,7 @@
 #   sanitize  compute-sanitizer memcheck + racecheck on the small forward/backward cases
 #   overhead  bench/bench_overhead.py (host overhead, self-check cost)
 #   report    portattn-report, --selftest and the quickstart example -> report.txt
-#   bench     bench/bench_attention.py --backward (TFLOP/s grid vs SDPA flash/cuDNN)
+#   bench     bench/bench_attention.py $BENCH_ARGS (default --backward: TFLOP/s grid vs SDPA flash/cuDNN)
 #   train     bench/train_check.py (loss curves, portattn vs SDPA from one initialisation)
 # Set PORTATTN_COMMIT to the commit under test (the device copy has no .git).
 set -o pipefail
@@ -30,7 +30,7 @@ for stage in "$@"; do
     report)
       { python3 -m portattn; python3 -m portattn --selftest; python3 examples/quickstart.py; } 2>&1 | tee -a "$OUT/report.txt" | tail -12 ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_attention.py --backward --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+      timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_attention.py ${BENCH_ARGS:---backward} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     train)
       timeout 200 python3 bench/train_check.py --out "$OUT" 2>&1 | tee "$OUT/train_check.log" | tail -3 ;;
   esac
