@@ -81,6 +81,17 @@ def test_large_calls_are_chunked_by_kv_heads(module):
     assert one_chunk(8, 32768) < 130 * MIB
 
 
+def test_deterministic_calls_keep_whole_launches_up_to_4_gib_of_dq_slices(module):
+    def layout(heads, seqlen, splits, d=128):
+        rows = heads * seqlen
+        return _align(rows * 4) + _align(splits * rows * d * 4)
+
+    # 16 KV heads -> 16 splits (256 target CTAs); 2 GiB of slices stays one launch of 256 CTAs.
+    assert module.bwd_workspace_bytes(1, 16, 16, 128, 16384, 16384, True) == layout(16, 16384, 16)
+    # At 64k tokens the slices would be 8 GiB: halved into chunks of 8 KV heads (4 GiB).
+    assert module.bwd_workspace_bytes(1, 16, 16, 128, 65536, 65536, True) == layout(8, 65536, 16)
+
+
 def test_too_small_workspace_is_a_clear_error(module):
     b, s, h, d = 1, 128, 2, 64
     strides = (s * h * d, h * d, d, 1)

@@ -23,6 +23,12 @@ constexpr int kMinBlockN = 64;
 // (each chunk is then still thousands of CTAs) while a 32k-token, 16-head
 // call keeps half the scratch of an unchunked one.
 constexpr int64_t kMinChunkDqBytes = int64_t(128) << 20;
+// Deterministic mode chunks only past this much dQ scratch: its splits were sized
+// for the whole call (kDetTargetCtas), so a chunk of one or two KV heads would run
+// a fraction of the GPU (measured 1.8-7.6x the default's time at 8k-16k tokens with
+// the 128 MiB rule above, against 1.00-1.25x unchunked). The price is scratch: about
+// kDetTargetCtas / (batch * nheads_k) fp32 copies of dQ, 2 GiB at B=1, H=16, 16k, hd128.
+constexpr int64_t kMinChunkDetDqBytes = int64_t(4) << 30;
 
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -52,7 +58,8 @@ BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params) {
   const int64_t dq_per_kv_head = static_cast<int64_t>(ws.slices) * f.batch * group * f.seqlen_q *
                                  f.headdim * 4;
   ws.chunk_heads_k = f.nheads_k;
-  while (ws.chunk_heads_k % 2 == 0 && dq_per_kv_head * (ws.chunk_heads_k / 2) >= kMinChunkDqBytes)
+  const int64_t min_chunk_bytes = params.deterministic ? kMinChunkDetDqBytes : kMinChunkDqBytes;
+  while (ws.chunk_heads_k % 2 == 0 && dq_per_kv_head * (ws.chunk_heads_k / 2) >= min_chunk_bytes)
     ws.chunk_heads_k /= 2;
   const int64_t rows = static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group * f.seqlen_q;
   ws.dq_slice = rows * f.headdim;
