@@ -26,20 +26,8 @@ BACKEND_SM90 = CudaSm90Backend()
 HOPPER_CALL = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "causal", "gqa"}))
 
 
-def unwritten_forward(backend, q, k, v, **options) -> int:
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    args = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                softmax_scale=1 / math.sqrt(q.shape[-1]), window_left=-1, window_right=-1, softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
-    args.update(options)
-    backend.forward(q, k, v, out, lse, **args)
-    torch.cuda.synchronize()
-    return int(out.isnan().any().item() or lse.isnan().any().item())
-
-
-def unwritten(q, k, v, **options) -> int:
-    """Forward, then backward in both modes; how many of the three left a NaN."""
+def _forward(backend, q, k, v, **options):
+    """NaN-poisoned out/lse, the forward launched on them, and the options it used."""
     varlen = options.get("cu_seqlens_q") is not None
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     out = torch.full_like(q, float("nan"))
@@ -48,8 +36,19 @@ def unwritten(q, k, v, **options) -> int:
                 softmax_scale=1 / math.sqrt(q.shape[-1]), window_left=-1, window_right=-1, softcap=0.0,
                 alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
     args.update(options)
-    BACKEND.forward(q, k, v, out, lse, **args)
+    backend.forward(q, k, v, out, lse, **args)
     torch.cuda.synchronize()
+    return out, lse, args
+
+
+def unwritten_forward(backend, q, k, v, **options) -> int:
+    out, lse, _ = _forward(backend, q, k, v, **options)
+    return int(out.isnan().any().item() or lse.isnan().any().item())
+
+
+def unwritten(q, k, v, **options) -> int:
+    """Forward, then backward in both modes; how many of the three left a NaN."""
+    out, lse, args = _forward(BACKEND, q, k, v, **options)
     failures = int(out.isnan().any().item() or lse.isnan().any().item())
     for deterministic in (False, True):
         grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]

@@ -13,23 +13,19 @@ from typing import Optional
 import torch
 
 from ...capability.callspec import CallSpec
-from ..abi import fwd_args, load_extension, run_bwd
-from ..base import Backend
+from ..abi import fwd_args, load_extension
+from ..compiled import CompiledBackend
 
 # Not built (no nvcc at install time), or built for another Python: a reason, not an error.
 _C, _IMPORT_ERROR = load_extension(__name__, "CUDA")
 
 
-class CudaBackend(Backend):
+class CudaBackend(CompiledBackend):
     name = "cuda"
 
     def __init__(self) -> None:
-        self.unavailable_reason = _IMPORT_ERROR
-        self._build_config = _C.build_config() if _C is not None else None
+        super().__init__(_C, _IMPORT_ERROR)
         self._devices: Optional[list] = None
-
-    def build_config(self) -> Optional[dict]:
-        return self._build_config
 
     def _device_info(self):
         if self._devices is None:
@@ -50,16 +46,6 @@ class CudaBackend(Backend):
             return ["this torch is a ROCm build (the CUDA backend needs CUDA)"]
         return check_call(self.name, self._device_info(), call, self.build_config())
 
-    def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                rng_seed, rng_offset) -> None:
-        _C.fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                         rng_seed, rng_offset))
-
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
-        run_bwd(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)
-
 
 class CudaSm90Backend(CudaBackend):
     """The Hopper path (csrc/hopper_fwd_*: TMA + wgmma, sm_90a), forward only.
@@ -73,7 +59,7 @@ class CudaSm90Backend(CudaBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        if not self.unavailable_reason and not hasattr(_C, "hopper_fwd"):
+        if not self.unavailable_reason and not hasattr(self.module, "hopper_fwd"):
             self.unavailable_reason = "this build has no sm_90a path (sm_90 was not among PORTATTN_CUDA_ARCHS, or PORTATTN_CUDA_HOPPER=0)"
 
     def build_config(self) -> Optional[dict]:
@@ -82,9 +68,9 @@ class CudaSm90Backend(CudaBackend):
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                 rng_seed, rng_offset) -> None:
-        _C.hopper_fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-                                alibi_slopes, dropout_p, rng_seed, rng_offset))
+        self.module.hopper_fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, softmax_scale, window_left, window_right,
+                                         softcap, alibi_slopes, dropout_p, rng_seed, rng_offset))
 
     def backward(self, *args, **options) -> None:
         raise NotImplementedError("cuda-sm90 declares no backward; dispatch routes it to cuda")

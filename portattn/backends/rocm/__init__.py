@@ -12,13 +12,11 @@ dispatch falls back.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ...capability.callspec import CallSpec
-from ..abi import fwd_args, load_extension, run_bwd
-from ..base import Backend
+from ..abi import load_extension
+from ..compiled import CompiledBackend
 
 # Not built, built for another Python, or libamdhip64 missing: a reason, not an error.
 _C, _IMPORT_ERROR = load_extension(__name__, "ROCm")
@@ -36,15 +34,11 @@ def _availability() -> str:
     return ""
 
 
-class RocmBackend(Backend):
+class RocmBackend(CompiledBackend):
     name = "rocm"
 
     def __init__(self) -> None:
-        self.unavailable_reason = _availability()
-        self._build_config = _C.build_config() if _C is not None else None
-
-    def build_config(self) -> Optional[dict]:
-        return self._build_config
+        super().__init__(_C, _availability())
 
     def unsupported_reasons(self, call: CallSpec) -> list[str]:
         from ...capability.matrix import check_call
@@ -53,14 +47,3 @@ class RocmBackend(Backend):
         if self.unavailable_reason:
             return [self.unavailable_reason]
         return check_call("rocm", device_info(), call, self._build_config)
-
-    def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                rng_seed, rng_offset) -> None:
-        _C.fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                         rng_seed, rng_offset))
-
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
-        # The tensors -> _C.bwd marshalling is vendor-neutral (the modules share the signature).
-        run_bwd(_C, dout, q, k, v, out, lse, dq, dk, dv, **options)

@@ -1,0 +1,31 @@
+"""What the two vendor backends share: a compiled module with abi.py's `fwd` / `bwd`.
+
+The subclasses (cuda.CudaBackend, rocm.RocmBackend) say which module and which
+support declaration; the calls themselves are the same for both vendors.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .abi import fwd_args, run_bwd
+from .base import Backend
+
+
+class CompiledBackend(Backend):
+    def __init__(self, module, unavailable_reason: str) -> None:
+        self.module = module
+        self.unavailable_reason = unavailable_reason
+        self._build_config = module.build_config() if module is not None else None
+
+    def build_config(self) -> Optional[dict]:
+        return self._build_config
+
+    def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                rng_seed, rng_offset) -> None:
+        self.module.fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                                  alibi_slopes, dropout_p, rng_seed, rng_offset))
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
+        run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, **options)
