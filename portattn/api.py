@@ -25,14 +25,14 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs):
-    batch, _, _, nheads, _, head_dim = check_qkv(q, k, v, varlen=False)
+    batch, seqlen_q, seqlen_k, nheads, _, head_dim = check_qkv(q, k, v, varlen=False)
     scale, window_left, window_right = check_options(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
         head_dim, q.device,
     )
     out, lse = attention(
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
-        None, None, q.shape[1], k.shape[1], scale, window_left, window_right, float(softcap),
+        None, None, seqlen_q, seqlen_k, scale, window_left, window_right, float(softcap),
         float(dropout_p), bool(deterministic), return_attn_probs,
     )
     return (out, lse, None) if return_attn_probs else out
