@@ -21,3 +21,13 @@ SEQLENS = [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (4097, 1000)]
 
 def rand(*shape, dtype):
     return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def grid_inputs(dtype, head_dim, seqlens):
+    """Fresh random q, k, v for one point of the (dtype, head dim, seqlens) grid; long
+    sequences get a smaller batch so the float64 oracle stays affordable."""
+    seqlen_q, seqlen_k = seqlens
+    batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
+    return (rand(batch, seqlen_q, heads, head_dim, dtype=dtype),
+            rand(batch, seqlen_k, heads, head_dim, dtype=dtype),
+            rand(batch, seqlen_k, heads, head_dim, dtype=dtype))

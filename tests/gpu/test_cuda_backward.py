@@ -20,7 +20,7 @@ from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 
-from cuda_gpu_setup import BACKEND, DTYPES, HEAD_DIMS, SEQLENS, rand  # noqa: E402  (skips without a GPU)
+from cuda_gpu_setup import BACKEND, DTYPES, HEAD_DIMS, SEQLENS, grid_inputs, rand  # noqa: E402  (skips without a GPU)
 
 from portattn.backends.reference import ReferenceBackend, philox_keep_mask  # noqa: E402
 
@@ -83,11 +83,7 @@ def _run_and_check(q, k, v, *, naive_options, deterministic=False, dout=None, **
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_backward_grid(dtype, head_dim, seqlens, causal):
-    seqlen_q, seqlen_k = seqlens
-    batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
-    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
-    k = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
-    v = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    q, k, v = grid_inputs(dtype, head_dim, seqlens)
     window = (-1, 0 if causal else -1)
     _run_and_check(q, k, v, window=window, naive_options=dict(causal=causal))
 

@@ -18,7 +18,7 @@ from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 
-from cuda_gpu_setup import BACKEND, DTYPES, HEAD_DIMS, SEQLENS, rand  # noqa: E402  (skips without a GPU)
+from cuda_gpu_setup import BACKEND, DTYPES, HEAD_DIMS, SEQLENS, grid_inputs, rand  # noqa: E402  (skips without a GPU)
 
 from portattn.backends.reference import philox_keep_mask  # noqa: E402
 
@@ -66,11 +66,7 @@ def _check(out, lse, q, k, v, **naive_options):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_grid(dtype, head_dim, seqlens, causal):
-    seqlen_q, seqlen_k = seqlens
-    batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
-    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
-    k = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
-    v = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
+    q, k, v = grid_inputs(dtype, head_dim, seqlens)
     out, lse = _run(q, k, v, window=(-1, 0 if causal else -1))
     _check(out, lse, q, k, v, causal=causal)
 
