@@ -1,0 +1,223 @@
+// PTX wrappers of the Hopper (sm_90a) path, shared by its forward and backward
+// kernels: mbarriers, TMA bulk tensor copies, setmaxnreg and wgmma (with
+// Note [portattn wgmma descriptors]). Nothing here knows about attention.
+#pragma once
+#include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "ptx.cuh"
+
+namespace portattn {
+namespace hopper {
+namespace sm90 {
+
+// ---- mbarriers ----------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Arrives once and raises the barrier's expected transaction bytes (the TMA
+// copies that follow complete them).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits until the phase of parity `parity` has completed. A fresh barrier is
+// in phase 0, so waiting for parity 1 returns at once (how the producer's
+// first pass over the empty ring goes through).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// ---- TMA ------------------------------------------------------------------------
+
+// One box of a 4-d tensor map (coordinates innermost first: column, row, head,
+// batch) into shared memory; completes `bytes` on the barrier. Rows past the
+// tensor's end are filled with zeros and still counted.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// ---- register reallocation ------------------------------------------------------
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---- wgmma ------------------------------------------------------------------------
+
+// Note [portattn wgmma descriptors]
+// A 64-bit shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"):
+//   bits  0-13  start address >> 4
+//   bits 16-29  leading-dimension byte offset (LBO) >> 4
+//   bits 32-45  stride-dimension byte offset (SBO) >> 4
+//   bits 49-51  base offset (0: every swizzle atom starts 1 KiB aligned here)
+//   bits 62-63  swizzle mode: 1 = 128B, 2 = 64B, 3 = 32B, 0 = none
+// With the 128B swizzle the unit is an "atom" of 8 rows x 128 bytes (1 KiB)
+// whose 16-byte chunks are XORed with the row index (row % 8), exactly the
+// pattern TMA's CU_TENSOR_MAP_SWIZZLE_128B writes.
+//  * K-major operands (Q as A, K as B of S = Q K^T; rows = M or N, the 128
+//    contiguous bytes = 64 elements of the head dim): SBO = 1024 (next group
+//    of 8 rows); LBO is unused because one k16 step (32 bytes) never leaves
+//    the 128-byte row, so it is set to 1 by convention. Step kk along the head
+//    dim: panel kk / 4 (+ rows * 128 bytes), and +32 bytes per k16 inside the
+//    panel; the hardware applies the XOR to the final address, so a start
+//    address that is not atom-aligned by 32/64/96 bytes is what it expects.
+//  * MN-major operand (V as B of O += P V: K = keys are the rows, N = head dim
+//    is contiguous; the instruction's transpose-B flag): the atom is 64 N
+//    elements x 8 K rows; SBO = 1024 (next 8 keys), LBO = the panel stride
+//    rows * 128 bytes (next 64 head-dim columns). Step kk along the keys:
+//    +16 rows = +2048 bytes.
+__device__ __forceinline__ uint64_t make_smem_desc(uint32_t addr, uint32_t lbo_bytes,
+                                                   uint32_t sbo_bytes) {
+  uint64_t desc = static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
+  desc |= static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32;
+  desc |= static_cast<uint64_t>(1) << 62;
+  return desc;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving reads/writes of accumulator registers across
+// the asynchronous wgmma region (the asm statements alone do not order them).
+template <int kRows, int kCols>
+__device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) asm volatile("" : "+f"(d[r][c])::"memory");
+}
+
+// Accumulator fragment of wgmma m64nN (fp32), as the mma.m16n8 C fragment
+// repeated over N / 8 column chunks j: warp w of the warpgroup owns rows
+// 16w..16w+15; with lane = 4g + q, register 4j + 2r + e holds
+// (row 16w + g + 8r, column 8j + 2q + e). The arrays here are d[r][2j + e], the
+// shape online_softmax.h works on (2 rows per thread, 4 threads per row); the
+// operand lists below map one onto the other.
+#define PORTATTN_WGMMA_REGS_0_31 \
+  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+#define PORTATTN_WGMMA_D64_REGS "{" PORTATTN_WGMMA_REGS_0_31 "}"
+#define PORTATTN_WGMMA_D64_OPERANDS(d) \
+      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[1][0]), "+f"(d[1][1]), \
+      "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][2]), "+f"(d[1][3]), \
+      "+f"(d[0][4]), "+f"(d[0][5]), "+f"(d[1][4]), "+f"(d[1][5]), \
+      "+f"(d[0][6]), "+f"(d[0][7]), "+f"(d[1][6]), "+f"(d[1][7]), \
+      "+f"(d[0][8]), "+f"(d[0][9]), "+f"(d[1][8]), "+f"(d[1][9]), \
+      "+f"(d[0][10]), "+f"(d[0][11]), "+f"(d[1][10]), "+f"(d[1][11]), \
+      "+f"(d[0][12]), "+f"(d[0][13]), "+f"(d[1][12]), "+f"(d[1][13]), \
+      "+f"(d[0][14]), "+f"(d[0][15]), "+f"(d[1][14]), "+f"(d[1][15])
+
+#define PORTATTN_WGMMA_D128_REGS \
+  "{" PORTATTN_WGMMA_REGS_0_31 "," \
+  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63" "}"
+#define PORTATTN_WGMMA_D128_OPERANDS(d) \
+      PORTATTN_WGMMA_D64_OPERANDS(d), \
+      "+f"(d[0][16]), "+f"(d[0][17]), "+f"(d[1][16]), "+f"(d[1][17]), \
+      "+f"(d[0][18]), "+f"(d[0][19]), "+f"(d[1][18]), "+f"(d[1][19]), \
+      "+f"(d[0][20]), "+f"(d[0][21]), "+f"(d[1][20]), "+f"(d[1][21]), \
+      "+f"(d[0][22]), "+f"(d[0][23]), "+f"(d[1][22]), "+f"(d[1][23]), \
+      "+f"(d[0][24]), "+f"(d[0][25]), "+f"(d[1][24]), "+f"(d[1][25]), \
+      "+f"(d[0][26]), "+f"(d[0][27]), "+f"(d[1][26]), "+f"(d[1][27]), \
+      "+f"(d[0][28]), "+f"(d[0][29]), "+f"(d[1][28]), "+f"(d[1][29]), \
+      "+f"(d[0][30]), "+f"(d[0][31]), "+f"(d[1][30]), "+f"(d[1][31])
+
+// D (64 x 128) (+)= A (64 x 16, shared) * B (16 x 128, shared); both K-major
+// (transpose flags 0). scale_d = 0 overwrites D. The asm text of fp16 and
+// bf16 differs only in the type suffix.
+#define PORTATTN_WGMMA_SS_N128(TY)                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                               \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "              \
+               PORTATTN_WGMMA_D128_REGS ", %64, %65, p, 1, 1, 0, 0;\n}\n"                \
+               : PORTATTN_WGMMA_D128_OPERANDS(d)                                        \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+template <typename Elem>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[2][32], uint64_t desc_a, uint64_t desc_b,
+                                              int scale_d) {
+  if constexpr (std::is_same<Elem, __nv_bfloat16>::value) {
+    PORTATTN_WGMMA_SS_N128("bf16");
+  } else {
+    PORTATTN_WGMMA_SS_N128("f16");
+  }
+}
+
+// D (64 x N) += A (64 x 16 from registers: per warp, the mma.m16n8k16 A
+// fragment of its 16 rows) * B (16 x N, shared, MN-major: transpose-B = 1).
+#define PORTATTN_WGMMA_RS_N64(TY)                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                               \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "               \
+               PORTATTN_WGMMA_D64_REGS ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"   \
+               : PORTATTN_WGMMA_D64_OPERANDS(d)                                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+#define PORTATTN_WGMMA_RS_N128(TY)                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                               \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "              \
+               PORTATTN_WGMMA_D128_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"  \
+               : PORTATTN_WGMMA_D128_OPERANDS(d)                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+
+template <typename Elem, int kCols>
+__device__ __forceinline__ void wgmma_rs(float (&d)[2][kCols], const uint32_t (&a)[4],
+                                         uint64_t desc_b) {
+  constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
+  static_assert(kCols == 16 || kCols == 32, "wgmma_rs is instantiated for N = 64 and 128");
+  if constexpr (kCols == 16) {
+    if constexpr (kBf16) { PORTATTN_WGMMA_RS_N64("bf16"); } else { PORTATTN_WGMMA_RS_N64("f16"); }
+  } else {
+    if constexpr (kBf16) { PORTATTN_WGMMA_RS_N128("bf16"); } else { PORTATTN_WGMMA_RS_N128("f16"); }
+  }
+}
+
+// Row max / sum over the 4 threads (one quad) that share a row of the fragment.
+struct QuadReduce {
+  static __device__ __forceinline__ float max(float x) { return ptx::quad_allreduce_max(x); }
+  static __device__ __forceinline__ float sum(float x) { return ptx::quad_allreduce_sum(x); }
+};
+
+}  // namespace sm90
+
+}  // namespace hopper
+}  // namespace portattn
