@@ -1,112 +1,37 @@
-"""Attention benchmark: portattn vs SDPA (FlashAttention-2 and cuDNN), side by side.
+"""Attention benchmark: portattn against SDPA (FA2, cuDNN), FlexAttention and flash-attn-4, side by side.
 
-Forward (issue #3); the backward pass is added to the same tables later.
-  python bench/bench_attention.py [--quick] [--out bench/results]
+  python bench/bench_attention.py [--backward] [--quick] [--seqlens 1024,4096] [--head-dims 128]
+                                  [--impls portattn,sdpa_cudnn,fa4] [--out bench/results] [--dry-run]
 
-1. FA2 paper grid: bf16, hidden 2048 (32 heads x 64 or 16 heads x 128),
-   batch x seqlen = 16k tokens, seqlen 512..16k, causal and not. Forward
-   TFLOP/s from triton.testing.do_bench medians (4 * B * H * Sq * Sk * D
-   flops, halved for causal), and the ratio portattn / SDPA flash.
-2. Small-problem host overhead: wall time per call including Python, many
-   calls with one synchronize at the end, for portattn.flash_attn_func and
+1. FA2 paper grid (issue #6): bf16, hidden 2048 (32 heads x 64 or 16 heads x 128),
+   batch x seqlen = 16k tokens, seqlen 512..16k, causal and not. Forward TFLOP/s
+   (4 * B * H * Sq * Sk * D FLOPs, halved for causal) from triton.testing.do_bench
+   medians; `--backward` adds forward+backward (torch.autograd.grad; FLOPs = 3.5 x
+   forward) and the backward alone derived from both. Columns (bench/peers.py): portattn
+   through the public API (with the backend dispatch chose), portattn with the sm80+
+   path forced, SDPA flash and cuDNN, compiled FlexAttention, flash-attn-4 where its
+   wheels are installed; ratios portattn / cuDNN, / FA4, / FA2. A column that cannot run
+   is "n/a" with its reason.
+2. Small-problem host overhead: wall time per call including Python, many calls with one
+   synchronize at the end, for portattn.flash_attn_func, CudaBackend.forward alone and
    SDPA with no backend forced (forcing one through sdpa_kernel adds ~30 us).
-3. Peak memory of one forward at B=1, H=16, S=32k, hd 128, against the bytes of
-   q, k, v, out and lse.
-Results: <out>/cuda_forward.{json,md,png}, with the device, date and git commit.
+3. Peak memory of one forward (and with --backward one forward+backward) at B=1, H=16,
+   S=32k, hd 128.
+Results: <out>/<name>.{json,md,png} (default hopper_bench) with device, date, commit
+(PORTATTN_COMMIT) and versions; a compact table is printed last. `--dry-run` runs on the
+CPU with fake timings (checks the plumbing, measures nothing).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import portattn
-from portattn import dispatch
-from portattn.backends.cuda import CudaBackend
+import peers
 
-TOKENS = 16384
-KERNEL_ONLY = False  # --kernel-only: time CudaBackend.forward only (tuning runs)
-HIDDEN = 2048
-
-
-def _commit() -> str:
-    if os.environ.get("PORTATTN_COMMIT"):
-        return os.environ["PORTATTN_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _flops(batch, heads, seqlen, head_dim, causal):
-    return 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-
-
-def _median_ms(fn):
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=50, rep=200, return_mode="median")
-
-
-def _chosen_backend(q, causal) -> str:
-    bits = dispatch.feature_bits(-1, 0 if causal else -1, 0.0, False, 0.0, False, False)
-    return dispatch.DISPATCHER.backend_for(q.device, q.dtype, q.shape[-1], bits).name
-
-
-def _kernel_only(q, k, v, causal):
-    """The CUDA backend called directly (no validation/dispatch), outputs preallocated."""
-    backend = CudaBackend()
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    options = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                   softmax_scale=q.shape[-1] ** -0.5, window_left=-1, window_right=0 if causal else -1,
-                   softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
-    return lambda: backend.forward(q, k, v, out, lse, **options)
-
-
-def bench_grid(seqlens, head_dims):
-    rows = []
-    for head_dim in head_dims:
-        heads = HIDDEN // head_dim
-        for seqlen in seqlens:
-            batch = max(1, TOKENS // seqlen)
-            for causal in (False, True):
-                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-                           for _ in range(3))
-                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA's (B, H, S, D) view
-                flops = _flops(batch, heads, seqlen, head_dim, causal)
-                row = {"head_dim": head_dim, "heads": heads, "batch": batch, "seqlen": seqlen, "causal": causal}
-                if KERNEL_ONLY:
-                    row["portattn"], row["backend"] = 0.0, "skipped"
-                else:
-                    row["portattn"] = flops / _median_ms(lambda: portattn.flash_attn_func(q, k, v, causal=causal)) / 1e9
-                    row["backend"] = _chosen_backend(q, causal)
-                row["kernel"] = flops / _median_ms(_kernel_only(q, k, v, causal)) / 1e9
-                for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-                                      ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    try:
-                        with sdpa_kernel(backend):
-                            ms = _median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-                        row[name] = flops / ms / 1e9
-                    except RuntimeError as error:
-                        row[name] = None
-                        row[f"{name}_error"] = str(error)[:200]
-                ours = row["kernel"] if KERNEL_ONLY else row["portattn"]
-                row["ratio_vs_flash"] = ours / row["sdpa_flash"] if row["sdpa_flash"] else None
-                rows.append(row)
-                print(f"hd{head_dim} s{seqlen:5d} {'causal' if causal else 'full  '} portattn "
-                      f"{row['portattn']:6.1f} ({row['backend']}) kernel {row['kernel']:6.1f}  flash {row['sdpa_flash'] or 0:6.1f}  "
-                      f"cudnn {row['sdpa_cudnn'] or 0:6.1f}  ratio {row['ratio_vs_flash'] or 0:.3f}", flush=True)
-                del q, k, v, qt, kt, vt
-    return rows
+GRID_BUDGET_S = 300  # the device call's hard limit is 600 s; the grid stops here, tables still written
 
 
 def _wall_us(fn, calls):
@@ -121,6 +46,11 @@ def _wall_us(fn, calls):
 
 
 def bench_overhead(batches, head_dims, seqlens, calls):
+    import torch.nn.functional as F
+
+    import portattn
+
+    kernel_bind, why = peers._loaded("sm80_kernel")
     rows = []
     for batch in batches:
         for head_dim in head_dims:
@@ -129,17 +59,21 @@ def bench_overhead(batches, head_dims, seqlens, calls):
                            for _ in range(3))
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
                 ours = _wall_us(lambda: portattn.flash_attn_func(q, k, v), calls)
-                backend_only = _wall_us(_kernel_only(q, k, v, False), calls)
+                backend_only = _wall_us(kernel_bind(q, k, v, False), calls) if kernel_bind else None
                 sdpa = _wall_us(lambda: F.scaled_dot_product_attention(qt, kt, vt), calls)
                 rows.append({"batch": batch, "heads": 16, "head_dim": head_dim, "seqlen": seqlen,
                              "portattn_us": ours, "backend_only_us": backend_only, "sdpa_auto_us": sdpa,
                              "ratio": ours / sdpa})
                 print(f"overhead b{batch} hd{head_dim} s{seqlen}: portattn {ours:7.1f} us  backend.forward "
-                      f"{backend_only:7.1f} us  sdpa {sdpa:7.1f} us", flush=True)
+                      f"{peers._num(backend_only, 1):>7} us  sdpa {sdpa:7.1f} us", flush=True)
+    if why:
+        print(f"overhead: CudaBackend.forward n/a: {why}")
     return rows
 
 
 def bench_memory(seqlen=32768, heads=16, head_dim=128):
+    import portattn
+
     q, k, v = (torch.randn(1, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     portattn.flash_attn_func(q, k, v)  # warm-up: dispatch and self-check allocate once
     torch.cuda.synchronize()
@@ -156,93 +90,82 @@ def bench_memory(seqlen=32768, heads=16, head_dim=128):
             "out_plus_lse_bytes": expected}
 
 
-def write_results(result, out_dir, name="cuda_forward"):
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, name)
-    with open(base + ".json", "w") as handle:
-        json.dump(result, handle, indent=1)
-    lines = [f"# CUDA forward benchmark", "",
-             f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; "
-             f"torch {result['torch']}", "",
-             "## Forward TFLOP/s (bf16, batch x seqlen = 16k, hidden 2048)", "",
-             "portattn = the public `portattn.flash_attn_func` (backend it dispatched to in brackets); "
-             "kernel = CudaBackend.forward called directly with preallocated outputs.", "",
-             "| hd | seqlen | causal | portattn | kernel | SDPA flash | SDPA cuDNN | portattn / flash |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in result["grid"]:
-        lines.append(f"| {r['head_dim']} | {r['seqlen']} | {r['causal']} | {r['portattn']:.1f} ({r['backend']}) | "
-                     f"{r['kernel']:.1f} | "
-                     f"{r['sdpa_flash'] or 0:.1f} | {r['sdpa_cudnn'] or 0:.1f} | {r['ratio_vs_flash'] or 0:.3f} |")
+def extra_markdown(result) -> list:
+    lines = []
     if result.get("overhead"):
-        lines += ["", "## Small-problem wall time per call (us, host included, no sync in the loop)", "",
+        lines += ["## Small-problem wall time per call (us, host included, no sync in the loop)", "",
                   "backend.forward = CudaBackend.forward alone with preallocated outputs (no validation, "
                   "dispatch or allocation).", "",
                   "| batch | hd | seqlen | portattn | backend.forward | SDPA (auto) | portattn / SDPA |",
                   "|---|---|---|---|---|---|---|"]
         for r in result["overhead"]:
             lines.append(f"| {r['batch']} | {r['head_dim']} | {r['seqlen']} | {r['portattn_us']:.1f} | "
-                         f"{r['backend_only_us']:.1f} | {r['sdpa_auto_us']:.1f} | {r['ratio']:.2f} |")
+                         f"{peers._num(r['backend_only_us'], 1)} | {r['sdpa_auto_us']:.1f} | {r['ratio']:.2f} |")
+        lines.append("")
     if result.get("memory"):
         m = result["memory"]
-        lines += ["", "## Memory", "",
-                  f"B=1, H={m['heads']}, S={m['seqlen']}, hd {m['head_dim']}: peak allocated beyond the inputs "
-                  f"{m['peak_extra_bytes'] / 2**20:.1f} MiB; out + lse = {m['out_plus_lse_bytes'] / 2**20:.1f} MiB "
-                  f"(inputs {m['inputs_bytes'] / 2**20:.1f} MiB)."]
-    with open(base + ".md", "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
+        lines += ["## Memory", "",
+                  f"Forward, B=1, H={m['heads']}, S={m['seqlen']}, hd {m['head_dim']}: peak allocated beyond the "
+                  f"inputs {m['peak_extra_bytes'] / 2**20:.1f} MiB; out + lse = {m['out_plus_lse_bytes'] / 2**20:.1f} "
+                  f"MiB (inputs {m['inputs_bytes'] / 2**20:.1f} MiB).", ""]
+    if result.get("memory_fwd_bwd"):
+        import bench_backward
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4), sharey=True)
-    panels = [(hd, c) for hd in sorted({r["head_dim"] for r in result["grid"]}) for c in (False, True)]
-    for ax, (hd, causal) in zip(axes, panels):
-        rows = [r for r in result["grid"] if r["head_dim"] == hd and r["causal"] == causal]
-        xs = [str(r["seqlen"]) for r in rows]
-        for key, label in (("portattn", "portattn"), ("sdpa_flash", "SDPA flash (FA2)"), ("sdpa_cudnn", "SDPA cuDNN")):
-            ax.plot(xs, [r[key] or 0 for r in rows], marker="o", label=label)
-        ax.set_title(f"hd {hd}, {'causal' if causal else 'full'}")
-        ax.set_xlabel("seqlen")
-    axes[0].set_ylabel("forward TFLOP/s (bf16)")
-    axes[0].legend()
-    fig.suptitle(f"{result['device']} {result['date']} ({result['commit']})")
-    fig.tight_layout()
-    fig.savefig(base + ".png", dpi=90)
+        lines += bench_backward.memory_markdown(result["memory_fwd_bwd"])
+    return lines
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer points (smoke run)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--head-dims", default="64,128", help="grid head dims (comma separated)")
+    parser.add_argument("--backward", action="store_true", help="also forward+backward (and backward alone)")
+    parser.add_argument("--quick", action="store_true", help="seqlens 512, 2048, 8192 (smoke run)")
+    parser.add_argument("--seqlens", default=None, help="grid seqlens, comma separated (default 512..16384)")
+    parser.add_argument("--head-dims", default="64,128", help="grid head dims, comma separated")
+    parser.add_argument("--impls", default="portattn,portattn_sm80,sdpa_flash,sdpa_cudnn,flex,fa4",
+                        help=f"columns, comma separated, from: {', '.join(peers.IMPLS)}")
+    parser.add_argument("--skip", default="", help="columns to leave out of --impls (e.g. flex)")
+    parser.add_argument("--kernel-only", action="store_true",
+                        help="tuning runs: only CudaBackend.forward, grid only (= --impls sm80_kernel --grid-only)")
     parser.add_argument("--grid-only", action="store_true", help="skip the overhead and memory parts")
+    parser.add_argument("--budget-s", type=float, default=GRID_BUDGET_S,
+                        help="grid time budget; cells after it are n/a (default %(default)s)")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms) per cell")
+    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warmup (ms) per cell")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--name", default="hopper_bench", help="result file name (without extension)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
-    parser.add_argument("--kernel-only", action="store_true", help="grid: skip the public API (tuning runs)")
-    parser.add_argument("--backward", action="store_true",
-                        help="also forward+backward vs SDPA flash/cuDNN (bench_backward.py) in this run")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
     args = parser.parse_args()
-    global KERNEL_ONLY
-    KERNEL_ONLY = args.kernel_only
-    seqlens = [512, 2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
-        "torch": torch.__version__,
-        "grid": bench_grid(seqlens, [int(h) for h in args.head_dims.split(",")]),
-    }
-    if not args.grid_only:
+    if args.kernel_only:
+        args.impls, args.grid_only = "sm80_kernel", True
+    skipped = set(args.skip.split(","))
+    impls = [impl for impl in peers.select(args.impls) if impl.name not in skipped]
+    seqlens = (peers.parse_ints(args.seqlens) if args.seqlens
+               else [512, 2048, 8192] if args.quick else list(peers.SEQLENS))
+    modes = ["fwd", "fwd_bwd"] if args.backward else ["fwd"]
+    name = args.name + args.tag
+
+    result = dict(peers.header(args.dry_run), title="Attention benchmark: portattn and its peers",
+                  impls=[impl.name for impl in impls], modes=modes, grid=[],
+                  note="TFLOP/s; n/a = could not run (reason below the tables).")
+
+    def save(rows):  # after every point, so a killed run still leaves its tables
+        result["grid"] = rows
+        peers.write_results(result, args.out, name, extra_markdown(result))
+
+    timer = peers.Timer(args.warmup_ms, args.rep_ms, dry_run=args.dry_run)
+    save(peers.run_grid(peers.grid(peers.parse_ints(args.head_dims), seqlens), impls, modes, timer,
+                        args.budget_s, on_point=save))
+    if not args.grid_only and not args.dry_run:
         result["overhead"] = bench_overhead([2, 512], [16, 64], [50, 150, 300], 200 if args.quick else 2000)
         result["memory"] = bench_memory()
-    write_results(result, args.out, "cuda_forward" + args.tag)
-    print(open(os.path.join(args.out, f"cuda_forward{args.tag}.md")).read())
-    if args.backward:
-        import bench_backward  # issue #4's columns: fwd+bwd TFLOP/s, deterministic cost, memory
+        if args.backward:
+            import bench_backward
 
-        bench_backward.run(args.out, seqlens, memory=not args.grid_only)
+            result["memory_fwd_bwd"] = bench_backward.bench_memory()
+        save(result["grid"])
+    print(peers.compact_table(result))
+    print(f"results: {os.path.join(args.out, name)}.{{json,md,png}}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,523 @@
+"""What the attention benchmarks share: the grid, the implementations timed side by side
+(portattn and its peers), the timer, and the one writer of JSON / markdown / plot results.
+
+An implementation that cannot run (a peer not installed, a backend refusing the call, a
+compile failure) becomes an "n/a" cell with its reason; it never stops the run. Peers are
+timed, never depended on: flash-attn-4 is imported only if its wheels were installed on the
+device (bench/fa4_stage.sh).
+
+`--dry-run` (CPU, no triton): every implementation is still bound and called once on a small
+proxy of each grid point (so import failures, refusals and the writers are exercised), and
+the timer returns fake, deterministic values. Dry-run results say so in their header.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import json
+import math
+import os
+import subprocess
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+HIDDEN = 2048  # FA2 paper grid: 32 heads x 64 or 16 heads x 128
+TOKENS = 16384  # batch x seqlen
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+BWD_FACTOR = 2.5  # FA2 convention (and issue #6's table): backward = 2.5 x forward FLOPs
+MODES = {"fwd": "forward", "fwd_bwd": "forward+backward"}
+# Dry runs bind each implementation on this proxy (B=1, H=2, seqlen <= 64): exercising the
+# code paths needs no realistic size, and the CPU reference backend is O(seqlen^2) in time.
+DRY_PROXY_SEQLEN = 64
+
+
+# ---- run metadata -----------------------------------------------------------------------
+def commit() -> str:
+    if os.environ.get("PORTATTN_COMMIT"):
+        return os.environ["PORTATTN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _version(distribution: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def header(dry_run: bool) -> dict:
+    """device, date, commit, torch and the peers' versions: the first lines of every result."""
+    if dry_run or not torch.cuda.is_available():
+        device = "cpu (DRY RUN: fake timings, not measurements)"
+    else:
+        device = torch.cuda.get_device_name()
+    versions = {name: _version(name) for name in ("triton", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels")}
+    return {
+        "device": device,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
+        "torch": torch.__version__,
+        "versions": {k: v for k, v in versions.items() if v},
+        "dry_run": dry_run,
+    }
+
+
+def flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, mode: str = "fwd") -> float:
+    forward = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    return forward * (1 + BWD_FACTOR) if mode == "fwd_bwd" else forward
+
+
+@dataclass(frozen=True)
+class Point:
+    head_dim: int
+    seqlen: int
+    causal: bool
+
+    @property
+    def heads(self) -> int:
+        return HIDDEN // self.head_dim
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.seqlen)
+
+    def flops(self, mode: str) -> float:
+        return flops(self.batch, self.heads, self.seqlen, self.head_dim, self.causal, mode)
+
+    def label(self) -> str:
+        return f"hd{self.head_dim} s{self.seqlen:5d} {'causal' if self.causal else 'full  '}"
+
+
+def grid(head_dims, seqlens, causal=(False, True)) -> list:
+    return [Point(hd, s, c) for hd in head_dims for s in seqlens for c in causal]
+
+
+def parse_ints(text: str) -> list:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) <= 0:
+        raise SystemExit(f"expected positive integers, got {text!r}")
+    return values
+
+
+# ---- the implementations ---------------------------------------------------------------
+# Each binds (q, k, v) in (batch, seqlen, heads, head_dim) layout to a zero-argument call
+# returning the output in that layout (a view is fine: autograd follows it). Bindings run
+# inside `context`, which is also held while timing, so a context's own cost (sdpa_kernel's
+# ~30 us, force_backend) stays outside the timed loop.
+
+@contextlib.contextmanager
+def _portattn_forced(name: Optional[str]):
+    from portattn import dispatch
+
+    before = dispatch.DISPATCHER.forced
+    dispatch.force_backend(name)
+    try:
+        yield
+    finally:
+        dispatch.force_backend(before)
+
+
+def _bind_portattn(deterministic: bool):
+    import portattn
+
+    def bind(q, k, v, causal):
+        return lambda: portattn.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+    return bind
+
+
+def _bind_sm80_kernel():
+    """CudaBackend.forward alone: no validation, dispatch or allocation (tuning runs)."""
+    from portattn.backends.cuda import CudaBackend
+
+    backend = CudaBackend()
+    if getattr(backend, "unavailable_reason", ""):
+        raise RuntimeError(backend.unavailable_reason)
+
+    def bind(q, k, v, causal):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+        options = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                       softmax_scale=q.shape[-1] ** -0.5, window_left=-1, window_right=0 if causal else -1,
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
+
+        def call():
+            backend.forward(q, k, v, out, lse, **options)
+            return out
+        return call
+    return bind
+
+
+def _bind_sdpa():
+    import torch.nn.functional as F
+
+    def bind(q, k, v, causal):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA's (B, H, S, D) view
+        return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+    return bind
+
+
+def _sdpa_context(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, backend_name))
+
+
+def _bind_flex():
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # Every (head dim, mask, grad mode) compiles once; shapes are dynamic so the grid's
+    # seqlens reuse it. A limit hit must fail (n/a), never fall back to eager flex, which
+    # materialises the O(seqlen^2) scores.
+    for name, value in (("recompile_limit", 64), ("fail_on_recompile_limit_hit", True)):
+        with contextlib.suppress(AttributeError):
+            setattr(torch._dynamo.config, name, value)
+    compiled = torch.compile(flex_attention, dynamic=True, fullgraph=True)
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx  # square grid: bottom-right and top-left alignment coincide
+
+    def bind(q, k, v, causal):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        mask = (create_block_mask(causal_mask, None, None, q.shape[1], k.shape[1], device=q.device)
+                if causal else None)
+        return lambda: compiled(qt, kt, vt, block_mask=mask).transpose(1, 2)
+    return bind
+
+
+def _bind_fa4():
+    from flash_attn.cute import flash_attn_func
+
+    def bind(q, k, v, causal):
+        def call():
+            out = flash_attn_func(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out  # 4.0 betas return (out, lse)
+        return call
+    return bind
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str  # JSON key
+    label: str  # table / plot label
+    short: str  # compact stdout table
+    load: Callable  # () -> bind(q, k, v, causal) -> call; raising = n/a with the reason
+    context: Callable = contextlib.nullcontext
+    modes: tuple = ("fwd", "fwd_bwd")
+
+
+IMPLS = {impl.name: impl for impl in (
+    Impl("portattn", "portattn", "pa", functools.partial(_bind_portattn, False),
+         functools.partial(_portattn_forced, None)),
+    Impl("portattn_sm80", "portattn sm80+ path (forced)", "sm80", functools.partial(_bind_portattn, False),
+         functools.partial(_portattn_forced, "cuda")),
+    Impl("portattn_det", "portattn deterministic", "det", functools.partial(_bind_portattn, True),
+         functools.partial(_portattn_forced, None), modes=("fwd_bwd",)),
+    Impl("sm80_kernel", "CudaBackend.forward (direct)", "kern", _bind_sm80_kernel, modes=("fwd",)),
+    Impl("sdpa_flash", "SDPA flash (FA2)", "fa2", _bind_sdpa, functools.partial(_sdpa_context, "FLASH_ATTENTION")),
+    Impl("sdpa_cudnn", "SDPA cuDNN", "cudnn", _bind_sdpa, functools.partial(_sdpa_context, "CUDNN_ATTENTION")),
+    Impl("flex", "FlexAttention (compiled)", "flex", _bind_flex),
+    Impl("fa4", "flash-attn-4", "fa4", _bind_fa4),
+)}
+# The ratio columns: portattn against each of these, where both were measured.
+RATIO_PEERS = ("sdpa_cudnn", "fa4", "sdpa_flash")
+
+
+def select(names: str) -> list:
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in IMPLS]
+    if unknown or not chosen:
+        raise SystemExit(f"unknown implementation(s) {unknown}; choose from {', '.join(IMPLS)}")
+    return [IMPLS[name] for name in chosen]
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(name: str):
+    """(bind, None) or (None, why): each implementation is imported once per run."""
+    try:
+        return IMPLS[name].load(), None
+    except Exception as error:  # any failure of a peer's import is a reason, not a crash
+        return None, _reason(error)
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+
+
+# ---- timing -----------------------------------------------------------------------------
+class Timer:
+    """Median ms of triton.testing.do_bench; fake (derived from a hash) in a dry run."""
+
+    def __init__(self, warmup_ms: int = 25, rep_ms: int = 100, dry_run: bool = False):
+        self.warmup_ms, self.rep_ms, self.dry_run = warmup_ms, rep_ms, dry_run
+
+    def sync(self):
+        if not self.dry_run:
+            torch.cuda.synchronize()
+
+    def ms(self, step, work: float, salt: str) -> float:
+        if self.dry_run:
+            fake_tflops = 150 + zlib.crc32(salt.encode()) % 500
+            return work / fake_tflops / 1e9
+        from triton.testing import do_bench
+
+        return do_bench(step, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+
+
+def make_inputs(point: Point, dry_run: bool):
+    """q, k, v (leaves that require grad) and dout; a small CPU proxy in a dry run."""
+    if dry_run:
+        shape = (1, min(point.seqlen, DRY_PROXY_SEQLEN), 2, point.head_dim)
+        device = "cpu"
+    else:
+        shape = (point.batch, point.seqlen, point.heads, point.head_dim)
+        device = "cuda"
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn_like(q)
+
+
+def chosen_backend(q, causal: bool, backward: bool) -> str:
+    """The backend portattn's dispatch picks for this call (automatic, not forced)."""
+    try:
+        from portattn import dispatch
+
+        with _portattn_forced(None):
+            bits = dispatch.feature_bits(-1, 0 if causal else -1, 0.0, False, 0.0, False, False, backward=backward)
+            return dispatch.DISPATCHER.backend_for(q.device, q.dtype, q.shape[-1], bits).name
+    except Exception as error:
+        return f"? ({_reason(error)})"
+
+
+def measure(impl: Impl, mode: str, point: Point, tensors, timer: Timer):
+    """(ms, None) or (None, why): one warm-up call (compiles, self-checks), then the timer."""
+    bind, why = _loaded(impl.name)
+    if bind is None:
+        return None, why
+    q, k, v, dout = tensors
+    try:
+        with impl.context():
+            call = bind(q, k, v, point.causal)
+            if mode == "fwd":
+                def step():
+                    with torch.no_grad():
+                        return call()
+            else:
+                def step():
+                    return torch.autograd.grad(call(), (q, k, v), dout)
+            step()
+            timer.sync()
+            return timer.ms(step, point.flops(mode), f"{impl.name}/{mode}/{point}"), None
+    except Exception as error:  # a refusal or failure of one cell must not end the run
+        if not timer.dry_run:
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        return None, _reason(error)
+
+
+def run_grid(points, impls, modes, timer: Timer, budget_s: float = math.inf, on_point=None) -> list:
+    """One row per point: TFLOP/s and ms per (mode, implementation), n/a reasons, and the
+    backends portattn's dispatch chose. Past `budget_s` the remaining cells are n/a (the
+    device call has a hard limit; a partial table beats none). `on_point(rows)` after each."""
+    start = time.monotonic()
+    rows = []
+    for point in points:
+        row = {"head_dim": point.head_dim, "heads": point.heads, "batch": point.batch, "seqlen": point.seqlen,
+               "causal": point.causal, "backend": {}, "tflops": {}, "ms": {}, "na": {}}
+        tensors = make_inputs(point, timer.dry_run)
+        for mode in modes:
+            row["backend"][mode] = chosen_backend(tensors[0], point.causal, mode == "fwd_bwd")
+            tflops, ms, na = row["tflops"].setdefault(mode, {}), row["ms"].setdefault(mode, {}), {}
+            for impl in impls:
+                if mode not in impl.modes:
+                    continue
+                if time.monotonic() - start > budget_s:
+                    result, why = None, f"not run: the {budget_s:.0f} s time budget was spent"
+                else:
+                    result, why = measure(impl, mode, point, tensors, timer)
+                ms[impl.name] = result
+                tflops[impl.name] = point.flops(mode) / result / 1e9 if result else None
+                if why:
+                    na[impl.name] = why
+            row["na"][mode] = na
+        rows.append(row)
+        print(compact_line(row, impls, modes), flush=True)
+        del tensors
+        if on_point is not None:
+            on_point(rows)
+    return rows
+
+
+# ---- derived numbers --------------------------------------------------------------------
+def ratio(row, mode, a="portattn", b="sdpa_cudnn") -> Optional[float]:
+    values = row["tflops"].get(mode, {})
+    return values[a] / values[b] if values.get(a) and values.get(b) else None
+
+
+def backward_only_tflops(row, name) -> Optional[float]:
+    """Backward FLOPs (2.5 x forward) / (fwd+bwd time - forward time)."""
+    fwd, both = row["ms"].get("fwd", {}).get(name), row["ms"].get("fwd_bwd", {}).get(name)
+    if not fwd or not both or both <= fwd:
+        return None
+    work = flops(row["batch"], row["heads"], row["seqlen"], row["head_dim"], row["causal"]) * BWD_FACTOR
+    return work / (both - fwd) / 1e9
+
+
+def _point_text(row) -> str:
+    return f"hd{row['head_dim']} s{row['seqlen']:5d} {'causal' if row['causal'] else 'full  '}"
+
+
+def _num(value, digits=0) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def compact_line(row, impls, modes) -> str:
+    parts = [_point_text(row)]
+    for mode in modes:
+        cells = [f"{impl.short} {_num(row['tflops'][mode].get(impl.name))}" for impl in impls
+                 if impl.name in row["tflops"][mode]]
+        ratios = [f"pa/{IMPLS[peer].short} {_num(ratio(row, mode, 'portattn', peer), 2)}" for peer in RATIO_PEERS
+                  if "portattn" in row["tflops"][mode] and peer in row["tflops"][mode]]
+        parts.append(f"{mode}: " + " ".join(cells + ratios))
+    return " | ".join(parts)
+
+
+def na_reasons(rows) -> dict:
+    """{implementation: [distinct reasons]} over the whole grid, in first-seen order."""
+    reasons: dict = {}
+    for row in rows:
+        for per_mode in row["na"].values():
+            for name, why in per_mode.items():
+                if why not in reasons.setdefault(name, []):
+                    reasons[name].append(why)
+    return reasons
+
+
+def compact_table(result) -> str:
+    """The end-of-run summary (the device reply keeps only the tail of the output)."""
+    impls = [IMPLS[name] for name in result["impls"]]
+    lines = [f"== {result['title']}: {result['device']}, {result['date']}, commit {result['commit']}, "
+             f"torch {result['torch']}, TFLOP/s",
+             "   " + ", ".join(f"{impl.short} = {impl.label}" for impl in impls)]
+    lines += [compact_line(row, impls, result["modes"]) for row in result["grid"]]
+    backends = sorted({f"{mode}: {row['backend'][mode]}" for row in result["grid"] for mode in result["modes"]})
+    lines.append("portattn dispatch chose: " + "; ".join(backends))
+    for name, whys in na_reasons(result["grid"]).items():
+        lines.append(f"n/a {name}: " + " | ".join(whys[:3]))
+    return "\n".join(lines)
+
+
+# ---- writing results ---------------------------------------------------------------------
+def _markdown_grid(result) -> list:
+    impls = [IMPLS[name] for name in result["impls"]]
+    lines = []
+    for mode in result["modes"]:
+        shown = [impl for impl in impls if mode in impl.modes]
+        peers = [p for p in RATIO_PEERS if p in result["impls"] and "portattn" in result["impls"]]
+        factor = "" if mode == "fwd" else f", FLOPs = {1 + BWD_FACTOR} x forward"
+        lines += [f"## {MODES[mode].capitalize()} TFLOP/s (bf16, batch x seqlen = {TOKENS}, hidden {HIDDEN}{factor})", "",
+                  "| hd | seqlen | causal | " + " | ".join(impl.label for impl in shown)
+                  + "".join(f" | portattn / {IMPLS[p].label}" for p in peers) + " |",
+                  "|---" * (3 + len(shown) + len(peers)) + "|"]
+        for row in result["grid"]:
+            values = row["tflops"][mode]
+            cells = []
+            for impl in shown:
+                cell = _num(values.get(impl.name), 1)
+                if impl.name == "portattn" and values.get(impl.name) is not None:
+                    cell += f" ({row['backend'][mode]})"
+                cells.append(cell)
+            cells += [_num(ratio(row, mode, "portattn", p), 3) for p in peers]
+            lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if set(result["modes"]) == {"fwd", "fwd_bwd"}:
+        both = [impl for impl in impls if set(impl.modes) >= {"fwd", "fwd_bwd"}]
+        lines += ["## Backward alone, derived (TFLOP/s = 2.5 x forward FLOPs / (fwd+bwd time - forward time))", "",
+                  "| hd | seqlen | causal | " + " | ".join(impl.label for impl in both) + " |",
+                  "|---" * (3 + len(both)) + "|"]
+        for row in result["grid"]:
+            lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | "
+                         + " | ".join(_num(backward_only_tflops(row, impl.name), 1) for impl in both) + " |")
+        lines.append("")
+    reasons = na_reasons(result["grid"])
+    if reasons:
+        lines += ["n/a cells, why:", ""]
+        lines += [f"- {IMPLS[name].label}: " + "; ".join(whys[:3]) + (f" (+{len(whys) - 3} more)" if len(whys) > 3 else "")
+                  for name, whys in reasons.items()]
+        lines.append("")
+    return lines
+
+
+def _plot(result, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    panels = [(hd, causal) for hd in sorted({r["head_dim"] for r in result["grid"]}) for causal in (False, True)
+              if any(r["head_dim"] == hd and r["causal"] == causal for r in result["grid"])]
+    modes = result["modes"]
+    if not panels:
+        return
+    fig, axes = plt.subplots(len(modes), len(panels), figsize=(4.5 * len(panels), 3.8 * len(modes)),
+                             sharey="row", squeeze=False)
+    for i, mode in enumerate(modes):
+        for j, (hd, causal) in enumerate(panels):
+            ax = axes[i][j]
+            rows = [r for r in result["grid"] if r["head_dim"] == hd and r["causal"] == causal]
+            xs = [str(r["seqlen"]) for r in rows]
+            for name in result["impls"]:
+                if name not in rows[0]["tflops"][mode]:
+                    continue
+                ys = [r["tflops"][mode].get(name) for r in rows]
+                ys = [math.nan if y is None else y for y in ys]  # n/a: a gap, not a zero
+                ax.plot(xs, ys, marker="o", label=IMPLS[name].label)
+            ax.set_title(f"{MODES[mode]}, hd {hd}, {'causal' if causal else 'full'}", fontsize=10)
+            ax.set_xlabel("seqlen")
+            ax.grid(alpha=0.3)
+        axes[i][0].set_ylabel(f"{MODES[mode]} TFLOP/s (bf16)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{result['device']}  {result['date']}  ({result['commit']}, torch {result['torch']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_results(result, out_dir: str, name: str, extra_markdown=()) -> str:
+    """<out_dir>/<name>.json, .md (grid tables, then `extra_markdown` lines) and .png; returns the .md path."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, name)
+    with open(base + ".json", "w") as handle:
+        json.dump(result, handle, indent=1)
+    versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
+    lines = [f"# {result['title']}", "",
+             f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; "
+             f"torch {result['torch']}" + (f"; {versions}" if versions else ""), ""]
+    if result.get("note"):
+        lines += [result["note"], ""]
+    if result["grid"]:
+        lines += _markdown_grid(result)
+    lines += list(extra_markdown)
+    with open(base + ".md", "w") as handle:
+        handle.write("\n".join(lines).rstrip() + "\n")
+    if result["grid"]:
+        _plot(result, base + ".png")
+    return base + ".md"
