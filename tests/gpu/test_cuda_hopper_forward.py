@@ -111,6 +111,20 @@ def test_hopper_forward_gqa_and_strided_views(head_dim):
         _check(out, lse, q, k, v, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_many_tiles_per_cta(head_dim, causal):
+    # 7 query blocks x 20 heads x 3 batches = 420 tiles: more than one per SM, so the
+    # persistent schedule walks several (Q refills, K/V ring phases carried across
+    # tiles); seqlen_q > seqlen_k makes the first causal tiles empty (no key visible).
+    q = rand(3, 777, 20, head_dim, dtype=torch.bfloat16)
+    k = rand(3, 513, 20, head_dim, dtype=torch.bfloat16)
+    v = rand(3, 513, 20, head_dim, dtype=torch.bfloat16)
+    out, lse = hopper_forward(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, causal)
+
+
 def test_hopper_forward_refuses_what_it_does_not_serve():
     q = rand(1, 64, 2, 64, dtype=torch.bfloat16)
     out = torch.empty_like(q)

@@ -122,6 +122,37 @@ PORTATTN_SOFTMAX_HD void online_softmax_step(float (&s)[kRows][kCols], float (&o
   }
 }
 
+// The same step for a pipeline in which O is still being accumulated
+// asynchronously (the previous block's P V on Hopper's wgmma) while this
+// block's softmax runs: the running sums are rescaled here, O is not; the
+// caller multiplies row r of O by `correction[r]` once that product has
+// landed (rescale_rows). kFirst: nothing to correct yet (correction = 1).
+template <bool kFirst, int kRows, int kCols, class RowReduce>
+PORTATTN_SOFTMAX_HD void online_softmax_step_deferred(float (&s)[kRows][kCols],
+                                                      RowState<kRows>& state, float scale_log2,
+                                                      float (&correction)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    float block_max = state.max[r];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) block_max = max2(block_max, s[r][c]);
+    block_max = RowReduce::max(block_max);
+    const float subtract = block_max == neg_inf() ? 0.f : block_max * scale_log2;
+    correction[r] = kFirst ? 1.f : exp2_fast(state.max[r] * scale_log2 - subtract);
+    state.sum[r] = kFirst ? 0.f : state.sum[r] * correction[r];
+    state.max[r] = block_max;
+    state.sum[r] += exp2_row(s[r], scale_log2, subtract);
+  }
+}
+
+template <int kRows, int kOCols>
+PORTATTN_SOFTMAX_HD void rescale_rows(float (&o)[kRows][kOCols], const float (&correction)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kOCols; ++c) o[r][c] *= correction[r];
+}
+
 // Note [portattn lazy rescale]
 // The same step, but O and the running sums are rescaled only when some row
 // of the warp/wavefront sees its maximum grow by more than kLazyRescaleLog2

@@ -1,17 +1,19 @@
 // C entry point of the Hopper forward kernel (hopper_fwd_kernel.cuh):
 //   int portattn_cuda_hopper_fwd(const PortattnFwdParams*, char* message, int message_len)
 // 0 on success; otherwise nonzero with the reason in `message`, including for
-// every call this first version does not serve (it is not in dispatch; the
-// sm80+ entry portattn_cuda_fwd serves everything).
+// every call the Hopper path does not serve (dispatch never sends those here:
+// capability/specs/cuda_sm90.py declares them; the sm80+ entry
+// portattn_cuda_fwd serves everything).
 //
-// Compiled only when the build opts in (PORTATTN_CUDA_HOPPER=1, variants.py),
-// and then only for sm_90a: wgmma and setmaxnreg exist nowhere else.
+// Compiled whenever the build's archs include sm_90 (variants.py), and then
+// only for sm_90a: wgmma and setmaxnreg exist nowhere else.
 //
 // Tensor maps are encoded on the host with cuTensorMapEncodeTiled, which the
 // runtime hands out through cudaGetDriverEntryPointByVersion: the library
 // keeps linking cudart statically and never links libcuda.
 #include <cudaTypedefs.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include <mutex>
 
@@ -25,12 +27,12 @@ namespace {
 using HopperFn = cudaError_t (*)(const PortattnFwdParams&);
 
 // Its own opt-in flags: the sm80+ kernels' SmemOptIn<hd, Elem, bool> would alias.
-template <int kHeadDim, typename Elem, bool kCausal>
+template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
 struct HopperSmemOptIn {
   static portattn::cuda::SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, bool kCausal>
-portattn::cuda::SmemOptInState HopperSmemOptIn<kHeadDim, Elem, kCausal>::state = {0ull};
+template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
+portattn::cuda::SmemOptInState HopperSmemOptIn<kHeadDim, Elem, kCausal, kSchedule>::state = {0ull};
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(cudaError_t* err) {
   static PFN_cuTensorMapEncodeTiled_v12000 encoder = nullptr;
@@ -84,13 +86,18 @@ cudaError_t encode_bshd(CUtensorMap* map, const void* data, const PortattnTensor
   return cudaSuccess;
 }
 
-template <int kHeadDim, typename Elem, bool kCausal>
+// The schedule each head dim runs (Note [portattn hopper forward schedule]),
+// chosen from the tuning runs in bench/results/hopper_notes.md.
+template <int kHeadDim>
+constexpr int kDefaultSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
+
+template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
 cudaError_t launch(const PortattnFwdParams& params) {
-  using Traits = HopperFwdTraits<kHeadDim>;
-  auto kernel = &hopper_fwd_kernel<kHeadDim, Elem, kCausal>;
+  using Traits = HopperFwdTraits<kHeadDim, kSchedule>;
+  auto kernel = &hopper_fwd_kernel<kHeadDim, Elem, kCausal, kSchedule>;
   cudaError_t err = portattn::cuda::ensure_dynamic_smem(
       reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
-      &HopperSmemOptIn<kHeadDim, Elem, kCausal>::state);
+      &HopperSmemOptIn<kHeadDim, Elem, kCausal, kSchedule>::state);
   if (err != cudaSuccess) return err;
   CUtensorMap tm_q, tm_k, tm_v;
   err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, params.batch,
@@ -110,20 +117,65 @@ cudaError_t launch(const PortattnFwdParams& params) {
   args.lse_head_stride = params.lse_head_stride;
   args.seqlen_q = params.seqlen_q;
   args.seqlen_k = params.seqlen_k;
+  args.nheads = params.nheads;
   args.heads_per_kv = params.nheads / params.nheads_k;
+  args.num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t tiles = static_cast<int64_t>(args.num_m_blocks) * params.nheads * params.batch;
+  if (tiles > INT32_MAX) {
+    portattn::cuda::set_error_detail("more than 2^31 query tiles");
+    return cudaErrorInvalidValue;
+  }
+  args.num_tiles = static_cast<int>(tiles);
   args.scale_log2 = params.softmax_scale * softmax::kLog2e;
-  const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.nheads,
-                  params.batch);
+  int grid = args.num_tiles;
+  if (Traits::kPersistent) {
+    // One CTA per SM (the shared memory admits no second): each walks a
+    // strided share of the tiles.
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    grid = grid < sms ? grid : sms;
+  }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(
       tm_q, tm_k, tm_v, args);
   return cudaGetLastError();
 }
 
+template <int kHeadDim, typename Elem, int kSchedule>
+cudaError_t run_schedule(const PortattnFwdParams& params) {
+  return params.window_right == 0 ? launch<kHeadDim, Elem, true, kSchedule>(params)
+                                  : launch<kHeadDim, Elem, false, kSchedule>(params);
+}
+
+#ifdef PORTATTN_HOPPER_TUNING
+// Tuning builds (PORTATTN_NVCC_FLAGS=-DPORTATTN_HOPPER_TUNING) carry every
+// bf16 schedule below; PORTATTN_HOPPER_FWD_SCHEDULE=<bits> picks one at run
+// time so a single device call can time them side by side.
+template <int kHeadDim, typename Elem, int... kSchedules>
+cudaError_t run_tuning(const PortattnFwdParams& params, int wanted) {
+  cudaError_t result = cudaErrorInvalidValue;
+  bool found = false;
+  ((!found && wanted == kSchedules ? (found = true, result = run_schedule<kHeadDim, Elem, kSchedules>(params)) : result), ...);
+  if (!found) portattn::cuda::set_error_detail("PORTATTN_HOPPER_FWD_SCHEDULE names no built schedule");
+  return result;
+}
+
+// Read on every call (a tuning build only), so one process can switch schedules.
+int tuning_schedule() {
+  const char* text = getenv("PORTATTN_HOPPER_FWD_SCHEDULE");
+  return text == nullptr || *text == '\0' ? -1 : atoi(text);
+}
+#endif
+
 template <int kHeadDim, typename Elem>
 cudaError_t run(const PortattnFwdParams& params) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
-  return params.window_right == 0 ? launch<kHeadDim, Elem, true>(params)
-                                  : launch<kHeadDim, Elem, false>(params);
+#ifdef PORTATTN_HOPPER_TUNING
+  if (std::is_same<Elem, __nv_bfloat16>::value && tuning_schedule() >= 0)
+    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 9, 13, 15>(params, tuning_schedule());
+#endif
+  return run_schedule<kHeadDim, Elem, kDefaultSchedule<kHeadDim>>(params);
 }
 
 struct HopperVariant {
@@ -146,7 +198,7 @@ const HopperVariant* find(int head_dim, int dtype) {
   return nullptr;
 }
 
-// Why this first version cannot serve the call, or nullptr. Input validation
+// Why the Hopper path cannot serve the call, or nullptr. Input validation
 // proper (shapes, dtypes, GQA divisibility) happened in portattn/validation.py.
 const char* unsupported(const PortattnFwdParams& p) {
   if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr)

@@ -1,38 +1,61 @@
 // Hopper (sm_90a) forward attention: TMA tile loads, wgmma, warp specialization.
 //
-// First version of the project's Hopper path (issue #6). Forward only,
-// fixed-length batches, fp16/bf16, head dims 64 and 128, non-causal or causal
-// (bottom-right), LSE output, GQA/MQA. Everything else (varlen, windows,
-// softcap, ALiBi, dropout, other head dims) stays on the sm80+ kernel
-// (fwd_kernel.cuh); hopper_fwd_entry.cu refuses such calls with a message.
-// NOT wired into dispatch: it is compiled only with PORTATTN_CUDA_HOPPER=1.
+// The forward of the project's Hopper path (issue #6): fixed-length batches,
+// fp16/bf16, head dims 64 and 128, non-causal or causal (bottom-right), LSE
+// output, GQA/MQA. Everything else (varlen, windows, softcap, ALiBi, dropout,
+// other head dims) is declared unsupported in capability/specs/cuda_sm90.py,
+// so dispatch sends it to the sm80+ kernel (fwd_kernel.cuh); the entry
+// (hopper_fwd_entry.cu) refuses such calls with a message as a second line.
 //
-// CTA = 3 warpgroups (384 threads), one CTA per (128-row query block, head, batch):
-//   warpgroup 0  producer: one thread issues every TMA copy (Q once, then K/V
-//                blocks into a kStages-deep ring); setmaxnreg drops it to 24
-//                registers so the consumers can have 240.
+// CTA = 3 warpgroups (384 threads); a tile is (128-row query block, head, batch):
+//   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then
+//                its K/V blocks into a kStages-deep ring); setmaxnreg drops it
+//                to 24 registers so the consumers can have 240.
 //   warpgroups 1, 2  consumers: 64 query rows each (the M of one wgmma). Per
 //                key block: S = Q K^T (wgmma, both operands in shared memory),
 //                mask, online softmax (backends/common/online_softmax.h), P to
 //                fp16/bf16 registers, O += P V (wgmma, A = P from registers,
 //                B = V from shared memory, transposed by the instruction).
 //
+// Note [portattn hopper forward schedule]
+// What overlaps with what is a compile-time schedule (bits of kSchedule), so
+// that one tuning build can time them side by side (hopper_fwd_entry.cu,
+// PORTATTN_HOPPER_TUNING) and the measured best is the default per head dim:
+//   kSchedPipelined  intra-warpgroup pipelining: S(j) = Q K(j)^T is issued
+//                    together with O += P(j-1) V(j-1); block j's softmax runs
+//                    while the second product is still on the tensor cores,
+//                    and O is rescaled by block j's correction only after it
+//                    lands (online_softmax_step_deferred). Costs a second
+//                    live S/P pair: S 64 + P 32 + O 64 registers at hd128.
+//   kSchedPingPong   the two consumer warpgroups take turns issuing their
+//                    products (named barriers 1 and 2), so one's softmax runs
+//                    under the other's wgmma by construction rather than by
+//                    the warp scheduler's luck. Needs kSchedPipelined.
+//   kSchedPersistent grid = one CTA per SM, each walking tiles blockIdx.x,
+//                    + gridDim.x, ...: the producer loads the next tile's Q
+//                    and K/V while the consumers finish the last one's P V
+//                    and write O. A Q-empty barrier hands the Q buffer back.
+//   kSchedStages3    three K/V stages at hd128 (225 KiB of shared memory)
+//                    instead of two.
+// K and V have separate "empty" barriers: K's stage is handed back as soon
+// as S = Q K^T has completed, V's after P V, so the next K load starts a
+// softmax earlier.
+// Tile order: the query block varies fastest, reversed for causal calls so
+// that the longest rows start first (their tiles finish with the rest);
+// consecutive tiles share a head's K/V in L2.
+//
 // Shared memory: every tile is stored as column panels of 64 elements (128
 // bytes per row, the widest row TMA's 128-byte swizzle allows), panel p at
 // p * rows * 128 bytes, each written by one TMA copy with
 // CU_TENSOR_MAP_SWIZZLE_128B. wgmma reads the same layout through its
-// "128B swizzle" matrix descriptors (make_smem_desc below), so no data is
-// rearranged between the copy engine and the tensor cores.
+// "128B swizzle" matrix descriptors (make_smem_desc, hopper_ptx.cuh), so no
+// data is rearranged between the copy engine and the tensor cores.
 //
 // Budget (kBlockM = kBlockN = 128):
 //   hd64:  Q 16 KiB + 4 stages x (K 16 + V 16 KiB) = 144 KiB (+1 KiB alignment, barriers)
-//   hd128: Q 32 KiB + 2 stages x (K 32 + V 32 KiB) = 160 KiB (+1 KiB)
+//   hd128: Q 32 KiB + 2 (3) stages x (K 32 + V 32 KiB) = 160 (224) KiB (+1 KiB)
 //   consumer registers per thread: S 64 fp32 + O 32 (hd64) / 64 (hd128) fp32
 //   + P 32 packed + softmax state; 240 allowed after setmaxnreg.
-//
-// Not yet here (see bench/results/hopper_notes.md): overlap of one block's
-// softmax with the other warpgroup's / next block's wgmma (ping-pong,
-// intra-warpgroup pipelining), a persistent scheduler, TMA store of O.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
 #include <cuda_bf16.h>
@@ -50,12 +73,23 @@
 namespace portattn {
 namespace hopper {
 
-template <int kHeadDim>
+enum HopperFwdScheduleBits : int {
+  kSchedPipelined = 1,
+  kSchedPingPong = 2,
+  kSchedPersistent = 4,
+  kSchedStages3 = 8,
+};
+
+template <int kHeadDim, int kSchedule>
 struct HopperFwdTraits {
+  static constexpr bool kPipelined = (kSchedule & kSchedPipelined) != 0;
+  static constexpr bool kPingPong = (kSchedule & kSchedPingPong) != 0;
+  static constexpr bool kPersistent = (kSchedule & kSchedPersistent) != 0;
+  static_assert(!kPingPong || kPipelined, "ping-pong is built on the pipelined consumer loop");
   static constexpr int kBlockM = 128;  // two consumer warpgroups x wgmma M (64)
   static constexpr int kBlockN = 128;  // S is 64 x 128 fp32 per warpgroup: 64 registers a thread
   // hd64 tiles are half the size, so twice the stages fit: deeper prefetch for free.
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : ((kSchedule & kSchedStages3) ? 3 : 2);
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
@@ -65,7 +99,8 @@ struct HopperFwdTraits {
   static constexpr int kPanels = kHeadDim / kPanel;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarriers = 1 + 3 * kStages;  // Q, K full, V full, K/V empty
+  // Q full, Q empty, then per stage: K full, V full, K empty, V empty.
+  static constexpr int kBarriers = 2 + 4 * kStages;
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
                                     1024;  // slack to align the tiles to the 1 KiB swizzle atom
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
@@ -83,19 +118,67 @@ struct HopperFwdArgs {
   int64_t lse_head_stride;
   int seqlen_q;
   int seqlen_k;
+  int nheads;
   int heads_per_kv;  // nheads / nheads_k
+  int num_m_blocks;  // query blocks per (head, batch)
+  int num_tiles;     // num_m_blocks * nheads * batch
   float scale_log2;  // softmax_scale * log2(e)
 };
 
+struct HopperTile {
+  int m_block, head, batch;
+  int n_blocks;  // key blocks this query block sees (0: only empty rows)
+};
+
+template <bool kCausal, int kBlockM, int kBlockN>
+__device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& args) {
+  HopperTile tile;
+  const int m = t % args.num_m_blocks;
+  const int hb = t / args.num_m_blocks;
+  tile.m_block = kCausal ? args.num_m_blocks - 1 - m : m;
+  tile.head = hb % args.nheads;
+  tile.batch = hb / args.nheads;
+  int n_blocks = (args.seqlen_k + kBlockN - 1) / kBlockN;
+  if (kCausal) {
+    // Key j is visible to query i when j <= i + seqlen_k - seqlen_q.
+    const int last_row = min((tile.m_block + 1) * kBlockM, args.seqlen_q) - 1;
+    const int last_key = last_row + args.seqlen_k - args.seqlen_q;
+    n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / kBlockN + 1);
+  }
+  tile.n_blocks = n_blocks;
+  return tile;
+}
+
+namespace sm90 {
+
+// The packed P fragment is an input of an asynchronous wgmma: pinning it here
+// after the wait keeps the compiler from reusing its registers earlier.
+template <int kRows>
+__device__ __forceinline__ void fence_operands(uint32_t (&a)[kRows][4]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) asm volatile("" : "+r"(a[r][c])::"memory");
+}
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace sm90
+
 // ---- the kernel ---------------------------------------------------------------------
 
-template <int kHeadDim, typename Elem, bool kCausal>
-__global__ void __launch_bounds__(HopperFwdTraits<kHeadDim>::kThreads, 1)
+template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
+__global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads, 1)
     hopper_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const HopperFwdArgs args) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Traits = HopperFwdTraits<kHeadDim>;
+  using Traits = HopperFwdTraits<kHeadDim, kSchedule>;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
@@ -108,35 +191,25 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim>::kThreads, 1)
   // Swizzle atoms must start 1 KiB aligned for base offset 0 in the descriptors.
   const uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t s_q = smem_base;
-  const uint32_t s_k = s_q + Traits::kQBytes;                    // kStages x kKVBytes
-  const uint32_t s_v = s_k + kStages * Traits::kKVBytes;         // kStages x kKVBytes
+  const uint32_t s_k = s_q + Traits::kQBytes;             // kStages x kKVBytes
+  const uint32_t s_v = s_k + kStages * Traits::kKVBytes;  // kStages x kKVBytes
   const uint32_t bars = s_v + kStages * Traits::kKVBytes;
-  const uint32_t bar_q = bars;
-  auto bar_k_full = [&](int s) { return bars + 8u * (1 + s); };
-  auto bar_v_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
-  auto bar_empty = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
-
-  // Heaviest causal blocks (last query rows) first: they finish with the rest.
-  const int m_block = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int seqlen_q = args.seqlen_q;
-  const int seqlen_k = args.seqlen_k;
-  int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
-  if (kCausal) {
-    // Key j is visible to query i when j <= i + seqlen_k - seqlen_q.
-    const int last_row = min((m_block + 1) * kBlockM, seqlen_q) - 1;
-    const int last_key = last_row + seqlen_k - seqlen_q;
-    n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / kBlockN + 1);
-  }
+  const uint32_t bar_q_full = bars;
+  const uint32_t bar_q_empty = bars + 8u;
+  auto bar_k_full = [&](int s) { return bars + 8u * (2 + s); };
+  auto bar_v_full = [&](int s) { return bars + 8u * (2 + kStages + s); };
+  auto bar_k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
+  auto bar_v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    sm90::mbar_init(bar_q, 1);
+    sm90::mbar_init(bar_q_full, 1);
+    sm90::mbar_init(bar_q_empty, Traits::kConsumers * 4);  // one arrival per consumer warp
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(bar_k_full(s), 1);
       sm90::mbar_init(bar_v_full(s), 1);
-      sm90::mbar_init(bar_empty(s), Traits::kConsumers * 4);  // one arrival per consumer warp
+      sm90::mbar_init(bar_k_empty(s), Traits::kConsumers * 4);
+      sm90::mbar_init(bar_v_empty(s), Traits::kConsumers * 4);
     }
     // Make the initialised barriers visible to the copy engine (async proxy).
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -147,31 +220,41 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim>::kThreads, 1)
   if (warpgroup == 0) {
     // ---- producer ----
     sm90::setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0 && n_blocks > 0) {
+    if (threadIdx.x == 0) {
       sm90::prefetch_tensormap(&tm_q);
       sm90::prefetch_tensormap(&tm_k);
       sm90::prefetch_tensormap(&tm_v);
-      const int head_k = head / args.heads_per_kv;
-      sm90::mbar_arrive_expect_tx(bar_q, Traits::kQBytes);
-#pragma unroll
-      for (int p = 0; p < Traits::kPanels; ++p)
-        sm90::tma_load_4d(s_q + p * kPanelBytesQ, &tm_q, bar_q, p * Traits::kPanel,
-                          m_block * kBlockM, head, batch);
-      for (int it = 0; it < n_blocks; ++it) {
-        const int stage = it % kStages;
-        const uint32_t round = it / kStages;
-        const int n_block = n_blocks - 1 - it;
-        sm90::mbar_wait(bar_empty(stage), (round & 1u) ^ 1u);
-        sm90::mbar_arrive_expect_tx(bar_k_full(stage), Traits::kKVBytes);
+      int q_fills = 0, kv_fills = 0;  // across tiles: buffer index and phase parity
+      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+        const HopperTile tile = decode_tile<kCausal, kBlockM, kBlockN>(t, args);
+        if (tile.n_blocks == 0) continue;
+        const int head_k = tile.head / args.heads_per_kv;
+        sm90::mbar_wait(bar_q_empty, (q_fills & 1) ^ 1);
+        ++q_fills;
+        sm90::mbar_arrive_expect_tx(bar_q_full, Traits::kQBytes);
 #pragma unroll
         for (int p = 0; p < Traits::kPanels; ++p)
-          sm90::tma_load_4d(s_k + stage * Traits::kKVBytes + p * kPanelBytesKV, &tm_k,
-                            bar_k_full(stage), p * Traits::kPanel, n_block * kBlockN, head_k, batch);
-        sm90::mbar_arrive_expect_tx(bar_v_full(stage), Traits::kKVBytes);
+          sm90::tma_load_4d(s_q + p * kPanelBytesQ, &tm_q, bar_q_full, p * Traits::kPanel,
+                            tile.m_block * kBlockM, tile.head, tile.batch);
+        for (int it = 0; it < tile.n_blocks; ++it, ++kv_fills) {
+          const int stage = kv_fills % kStages;
+          const uint32_t free_parity = ((kv_fills / kStages) & 1) ^ 1;
+          const int n_block = tile.n_blocks - 1 - it;
+          sm90::mbar_wait(bar_k_empty(stage), free_parity);
+          sm90::mbar_arrive_expect_tx(bar_k_full(stage), Traits::kKVBytes);
 #pragma unroll
-        for (int p = 0; p < Traits::kPanels; ++p)
-          sm90::tma_load_4d(s_v + stage * Traits::kKVBytes + p * kPanelBytesKV, &tm_v,
-                            bar_v_full(stage), p * Traits::kPanel, n_block * kBlockN, head_k, batch);
+          for (int p = 0; p < Traits::kPanels; ++p)
+            sm90::tma_load_4d(s_k + stage * Traits::kKVBytes + p * kPanelBytesKV, &tm_k,
+                              bar_k_full(stage), p * Traits::kPanel, n_block * kBlockN, head_k,
+                              tile.batch);
+          sm90::mbar_wait(bar_v_empty(stage), free_parity);
+          sm90::mbar_arrive_expect_tx(bar_v_full(stage), Traits::kKVBytes);
+#pragma unroll
+          for (int p = 0; p < Traits::kPanels; ++p)
+            sm90::tma_load_4d(s_v + stage * Traits::kKVBytes + p * kPanelBytesKV, &tm_v,
+                              bar_v_full(stage), p * Traits::kPanel, n_block * kBlockN, head_k,
+                              tile.batch);
+        }
       }
     }
   } else {
@@ -183,30 +266,29 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim>::kThreads, 1)
     const int lane = tid % 32;
     const int g = lane / 4;
     const int q4 = lane % 4;
-    // Row of fragment row r (0/1) is row0 + 8r.
-    const int row0 = m_block * kBlockM + wg * 64 + warp * 16 + g;
-
-    float o[2][kOCols];
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int c = 0; c < kOCols; ++c) o[r][c] = 0.f;
-    softmax::RowState<2> state;
-    state.init();
-
-    if (n_blocks > 0) sm90::mbar_wait(bar_q, 0);
     // This warpgroup's 64 rows of each Q panel start wg * 64 * 128 bytes in.
     const uint32_t s_q_wg = s_q + wg * 64 * 128;
-    for (int it = 0; it < n_blocks; ++it) {
-      const int stage = it % kStages;
-      const uint32_t parity = (it / kStages) & 1u;
-      const int n_block = n_blocks - 1 - it;
-      const uint32_t s_k_stage = s_k + stage * Traits::kKVBytes;
-      const uint32_t s_v_stage = s_v + stage * Traits::kKVBytes;
 
-      float s[2][kSCols];
-      sm90::mbar_wait(bar_k_full(stage), parity);
-      sm90::wgmma_fence();
+    // Ping-pong (Note [portattn hopper forward schedule]): warpgroup wg waits
+    // on barrier 1 + wg before issuing products and then opens the other's.
+    // Per non-empty tile each warpgroup has n + 1 issue phases; the second
+    // warpgroup opens the first's barrier once up front and skips its own
+    // last opening, so every barrier phase gets exactly 256 threads.
+    auto turn_wait = [&]() {
+      if constexpr (Traits::kPingPong) sm90::named_barrier_sync(1 + wg, 256);
+    };
+    auto turn_pass = [&](bool last_phase) {
+      if constexpr (Traits::kPingPong) {
+        if (!(last_phase && wg == 1)) sm90::named_barrier_arrive(2 - wg, 256);
+      }
+    };
+    // Lane 0 of each warp hands a buffer back once the whole warp is past it.
+    auto release = [&](uint32_t bar) {
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive(bar);
+    };
+    auto issue_s = [&](float (&s)[2][kSCols], int stage) {
+      const uint32_t s_k_stage = s_k + stage * Traits::kKVBytes;
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         const uint32_t offset = (kk % 4) * 32;  // k16 step inside the 128-byte panel row
@@ -217,35 +299,18 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim>::kThreads, 1)
         sm90::wgmma_ss_n128<Elem>(s, desc_q, desc_k, kk > 0 ? 1 : 0);
       }
       sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_operands(s);
-
-      // Mask keys past seqlen_k (TMA zero-filled them) and, for causal, keys
-      // after each row's diagonal; only the blocks that straddle either edge.
-      const int col_base = n_block * kBlockN;
-      const bool edge = col_base + kBlockN > seqlen_k ||
-                        (kCausal && col_base + kBlockN - 1 > m_block * kBlockM + seqlen_k - seqlen_q);
-      if (edge) {
+    };
+    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], int stage) {
+      const uint32_t s_v_stage = s_v + stage * Traits::kKVBytes;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int limit = kCausal ? min(seqlen_k, row0 + 8 * r + seqlen_k - seqlen_q + 1) : seqlen_k;
-#pragma unroll
-          for (int c = 0; c < kSCols; ++c) {
-            const int col = col_base + (c / 2) * 8 + 2 * q4 + (c % 2);
-            if (col >= limit) s[r][c] = softmax::neg_inf();
-          }
-        }
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t desc_v = sm90::make_smem_desc(s_v_stage + kk * 16 * 128, kPanelBytesKV, 1024);
+        sm90::wgmma_rs<Elem>(o, p[kk], desc_v);
       }
-      if (it == 0) {
-        softmax::online_softmax_step<true, 2, kSCols, kOCols, sm90::QuadReduce>(s, o, state,
-                                                                             args.scale_log2);
-      } else {
-        softmax::online_softmax_step<false, 2, kSCols, kOCols, sm90::QuadReduce>(s, o, state,
-                                                                              args.scale_log2);
-      }
-
-      // P as the A fragment of k16 step kk: columns 16kk..16kk+15 = chunks 2kk, 2kk+1.
-      uint32_t p[kBlockN / 16][4];
+      sm90::wgmma_commit();
+    };
+    // P as the A fragment of k16 step kk: columns 16kk..16kk+15 = chunks 2kk, 2kk+1.
+    auto pack_p = [&](uint32_t (&p)[kBlockN / 16][4], const float (&s)[2][kSCols]) {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         p[kk][0] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk + 0], s[0][4 * kk + 1]);
@@ -253,40 +318,158 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim>::kThreads, 1)
         p[kk][2] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk + 2], s[0][4 * kk + 3]);
         p[kk][3] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk + 2], s[1][4 * kk + 3]);
       }
+    };
 
-      sm90::mbar_wait(bar_v_full(stage), parity);
-      sm90::fence_operands(o);
-      sm90::wgmma_fence();
+    int q_uses = 0, kv_uses = 0;
+    for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+      const HopperTile tile = decode_tile<kCausal, kBlockM, kBlockN>(t, args);
+      const int n_blocks = tile.n_blocks;
+      // Row of fragment row r (0/1) is row0 + 8r.
+      const int row0 = tile.m_block * kBlockM + wg * 64 + warp * 16 + g;
+      auto stage_of = [&](int it) { return (kv_uses + it) % kStages; };
+      auto parity_of = [&](int it) { return static_cast<uint32_t>(((kv_uses + it) / kStages) & 1); };
+      // Mask keys past seqlen_k (TMA zero-filled them) and, for causal, keys
+      // after each row's diagonal; only the blocks that straddle either edge.
+      auto mask = [&](float (&s)[2][kSCols], int it) {
+        const int col_base = (n_blocks - 1 - it) * kBlockN;
+        const bool edge = col_base + kBlockN > args.seqlen_k ||
+                          (kCausal && col_base + kBlockN - 1 >
+                                          tile.m_block * kBlockM + args.seqlen_k - args.seqlen_q);
+        if (edge) {
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t desc_v = sm90::make_smem_desc(s_v_stage + kk * 16 * 128, kPanelBytesKV, 1024);
-        sm90::wgmma_rs<Elem>(o, p[kk], desc_v);
+          for (int r = 0; r < 2; ++r) {
+            const int limit = kCausal ? min(args.seqlen_k, row0 + 8 * r + args.seqlen_k - args.seqlen_q + 1)
+                                      : args.seqlen_k;
+#pragma unroll
+            for (int c = 0; c < kSCols; ++c) {
+              const int col = col_base + (c / 2) * 8 + 2 * q4 + (c % 2);
+              if (col >= limit) s[r][c] = softmax::neg_inf();
+            }
+          }
+        }
+      };
+
+      float o[2][kOCols];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < kOCols; ++c) o[r][c] = 0.f;
+      softmax::RowState<2> state;
+      state.init();
+
+      if (n_blocks > 0) {
+        sm90::mbar_wait(bar_q_full, q_uses & 1);
+        if constexpr (Traits::kPipelined) {
+          if (Traits::kPingPong && wg == 1) sm90::named_barrier_arrive(1, 256);
+          float s[2][kSCols];
+          uint32_t p[kBlockN / 16][4];
+          float correction[2];
+          // Phase 0: S(0) alone.
+          turn_wait();
+          sm90::mbar_wait(bar_k_full(stage_of(0)), parity_of(0));
+          sm90::wgmma_fence();
+          issue_s(s, stage_of(0));
+          turn_pass(false);
+          sm90::wgmma_wait<0>();
+          sm90::fence_operands(s);
+          release(bar_k_empty(stage_of(0)));
+          mask(s, 0);
+          softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce>(
+              s, state, args.scale_log2, correction);
+          pack_p(p, s);
+          // Phase it: S(it) and P(it-1) V(it-1) in flight together.
+          for (int it = 1; it < n_blocks; ++it) {
+            turn_wait();
+            // Both waits before the first issue: ptxas serialises wgmma
+            // chains that straddle a branch (warning C7519).
+            sm90::mbar_wait(bar_k_full(stage_of(it)), parity_of(it));
+            sm90::mbar_wait(bar_v_full(stage_of(it - 1)), parity_of(it - 1));
+            sm90::fence_operands(o);
+            sm90::wgmma_fence();
+            issue_s(s, stage_of(it));
+            issue_pv(o, p, stage_of(it - 1));
+            turn_pass(false);
+            sm90::wgmma_wait<1>();  // S(it) has landed; P V may still run
+            sm90::fence_operands(s);
+            release(bar_k_empty(stage_of(it)));
+            mask(s, it);
+            softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce>(
+                s, state, args.scale_log2, correction);
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(o);
+            sm90::fence_operands(p);
+            release(bar_v_empty(stage_of(it - 1)));
+            softmax::rescale_rows(o, correction);
+            pack_p(p, s);
+          }
+          // Every S of the tile is done: Q can be refilled for the next tile.
+          release(bar_q_empty);
+          // Phase n: the last P V alone.
+          turn_wait();
+          sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
+          sm90::fence_operands(o);
+          sm90::wgmma_fence();
+          issue_pv(o, p, stage_of(n_blocks - 1));
+          turn_pass(true);
+          sm90::wgmma_wait<0>();
+          sm90::fence_operands(o);
+          sm90::fence_operands(p);
+          release(bar_v_empty(stage_of(n_blocks - 1)));
+        } else {
+          // One block at a time: S, softmax, P V, each waiting for the last.
+          for (int it = 0; it < n_blocks; ++it) {
+            float s[2][kSCols];
+            sm90::mbar_wait(bar_k_full(stage_of(it)), parity_of(it));
+            sm90::wgmma_fence();
+            issue_s(s, stage_of(it));
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(s);
+            release(bar_k_empty(stage_of(it)));
+            mask(s, it);
+            if (it == 0) {
+              softmax::online_softmax_step<true, 2, kSCols, kOCols, sm90::QuadReduce>(
+                  s, o, state, args.scale_log2);
+            } else {
+              softmax::online_softmax_step<false, 2, kSCols, kOCols, sm90::QuadReduce>(
+                  s, o, state, args.scale_log2);
+            }
+            uint32_t p[kBlockN / 16][4];
+            pack_p(p, s);
+            sm90::mbar_wait(bar_v_full(stage_of(it)), parity_of(it));
+            sm90::fence_operands(o);
+            sm90::wgmma_fence();
+            issue_pv(o, p, stage_of(it));
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(o);
+            sm90::fence_operands(p);
+            release(bar_v_empty(stage_of(it)));
+          }
+          release(bar_q_empty);
+        }
+        ++q_uses;
+        kv_uses += n_blocks;
       }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_operands(o);
-      // This warp no longer reads the stage (its wgmma completed).
-      __syncwarp();
-      if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
-    }
 
-    float lse[2];
-    softmax::online_softmax_finalize<2, kOCols, sm90::QuadReduce>(o, state, args.scale_log2, 1.f, lse);
-
-    Elem* out = static_cast<Elem*>(args.out) + batch * args.out_strides.batch_stride +
-                head * args.out_strides.head_stride;
+      float lse[2];
+      softmax::online_softmax_finalize<2, kOCols, sm90::QuadReduce>(o, state, args.scale_log2, 1.f,
+                                                                     lse);
+      Elem* out = static_cast<Elem*>(args.out) + tile.batch * args.out_strides.batch_stride +
+                  tile.head * args.out_strides.head_stride;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 8 * r;
-      if (row >= seqlen_q) continue;
-      Elem* out_row = out + static_cast<int64_t>(row) * args.out_strides.row_stride;
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row >= args.seqlen_q) continue;
+        Elem* out_row = out + static_cast<int64_t>(row) * args.out_strides.row_stride;
 #pragma unroll
-      for (int c = 0; c < kOCols; c += 2) {
-        const int col = (c / 2) * 8 + 2 * q4;
-        *reinterpret_cast<uint32_t*>(out_row + col) = ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]);
+        for (int c = 0; c < kOCols; c += 2) {
+          const int col = (c / 2) * 8 + 2 * q4;
+          *reinterpret_cast<uint32_t*>(out_row + col) =
+              ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]);
+        }
+        if (args.lse != nullptr && q4 == 0)
+          args.lse[tile.batch * args.lse_batch_stride + tile.head * args.lse_head_stride + row] =
+              lse[r];
       }
-      if (args.lse != nullptr && q4 == 0)
-        args.lse[batch * args.lse_batch_stride + head * args.lse_head_stride + row] = lse[r];
     }
   }
 #endif

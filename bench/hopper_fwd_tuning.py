@@ -1,0 +1,136 @@
+"""Hopper forward schedules side by side (Note [portattn hopper forward schedule]).
+
+Needs a tuning build of the CUDA backend, which carries every bf16 schedule:
+  PORTATTN_CUDA_ARCHS=90 PORTATTN_NVCC_FLAGS=-DPORTATTN_HOPPER_TUNING python3 portattn/backends/cuda/build.py
+and picks one per call through PORTATTN_HOPPER_FWD_SCHEDULE (read on every call).
+For each schedule: a correctness check on shapes that exercise many tiles per CTA,
+empty causal tiles and ragged blocks (the error rule of tests/gpu), then TFLOP/s over
+the issue's grid (bf16, 16k tokens, hidden 2048) next to SDPA cuDNN and flash.
+  python bench/hopper_fwd_tuning.py [--schedules 0,1,3,...] [--out DIR]
+Writes <out>/hopper_fwd_tuning.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from naive import naive_attention  # noqa: E402
+
+from portattn.backends.abi import fwd_args  # noqa: E402
+from portattn.backends.cuda import _C  # noqa: E402
+
+SCHEDULE_NAMES = {0: "serial", 1: "pipe", 3: "pipe+pp", 5: "pipe+pers", 7: "pipe+pp+pers",
+                  9: "pipe+3st", 13: "pipe+pers+3st", 15: "pipe+pp+pers+3st"}
+CHECK_SHAPES = [  # batch, seqlen_q, seqlen_k, heads
+    (3, 777, 513, 20), (2, 1000, 1000, 3), (1, 4097, 1000, 2), (2, 17, 113, 3), (1, 128, 128, 1)]
+
+
+def _run(q, k, v, out, lse, causal):
+    _C.hopper_fwd(*fwd_args(q, k, v, out, lse, None, None, 0, 0, 1.0 / math.sqrt(q.shape[-1]), -1,
+                            0 if causal else -1, 0.0, None, 0.0, 0, 0))
+
+
+def check(schedule: int) -> str:
+    os.environ["PORTATTN_HOPPER_FWD_SCHEDULE"] = str(schedule)
+    worst = 0.0
+    for batch, sq, sk, heads in CHECK_SHAPES:
+        for head_dim in (64, 128):
+            for causal in (False, True):
+                q = torch.randn(batch, sq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(batch, sk, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(batch, sk, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full((batch, heads, sq), float("nan"), device="cuda")
+                _run(q, k, v, out, lse, causal)
+                ref, _ = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+                low, _ = naive_attention(q, k, v, compute_dtype=torch.bfloat16, causal=causal)
+                if out.isnan().any() or lse.isnan().any():
+                    return f"FAIL NaN at {(batch, sq, sk, heads, head_dim, causal)}"
+                err = (out.double() - ref).abs().max().item()
+                base = (low.double() - ref).abs().max().item()
+                if err > 2 * base + 1e-5:
+                    return f"FAIL err {err:.2e} > 2 x {base:.2e} at {(batch, sq, sk, heads, head_dim, causal)}"
+                worst = max(worst, err / (base + 1e-12))
+    return f"ok (worst err / torch bf16 err = {worst:.2f})"
+
+
+def _tflops(ms, batch, heads, seqlen, head_dim, causal):
+    return 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1) / ms / 1e9
+
+
+def time_grid(schedules, seqlens):
+    rows = []
+    for head_dim in (64, 128):
+        heads = 2048 // head_dim
+        for seqlen in seqlens:
+            batch = 16384 // seqlen
+            q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            out = torch.empty_like(q)
+            lse = torch.empty(batch, heads, seqlen, device="cuda")
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            for causal in (False, True):
+                row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal}
+                for schedule in schedules:
+                    os.environ["PORTATTN_HOPPER_FWD_SCHEDULE"] = str(schedule)
+                    ms = do_bench(lambda: _run(q, k, v, out, lse, causal), warmup=25, rep=100,
+                                  return_mode="median")
+                    row[SCHEDULE_NAMES[schedule]] = _tflops(ms, batch, heads, seqlen, head_dim, causal)
+                for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                    with sdpa_kernel(backend):
+                        ms = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                                      warmup=25, rep=100, return_mode="median")
+                    row[name] = _tflops(ms, batch, heads, seqlen, head_dim, causal)
+                rows.append(row)
+                print({key: (round(val, 1) if isinstance(val, float) else val) for key, val in row.items()},
+                      flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--schedules", default=",".join(map(str, SCHEDULE_NAMES)))
+    parser.add_argument("--seqlens", default="1024,4096,16384")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    schedules = [int(s) for s in args.schedules.split(",")]
+    checks = {SCHEDULE_NAMES[s]: check(s) for s in schedules}
+    for name, verdict in checks.items():
+        print(f"check {name}: {verdict}", flush=True)
+    good = [s for s in schedules if checks[SCHEDULE_NAMES[s]].startswith("ok")]
+    rows = time_grid(good, [int(s) for s in args.seqlens.split(",")])
+    names = [SCHEDULE_NAMES[s] for s in good]
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": os.environ.get("PORTATTN_COMMIT", "unknown")}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hopper_fwd_tuning.json"), "w") as f:
+        json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
+    lines = [f"# Hopper forward schedules (bf16 TFLOP/s, 16k tokens, hidden 2048)", "",
+             f"device: {meta['device']}; date: {meta['date']}; commit: {meta['commit']}; torch {meta['torch']}", "",
+             "checks: " + "; ".join(f"{k}: {v}" for k, v in checks.items()), "",
+             "| hd | seqlen | causal | " + " | ".join(names) + " | cuDNN | flash | best / cuDNN |",
+             "|" + "---|" * (len(names) + 6)]
+    for row in rows:
+        best = max(row[n] for n in names)
+        lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | "
+                     + " | ".join(f"{row[n]:.0f}" for n in names)
+                     + f" | {row['cudnn']:.0f} | {row['flash']:.0f} | {best / row['cudnn']:.3f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "hopper_fwd_tuning.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
