@@ -6,11 +6,17 @@
 #   sanitize  compute-sanitizer memcheck + racecheck on the small forward/backward cases
 #   overhead  bench/bench_overhead.py (host overhead, self-check cost)
 #   report    portattn-report, --selftest and the quickstart example -> report.txt
-#   bench     bench/bench_attention.py $BENCH_ARGS (default --backward: TFLOP/s grid vs SDPA flash/cuDNN)
+#   bench     bench/bench_attention.py $BENCH_ARGS (default --backward): portattn, the sm80+ path forced,
+#             SDPA flash/cuDNN, FlexAttention, flash-attn-4 (if installed: bench/fa4_stage.sh), fwd and
+#             fwd+bwd -> hopper_bench.{json,md,png}; the grid stops at --budget-s (300 s), tables still written
+#   profile   bench/ncu_stage.sh: ncu on one launch each of the Hopper forward, Hopper backward (if any)
+#             and sm80+ backward at hd128 s16k -> ncu_fwd.txt, ncu_bwd_hopper.txt, ncu_bwd_sm80.txt
+#   determinism  bench/bench_backward.py --determinism: deterministic=True vs default, hd128 4k/8k/16k
 #   train     bench/train_check.py (loss curves, portattn vs SDPA from one initialisation)
-# Set PORTATTN_COMMIT to the commit under test (the device copy has no .git).
+# Set PORTATTN_COMMIT to the commit under test (the device copy has no .git). A PYTHONPATH
+# already set (flash-attn-4's, from bench/fa4_stage.sh install) is kept.
 set -o pipefail
-export PYTHONPATH=$PWD:$PWD/bench PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/report.txt"
@@ -30,7 +36,11 @@ for stage in "$@"; do
     report)
       { python3 -m portattn; python3 -m portattn --selftest; python3 examples/quickstart.py; } 2>&1 | tee -a "$OUT/report.txt" | tail -12 ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_attention.py ${BENCH_ARGS:---backward} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+      timeout ${BENCH_TIMEOUT:-420} python3 bench/bench_attention.py ${BENCH_ARGS:---backward} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    profile)
+      timeout ${PROFILE_TIMEOUT:-420} bash bench/ncu_stage.sh $PROFILE_KERNELS 2>&1 | tail -45 ;;
+    determinism)
+      timeout 240 python3 bench/bench_backward.py --determinism --out "$OUT" 2>&1 | tee "$OUT/determinism.log" | tail -14 ;;
     train)
       timeout 200 python3 bench/train_check.py --out "$OUT" 2>&1 | tee "$OUT/train_check.log" | tail -3 ;;
   esac

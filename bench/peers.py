@@ -201,7 +201,12 @@ def _bind_flex():
 
 
 def _bind_fa4():
-    from flash_attn.cute import flash_attn_func
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError as error:
+        # bench/fa4_stage.sh says why the wheels are not installed, when it knows.
+        staged = os.environ.get("PORTATTN_FA4_MISSING")
+        raise ImportError(f"{staged} ({error})" if staged else str(error)) from error
 
     def bind(q, k, v, causal):
         def call():
@@ -256,8 +261,11 @@ def _loaded(name: str):
 
 
 def _reason(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    # torch.compile wraps the real error ("Observed exception"); its debug context names it.
+    inner = next((line.strip() for line in lines if "raised exception" in line), "")
+    return f"{type(error).__name__}: {text}{' / ' + inner if inner else ''}"[:300]
 
 
 # ---- timing -----------------------------------------------------------------------------
@@ -312,6 +320,8 @@ def measure(impl: Impl, mode: str, point: Point, tensors, timer: Timer):
     q, k, v, dout = tensors
     try:
         with impl.context():
+            if mode == "fwd":  # inference: inputs that need no grad (peers specialise on it)
+                q, k, v = q.detach(), k.detach(), v.detach()
             call = bind(q, k, v, point.causal)
             if mode == "fwd":
                 def step():
@@ -489,7 +499,8 @@ def _plot(result, path):
                     continue
                 ys = [r["tflops"][mode].get(name) for r in rows]
                 ys = [math.nan if y is None else y for y in ys]  # n/a: a gap, not a zero
-                ax.plot(xs, ys, marker="o", label=IMPLS[name].label)
+                missing = all(math.isnan(y) for y in ys)
+                ax.plot(xs, ys, marker="o", label=IMPLS[name].label + (" (n/a)" if missing else ""))
             ax.set_title(f"{MODES[mode]}, hd {hd}, {'causal' if causal else 'full'}", fontsize=10)
             ax.set_xlabel("seqlen")
             ax.grid(alpha=0.3)

@@ -1,0 +1,91 @@
+#!/bin/bash
+# flash-attn-4 on the device machine, for benchmarking only (never a portattn dependency;
+# see /work/shared/BENCH_PEERS.md). The device has no network and one call carries at most
+# 64 MiB, so the wheels travel in two calls and are joined on the device:
+#
+#   On the dev machine (once; /.whl/ is in .git/info/exclude):
+#     .whl/a: flash_attn_4, quack_kernels, apache_tvm_ffi, torch_c_dlpack_ext, nvidia_cutlass_dsl,
+#             and nvidia_cutlass_dsl_libs_cu13-*.whl.part00          (~49 MiB)
+#     .whl/b: nvidia_cutlass_dsl_libs_base, nvidia_cutlass_dsl_libs_core,
+#             and nvidia_cutlass_dsl_libs_cu13-*.whl.part01          (~48 MiB)
+#     (the 92 MB cu13 wheel cut by `split -n 2 -d WHEEL WHEEL.part`)
+#   Device call 1, carry [".whl/a", <library>]:
+#     bash bench/fa4_stage.sh stash .whl/a; <other work>
+#   Device call 2 (back to back, while the machine is warm), carry [".whl/b", <library>]:
+#     bash bench/fa4_stage.sh stash .whl/b && eval "$(bash bench/fa4_stage.sh install)" && bash bench/gpu_suite.sh bench ...
+#
+# Verbs:
+#   stash DIR  copy DIR's files into /tmp/fa4parts (survives between calls on a warm machine)
+#   install    join the .partNN halves, test every wheel (python3 -m zipfile -t), install
+#              them with pip --no-index --no-deps --target /tmp/site, check the import;
+#              stdout is only the line to eval: the PYTHONPATH export (a --target install
+#              skips the cutlass DSL's .pth file, hence its dsl_packages folder on the path).
+#              On any failure it prints PORTATTN_FA4_MISSING=<why> instead and exits 1: the
+#              benchmark then shows flash-attn-4 as n/a with that reason.
+set -o pipefail
+PARTS=${FA4_PARTS:-/tmp/fa4parts}
+SITE=${FA4_SITE:-/tmp/site}
+# The wheels the benchmark needs (flash-attn-4 4.0.0b36 and its runtime closure, minus what
+# the device already has: torch, cuda-bindings, protobuf, einops, typing-extensions).
+WANTED="flash_attn_4-4.0.0b36 nvidia_cutlass_dsl-4.8.1 nvidia_cutlass_dsl_libs_base-4.8.1
+nvidia_cutlass_dsl_libs_core-4.8.1 nvidia_cutlass_dsl_libs_cu13-4.8.1 quack_kernels apache_tvm_ffi torch_c_dlpack_ext"
+
+log() { echo "fa4_stage: $*" >&2; }
+
+missing() {  # the eval-able failure line, a reason the benchmark can show
+  log "$1"
+  printf 'export PORTATTN_FA4_MISSING=%q\n' "$1"
+  exit 1
+}
+
+stash() {
+  local dir=$1
+  [ -d "$dir" ] || { log "no folder $dir (was it in the call's carry list?)"; exit 1; }
+  mkdir -p "$PARTS" && cp -f "$dir"/* "$PARTS"/ || { log "copy of $dir into $PARTS failed"; exit 1; }
+  log "stashed $(ls "$dir" | wc -l) files from $dir; $PARTS now holds: $(ls "$PARTS" | tr '\n' ' ')"
+}
+
+install() {
+  [ -d "$PARTS" ] || missing "nothing stashed in $PARTS (run 'stash .whl/a' and 'stash .whl/b' on the same warm machine)"
+  local first whole
+  for first in "$PARTS"/*.part00; do
+    [ -e "$first" ] || continue
+    whole=${first%.part00}
+    ls "$whole".part* >/dev/null 2>&1 || continue
+    if [ "$(ls "$whole".part* | wc -l)" -lt 2 ]; then
+      missing "only one half of $(basename "$whole") is in $PARTS (stash both .whl/a and .whl/b)"
+    fi
+    cat $(ls "$whole".part* | sort) > "$whole" || missing "could not join $(basename "$whole")"
+  done
+  local wheel name
+  for name in $WANTED; do
+    ls "$PARTS/$name"-*.whl >/dev/null 2>&1 || missing "wheel $name is missing from $PARTS"
+  done
+  for wheel in "$PARTS"/*.whl; do
+    python3 -m zipfile -t "$wheel" >/dev/null 2>&1 || missing "$(basename "$wheel") is corrupt (zipfile -t failed)"
+  done
+  if python3 -m pip --version >/dev/null 2>&1; then
+    python3 -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" "$PARTS"/*.whl >&2 \
+      || missing "pip install --target $SITE failed"
+  else
+    # No pip on the device: these wheels carry no .data folders and no scripts, so
+    # unpacking them is the whole install (dist-info included, for importlib.metadata).
+    log "no pip for $(python3 -V 2>&1); unpacking the wheels into $SITE"
+    for wheel in "$PARTS"/*.whl; do
+      python3 -m zipfile -e "$wheel" "$SITE" || missing "unpacking $(basename "$wheel") failed"
+    done
+  fi
+  local path="$SITE/nvidia_cutlass_dsl/dsl_packages:$SITE"
+  local check
+  check=$(PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+    'from flash_attn.cute import flash_attn_func; import importlib.metadata as m; print(m.version("flash-attn-4"))' 2>&1) \
+    || log "installed, but the import fails (the benchmark will say why): $(echo "$check" | tail -1)"
+  log "flash-attn-4 $check in $SITE"
+  echo "export PYTHONPATH=$path\${PYTHONPATH:+:\$PYTHONPATH}"
+}
+
+case "$1" in
+  stash) [ $# -eq 2 ] || { log "usage: $0 stash DIR"; exit 2; }; stash "$2" ;;
+  install) install ;;
+  *) log "usage: $0 stash DIR | install"; exit 2 ;;
+esac

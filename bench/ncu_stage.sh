@@ -1,0 +1,67 @@
+#!/bin/bash
+# The `profile` stage of bench/gpu_suite.sh: Nsight Compute on one launch of each kernel
+# under study, at issue #6's largest point (B=1, H=16, seqlen 16k, hd 128, bf16, not causal;
+# bench/ncu_profile.py runs it, with only the call under study inside the profiler range):
+#   fwd        the Hopper forward (regex:hopper)              -> $OUT/ncu_fwd.txt
+#   bwd        the Hopper backward, if present (regex:hopper_bwd) -> $OUT/ncu_bwd_hopper.txt
+#   bwd_sm80   the sm80+ backward, path forced (regex:bwd_kernel) -> $OUT/ncu_bwd_sm80.txt
+# Each: .txt (short summary, also printed), _details.txt (ncu's section text), _raw.csv,
+# .ncu-rep (open in the Nsight Compute GUI) and .log. Clocks are left to the GPU
+# (--clock-control none) so durations match the benchmark's conditions.
+#   usage: bash bench/ncu_stage.sh [fwd] [bwd] [bwd_sm80]   (default: all three)
+# Env: OUT (default /tmp/out), NCU (the ncu binary), NCU_TIMEOUT (s per kernel, default 150).
+set -o pipefail
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+NCU=${NCU:-$(command -v ncu || ls -d /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
+if [ -z "$NCU" ] || [ ! -x "$NCU" ]; then
+  echo "profile: no ncu on this machine (set NCU=/path/to/ncu)" | tee "$OUT/ncu_fwd.txt"
+  exit 0
+fi
+SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats"
+# Tensor-pipe use (wgmma and mma.sync are separate pipes on sm90) and the stall breakdown.
+# ncu does not expand wildcards in --metrics, so every stall reason is named; base names
+# without a suffix let ncu collect whichever roll-ups the metric has.
+STALLS="barrier branch_resolving dispatch_stall drain gmma imc_miss lg_throttle long_scoreboard math_pipe_throttle membar mio_throttle misc no_instruction not_selected selected short_scoreboard sleeping tex_throttle wait"
+METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.sum"
+for reason in $STALLS; do METRICS="$METRICS,smsp__average_warp_latency_issue_stalled_$reason"; done
+
+profile() {  # name mode regex title
+  local name=$1 mode=$2 regex=$3 title=$4 report="$OUT/ncu_$1"
+  local run=("$NCU" --profile-from-start off --launch-skip 0 --launch-count 1 -k "regex:$regex"
+             $SECTIONS --clock-control none --export "$report" --force-overwrite)
+  echo "== profile $name: ${run[*]} --metrics <tensor pipe + stalls> python3 bench/ncu_profile.py case $mode" > "$report.log"
+  timeout "${NCU_TIMEOUT:-150}" "${run[@]}" --metrics "$METRICS" python3 bench/ncu_profile.py case "$mode" >> "$report.log" 2>&1
+  if grep -qiE "==ERROR==.*metric|failed to find metric|invalid metric" "$report.log"; then
+    # A metric this ncu version does not know fails the whole run: retry with the sections only.
+    echo "== retry without --metrics" >> "$report.log"
+    timeout "${NCU_TIMEOUT:-150}" "${run[@]}" python3 bench/ncu_profile.py case "$mode" >> "$report.log" 2>&1
+  fi
+  if [ -s "$report.ncu-rep" ]; then
+    "$NCU" --import "$report.ncu-rep" --page raw --csv > "$report"_raw.csv 2>> "$report.log"
+    "$NCU" --import "$report.ncu-rep" --page details > "$report"_details.txt 2>> "$report.log"
+  fi
+  {
+    python3 bench/ncu_profile.py summarize "$report"_raw.csv --title "$title" --mode "$mode"
+    grep -m1 "ncu_profile case" "$report.log"
+    grep -m2 -E "==(ERROR|WARNING)==" "$report.log"
+    grep -m1 "retry without" "$report.log"
+  } > "$report.txt" 2>&1
+  cat "$report.txt"
+}
+
+for what in ${@:-fwd bwd bwd_sm80}; do
+  case "$what" in
+    fwd) profile fwd fwd hopper "Hopper forward, hd128 s16384 B1 H16 full" ;;
+    bwd)
+      # Not built yet in every tree: skip the (slow) ncu launch when the library has no such kernel.
+      if grep -qa hopper_bwd portattn/backends/cuda/libportattn_cuda.so 2>/dev/null; then
+        profile bwd_hopper bwd hopper_bwd "Hopper backward, hd128 s16384 B1 H16 full"
+      else
+        echo "== Hopper backward: none in this build (no hopper_bwd symbol in libportattn_cuda.so)" | tee "$OUT/ncu_bwd_hopper.txt"
+      fi ;;
+    bwd_sm80) profile bwd_sm80 bwd_sm80 bwd_kernel "sm80+ backward (cuda forced), hd128 s16384 B1 H16 full" ;;
+    *) echo "profile: unknown kernel '$what' (fwd, bwd, bwd_sm80)" ;;
+  esac
+done
