@@ -120,7 +120,9 @@ def main():
     parser.add_argument("--backward", action="store_true", help="also forward+backward (and backward alone)")
     parser.add_argument("--quick", action="store_true", help="seqlens 512, 2048, 8192 (smoke run)")
     parser.add_argument("--seqlens", default=None, help="grid seqlens, comma separated (default 512..16384)")
-    parser.add_argument("--head-dims", default="64,128", help="grid head dims, comma separated")
+    parser.add_argument("--head-dims", default="128,64",
+                        help="grid head dims, comma separated, in run order (hd128 first: if the time budget "
+                             "runs out, the points it cuts are hd64's)")
     parser.add_argument("--impls", default="portattn,portattn_sm80,sdpa_flash,sdpa_cudnn,flex,fa4",
                         help=f"columns, comma separated, from: {', '.join(peers.IMPLS)}")
     parser.add_argument("--skip", default="", help="columns to leave out of --impls (e.g. flex)")
@@ -129,8 +131,8 @@ def main():
     parser.add_argument("--grid-only", action="store_true", help="skip the overhead and memory parts")
     parser.add_argument("--budget-s", type=float, default=GRID_BUDGET_S,
                         help="grid time budget; cells after it are n/a (default %(default)s)")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms) per cell")
-    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warmup (ms) per cell")
+    parser.add_argument("--rep-ms", type=int, default=80, help="do_bench rep (ms) per cell")
+    parser.add_argument("--warmup-ms", type=int, default=20, help="do_bench warmup (ms) per cell")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--name", default="hopper_bench", help="result file name (without extension)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")

@@ -100,7 +100,7 @@ def main():
     parser.add_argument("--no-memory", action="store_true", help="skip the 32k peak-memory case")
     parser.add_argument("--memory-only", action="store_true", help="only the 32k peak-memory case")
     parser.add_argument("--budget-s", type=float, default=300, help="grid time budget (cells after it are n/a)")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms) per cell")
+    parser.add_argument("--rep-ms", type=int, default=80, help="do_bench rep (ms) per cell")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
     args = parser.parse_args()

@@ -272,7 +272,7 @@ def _reason(error: BaseException) -> str:
 class Timer:
     """Median ms of triton.testing.do_bench; fake (derived from a hash) in a dry run."""
 
-    def __init__(self, warmup_ms: int = 25, rep_ms: int = 100, dry_run: bool = False):
+    def __init__(self, warmup_ms: int = 20, rep_ms: int = 80, dry_run: bool = False):
         self.warmup_ms, self.rep_ms, self.dry_run = warmup_ms, rep_ms, dry_run
 
     def sync(self):
@@ -402,9 +402,9 @@ def compact_line(row, impls, modes) -> str:
     for mode in modes:
         cells = [f"{impl.short} {_num(row['tflops'][mode].get(impl.name))}" for impl in impls
                  if impl.name in row["tflops"][mode]]
-        ratios = [f"pa/{IMPLS[peer].short} {_num(ratio(row, mode, 'portattn', peer), 2)}" for peer in RATIO_PEERS
+        ratios = [f"pa/{IMPLS[peer].short} {_num(ratio(row, mode, 'portattn', peer), 2)}" for peer in RATIO_PEERS[:2]
                   if "portattn" in row["tflops"][mode] and peer in row["tflops"][mode]]
-        parts.append(f"{mode}: " + " ".join(cells + ratios))
+        parts.append(f"{'f+b' if mode == 'fwd_bwd' else mode}: " + " ".join(cells + ratios))
     return " | ".join(parts)
 
 
@@ -425,15 +425,20 @@ def compact_table(result) -> str:
     lines = [f"== {result['title']}: {result['device']}, {result['date']}, commit {result['commit']}, "
              f"torch {result['torch']}, TFLOP/s",
              "   " + ", ".join(f"{impl.short} = {impl.label}" for impl in impls)]
-    lines += [compact_line(row, impls, result["modes"]) for row in result["grid"]]
+    lines += [compact_line(row, impls, result["modes"]) for row in in_order(result["grid"])]
     backends = sorted({f"{mode}: {row['backend'][mode]}" for row in result["grid"] for mode in result["modes"]})
     lines.append("portattn dispatch chose: " + "; ".join(backends))
     for name, whys in na_reasons(result["grid"]).items():
-        lines.append(f"n/a {name}: " + " | ".join(whys[:3]))
+        lines.append(f"n/a {name}: " + " | ".join(whys[:2])[:400])
     return "\n".join(lines)
 
 
 # ---- writing results ---------------------------------------------------------------------
+def in_order(rows) -> list:
+    """Tables read by head dim, seqlen, causal, whatever order the grid ran in."""
+    return sorted(rows, key=lambda r: (r["head_dim"], r["seqlen"], r["causal"]))
+
+
 def _markdown_grid(result) -> list:
     impls = [IMPLS[name] for name in result["impls"]]
     lines = []
@@ -445,7 +450,7 @@ def _markdown_grid(result) -> list:
                   "| hd | seqlen | causal | " + " | ".join(impl.label for impl in shown)
                   + "".join(f" | portattn / {IMPLS[p].label}" for p in peers) + " |",
                   "|---" * (3 + len(shown) + len(peers)) + "|"]
-        for row in result["grid"]:
+        for row in in_order(result["grid"]):
             values = row["tflops"][mode]
             cells = []
             for impl in shown:
@@ -461,7 +466,7 @@ def _markdown_grid(result) -> list:
         lines += ["## Backward alone, derived (TFLOP/s = 2.5 x forward FLOPs / (fwd+bwd time - forward time))", "",
                   "| hd | seqlen | causal | " + " | ".join(impl.label for impl in both) + " |",
                   "|---" * (3 + len(both)) + "|"]
-        for row in result["grid"]:
+        for row in in_order(result["grid"]):
             lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | "
                          + " | ".join(_num(backward_only_tflops(row, impl.name), 1) for impl in both) + " |")
         lines.append("")
@@ -492,7 +497,7 @@ def _plot(result, path):
     for i, mode in enumerate(modes):
         for j, (hd, causal) in enumerate(panels):
             ax = axes[i][j]
-            rows = [r for r in result["grid"] if r["head_dim"] == hd and r["causal"] == causal]
+            rows = [r for r in in_order(result["grid"]) if r["head_dim"] == hd and r["causal"] == causal]
             xs = [str(r["seqlen"]) for r in rows]
             for name in result["impls"]:
                 if name not in rows[0]["tflops"][mode]:
