@@ -50,7 +50,7 @@ def bench_overhead(batches, head_dims, seqlens, calls):
 
     import portattn
 
-    kernel_bind, why = peers._loaded("sm80_kernel")
+    kernel_bind, why = peers.load_impl("sm80_kernel")
     rows = []
     for batch in batches:
         for head_dim in head_dims:
@@ -65,7 +65,7 @@ def bench_overhead(batches, head_dims, seqlens, calls):
                              "portattn_us": ours, "backend_only_us": backend_only, "sdpa_auto_us": sdpa,
                              "ratio": ours / sdpa})
                 print(f"overhead b{batch} hd{head_dim} s{seqlen}: portattn {ours:7.1f} us  backend.forward "
-                      f"{peers._num(backend_only, 1):>7} us  sdpa {sdpa:7.1f} us", flush=True)
+                      f"{peers.fmt_num(backend_only, 1):>7} us  sdpa {sdpa:7.1f} us", flush=True)
     if why:
         print(f"overhead: CudaBackend.forward n/a: {why}")
     return rows
@@ -100,7 +100,7 @@ def extra_markdown(result) -> list:
                   "|---|---|---|---|---|---|---|"]
         for r in result["overhead"]:
             lines.append(f"| {r['batch']} | {r['head_dim']} | {r['seqlen']} | {r['portattn_us']:.1f} | "
-                         f"{peers._num(r['backend_only_us'], 1)} | {r['sdpa_auto_us']:.1f} | {r['ratio']:.2f} |")
+                         f"{peers.fmt_num(r['backend_only_us'], 1)} | {r['sdpa_auto_us']:.1f} | {r['ratio']:.2f} |")
         lines.append("")
     if result.get("memory"):
         m = result["memory"]
@@ -138,6 +138,7 @@ def main():
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
     args = parser.parse_args()
+    peers.require_device(args.dry_run)
     if args.kernel_only:
         args.impls, args.grid_only = "sm80_kernel", True
     skipped = set(args.skip.split(","))

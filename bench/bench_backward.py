@@ -45,7 +45,7 @@ def bench_memory(seqlen=32768, head_dim=128):
               "inputs_bytes": 4 * q.numel() * q.element_size()}
     for name in ("portattn", "sdpa_flash"):
         impl = peers.IMPLS[name]
-        bind, why = peers._loaded(name)
+        bind, why = peers.load_impl(name)
         if bind is None:
             result[f"{name}_peak_extra_bytes"], result[f"{name}_why"] = None, why
             continue
@@ -74,7 +74,7 @@ def determinism_markdown(rows) -> list:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['batch']} | {row['causal']} | "
-                     + " | ".join(peers._num(value, digits) for value, digits in determinism_numbers(row)) + " |")
+                     + " | ".join(peers.fmt_num(value, digits) for value, digits in determinism_numbers(row)) + " |")
     return lines + [""]
 
 
@@ -104,6 +104,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
     args = parser.parse_args()
+    peers.require_device(args.dry_run)
     timer = peers.Timer(rep_ms=args.rep_ms, dry_run=args.dry_run)
 
     if args.determinism:

@@ -61,8 +61,13 @@ install() {
   for name in $WANTED; do
     ls "$PARTS/$name"-*.whl >/dev/null 2>&1 || missing "wheel $name is missing from $PARTS"
   done
+  local tested
   for wheel in "$PARTS"/*.whl; do
-    python3 -m zipfile -t "$wheel" >/dev/null 2>&1 || missing "$(basename "$wheel") is corrupt (zipfile -t failed)"
+    # zipfile -t exits 0 on a CRC mismatch (it only prints it), 1 on a broken archive.
+    tested=$(python3 -m zipfile -t "$wheel" 2>&1)
+    if [ $? -ne 0 ] || grep -q corrupted <<< "$tested"; then
+      missing "$(basename "$wheel") is corrupt (zipfile -t: $(echo "$tested" | tail -1))"
+    fi
   done
   if python3 -m pip --version >/dev/null 2>&1; then
     python3 -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" "$PARTS"/*.whl >&2 \

@@ -252,7 +252,7 @@ def select(names: str) -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def _loaded(name: str):
+def load_impl(name: str):
     """(bind, None) or (None, why): each implementation is imported once per run."""
     try:
         return IMPLS[name].load(), None
@@ -288,6 +288,11 @@ class Timer:
         return do_bench(step, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
 
 
+def require_device(dry_run: bool) -> None:
+    if not dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: --dry-run checks the plumbing on the CPU (fake timings)")
+
+
 def make_inputs(point: Point, dry_run: bool):
     """q, k, v (leaves that require grad) and dout; a small CPU proxy in a dry run."""
     if dry_run:
@@ -314,7 +319,7 @@ def chosen_backend(q, causal: bool, backward: bool) -> str:
 
 def measure(impl: Impl, mode: str, point: Point, tensors, timer: Timer):
     """(ms, None) or (None, why): one warm-up call (compiles, self-checks), then the timer."""
-    bind, why = _loaded(impl.name)
+    bind, why = load_impl(impl.name)
     if bind is None:
         return None, why
     q, k, v, dout = tensors
@@ -351,8 +356,11 @@ def run_grid(points, impls, modes, timer: Timer, budget_s: float = math.inf, on_
         row = {"head_dim": point.head_dim, "heads": point.heads, "batch": point.batch, "seqlen": point.seqlen,
                "causal": point.causal, "backend": {}, "tflops": {}, "ms": {}, "na": {}}
         tensors = make_inputs(point, timer.dry_run)
+        forward = chosen_backend(tensors[0], point.causal, backward=False)
         for mode in modes:
-            row["backend"][mode] = chosen_backend(tensors[0], point.causal, mode == "fwd_bwd")
+            # fwd+bwd runs two dispatch decisions: name both where they differ.
+            backward = chosen_backend(tensors[0], point.causal, backward=True) if mode == "fwd_bwd" else forward
+            row["backend"][mode] = forward if backward == forward else f"{forward} + {backward}"
             tflops, ms, na = row["tflops"].setdefault(mode, {}), row["ms"].setdefault(mode, {}), {}
             for impl in impls:
                 if mode not in impl.modes:
@@ -393,16 +401,16 @@ def _point_text(row) -> str:
     return f"hd{row['head_dim']} s{row['seqlen']:5d} {'causal' if row['causal'] else 'full  '}"
 
 
-def _num(value, digits=0) -> str:
+def fmt_num(value, digits=0) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def compact_line(row, impls, modes) -> str:
     parts = [_point_text(row)]
     for mode in modes:
-        cells = [f"{impl.short} {_num(row['tflops'][mode].get(impl.name))}" for impl in impls
+        cells = [f"{impl.short} {fmt_num(row['tflops'][mode].get(impl.name))}" for impl in impls
                  if impl.name in row["tflops"][mode]]
-        ratios = [f"pa/{IMPLS[peer].short} {_num(ratio(row, mode, 'portattn', peer), 2)}" for peer in RATIO_PEERS[:2]
+        ratios = [f"pa/{IMPLS[peer].short} {fmt_num(ratio(row, mode, 'portattn', peer), 2)}" for peer in RATIO_PEERS[:2]
                   if "portattn" in row["tflops"][mode] and peer in row["tflops"][mode]]
         parts.append(f"{'f+b' if mode == 'fwd_bwd' else mode}: " + " ".join(cells + ratios))
     return " | ".join(parts)
@@ -454,11 +462,11 @@ def _markdown_grid(result) -> list:
             values = row["tflops"][mode]
             cells = []
             for impl in shown:
-                cell = _num(values.get(impl.name), 1)
+                cell = fmt_num(values.get(impl.name), 1)
                 if impl.name == "portattn" and values.get(impl.name) is not None:
                     cell += f" ({row['backend'][mode]})"
                 cells.append(cell)
-            cells += [_num(ratio(row, mode, "portattn", p), 3) for p in peers]
+            cells += [fmt_num(ratio(row, mode, "portattn", p), 3) for p in peers]
             lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | " + " | ".join(cells) + " |")
         lines.append("")
     if set(result["modes"]) == {"fwd", "fwd_bwd"}:
@@ -468,7 +476,7 @@ def _markdown_grid(result) -> list:
                   "|---" * (3 + len(both)) + "|"]
         for row in in_order(result["grid"]):
             lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | "
-                         + " | ".join(_num(backward_only_tflops(row, impl.name), 1) for impl in both) + " |")
+                         + " | ".join(fmt_num(backward_only_tflops(row, impl.name), 1) for impl in both) + " |")
         lines.append("")
     reasons = na_reasons(result["grid"])
     if reasons:
