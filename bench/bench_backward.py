@@ -72,7 +72,7 @@ def determinism_markdown(rows) -> list:
              "| hd | seqlen | batch | causal | fwd+bwd ms default | fwd+bwd ms det | det / default "
              "| bwd ms default | bwd ms det | det / default (bwd) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
+    for row in peers.in_order(rows):
         lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['batch']} | {row['causal']} | "
                      + " | ".join(peers.fmt_num(value, digits) for value, digits in determinism_numbers(row)) + " |")
     return lines + [""]
@@ -120,7 +120,7 @@ def main():
     result = dict(peers.header(args.dry_run), title=title, impls=[impl.name for impl in impls], modes=modes, grid=[])
 
     def extra(result):
-        lines = determinism_markdown(result["grid"]) if args.determinism else []
+        lines = determinism_markdown(result["grid"]) if "portattn_det" in result["impls"] else []
         return lines + (memory_markdown(result["memory"]) if result.get("memory") else [])
 
     def save(rows):
