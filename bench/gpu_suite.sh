@@ -38,7 +38,7 @@ for stage in "$@"; do
     bench)
       timeout ${BENCH_TIMEOUT:-420} python3 bench/bench_attention.py ${BENCH_ARGS:---backward} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     profile)
-      OUT="$OUT" timeout ${PROFILE_TIMEOUT:-420} bash bench/ncu_stage.sh $PROFILE_KERNELS 2>&1 | tail -45 ;;
+      OUT="$OUT" timeout ${PROFILE_TIMEOUT:-380} bash bench/ncu_stage.sh $PROFILE_KERNELS 2>&1 | tail -45 ;;
     determinism)
       timeout 240 python3 bench/bench_backward.py --determinism --out "$OUT" 2>&1 | tee "$OUT/determinism.log" | tail -14 ;;
     train)

@@ -9,7 +9,7 @@
 # .ncu-rep (open in the Nsight Compute GUI) and .log. Clocks are left to the GPU
 # (--clock-control none) so durations match the benchmark's conditions.
 #   usage: bash bench/ncu_stage.sh [fwd] [bwd] [bwd_sm80]   (default: all three)
-# Env: OUT (default /tmp/out), NCU (the ncu binary), NCU_TIMEOUT (s per kernel, default 150).
+# Env: OUT (default /tmp/out), NCU (the ncu binary), NCU_TIMEOUT (s per kernel, default 120).
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
@@ -32,11 +32,11 @@ profile() {  # name mode regex title
   local run=("$NCU" --profile-from-start off --launch-skip 0 --launch-count 1 -k "regex:$regex"
              $SECTIONS --clock-control none --export "$report" --force-overwrite)
   echo "== profile $name: ${run[*]} --metrics <tensor pipe + stalls> python3 bench/ncu_profile.py case $mode" > "$report.log"
-  timeout "${NCU_TIMEOUT:-150}" "${run[@]}" --metrics "$METRICS" python3 bench/ncu_profile.py case "$mode" >> "$report.log" 2>&1
+  timeout "${NCU_TIMEOUT:-120}" "${run[@]}" --metrics "$METRICS" python3 bench/ncu_profile.py case "$mode" >> "$report.log" 2>&1
   if grep -qiE "==ERROR==.*metric|failed to find metric|invalid metric" "$report.log"; then
     # A metric this ncu version does not know fails the whole run: retry with the sections only.
     echo "== retry without --metrics" >> "$report.log"
-    timeout "${NCU_TIMEOUT:-150}" "${run[@]}" python3 bench/ncu_profile.py case "$mode" >> "$report.log" 2>&1
+    timeout "${NCU_TIMEOUT:-120}" "${run[@]}" python3 bench/ncu_profile.py case "$mode" >> "$report.log" 2>&1
   fi
   if [ -s "$report.ncu-rep" ]; then
     "$NCU" --import "$report.ncu-rep" --page raw --csv > "$report"_raw.csv 2>> "$report.log"
