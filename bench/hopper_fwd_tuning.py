@@ -29,8 +29,15 @@ from naive import naive_attention  # noqa: E402
 from portattn.backends.abi import fwd_args  # noqa: E402
 from portattn.backends.cuda import _C  # noqa: E402
 
-SCHEDULE_NAMES = {0: "serial", 1: "pipe", 3: "pipe+pp", 5: "pipe+pers", 7: "pipe+pp+pers",
-                  9: "pipe+3st", 13: "pipe+pers+3st", 15: "pipe+pp+pers+3st"}
+BITS = ((1, "pipe"), (2, "pp"), (4, "pers"), (8, "3st"), (16, "poly4"), (32, "poly8"))
+SCHEDULES = (0, 1, 3, 5, 9, 13, 15, 17, 33, 21, 37, 29, 19)  # as built by hopper_fwd_entry.cu's run_tuning
+
+
+def schedule_name(bits: int) -> str:
+    return "+".join(name for bit, name in BITS if bits & bit) or "serial"
+
+
+SCHEDULE_NAMES = {bits: schedule_name(bits) for bits in SCHEDULES}
 CHECK_SHAPES = [  # batch, seqlen_q, seqlen_k, heads
     (3, 777, 513, 20), (2, 1000, 1000, 3), (1, 4097, 1000, 2), (2, 17, 113, 3), (1, 128, 128, 1)]
 
@@ -99,7 +106,8 @@ def time_grid(schedules, seqlens):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--schedules", default=",".join(map(str, SCHEDULE_NAMES)))
+    parser.add_argument("--schedules", default=",".join(map(str, SCHEDULES)))
+    parser.add_argument("--repeats", type=int, default=1, help="time the grid this many times (spread)")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
@@ -108,7 +116,10 @@ def main():
     for name, verdict in checks.items():
         print(f"check {name}: {verdict}", flush=True)
     good = [s for s in schedules if checks[SCHEDULE_NAMES[s]].startswith("ok")]
-    rows = time_grid(good, [int(s) for s in args.seqlens.split(",")])
+    rows = []
+    for repeat in range(args.repeats):
+        for row in time_grid(good, [int(s) for s in args.seqlens.split(",")]):
+            rows.append(dict(row, repeat=repeat))
     names = [SCHEDULE_NAMES[s] for s in good]
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -119,11 +130,11 @@ def main():
     lines = [f"# Hopper forward schedules (bf16 TFLOP/s, 16k tokens, hidden 2048)", "",
              f"device: {meta['device']}; date: {meta['date']}; commit: {meta['commit']}; torch {meta['torch']}", "",
              "checks: " + "; ".join(f"{k}: {v}" for k, v in checks.items()), "",
-             "| hd | seqlen | causal | " + " | ".join(names) + " | cuDNN | flash | best / cuDNN |",
-             "|" + "---|" * (len(names) + 6)]
+             "| hd | seqlen | causal | rep | " + " | ".join(names) + " | cuDNN | flash | best / cuDNN |",
+             "|" + "---|" * (len(names) + 7)]
     for row in rows:
         best = max(row[n] for n in names)
-        lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | "
+        lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | {row['repeat']} | "
                      + " | ".join(f"{row[n]:.0f}" for n in names)
                      + f" | {row['cudnn']:.0f} | {row['flash']:.0f} | {best / row['cudnn']:.3f} |")
     text = "\n".join(lines) + "\n"

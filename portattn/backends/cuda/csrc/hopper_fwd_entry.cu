@@ -173,7 +173,7 @@ cudaError_t run(const PortattnFwdParams& params) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
 #ifdef PORTATTN_HOPPER_TUNING
   if (std::is_same<Elem, __nv_bfloat16>::value && tuning_schedule() >= 0)
-    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 9, 13, 15>(params, tuning_schedule());
+    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 9, 13, 15, 17, 33, 21, 37, 29, 19>(params, tuning_schedule());
 #endif
   return run_schedule<kHeadDim, Elem, kDefaultSchedule<kHeadDim>>(params);
 }

@@ -37,6 +37,9 @@
 //                    and write O. A Q-empty barrier hands the Q buffer back.
 //   kSchedStages3    three K/V stages at hd128 (225 KiB of shared memory)
 //                    instead of two.
+//   kSchedExp2Poly4/8  every 4th / 8th exponential of the softmax computed
+//                    by a polynomial on the FMA pipe instead of the MUFU unit
+//                    (Note [portattn polynomial exp2]).
 // K and V have separate "empty" barriers: K's stage is handed back as soon
 // as S = Q K^T has completed, V's after P V, so the next K load starts a
 // softmax earlier.
@@ -78,6 +81,8 @@ enum HopperFwdScheduleBits : int {
   kSchedPingPong = 2,
   kSchedPersistent = 4,
   kSchedStages3 = 8,
+  kSchedExp2Poly4 = 16,  // every 4th exponential on the FMA pipe (Note [portattn polynomial exp2])
+  kSchedExp2Poly8 = 32,  // every 8th
 };
 
 template <int kHeadDim, int kSchedule>
@@ -86,6 +91,9 @@ struct HopperFwdTraits {
   static constexpr bool kPingPong = (kSchedule & kSchedPingPong) != 0;
   static constexpr bool kPersistent = (kSchedule & kSchedPersistent) != 0;
   static_assert(!kPingPong || kPipelined, "ping-pong is built on the pipelined consumer loop");
+  static constexpr int kPolyEvery =
+      (kSchedule & kSchedExp2Poly4) ? 4 : ((kSchedule & kSchedExp2Poly8) ? 8 : 0);
+  static_assert(kPolyEvery == 0 || kPipelined, "the polynomial exp2 is in the pipelined loop only");
   static constexpr int kBlockM = 128;  // two consumer warpgroups x wgmma M (64)
   static constexpr int kBlockN = 128;  // S is 64 x 128 fp32 per warpgroup: 64 registers a thread
   // hd64 tiles are half the size, so twice the stages fit: deeper prefetch for free.
@@ -99,12 +107,17 @@ struct HopperFwdTraits {
   static constexpr int kPanels = kHeadDim / kPanel;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  // Q full, Q empty, then per stage: K full, V full, K empty, V empty.
-  static constexpr int kBarriers = 2 + 4 * kStages;
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
+  static constexpr int kSmemLimit = 227 * 1024;
+  // A persistent CTA double-buffers Q where shared memory allows, so the next
+  // tile's Q arrives while this tile's last blocks run.
+  static constexpr int kQBuffers =
+      kPersistent && 2 * kQBytes + 2 * kStages * kKVBytes + 8 * (4 + 4 * kStages) + 1024 <= kSmemLimit ? 2 : 1;
+  // Per Q buffer: full, empty; then per stage: K full, V full, K empty, V empty.
+  static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
+  static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
                                     1024;  // slack to align the tiles to the 1 KiB swizzle atom
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
-  static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared-memory opt-in limit");
+  static_assert(kSmemBytes <= kSmemLimit, "exceeds the sm90 shared-memory opt-in limit");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
                 "register split exceeds the register file");
 };
@@ -130,12 +143,27 @@ struct HopperTile {
   int n_blocks;  // key blocks this query block sees (0: only empty rows)
 };
 
-template <bool kCausal, int kBlockM, int kBlockN>
+// Tile t of the launch. Non-causal tiles cost the same, so the query block
+// varies fastest (a head's K/V stays hot in L2). Causal tiles cost in
+// proportion to their query block: a launch of one CTA per tile lists the
+// longest first within each head (the hardware hands out CTAs as SMs free
+// up); a persistent launch makes the query block the slowest index, longest
+// first, and deals the list out in snake order (tile_of_cta), which evens
+// out the per-CTA sums where a plain stride left one CTA 1.6x the mean
+// (16k tokens: 128 query blocks against 132 CTAs).
+template <bool kCausal, bool kPersistent, int kBlockM, int kBlockN>
 __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& args) {
   HopperTile tile;
-  const int m = t % args.num_m_blocks;
-  const int hb = t / args.num_m_blocks;
-  tile.m_block = kCausal ? args.num_m_blocks - 1 - m : m;
+  int hb;
+  if (kCausal && kPersistent) {
+    const int heads_batches = args.num_tiles / args.num_m_blocks;
+    hb = t % heads_batches;
+    tile.m_block = args.num_m_blocks - 1 - t / heads_batches;
+  } else {
+    const int m = t % args.num_m_blocks;
+    hb = t / args.num_m_blocks;
+    tile.m_block = kCausal ? args.num_m_blocks - 1 - m : m;
+  }
   tile.head = hb % args.nheads;
   tile.batch = hb / args.nheads;
   int n_blocks = (args.seqlen_k + kBlockN - 1) / kBlockN;
@@ -147,6 +175,13 @@ __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& ar
   }
   tile.n_blocks = n_blocks;
   return tile;
+}
+
+// The tile this CTA takes in round r (one round per gridDim.x tiles), or
+// num_tiles when it has none in that round: rounds alternate direction.
+__device__ __forceinline__ int tile_of_cta(int round, int num_tiles) {
+  const int t = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  return t < num_tiles ? t : num_tiles;
 }
 
 namespace sm90 {
@@ -190,21 +225,25 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
   extern __shared__ uint8_t smem_raw[];
   // Swizzle atoms must start 1 KiB aligned for base offset 0 in the descriptors.
   const uint32_t smem_base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t s_q = smem_base;
-  const uint32_t s_k = s_q + Traits::kQBytes;             // kStages x kKVBytes
-  const uint32_t s_v = s_k + kStages * Traits::kKVBytes;  // kStages x kKVBytes
+  constexpr int kQBuffers = Traits::kQBuffers;
+  const uint32_t s_q = smem_base;                                   // kQBuffers x kQBytes
+  const uint32_t s_k = s_q + kQBuffers * Traits::kQBytes;           // kStages x kKVBytes
+  const uint32_t s_v = s_k + kStages * Traits::kKVBytes;            // kStages x kKVBytes
   const uint32_t bars = s_v + kStages * Traits::kKVBytes;
-  const uint32_t bar_q_full = bars;
-  const uint32_t bar_q_empty = bars + 8u;
-  auto bar_k_full = [&](int s) { return bars + 8u * (2 + s); };
-  auto bar_v_full = [&](int s) { return bars + 8u * (2 + kStages + s); };
-  auto bar_k_empty = [&](int s) { return bars + 8u * (2 + 2 * kStages + s); };
-  auto bar_v_empty = [&](int s) { return bars + 8u * (2 + 3 * kStages + s); };
+  auto bar_q_full = [&](int b) { return bars + 8u * b; };
+  auto bar_q_empty = [&](int b) { return bars + 8u * (kQBuffers + b); };
+  constexpr int kKVBars = 2 * kQBuffers;
+  auto bar_k_full = [&](int s) { return bars + 8u * (kKVBars + s); };
+  auto bar_v_full = [&](int s) { return bars + 8u * (kKVBars + kStages + s); };
+  auto bar_k_empty = [&](int s) { return bars + 8u * (kKVBars + 2 * kStages + s); };
+  auto bar_v_empty = [&](int s) { return bars + 8u * (kKVBars + 3 * kStages + s); };
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    sm90::mbar_init(bar_q_full, 1);
-    sm90::mbar_init(bar_q_empty, Traits::kConsumers * 4);  // one arrival per consumer warp
+    for (int b = 0; b < kQBuffers; ++b) {
+      sm90::mbar_init(bar_q_full(b), 1);
+      sm90::mbar_init(bar_q_empty(b), Traits::kConsumers * 4);  // one arrival per consumer warp
+    }
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(bar_k_full(s), 1);
       sm90::mbar_init(bar_v_full(s), 1);
@@ -225,17 +264,20 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       sm90::prefetch_tensormap(&tm_k);
       sm90::prefetch_tensormap(&tm_v);
       int q_fills = 0, kv_fills = 0;  // across tiles: buffer index and phase parity
-      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
-        const HopperTile tile = decode_tile<kCausal, kBlockM, kBlockN>(t, args);
+      for (int round = 0; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
+        const int t = tile_of_cta(round, args.num_tiles);
+        if (t == args.num_tiles) continue;
+        const HopperTile tile = decode_tile<kCausal, Traits::kPersistent, kBlockM, kBlockN>(t, args);
         if (tile.n_blocks == 0) continue;
         const int head_k = tile.head / args.heads_per_kv;
-        sm90::mbar_wait(bar_q_empty, (q_fills & 1) ^ 1);
+        const int qb = q_fills % kQBuffers;
+        sm90::mbar_wait(bar_q_empty(qb), ((q_fills / kQBuffers) & 1) ^ 1);
         ++q_fills;
-        sm90::mbar_arrive_expect_tx(bar_q_full, Traits::kQBytes);
+        sm90::mbar_arrive_expect_tx(bar_q_full(qb), Traits::kQBytes);
 #pragma unroll
         for (int p = 0; p < Traits::kPanels; ++p)
-          sm90::tma_load_4d(s_q + p * kPanelBytesQ, &tm_q, bar_q_full, p * Traits::kPanel,
-                            tile.m_block * kBlockM, tile.head, tile.batch);
+          sm90::tma_load_4d(s_q + qb * Traits::kQBytes + p * kPanelBytesQ, &tm_q, bar_q_full(qb),
+                            p * Traits::kPanel, tile.m_block * kBlockM, tile.head, tile.batch);
         for (int it = 0; it < tile.n_blocks; ++it, ++kv_fills) {
           const int stage = kv_fills % kStages;
           const uint32_t free_parity = ((kv_fills / kStages) & 1) ^ 1;
@@ -267,7 +309,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     const int g = lane / 4;
     const int q4 = lane % 4;
     // This warpgroup's 64 rows of each Q panel start wg * 64 * 128 bytes in.
-    const uint32_t s_q_wg = s_q + wg * 64 * 128;
+    uint32_t s_q_wg = s_q + wg * 64 * 128;
 
     // Ping-pong (Note [portattn hopper forward schedule]): warpgroup wg waits
     // on barrier 1 + wg before issuing products and then opens the other's.
@@ -321,8 +363,10 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     };
 
     int q_uses = 0, kv_uses = 0;
-    for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
-      const HopperTile tile = decode_tile<kCausal, kBlockM, kBlockN>(t, args);
+    for (int round = 0; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
+      const int t = tile_of_cta(round, args.num_tiles);
+      if (t == args.num_tiles) continue;
+      const HopperTile tile = decode_tile<kCausal, Traits::kPersistent, kBlockM, kBlockN>(t, args);
       const int n_blocks = tile.n_blocks;
       // Row of fragment row r (0/1) is row0 + 8r.
       const int row0 = tile.m_block * kBlockM + wg * 64 + warp * 16 + g;
@@ -357,8 +401,10 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       softmax::RowState<2> state;
       state.init();
 
+      const int qb = q_uses % kQBuffers;
       if (n_blocks > 0) {
-        sm90::mbar_wait(bar_q_full, q_uses & 1);
+        s_q_wg = s_q + qb * Traits::kQBytes + wg * 64 * 128;
+        sm90::mbar_wait(bar_q_full(qb), (q_uses / kQBuffers) & 1);
         if constexpr (Traits::kPipelined) {
           if (Traits::kPingPong && wg == 1) sm90::named_barrier_arrive(1, 256);
           float s[2][kSCols];
@@ -374,7 +420,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
           sm90::fence_operands(s);
           release(bar_k_empty(stage_of(0)));
           mask(s, 0);
-          softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce>(
+          softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
               s, state, args.scale_log2, correction);
           pack_p(p, s);
           // Phase it: S(it) and P(it-1) V(it-1) in flight together.
@@ -393,7 +439,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::fence_operands(s);
             release(bar_k_empty(stage_of(it)));
             mask(s, it);
-            softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce>(
+            softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
                 s, state, args.scale_log2, correction);
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
@@ -403,7 +449,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             pack_p(p, s);
           }
           // Every S of the tile is done: Q can be refilled for the next tile.
-          release(bar_q_empty);
+          release(bar_q_empty(qb));
           // Phase n: the last P V alone.
           turn_wait();
           sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
@@ -444,7 +490,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::fence_operands(p);
             release(bar_v_empty(stage_of(it)));
           }
-          release(bar_q_empty);
+          release(bar_q_empty(qb));
         }
         ++q_uses;
         kv_uses += n_blocks;
