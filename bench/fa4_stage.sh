@@ -70,11 +70,13 @@ install() {
     fi
   done
   if python3 -m pip --version >/dev/null 2>&1; then
-    python3 -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" "$PARTS"/*.whl >&2 \
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
+      --upgrade --target "$SITE" "$PARTS"/*.whl >&2 \
       || missing "pip install --target $SITE failed"
   else
-    # No pip on the device: these wheels carry no .data folders and no scripts, so
-    # unpacking them is the whole install (dist-info included, for importlib.metadata).
+    # No pip on the device: these wheels carry no .data folders, so unpacking them is the
+    # install the benchmark needs (dist-info included, for importlib.metadata; only the
+    # console-script launchers, which nothing here runs, are not made).
     log "no pip for $(python3 -V 2>&1); unpacking the wheels into $SITE"
     for wheel in "$PARTS"/*.whl; do
       python3 -m zipfile -e "$wheel" "$SITE" || missing "unpacking $(basename "$wheel") failed"
@@ -82,10 +84,12 @@ install() {
   fi
   local path="$SITE/nvidia_cutlass_dsl/dsl_packages:$SITE"
   local check
-  check=$(PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
-    'from flash_attn.cute import flash_attn_func; import importlib.metadata as m; print(m.version("flash-attn-4"))' 2>&1) \
-    || log "installed, but the import fails (the benchmark will say why): $(echo "$check" | tail -1)"
-  log "flash-attn-4 $check in $SITE"
+  if check=$(PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+      'from flash_attn.cute import flash_attn_func; import importlib.metadata as m; print(m.version("flash-attn-4"))' 2>&1); then
+    log "flash-attn-4 $check imports from $SITE"
+  else
+    log "installed in $SITE, but the import fails (the benchmark will say why): $(echo "$check" | tail -1)"
+  fi
   echo "export PYTHONPATH=$path\${PYTHONPATH:+:\$PYTHONPATH}"
 }
 
