@@ -181,13 +181,16 @@ def _bind_flex():
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    # Every (head dim, mask, grad mode) compiles once; shapes are dynamic so the grid's
-    # seqlens reuse it. A limit hit must fail (n/a), never fall back to eager flex, which
-    # materialises the O(seqlen^2) scores.
+    # Dynamic shapes: every (head dim, mask, grad mode) compiles once for all the grid's
+    # seqlens (compiles dominate the run otherwise). Should a dynamic compile fail, static
+    # shapes (one compile per point) take over for the rest of the run. A recompile-limit
+    # hit must fail (n/a), never fall back to eager flex, which materialises the
+    # O(seqlen^2) scores.
     for name, value in (("recompile_limit", 64), ("fail_on_recompile_limit_hit", True)):
         with contextlib.suppress(AttributeError):
             setattr(torch._dynamo.config, name, value)
-    compiled = torch.compile(flex_attention, dynamic=True, fullgraph=True)
+    variants = [torch.compile(flex_attention, dynamic=True, fullgraph=True),
+                torch.compile(flex_attention, dynamic=False, fullgraph=True)]
 
     def causal_mask(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx  # square grid: bottom-right and top-left alignment coincide
@@ -196,7 +199,16 @@ def _bind_flex():
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         mask = (create_block_mask(causal_mask, None, None, q.shape[1], k.shape[1], device=q.device)
                 if causal else None)
-        return lambda: compiled(qt, kt, vt, block_mask=mask).transpose(1, 2)
+        while True:
+            compiled = variants[0]
+            try:
+                compiled(qt, kt, vt, block_mask=mask)  # compiles now, so a failure can switch variant
+            except Exception:
+                if len(variants) == 1:
+                    raise
+                variants.pop(0)
+                continue
+            return lambda: compiled(qt, kt, vt, block_mask=mask).transpose(1, 2)
     return bind
 
 
