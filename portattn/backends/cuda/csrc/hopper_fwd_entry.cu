@@ -86,10 +86,16 @@ cudaError_t encode_bshd(CUtensorMap* map, const void* data, const PortattnTensor
   return cudaSuccess;
 }
 
-// The schedule each head dim runs (Note [portattn hopper forward schedule]),
-// chosen from the tuning runs in bench/results/hopper_notes.md.
-template <int kHeadDim>
-constexpr int kDefaultSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
+// The schedules calls run (Note [portattn hopper forward schedule]), chosen
+// from the tuning runs (bench/results/hopper_fwd_tuning_run*.md, summary in
+// hopper_notes.md): intra-warpgroup pipelining everywhere (+5-13%); the
+// persistent grid where tiles are short (non-causal seqlen_k <= 4096: +3-11%
+// at 1k, +1-3% at 4k; at 16k it lost 2-4%). Ping-pong, three stages and the
+// polynomial exp2 measured within noise or slower on the H100 and are only
+// in tuning builds.
+constexpr int kStreamingSchedule = kSchedPipelined;
+constexpr int kPersistentSchedule = kSchedPipelined | kSchedPersistent;
+constexpr int kPersistentMaxSeqlenK = 4096;
 
 template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
 cudaError_t launch(const PortattnFwdParams& params) {
@@ -126,6 +132,13 @@ cudaError_t launch(const PortattnFwdParams& params) {
     return cudaErrorInvalidValue;
   }
   args.num_tiles = static_cast<int>(tiles);
+  {
+    // K + V of one head in bf16/fp16; groups fill about half of an H100's 50 MB L2.
+    const int64_t kv_bytes = 4 * static_cast<int64_t>(params.seqlen_k) * kHeadDim;
+    const int64_t heads_batches = static_cast<int64_t>(params.nheads) * params.batch;
+    const int64_t group = (int64_t(24) << 20) / (kv_bytes > 0 ? kv_bytes : 1);
+    args.group_heads = static_cast<int>(group < 1 ? 1 : (group > heads_batches ? heads_batches : group));
+  }
   args.scale_log2 = params.softmax_scale * softmax::kLog2e;
   int grid = args.num_tiles;
   if (Traits::kPersistent) {
@@ -173,9 +186,12 @@ cudaError_t run(const PortattnFwdParams& params) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
 #ifdef PORTATTN_HOPPER_TUNING
   if (std::is_same<Elem, __nv_bfloat16>::value && tuning_schedule() >= 0)
-    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 9, 13, 15, 17, 33, 21, 37, 29, 19>(params, tuning_schedule());
+    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 13, 17>(params, tuning_schedule());
 #endif
-  return run_schedule<kHeadDim, Elem, kDefaultSchedule<kHeadDim>>(params);
+  const bool causal = params.window_right == 0;
+  const bool persistent = !causal && params.seqlen_k <= kPersistentMaxSeqlenK;
+  return persistent ? run_schedule<kHeadDim, Elem, kPersistentSchedule>(params)
+                    : run_schedule<kHeadDim, Elem, kStreamingSchedule>(params);
 }
 
 struct HopperVariant {
