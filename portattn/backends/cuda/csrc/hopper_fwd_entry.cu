@@ -87,15 +87,20 @@ cudaError_t encode_bshd(CUtensorMap* map, const void* data, const PortattnTensor
 }
 
 // The schedules calls run (Note [portattn hopper forward schedule]), chosen
-// from the tuning runs (bench/results/hopper_fwd_tuning_run*.md, summary in
-// hopper_notes.md): intra-warpgroup pipelining everywhere (+5-13%); the
-// persistent grid where tiles are short (non-causal seqlen_k <= 4096: +3-11%
-// at 1k, +1-3% at 4k; at 16k it lost 2-4%). Ping-pong, three stages and the
-// polynomial exp2 measured within noise or slower on the H100 and are only
-// in tuning builds.
-constexpr int kStreamingSchedule = kSchedPipelined;
-constexpr int kPersistentSchedule = kSchedPipelined | kSchedPersistent;
-constexpr int kPersistentMaxSeqlenK = 4096;
+// from the tuning runs on an H100 (bench/results/hopper_fwd_tuning_run*.md,
+// summary in hopper_notes.md): intra-warpgroup pipelining everywhere (+5-13%
+// over the serial loop); non-causal calls persistent (+8-11% at 1k, +1-3% at
+// 4k, within the +-4% run-to-run spread at 16k); causal calls with ping-pong
+// and one CTA per tile (the hardware's dynamic CTA hand-out balances their
+// unequal tiles better than any fixed order measured: persistent lost 8-15%
+// at 4k-16k), except short ones (<= 8 key blocks), where the persistent
+// grid's overlap of one tile's end with the next's start wins (+11% hd64 1k).
+// Three stages and the polynomial exp2 measured within noise or slower and
+// are built only in tuning builds.
+constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent;
+constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong;
+constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
+constexpr int kShortCausalMaxSeqlenK = 1024;
 
 template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
 cudaError_t launch(const PortattnFwdParams& params) {
@@ -161,6 +166,14 @@ cudaError_t run_schedule(const PortattnFwdParams& params) {
                                   : launch<kHeadDim, Elem, false, kSchedule>(params);
 }
 
+template <int kHeadDim, typename Elem>
+cudaError_t run_default(const PortattnFwdParams& params) {
+  if (params.window_right != 0) return launch<kHeadDim, Elem, false, kNonCausalSchedule>(params);
+  if (params.seqlen_k <= kShortCausalMaxSeqlenK)
+    return launch<kHeadDim, Elem, true, kShortCausalSchedule>(params);
+  return launch<kHeadDim, Elem, true, kCausalSchedule>(params);
+}
+
 #ifdef PORTATTN_HOPPER_TUNING
 // Tuning builds (PORTATTN_NVCC_FLAGS=-DPORTATTN_HOPPER_TUNING) carry every
 // bf16 schedule below; PORTATTN_HOPPER_FWD_SCHEDULE=<bits> picks one at run
@@ -188,10 +201,7 @@ cudaError_t run(const PortattnFwdParams& params) {
   if (std::is_same<Elem, __nv_bfloat16>::value && tuning_schedule() >= 0)
     return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 13, 17>(params, tuning_schedule());
 #endif
-  const bool causal = params.window_right == 0;
-  const bool persistent = !causal && params.seqlen_k <= kPersistentMaxSeqlenK;
-  return persistent ? run_schedule<kHeadDim, Elem, kPersistentSchedule>(params)
-                    : run_schedule<kHeadDim, Elem, kStreamingSchedule>(params);
+  return run_default<kHeadDim, Elem>(params);
 }
 
 struct HopperVariant {
