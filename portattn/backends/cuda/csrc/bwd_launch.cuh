@@ -180,12 +180,12 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main)
 
 template <int kHeadDim, typename Elem>
 cudaError_t run_bwd(const PortattnBwdParams& params) {
-  int device = 0, smem_optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
-  return run_bwd_sequence<Elem>(params, [smem_optin](const BwdArgs& args, cudaStream_t stream) {
+  return run_bwd_sequence<Elem>(params, [](const BwdArgs& args, cudaStream_t stream) {
+    int device = 0, smem_optin = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return err;
     return launch_first_fitting<Elem>(args, smem_optin, stream, typename BwdConfigsFor<kHeadDim>::type{});
   });
 }
