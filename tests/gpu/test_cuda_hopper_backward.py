@@ -13,8 +13,6 @@ backward's time against the sm80+ backward and forward+backward against SDPA.
 """
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 
@@ -24,6 +22,7 @@ from cuda_gpu_setup import BACKEND, rand  # noqa: E402  (skips without a GPU or 
 
 from portattn.backends.cuda import _C, CudaSm90Backend  # noqa: E402
 from test_cuda_backward import _backward, _check_grads, _forward, _options  # noqa: E402
+from test_cuda_hopper_forward import _median_ms  # noqa: E402
 
 if not hasattr(_C, "hopper_bwd"):
     pytest.skip("the CUDA backend was built without the Hopper path (sm_90 not among its archs)",
@@ -110,27 +109,13 @@ def test_dispatch_serves_training_calls_on_the_hopper_path():
 
 # ---- timing ------------------------------------------------------------------------------
 
-def _median_ms(fn, reps=10):
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
 def timing_table():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import portattn
 
-    rows = ["| hd | seqlen | causal | bwd hopper TFLOP/s | bwd sm80+ TFLOP/s | fwd+bwd ours ms | "
-            "SDPA flash ms | SDPA cuDNN ms |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| hd | seqlen | causal | bwd hopper TFLOP/s | hopper deterministic | bwd sm80+ TFLOP/s | "
+            "fwd+bwd ours ms | SDPA flash ms | SDPA cuDNN ms |", "|---|---|---|---|---|---|---|---|---|"]
     for head_dim, heads in ((64, 32), (128, 16)):
         for seqlen in (4096, 16384):
             batch = 16384 // seqlen
@@ -142,23 +127,28 @@ def timing_table():
                 grads = [torch.empty_like(x) for x in (q, k, v)]
                 flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
                 timed = {}
-                for name, backend in (("hopper", HOPPER), ("sm80", BACKEND)):
+                for name, backend, det in (("hopper", HOPPER, False), ("det", HOPPER, True),
+                                           ("sm80", BACKEND, False)):
                     timed[name] = _median_ms(lambda: backend.backward(
-                        dout, q, k, v, out, lse, *grads, deterministic=False, **options))
+                        dout, q, k, v, out, lse, *grads, deterministic=det, **options))
                 leaves = [x.detach().requires_grad_() for x in (q, k, v)]
                 timed["ours"] = _median_ms(lambda: portattn.flash_attn_func(
                     *leaves, causal=causal).backward(dout))
                 qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
                 dt = dout.transpose(1, 2)
+
+                def sdpa_step():
+                    torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dt)
+
                 for name, kind in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                     try:
                         with sdpa_kernel(kind):
-                            timed[name] = f"{_median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dt)):.2f}"
+                            timed[name] = f"{_median_ms(sdpa_step):.2f}"
                     except RuntimeError as error:  # that SDPA backend is unavailable in this torch
                         timed[name] = f"n/a ({str(error)[:30]})"
                 rows.append(f"| {head_dim} | {seqlen} | {causal} | {flops / timed['hopper'] / 1e9:.0f} | "
-                            f"{flops / timed['sm80'] / 1e9:.0f} | {timed['ours']:.2f} | {timed['flash']} | "
-                            f"{timed['cudnn']} |")
+                            f"{flops / timed['det'] / 1e9:.0f} | {flops / timed['sm80'] / 1e9:.0f} | "
+                            f"{timed['ours']:.2f} | {timed['flash']} | {timed['cudnn']} |")
     return "\n".join(rows)
 
 

@@ -107,6 +107,40 @@ __device__ __forceinline__ uint32_t swizzle128(int row, int col) {
   return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
 }
 
+// acc (64 keys x 64 queries) = a (64 rows of K or V) * b (64 rows of Q or dO)^T,
+// contracting over the head dim (both K-major, in 64-column panels of kBlockN and
+// kBlockM rows), issued and committed as one wgmma group.
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void product_ss(float (&acc)[2][HopperBwdTraits<kHeadDim>::kBlockM / 4],
+                                           uint32_t a, uint32_t b) {
+  using Traits = HopperBwdTraits<kHeadDim>;
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const uint32_t step = (kk % 4) * 32;  // k16 step inside the 128-byte panel row
+    sm90::wgmma_ss<Elem, 0, 0>(acc, sm90::make_smem_desc(a + (kk / 4) * Traits::kPanelBytesKV + step, 16, 1024),
+                               sm90::make_smem_desc(b + (kk / 4) * Traits::kPanelBytesQ + step, 16, 1024),
+                               kk > 0 ? 1 : 0);
+  }
+  sm90::wgmma_commit();
+}
+
+// acc (64 keys x head dim) += a (64 keys x 64 queries, packed registers) *
+// tile (64 queries x head dim: Q or dO of a stage, MN-major = transpose-B),
+// issued and committed as one wgmma group.
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void accumulate_rs(float (&acc)[2][kHeadDim / 4],
+                                              uint32_t (&a)[HopperBwdTraits<kHeadDim>::kBlockM / 16][4],
+                                              uint32_t tile) {
+  using Traits = HopperBwdTraits<kHeadDim>;
+  sm90::fence_operands(acc);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+    sm90::wgmma_rs<Elem>(acc, a[kk], sm90::make_smem_desc(tile + kk * 16 * 128, Traits::kPanelBytesQ, 1024));
+  sm90::wgmma_commit();
+}
+
 template <int kHeadDim, typename Elem, bool kCausal>
 __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
@@ -143,11 +177,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int batch = blockIdx.z;
   const bool det = p.deterministic != 0;
   const int group = f.nheads / f.nheads_k;
-  // Deterministic: a CTA per KV head walks its group; default: a CTA per query head.
-  const int head_k = det ? args.head0 / group + static_cast<int>(blockIdx.y)
-                         : (args.head0 + static_cast<int>(blockIdx.y)) / group;
-  const int head_first = det ? head_k * group : args.head0 + static_cast<int>(blockIdx.y);
-  const int heads = det ? group : 1;
+  const cuda::BwdHeads cta_heads = cuda::bwd_heads(args, det, group);
+  const int head_k = cta_heads.head_k;
+  const int head_first = cta_heads.head_first;
+  const int heads = cta_heads.heads;
   const int seqlen_q = f.seqlen_q;
   const int seqlen_k = f.seqlen_k;
   const int diag = seqlen_k - seqlen_q;
@@ -285,23 +318,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         // ---- S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each) ----
         float s[2][kSCols], dp[2][kSCols];
         sm90::mbar_wait(bar_full(stage), parity);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-          const uint32_t offset = (kk / 4) * Traits::kPanelBytesKV + (kk % 4) * 32;
-          const uint32_t offset_q = (kk / 4) * Traits::kPanelBytesQ + (kk % 4) * 32;
-          sm90::wgmma_ss<Elem, 0, 0>(s, sm90::make_smem_desc(s_k_wg + offset, 16, 1024),
-                                     sm90::make_smem_desc(s_q + offset_q, 16, 1024), kk > 0 ? 1 : 0);
-        }
-        sm90::wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-          const uint32_t offset = (kk / 4) * Traits::kPanelBytesKV + (kk % 4) * 32;
-          const uint32_t offset_q = (kk / 4) * Traits::kPanelBytesQ + (kk % 4) * 32;
-          sm90::wgmma_ss<Elem, 0, 0>(dp, sm90::make_smem_desc(s_v_wg + offset, 16, 1024),
-                                     sm90::make_smem_desc(s_do + offset_q, 16, 1024), kk > 0 ? 1 : 0);
-        }
-        sm90::wgmma_commit();
+        product_ss<kHeadDim, Elem>(s, s_k_wg, s_q);
+        product_ss<kHeadDim, Elem>(dp, s_v_wg, s_do);
         sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
 
@@ -323,24 +341,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             s[r][c] = prob;
           }
         }
-        // Packed as the A fragment of k16 step kk (queries 16kk..16kk+15).
         uint32_t pp[kMSteps][4], ds[kMSteps][4];
-#pragma unroll
-        for (int kk = 0; kk < kMSteps; ++kk) {
-          pp[kk][0] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk + 0], s[0][4 * kk + 1]);
-          pp[kk][1] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk + 0], s[1][4 * kk + 1]);
-          pp[kk][2] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk + 2], s[0][4 * kk + 3]);
-          pp[kk][3] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk + 2], s[1][4 * kk + 3]);
-        }
+        sm90::pack_a_fragment<Elem>(pp, s);
 
         // ---- dV += P^T dO (runs while dS^T is computed) ----
-        sm90::fence_operands(dv);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kMSteps; ++kk)
-          sm90::wgmma_rs<Elem>(dv, pp[kk],
-                               sm90::make_smem_desc(s_do + kk * 16 * 128, Traits::kPanelBytesQ, 1024));
-        sm90::wgmma_commit();
+        accumulate_rs<kHeadDim, Elem>(dv, pp, s_do);
         sm90::wgmma_wait<1>();  // dP^T complete; dV may still run
         sm90::fence_operands(dp);
 
@@ -350,22 +355,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) dp[r][c] = s[r][c] * (dp[r][c] - d);
         }
-#pragma unroll
-        for (int kk = 0; kk < kMSteps; ++kk) {
-          ds[kk][0] = ptx::ElemTraits<Elem>::pack(dp[0][4 * kk + 0], dp[0][4 * kk + 1]);
-          ds[kk][1] = ptx::ElemTraits<Elem>::pack(dp[1][4 * kk + 0], dp[1][4 * kk + 1]);
-          ds[kk][2] = ptx::ElemTraits<Elem>::pack(dp[0][4 * kk + 2], dp[0][4 * kk + 3]);
-          ds[kk][3] = ptx::ElemTraits<Elem>::pack(dp[1][4 * kk + 2], dp[1][4 * kk + 3]);
-        }
+        sm90::pack_a_fragment<Elem>(ds, dp);
 
         // ---- dK += dS^T Q ----
-        sm90::fence_operands(dk);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kMSteps; ++kk)
-          sm90::wgmma_rs<Elem>(dk, ds[kk],
-                               sm90::make_smem_desc(s_q + kk * 16 * 128, Traits::kPanelBytesQ, 1024));
-        sm90::wgmma_commit();
+        accumulate_rs<kHeadDim, Elem>(dk, ds, s_q);
 
         // ---- dS^T to shared memory, then both consumers' keys are visible ----
 #pragma unroll
@@ -416,36 +409,29 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 
       // ---- epilogue: dK (scaled) and dV of this thread's two keys ----
       const int n_valid = min(kBlockN, seqlen_k - n0);
-      if (gqa_atomic) {
-        const int64_t stride = static_cast<int64_t>(args.heads_k) * kHeadDim;
-        const int64_t offset = (static_cast<int64_t>(batch) * seqlen_k + n0) * stride +
-                               static_cast<int64_t>(head_k - args.head0 / group) * kHeadDim;
+      // GQA default mode: fp32 reductions into the (B, Sk, chunk KV heads, D) accumulators.
+      const int64_t acc_stride = static_cast<int64_t>(args.heads_k) * kHeadDim;
+      const int64_t acc_offset = (static_cast<int64_t>(batch) * seqlen_k + n0) * acc_stride +
+                                 static_cast<int64_t>(head_k - args.head0 / group) * kHeadDim;
+      Elem* g_dk = static_cast<Elem*>(p.dk) + batch * p.dk_strides.batch_stride +
+                   static_cast<int64_t>(n0) * p.dk_strides.row_stride + head_k * p.dk_strides.head_stride;
+      Elem* g_dv = static_cast<Elem*>(p.dv) + batch * p.dv_strides.batch_stride +
+                   static_cast<int64_t>(n0) * p.dv_strides.row_stride + head_k * p.dv_strides.head_stride;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = key_row + 8 * r;
-          if (row >= n_valid) continue;
+      for (int r = 0; r < 2; ++r) {
+        const int row = key_row + 8 * r;
+        if (row >= n_valid) continue;
 #pragma unroll
-          for (int j = 0; j < kOCols / 2; ++j) {
-            const int64_t at = offset + row * stride + 8 * j + 2 * q4;
-            cuda::accum_add2(args.dk_accum + at, dk[r][2 * j] * f.softmax_scale,
-                             dk[r][2 * j + 1] * f.softmax_scale);
+        for (int j = 0; j < kOCols / 2; ++j) {
+          const int col = 8 * j + 2 * q4;
+          const float dk0 = dk[r][2 * j] * f.softmax_scale, dk1 = dk[r][2 * j + 1] * f.softmax_scale;
+          if (gqa_atomic) {
+            const int64_t at = acc_offset + row * acc_stride + col;
+            cuda::accum_add2(args.dk_accum + at, dk0, dk1);
             cuda::accum_add2(args.dv_accum + at, dv[r][2 * j], dv[r][2 * j + 1]);
-          }
-        }
-      } else {
-        Elem* g_dk = static_cast<Elem*>(p.dk) + batch * p.dk_strides.batch_stride +
-                     static_cast<int64_t>(n0) * p.dk_strides.row_stride + head_k * p.dk_strides.head_stride;
-        Elem* g_dv = static_cast<Elem*>(p.dv) + batch * p.dv_strides.batch_stride +
-                     static_cast<int64_t>(n0) * p.dv_strides.row_stride + head_k * p.dv_strides.head_stride;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = key_row + 8 * r;
-          if (row >= n_valid) continue;
-#pragma unroll
-          for (int j = 0; j < kOCols / 2; ++j) {
-            const int col = 8 * j + 2 * q4;
+          } else {
             *reinterpret_cast<uint32_t*>(g_dk + row * p.dk_strides.row_stride + col) =
-                ptx::ElemTraits<Elem>::pack(dk[r][2 * j] * f.softmax_scale, dk[r][2 * j + 1] * f.softmax_scale);
+                ptx::ElemTraits<Elem>::pack(dk0, dk1);
             *reinterpret_cast<uint32_t*>(g_dv + row * p.dv_strides.row_stride + col) =
                 ptx::ElemTraits<Elem>::pack(dv[r][2 * j], dv[r][2 * j + 1]);
           }

@@ -279,6 +279,20 @@ __device__ __forceinline__ void fence_fragment(uint32_t (&a)[kSteps][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[s][e])::"memory");
 }
 
+// A wgmma accumulator (64 x 16 kSteps fp32, fragment above) as the register A
+// operand of the next product: k16 step kk = columns 16kk..16kk+15, packed to
+// 16 bits (the forward's P, the backward's P^T and dS^T).
+template <typename Elem, int kSteps>
+__device__ __forceinline__ void pack_a_fragment(uint32_t (&a)[kSteps][4], const float (&d)[2][4 * kSteps]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    a[kk][0] = ptx::ElemTraits<Elem>::pack(d[0][4 * kk + 0], d[0][4 * kk + 1]);
+    a[kk][1] = ptx::ElemTraits<Elem>::pack(d[1][4 * kk + 0], d[1][4 * kk + 1]);
+    a[kk][2] = ptx::ElemTraits<Elem>::pack(d[0][4 * kk + 2], d[0][4 * kk + 3]);
+    a[kk][3] = ptx::ElemTraits<Elem>::pack(d[1][4 * kk + 2], d[1][4 * kk + 3]);
+  }
+}
+
 // Barrier over a subset of the CTA's warps (id 0 is __syncthreads').
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
