@@ -77,6 +77,28 @@ def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa):
             assert torch.equal(a, b), f"deterministic {name} differs between runs"
 
 
+def test_hopper_backward_in_head_chunks_matches_the_sm80_backward():
+    # 32k tokens, 16 query / 8 KV heads: the fp32 dQ scratch passes 128 MiB, so the launch runs in
+    # two chunks of KV heads (bwd_workspace_layout). Too long for the float64 oracle: compared with
+    # the sm80+ backward on the same inputs, within a few bf16 ulps of the largest gradient (a wrong
+    # chunk offset gives whole heads of garbage or NaN, far outside that).
+    batch, seqlen, heads, heads_k, head_dim = 1, 32768, 16, 8, 128
+    unchunked = 4 * batch * seqlen * head_dim * (heads + 2 * heads_k)  # fp32 dQ + the GQA dK/dV sums
+    workspace = _C.bwd_workspace_bytes(batch, heads, heads_k, head_dim, seqlen, seqlen, False)
+    assert workspace < 0.6 * unchunked, "this shape is meant to run in head chunks"
+    q = rand(batch, seqlen, heads, head_dim, dtype=torch.bfloat16)
+    k, v = (rand(batch, seqlen, heads_k, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    options = _options(q, window=(-1, 0))
+    out, lse = _forward(BACKEND, q, k, v, options)
+    dout = torch.randn_like(out)
+    ours = _backward(HOPPER, dout, q, k, v, out, lse, options)
+    sm80 = _backward(BACKEND, dout, q, k, v, out, lse, options)
+    for name, a, b in zip(("dq", "dk", "dv"), ours, sm80):
+        assert not a.isnan().any(), f"{name} has NaN"
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 4 * 2**-8 * scale, f"{name} differs from sm80+"
+
+
 def test_hopper_backward_strided_views():
     # q/k/v as views of one packed (B, S, H + 2 Hk, D) tensor, GQA 2; gradients into strided views.
     batch, seqlen, heads, heads_k, head_dim = 2, 300, 4, 2, 128
