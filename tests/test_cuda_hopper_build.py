@@ -38,10 +38,11 @@ def test_builds_without_sm90_or_opted_out_leave_the_hopper_sources_out(monkeypat
     assert not any(HOPPER_GENCODE in command for command in compiles.values())
 
 
-def test_builds_with_sm90_include_the_hopper_sources(monkeypatch, tmp_path):
-    env = {"PORTATTN_CUDA_ARCHS": "90", "PORTATTN_HEADDIMS": "64", "PORTATTN_DTYPES": "bf16"}
+@pytest.mark.parametrize("entry", ["hopper_fwd_entry.cu", "hopper_bwd_entry.cu"])
+def test_builds_with_sm90_include_the_hopper_sources(monkeypatch, tmp_path, entry):
+    env = {"PORTATTN_CUDA_ARCHS": "80;90", "PORTATTN_HEADDIMS": "64", "PORTATTN_DTYPES": "bf16"}
     compiles = _library_compiles(monkeypatch, tmp_path, env)
-    assert "hopper_fwd_entry.cu" in compiles
+    assert [flag for flag in compiles[entry] if flag.startswith("-gencode")] == [HOPPER_GENCODE]
 
 
 def test_opt_in_compiles_hopper_sources_for_sm90a_only(monkeypatch, tmp_path):
@@ -76,3 +77,44 @@ def test_binding_sees_the_hopper_define_only_with_the_opt_in(monkeypatch, tmp_pa
     (ninja,) = captured
     (step,) = ninja.compiles
     assert (variants.HOPPER_BINDING_DEFINE in step.command) == defined
+
+
+class _FakeModule:
+    """Records which entry a backward call reached, with bwd()'s argument list."""
+
+    def __init__(self):
+        self.calls = []
+
+    def bwd_workspace_bytes(self, *shape_and_deterministic):
+        self.calls.append(("bwd_workspace_bytes", shape_and_deterministic))
+        return 256
+
+    def bwd(self, *args):
+        self.calls.append(("bwd", args))
+
+    def hopper_bwd(self, *args):
+        self.calls.append(("hopper_bwd", args))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_backend_backward_calls_hopper_bwd_with_the_shared_workspace(monkeypatch, deterministic):
+    torch = pytest.importorskip("torch")
+    from portattn.backends import abi
+    from portattn.backends.cuda import CudaSm90Backend
+
+    monkeypatch.setattr(abi, "raw_stream", lambda device_index: 0)  # CPU tensors: no stream
+
+    backend = object.__new__(CudaSm90Backend)  # no compiled module on this machine: a fake one
+    backend.module = _FakeModule()
+    q, k, v, out, dout, dq, dk, dv = (torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16) for _ in range(8))
+    lse = torch.zeros(1, 2, 8)
+    backend.backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
+                     max_seqlen_q=0, max_seqlen_k=0, softmax_scale=0.125, window_left=-1, window_right=0,
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
+                     deterministic=deterministic)
+    names = [name for name, _ in backend.module.calls]
+    assert names == ["bwd_workspace_bytes", "hopper_bwd"]
+    size_query, (_, args) = backend.module.calls
+    assert size_query[1][-1] is deterministic
+    # bwd()'s layout: dout, its strides, dq, dk, dv (+ strides), workspace, its size, deterministic.
+    assert args[0] == dout.data_ptr() and args[9] == 256 and args[10] is deterministic

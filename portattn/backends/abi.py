@@ -56,8 +56,11 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
             max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-            alibi_slopes, dropout_p, rng_seed, rng_offset, deterministic) -> None:
+            alibi_slopes, dropout_p, rng_seed, rng_offset, deterministic, entry=None) -> None:
     """One backward call of a compiled module (CUDA or ROCm: same `bwd` signature).
+
+    `entry` is another of the module's functions with `bwd`'s arguments and
+    workspace (the CUDA module's `hopper_bwd`); None means `module.bwd`.
 
     The scratch the kernels need (fp32 dQ accumulator, rowsum(dO * O), for GQA fp32
     dK/dV accumulators) is one uint8 tensor from torch's caching allocator, sized by
@@ -73,8 +76,9 @@ def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seq
     deterministic = bool(deterministic)
     workspace_bytes = module.bwd_workspace_bytes(*args[_SHAPE], deterministic)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
-    module.bwd(dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(),
-               dv.data_ptr(), dv.stride(), workspace.data_ptr(), workspace_bytes, deterministic, *args)
+    (entry or module.bwd)(dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(),
+                          dk.stride(), dv.data_ptr(), dv.stride(), workspace.data_ptr(), workspace_bytes,
+                          deterministic, *args)
 
 
 def load_extension(package: str, what: str):

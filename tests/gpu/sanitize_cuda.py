@@ -8,7 +8,7 @@ The cases cover the code paths that index memory differently: sequence tails
 backward splitting it in two halves), GQA and MQA (the backward's fp32 dK/dV
 atomics and its per-KV-head loop), varlen with empty and single-row sequences,
 the extras kernel (softcap + ALiBi + dropout), and the backward's deterministic
-dQ slices, and the sm_90a forward on an sm_90 device. Outputs and gradients are NaN-poisoned; exits non-zero if any stays
+dQ slices, and the sm_90a forward and backward (GQA, both modes) on an sm_90 device. Outputs and gradients are NaN-poisoned; exits non-zero if any stays
 unwritten, while the sanitizer reports access errors and races.
 """
 from __future__ import annotations
@@ -41,18 +41,13 @@ def _forward(backend, q, k, v, **options):
     return out, lse, args
 
 
-def unwritten_forward(backend, q, k, v, **options) -> int:
-    out, lse, _ = _forward(backend, q, k, v, **options)
-    return int(out.isnan().any().item() or lse.isnan().any().item())
-
-
-def unwritten(q, k, v, **options) -> int:
+def unwritten(q, k, v, backend=BACKEND, **options) -> int:
     """Forward, then backward in both modes; how many of the three left a NaN."""
-    out, lse, args = _forward(BACKEND, q, k, v, **options)
+    out, lse, args = _forward(backend, q, k, v, **options)
     failures = int(out.isnan().any().item() or lse.isnan().any().item())
     for deterministic in (False, True):
         grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-        BACKEND.backward(torch.randn_like(out), q, k, v, out, lse, *grads, deterministic=deterministic, **args)
+        backend.backward(torch.randn_like(out), q, k, v, out, lse, *grads, deterministic=deterministic, **args)
         torch.cuda.synchronize()
         failures += int(any(g.isnan().any().item() for g in grads))
     return failures
@@ -82,10 +77,10 @@ def main() -> int:
     failures += unwritten(q, kv[:, :, 0], kv[:, :, 1], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130,
                           max_seqlen_k=130, window_right=0)
     if BACKEND_SM90.unsupported_reasons(HOPPER_CALL) == []:  # the sm_90a path, on an sm_90 device
-        for seqlen_q, seqlen_k in ((17, 113), (130, 70)):
-            q = torch.randn(2, seqlen_q, 4, 128, **bf16)
-            k, v = (torch.randn(2, seqlen_k, 2, 128, **bf16) for _ in range(2))
-            failures += unwritten_forward(BACKEND_SM90, q, k, v, window_right=0)
+        for head_dim, seqlen_q, seqlen_k in ((128, 17, 113), (128, 130, 70), (64, 300, 257)):
+            q = torch.randn(2, seqlen_q, 4, head_dim, **bf16)
+            k, v = (torch.randn(2, seqlen_k, 2, head_dim, **bf16) for _ in range(2))
+            failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
     print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs")
     return 1 if failures else 0
 

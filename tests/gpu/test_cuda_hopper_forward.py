@@ -187,9 +187,8 @@ def test_dispatch_routes_eligible_calls_to_the_hopper_path_and_the_rest_to_sm80(
     assert portattn.explain(q, k, v, softcap=5.0).chosen == "cuda"  # declared: sm80+ path only
     assert portattn.explain(q[..., :96], k[..., :96], v[..., :96]).chosen == "cuda"  # head dim 96
     q.requires_grad_()
-    assert portattn.explain(q, k, v, causal=True).reasons["cuda-sm90"] == [
-        "feature backward not supported by cuda-sm90 (runs on the sm80+ path (cuda))"]
-    # A Hopper forward pairs with the sm80+ backward (same out / LSE contract).
+    # Training calls too: the backward is the Hopper one (tests/gpu/test_cuda_hopper_backward.py).
+    assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
     out = portattn.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ...capability.callspec import CallSpec
-from ..abi import fwd_args, load_extension
+from ..abi import fwd_args, load_extension, run_bwd
 from ..compiled import CompiledBackend
 
 # Not built (no nvcc at install time), or built for another Python: a reason, not an error.
@@ -48,11 +48,12 @@ class CudaBackend(CompiledBackend):
 
 
 class CudaSm90Backend(CudaBackend):
-    """The Hopper path (csrc/hopper_fwd_*: TMA + wgmma, sm_90a), forward only.
+    """The Hopper path (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
     Dispatch tries it first on sm90; its declaration (capability/specs/cuda_sm90.py)
-    sends every other call, the backward included, to the sm80+ path above. Both
-    write the same out/LSE, so a Hopper forward pairs with the sm80+ backward.
+    sends every other call (windows, softcap, ALiBi, dropout, varlen, other head
+    dims) to the sm80+ path above. Both paths write the same out/LSE and take the
+    same backward workspace, so either forward pairs with either backward.
     """
 
     name = "cuda-sm90"
@@ -72,5 +73,5 @@ class CudaSm90Backend(CudaBackend):
                                          max_seqlen_k, softmax_scale, window_left, window_right,
                                          softcap, alibi_slopes, dropout_p, rng_seed, rng_offset))
 
-    def backward(self, *args, **options) -> None:
-        raise NotImplementedError("cuda-sm90 declares no backward; dispatch routes it to cuda")
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
+        run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, entry=self.module.hopper_bwd, **options)

@@ -22,9 +22,9 @@ loader path). The driver itself (libcuda.so.1) is only opened at the first
 CUDA call, so importing the module on a machine without a GPU works.
 
 Restrictions (variants.py): PORTATTN_CUDA_ARCHS, PORTATTN_HEADDIMS,
-PORTATTN_DTYPES; MAX_JOBS caps ninja's parallelism. PORTATTN_CUDA_HOPPER=1
-also compiles the unverified sm_90a forward kernel (csrc/hopper_*.cu, sm_90a
-only) and exposes it as _C.hopper_fwd; without it the build is unchanged.
+PORTATTN_DTYPES; MAX_JOBS caps ninja's parallelism. The sm_90a kernels
+(csrc/hopper_*.cu, sm_90a only; _C.hopper_fwd and _C.hopper_bwd) are built
+when the archs include sm_90; PORTATTN_CUDA_HOPPER=0 leaves them out, =1 forces them.
 PORTATTN_PTXAS_VERBOSE=1 prints ptxas register/spill/shared-memory reports; PORTATTN_NVCC_FLAGS adds
 nvcc flags (tuning experiments, e.g. -DPORTATTN_FWD_HD64_BLOCK_N=64).
 """

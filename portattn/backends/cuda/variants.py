@@ -199,11 +199,11 @@ def _table_source(plan: BuildPlan, families: Iterable[Family]) -> str:
 
 
 # ---- Hopper path (issue #6) -----------------------------------------------------
-# The sm_90a forward kernel (csrc/hopper_fwd_*.cu) is built whenever the plan
+# The sm_90a kernels (csrc/hopper_*.cu, forward and backward) are built whenever the plan
 # includes sm_90 (PORTATTN_CUDA_HOPPER=0 leaves it out, =1 forces it): its
 # sources are left out of the generic arch loop, get SASS for sm_90a only
 # (wgmma and setmaxnreg exist nowhere else, and no PTX is embedded for newer
-# GPUs), and the binding then exposes `hopper_fwd` (compile definition below).
+# GPUs), and the binding then exposes `hopper_fwd` and `hopper_bwd` (compile definition below).
 # Dispatch serves it as the "cuda-sm90" backend (capability/specs/cuda_sm90.py).
 HOPPER_ENV = "PORTATTN_CUDA_HOPPER"
 HOPPER_SOURCE_PREFIX = "hopper_"

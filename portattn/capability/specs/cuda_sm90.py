@@ -1,18 +1,20 @@
-"""The Hopper path of the CUDA backend (csrc/hopper_fwd_*: TMA + wgmma, sm_90a).
+"""The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(windows, softcap, ALiBi, dropout, varlen, other head dims, the backward) goes to
+(windows, softcap, ALiBi, dropout, varlen, other head dims) goes to
 the sm80+ path ("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
 from ..archs import ArchRange
 from ..declare import BackendSpec
 
-SUPPORTED = frozenset({"forward", "causal", "gqa"})
+SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa"})
 
 # sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_hopper_forward.py, 67 passed
 # calling the kernel directly (bench/results/hopper_fwd_first_run.md); the same file's
-# dispatch test routes through the public API (bench/results/gpu_suite.md).
+# dispatch test routes through the public API (bench/results/gpu_suite.md). The backward
+# (and its deterministic mode): tests/gpu/test_cuda_hopper_backward.py
+# (bench/results/hopper_bwd_runs.md).
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
@@ -29,13 +31,11 @@ SPEC = BackendSpec(
     supported=SUPPORTED,
     verified=VERIFIED,
     unsupported_notes={
-        "backward": "runs on the sm80+ path (cuda)",
         "window": "runs on the sm80+ path (cuda)",
         "softcap": "runs on the sm80+ path (cuda)",
         "alibi": "runs on the sm80+ path (cuda)",
         "dropout": "runs on the sm80+ path (cuda)",
         "varlen": "runs on the sm80+ path (cuda)",
-        "deterministic_backward": "runs on the sm80+ path (cuda)",
         "paged_kv": "is gathered into a packed varlen call first",
     },
     build_arch_env="PORTATTN_CUDA_ARCHS",

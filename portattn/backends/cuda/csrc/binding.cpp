@@ -27,6 +27,8 @@ int portattn_cuda_bwd_smem_bytes(int head_dim);
 int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message, int message_len);
 int portattn_cuda_hopper_num_variants();
 void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype);
+// sm_90a backward (hopper_bwd_entry.cu): same workspace as portattn_cuda_bwd.
+int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* message, int message_len);
 #endif
 }
 
@@ -60,11 +62,23 @@ void hopper_fwd(PORTATTN_FWD_ARGS) {
 // ---- backward ----
 // bwd(dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides,
 //     workspace, workspace_bytes, deterministic, <the forward call's arguments>)
-void bwd(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
-  const PortattnBwdParams p = bwd_params(PORTATTN_BWD_OWN_ARG_NAMES, fwd_params(PORTATTN_FWD_ARG_NAMES));
+void call_bwd_entry(int (*entry)(const PortattnBwdParams*, char*, int), const PortattnBwdParams& p) {
   char message[512];
-  check(portattn_cuda_bwd(&p, message, sizeof(message)), message);
+  check(entry(&p, message, sizeof(message)), message);
 }
+
+void bwd(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
+  call_bwd_entry(portattn_cuda_bwd,
+                 bwd_params(PORTATTN_BWD_OWN_ARG_NAMES, fwd_params(PORTATTN_FWD_ARG_NAMES)));
+}
+
+#ifdef PORTATTN_WITH_HOPPER
+// Same arguments (and workspace) as bwd(); refuses (RuntimeError) what the Hopper kernel does not serve.
+void hopper_bwd(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
+  call_bwd_entry(portattn_cuda_hopper_bwd,
+                 bwd_params(PORTATTN_BWD_OWN_ARG_NAMES, fwd_params(PORTATTN_FWD_ARG_NAMES)));
+}
+#endif
 
 // Bytes of scratch bwd() needs for this shape (the workspace layout depends on
 // nothing else: varlen rows are padded to seqlen_q / seqlen_k, the maxima).
@@ -159,6 +173,10 @@ PYBIND11_MODULE(_C, m) {
         "what this build contains: {'archs', 'ptx', 'head_dims', 'dtypes'}");
   // ---- backward ----
   m.def("bwd", &bwd, "backward attention over raw pointers (see backends/common/params.h)");
+#ifdef PORTATTN_WITH_HOPPER
+  m.def("hopper_bwd", &hopper_bwd,
+        "sm_90a backward (TMA + wgmma), bwd()'s arguments and workspace (bwd_workspace_bytes)");
+#endif
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes,
         "scratch bytes bwd() needs: (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, "
         "deterministic)");

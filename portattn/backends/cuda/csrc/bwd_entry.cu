@@ -107,6 +107,17 @@ template cudaError_t launch_bwd_preprocess<__nv_bfloat16>(const BwdArgs&, cudaSt
 template cudaError_t launch_bwd_convert<__half>(const BwdArgs&, int, bool, cudaStream_t);
 template cudaError_t launch_bwd_convert<__nv_bfloat16>(const BwdArgs&, int, bool, cudaStream_t);
 
+bool bwd_operands_aligned(const PortattnBwdParams& params) {
+  const PortattnFwdParams& f = params.fwd;
+  const void* pointers[] = {f.q, f.k, f.v, f.out, params.dout, params.dq, params.dk, params.dv};
+  const PortattnTensor4* strides[] = {&f.q_strides,       &f.k_strides,       &f.v_strides,
+                                      &f.out_strides,     &params.dout_strides, &params.dq_strides,
+                                      &params.dk_strides, &params.dv_strides};
+  for (int t = 0; t < 8; ++t)
+    if (!aligned16(pointers[t]) || !strides_aligned(*strides[t])) return false;
+  return true;
+}
+
 }  // namespace cuda
 }  // namespace portattn
 
@@ -142,16 +153,10 @@ extern "C" int portattn_cuda_bwd(const PortattnBwdParams* params, char* message,
              f.headdim, f.dtype);
     return fail(message, message_len, -1, text);
   }
-  const void* pointers[] = {f.q, f.k, f.v, f.out, params->dout, params->dq, params->dk, params->dv};
-  const PortattnTensor4* strides[] = {&f.q_strides,       &f.k_strides,        &f.v_strides,
-                                      &f.out_strides,     &params->dout_strides, &params->dq_strides,
-                                      &params->dk_strides, &params->dv_strides};
-  for (int t = 0; t < 8; ++t) {
-    if (!aligned16(pointers[t]) || !strides_aligned(*strides[t]))
-      return fail(message, message_len, -1,
-                      "portattn cuda backward: q, k, v, out, dout, dq, dk and dv need 16-byte "
-                      "aligned data pointers and strides that are multiples of 8 elements");
-  }
+  if (!bwd_operands_aligned(*params))
+    return fail(message, message_len, -1,
+                "portattn cuda backward: q, k, v, out, dout, dq, dk and dv need 16-byte "
+                "aligned data pointers and strides that are multiples of 8 elements");
   set_error_detail("");
   const cudaError_t err = variant->run(*params);
   if (err != cudaSuccess) {

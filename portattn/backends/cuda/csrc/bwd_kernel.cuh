@@ -136,6 +136,18 @@ __device__ __forceinline__ int64_t ws_row(const BwdArgs& args, int batch, int he
   return (static_cast<int64_t>(batch) * args.heads + head - args.head0) * args.p.fwd.seqlen_q + i;
 }
 
+// The heads of a main-kernel CTA (grid.y): deterministic, a KV head walking
+// its group's query heads in order; default, one query head.
+struct BwdHeads {
+  int head_k, head_first, heads;
+};
+
+__device__ __forceinline__ BwdHeads bwd_heads(const BwdArgs& args, bool det, int group) {
+  const int y = static_cast<int>(blockIdx.y);
+  const int head_k = det ? args.head0 / group + y : (args.head0 + y) / group;
+  return BwdHeads{head_k, det ? head_k * group : args.head0 + y, det ? group : 1};
+}
+
 // ---- 1. preprocess ------------------------------------------------------------
 
 // One warp per query row; lane l covers columns [8l, 8l + 8) (head dim <= 256).
@@ -276,11 +288,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
   const int col_base = half * kDOut;  // first dK/dV/dQ column of this CTA
   const bool det = p.deterministic != 0;
   const int group = f.nheads / f.nheads_k;
-  // Deterministic: a CTA per KV head walks its group; default: a CTA per query head.
-  const int head_k = det ? args.head0 / group + static_cast<int>(blockIdx.y)
-                         : (args.head0 + static_cast<int>(blockIdx.y)) / group;
-  const int head_first = det ? head_k * group : args.head0 + static_cast<int>(blockIdx.y);
-  const int heads = det ? group : 1;
+  const BwdHeads cta_heads = bwd_heads(args, det, group);
+  const int head_k = cta_heads.head_k;
+  const int head_first = cta_heads.head_first;
+  const int heads = cta_heads.heads;
   const bool gqa_atomic = !det && group > 1;
 
   const SeqInfo s = seq_info(f, batch);

@@ -93,6 +93,9 @@ struct BwdWorkspace {
 // Defined in bwd_entry.cu (one definition: the size Python allocates and the
 // carve-up the launch uses cannot disagree).
 BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params);
+// Every tensor of the call (q, k, v, out, dout, dq, dk, dv): 16-byte aligned
+// pointer and strides, as the 16-byte loads and TMA need.
+bool bwd_operands_aligned(const PortattnBwdParams& params);
 
 template <typename Elem>
 cudaError_t launch_bwd_preprocess(const BwdArgs& args, cudaStream_t stream);
@@ -136,8 +139,11 @@ cudaError_t launch_first_fitting(const BwdArgs& args, int smem_optin, cudaStream
                 : launch_bwd_main<Cfg, Elem, false>(args, stream);
 }
 
-template <int kHeadDim, typename Elem>
-cudaError_t run_bwd(const PortattnBwdParams& params) {
+// The launch sequence of Note [portattn cuda backward] around a main-kernel
+// launcher `main(args, stream) -> cudaError_t`: shared by run_bwd below and the
+// Hopper backward (hopper_bwd_entry.cu), which differ only in that launch.
+template <typename Elem, class MainLaunch>
+cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main) {
   const PortattnFwdParams& f = params.fwd;
   if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
   const BwdWorkspace ws = bwd_workspace_layout(params);
@@ -155,27 +161,33 @@ cudaError_t run_bwd(const PortattnBwdParams& params) {
   args.dq_slice = ws.dq_slice;
   args.splits = ws.slices;
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
-
-  int device = 0, smem_optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
   const int group = f.nheads / f.nheads_k;
   for (int head_k0 = 0; head_k0 < f.nheads_k; head_k0 += ws.chunk_heads_k) {
     args.heads_k = ws.chunk_heads_k < f.nheads_k - head_k0 ? ws.chunk_heads_k : f.nheads_k - head_k0;
     args.heads = args.heads_k * group;
     args.head0 = head_k0 * group;
-    err = cudaMemsetAsync(base + ws.dq, 0, ws.total - ws.dq, stream);
+    cudaError_t err = cudaMemsetAsync(base + ws.dq, 0, ws.total - ws.dq, stream);
     if (err != cudaSuccess) return err;
     err = launch_bwd_preprocess<Elem>(args, stream);
     if (err != cudaSuccess) return err;
-    err = launch_first_fitting<Elem>(args, smem_optin, stream, typename BwdConfigsFor<kHeadDim>::type{});
+    err = main(static_cast<const BwdArgs&>(args), stream);
     if (err != cudaSuccess) return err;
     err = launch_bwd_convert<Elem>(args, ws.slices, ws.dkv_accum, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+template <int kHeadDim, typename Elem>
+cudaError_t run_bwd(const PortattnBwdParams& params) {
+  return run_bwd_sequence<Elem>(params, [](const BwdArgs& args, cudaStream_t stream) {
+    int device = 0, smem_optin = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return err;
+    return launch_first_fitting<Elem>(args, smem_optin, stream, typename BwdConfigsFor<kHeadDim>::type{});
+  });
 }
 
 }  // namespace cuda

@@ -8,16 +8,12 @@
 // Compiled whenever the build's archs include sm_90 (variants.py), and then
 // only for sm_90a: wgmma and setmaxnreg exist nowhere else.
 //
-// Tensor maps are encoded on the host with cuTensorMapEncodeTiled, which the
-// runtime hands out through cudaGetDriverEntryPointByVersion: the library
-// keeps linking cudart statically and never links libcuda.
-#include <cudaTypedefs.h>
+// Tensor maps and the calls it refuses: hopper_host.h.
 #include <stdio.h>
 #include <stdlib.h>
 
-#include <mutex>
-
 #include "hopper_fwd_kernel.cuh"
+#include "hopper_host.h"
 #include "variant_table.h"
 
 namespace portattn {
@@ -33,58 +29,6 @@ struct HopperSmemOptIn {
 };
 template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
 portattn::cuda::SmemOptInState HopperSmemOptIn<kHeadDim, Elem, kCausal, kSchedule>::state = {0ull};
-
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(cudaError_t* err) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encoder = nullptr;
-  static cudaError_t status = cudaSuccess;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                              cudaEnableDefault, &found);
-    if (status == cudaSuccess && found != cudaDriverEntryPointSuccess) status = cudaErrorNotSupported;
-    encoder = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  });
-  *err = status;
-  return encoder;
-}
-
-// A (batch, seqlen, heads, head_dim) tensor as a 4-d tensor map whose box is
-// one 64-column panel of `box_rows` rows of one (head, batch), 128B-swizzled.
-cudaError_t encode_bshd(CUtensorMap* map, const void* data, const PortattnTensor4& strides,
-                        int dtype, int batch, int seqlen, int heads, int head_dim, int box_rows) {
-  cudaError_t err = cudaSuccess;
-  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(&err);
-  if (err != cudaSuccess) {
-    portattn::cuda::set_error_detail("cuTensorMapEncodeTiled is not available from the driver");
-    return err;
-  }
-  // A dimension of extent 1 may carry any stride (e.g. 0 for an expanded
-  // view); TMA wants a nonzero multiple of 16 bytes, which it never uses there.
-  auto stride_bytes = [](int64_t elems, int extent) -> cuuint64_t {
-    return (extent == 1 && elems * 2 < 16) ? 16 : static_cast<cuuint64_t>(elems * 2);
-  };
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t global_strides[3] = {stride_bytes(strides.row_stride, seqlen),
-                                        stride_bytes(strides.head_stride, heads),
-                                        stride_bytes(strides.batch_stride, batch)};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult res = encode(
-      map, dtype == PORTATTN_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      4, const_cast<void*>(data), dims, global_strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) {
-    char text[160];
-    snprintf(text, sizeof(text), "cuTensorMapEncodeTiled failed (CUresult %d)", static_cast<int>(res));
-    portattn::cuda::set_error_detail(text);
-    return cudaErrorInvalidValue;
-  }
-  return cudaSuccess;
-}
 
 // The schedules calls run (Note [portattn hopper forward schedule]), chosen
 // from the tuning runs on an H100 (bench/results/hopper_fwd_tuning_run*.md,
@@ -224,19 +168,6 @@ const HopperVariant* find(int head_dim, int dtype) {
   return nullptr;
 }
 
-// Why the Hopper path cannot serve the call, or nullptr. Input validation
-// proper (shapes, dtypes, GQA divisibility) happened in portattn/validation.py.
-const char* unsupported(const PortattnFwdParams& p) {
-  if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr)
-    return "varlen / seqused_k calls are served by the sm80+ kernel only";
-  if (p.window_left >= 0 || (p.window_right != -1 && p.window_right != 0))
-    return "sliding windows are served by the sm80+ kernel only (causal is supported)";
-  if (p.softcap > 0.f) return "softcap is served by the sm80+ kernel only";
-  if (p.alibi_slopes != nullptr) return "ALiBi is served by the sm80+ kernel only";
-  if (p.dropout_p > 0.f) return "dropout is served by the sm80+ kernel only";
-  return nullptr;
-}
-
 }  // namespace
 }  // namespace hopper
 }  // namespace portattn
@@ -253,34 +184,10 @@ extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* m
              params->headdim, params->dtype);
     return fail(message, message_len, -1, text);
   }
-  if (const char* why = unsupported(*params)) {
-    char text[200];
-    snprintf(text, sizeof(text), "portattn cuda hopper: %s", why);
-    return fail(message, message_len, -1, text);
-  }
-  if (!portattn::cuda::aligned16(params->q) || !portattn::cuda::aligned16(params->k) ||
-      !portattn::cuda::aligned16(params->v) || !portattn::cuda::aligned16(params->out) ||
-      !portattn::cuda::strides_aligned(params->q_strides) ||
-      !portattn::cuda::strides_aligned(params->k_strides) ||
-      !portattn::cuda::strides_aligned(params->v_strides) ||
-      !portattn::cuda::strides_aligned(params->out_strides)) {
-    return fail(message, message_len, -1,
-                "portattn cuda hopper: TMA needs 16-byte aligned data pointers and strides that "
-                "are multiples of 8 elements (call .contiguous() on the input)");
-  }
-  int device = 0, major = 0, minor = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (err == cudaSuccess && (major != 9 || minor != 0)) {
-    char text[160];
-    snprintf(text, sizeof(text),
-             "portattn cuda hopper: needs an sm_90 device (built for sm_90a); device %d is sm_%d%d",
-             device, major, minor);
-    return fail(message, message_len, -1, text);
-  }
+  char refusal[200];
+  if (refuses(*params, refusal, sizeof(refusal))) return fail(message, message_len, -1, refusal);
   portattn::cuda::set_error_detail("");
-  if (err == cudaSuccess) err = variant->run(*params);
+  const cudaError_t err = variant->run(*params);
   if (err != cudaSuccess) {
     char text[400];
     snprintf(text, sizeof(text), "portattn cuda hopper forward: %s%s%s", cudaGetErrorString(err),

@@ -206,9 +206,7 @@ __device__ __forceinline__ void fence_operands(uint32_t (&a)[kRows][4]) {
     for (int c = 0; c < 4; ++c) asm volatile("" : "+r"(a[r][c])::"memory");
 }
 
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
+// Signals a named barrier without waiting (named_barrier_sync: hopper_ptx.cuh).
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -363,15 +361,8 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     };
     // P as the A fragment of k16 step kk: columns 16kk..16kk+15 = chunks 2kk, 2kk+1.
     auto pack_p = [&](uint32_t (&p)[kBlockN / 16][4], const float (&s)[2][kSCols]) {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        p[kk][0] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk + 0], s[0][4 * kk + 1]);
-        p[kk][1] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk + 0], s[1][4 * kk + 1]);
-        p[kk][2] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk + 2], s[0][4 * kk + 3]);
-        p[kk][3] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk + 2], s[1][4 * kk + 3]);
-      }
+      sm90::pack_a_fragment<Elem>(p, s);
     };
-
     int q_uses = 0, kv_uses = 0;
     for (int round = 0; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
       const int t = tile_of_cta(round, args.num_tiles);

@@ -217,6 +217,93 @@ struct QuadReduce {
   static __device__ __forceinline__ float sum(float x) { return ptx::quad_allreduce_sum(x); }
 };
 
+
+// ---- backward additions (hopper_bwd_kernel.cuh) -------------------------------------
+
+// 64 x 32 accumulator (16 fp32 per thread): the first four column chunks of the
+// fragment described above.
+#define PORTATTN_WGMMA_D32_REGS \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
+#define PORTATTN_WGMMA_D32_OPERANDS(d) \
+      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[1][0]), "+f"(d[1][1]), \
+      "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][2]), "+f"(d[1][3]), \
+      "+f"(d[0][4]), "+f"(d[0][5]), "+f"(d[1][4]), "+f"(d[1][5]), \
+      "+f"(d[0][6]), "+f"(d[0][7]), "+f"(d[1][6]), "+f"(d[1][7])
+
+// D (64 x N) (+)= A (64 x 16) * B (16 x N), both from shared memory, with the
+// instruction's transpose flags: 0 = K-major (Q, K as S = Q K^T reads them),
+// 1 = MN-major (legal for 16-bit types only; the backward's dS^T as A and K
+// as B of dQ = dS K). N = 4 * kCols (32, 64 or 128). scale_d = 0 overwrites D.
+// A, B, S, TA, TB: the operand numbers of desc_a, desc_b, scale_d and the two flags.
+#define PORTATTN_WGMMA_SS(N, TY, REGS, OPERANDS, A, B, S, TA, TB)                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                             \
+               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " REGS         \
+               ", %" A ", %" B ", p, 1, 1, %" TA ", %" TB ";\n}\n"                         \
+               : OPERANDS(d)                                                                 \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
+
+template <typename Elem, int kTransA, int kTransB, int kCols>
+__device__ __forceinline__ void wgmma_ss(float (&d)[2][kCols], uint64_t desc_a, uint64_t desc_b,
+                                         int scale_d) {
+  constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
+  static_assert(kCols == 8 || kCols == 16 || kCols == 32, "wgmma_ss is instantiated for N = 32, 64, 128");
+  if constexpr (kCols == 8) {
+    if constexpr (kBf16) {
+      PORTATTN_WGMMA_SS("32", "bf16", PORTATTN_WGMMA_D32_REGS, PORTATTN_WGMMA_D32_OPERANDS, "16", "17", "18", "19", "20");
+    } else {
+      PORTATTN_WGMMA_SS("32", "f16", PORTATTN_WGMMA_D32_REGS, PORTATTN_WGMMA_D32_OPERANDS, "16", "17", "18", "19", "20");
+    }
+  } else if constexpr (kCols == 16) {
+    if constexpr (kBf16) {
+      PORTATTN_WGMMA_SS("64", "bf16", PORTATTN_WGMMA_D64_REGS, PORTATTN_WGMMA_D64_OPERANDS, "32", "33", "34", "35", "36");
+    } else {
+      PORTATTN_WGMMA_SS("64", "f16", PORTATTN_WGMMA_D64_REGS, PORTATTN_WGMMA_D64_OPERANDS, "32", "33", "34", "35", "36");
+    }
+  } else {
+    if constexpr (kBf16) {
+      PORTATTN_WGMMA_SS("128", "bf16", PORTATTN_WGMMA_D128_REGS, PORTATTN_WGMMA_D128_OPERANDS, "64", "65", "66", "67", "68");
+    } else {
+      PORTATTN_WGMMA_SS("128", "f16", PORTATTN_WGMMA_D128_REGS, PORTATTN_WGMMA_D128_OPERANDS, "64", "65", "66", "67", "68");
+    }
+  }
+}
+
+// The register A operand of an in-flight wgmma must keep its registers until
+// wgmma.wait_group returns; this "rewrites" them after the wait so the
+// compiler cannot hand them to other values in between.
+template <int kSteps>
+__device__ __forceinline__ void fence_fragment(uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[s][e])::"memory");
+}
+
+// A wgmma accumulator (64 x 16 kSteps fp32, fragment above) as the register A
+// operand of the next product: k16 step kk = columns 16kk..16kk+15, packed to
+// 16 bits (the forward's P, the backward's P^T and dS^T).
+template <typename Elem, int kSteps>
+__device__ __forceinline__ void pack_a_fragment(uint32_t (&a)[kSteps][4], const float (&d)[2][4 * kSteps]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    a[kk][0] = ptx::ElemTraits<Elem>::pack(d[0][4 * kk + 0], d[0][4 * kk + 1]);
+    a[kk][1] = ptx::ElemTraits<Elem>::pack(d[1][4 * kk + 0], d[1][4 * kk + 1]);
+    a[kk][2] = ptx::ElemTraits<Elem>::pack(d[0][4 * kk + 2], d[0][4 * kk + 3]);
+    a[kk][3] = ptx::ElemTraits<Elem>::pack(d[1][4 * kk + 2], d[1][4 * kk + 3]);
+  }
+}
+
+// Barrier over a subset of the CTA's warps (id 0 is __syncthreads').
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before later
+// async-proxy reads (wgmma operands, TMA stores) of the same bytes.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 }  // namespace sm90
 
 }  // namespace hopper

@@ -1,0 +1,446 @@
+// Hopper (sm_90a) backward attention: TMA tile loads, wgmma, warp specialization.
+//
+// Note [portattn hopper backward]
+// Serves fixed-length batches, fp16/bf16, head dims 64 and 128, non-causal or
+// causal (bottom-right), GQA/MQA, the default (atomic dQ) and the deterministic
+// mode. Windows, softcap, ALiBi, dropout and varlen stay on the sm80+ backward
+// (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
+// sequence, workspace and math are those of Note [portattn cuda backward]:
+// the same preprocess (delta = rowsum(dO * O)) and convert kernels run around
+// this main kernel, and it writes the same fp32 dQ accumulator (and, for GQA in
+// the default mode, the same dK/dV accumulators), so only the main kernel differs.
+//
+// CTA = 3 warpgroups (384 threads), one CTA per (128-key block, head, batch)
+// (deterministic: per (split, KV head, batch), walking key blocks s, s + splits, ...):
+//   warpgroup 0  producer (setmaxnreg 24). Warp 0 lane 0 issues the TMA
+//                copies (K and V of the key block once into their own buffers,
+//                then Q and dO of each query block into a kStages-deep ring);
+//                warp 1's lanes fill the stage's LSE (log2 units, +inf for rows
+//                without a visible key or past seqlen_q, so their P is exactly
+//                0) and delta rows from global memory.
+//   warpgroups 1, 2  consumers (setmaxnreg 240), 64 keys each (the M of one
+//                wgmma). Per query block of kBlockM = 64 rows:
+//     S^T  = K Q^T        m64n64k16 SS (both K-major)       \ issued together;
+//     dP^T = V dO^T       m64n64k16 SS                       / S waited first
+//     P^T  = exp2(S^T * scale * log2e - lse2)   (masked on edge blocks only)
+//     dV  += P^T dO       m64nDk16 RS (A = P^T packed in registers, exactly
+//                         the forward's P fragment; B = dO MN-major) overlaps dS
+//     dS^T = P^T * (dP^T - delta)
+//     dK  += dS^T Q       RS, like dV
+//     dQ   = dS K         contracts over all 128 keys, i.e. over both
+//                         consumers: each writes its packed dS^T into shared
+//                         memory (128B-swizzled like a TMA tile), fence.proxy.async,
+//                         then `bar.sync 1, 256`; each computes half of the head
+//                         dim's columns: m64n{32,64}k16 SS with A = dS^T read
+//                         transposed (MN-major A, legal for 16-bit types) and
+//                         B = K MN-major, and adds them to the fp32 accumulator
+//                         with v2 reductions (accum_add2, bwd_kernel.cuh).
+//   dS^T has two buffers (by step parity): a consumer passes step i + 1's
+//   barrier only after both have waited for their step-i dQ wgmma, so step
+//   i + 2 may overwrite step i's buffer with no second barrier.
+//   Epilogue: dK * softmax_scale and dV straight from registers (4-byte
+//   stores), or fp32 reductions into the GQA accumulators.
+// Determinism: as the sm80 kernel, each dQ element of a slice is added by the
+// same thread of the same CTA every time (same-address order is program order).
+//
+// Shared memory (kBlockN = 128, kBlockM = 64; every tile in 64-column panels
+// of 128-byte swizzled rows, Note [portattn wgmma descriptors]):
+//   hd64:  K 16 + V 16 + 4 stages x (Q 8 + dO 8) + dS^T 2 x 16 = 128 KiB (+LSE/delta, 1 KiB align)
+//   hd128: K 32 + V 32 + 2 stages x (Q 16 + dO 16) + dS^T 2 x 16 = 160 KiB (+...)
+// Consumer registers per thread (hd128): dV 64 + dK 64 fp32, S^T/P^T 32 + dP^T/dS^T
+// 32 fp32, P^T and dS^T packed 16 + 16; the dQ accumulator (32) lives after S/dP die.
+#pragma once
+#include <cuda.h>  // CUtensorMap (a type only)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "bwd_kernel.cuh"
+#include "hopper_ptx.cuh"
+
+namespace portattn {
+namespace hopper {
+
+template <int kHeadDim_>
+struct HopperBwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = 128;  // two consumer warpgroups x wgmma M (64 keys)
+  // 64 queries keep S^T and dP^T at 32 fp32 each next to the 128 of dK + dV (hd128).
+  static constexpr int kBlockM = 64;
+  // hd64's Q/dO tiles are half the size: twice the stages in a smaller budget.
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kPanel = 64;  // elements per 128-byte swizzled row
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: keys x queries
+  static constexpr int kPanelBytesKV = kBlockN * 128;
+  static constexpr int kPanelBytesQ = kBlockM * 128;
+  static constexpr int kDqCols = kHeadDim / kConsumers;  // dQ columns per consumer
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kKVBytes;
+  static constexpr int kOffQ = 2 * kKVBytes;
+  static constexpr int kOffDo = kOffQ + kStages * kQBytes;
+  static constexpr int kOffDs = kOffDo + kStages * kQBytes;
+  static constexpr int kOffLse = kOffDs + 2 * kDsBytes;
+  static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
+  static constexpr int kOffBars = kOffDelta + kStages * kBlockM * 4;
+  static constexpr int kBarriers = 2 + 2 * kStages;  // K/V full + empty; per stage full + empty
+  static constexpr int kSmemBytes = kOffBars + 8 * kBarriers + 1024;  // + alignment to the 1 KiB atom
+  static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
+  static_assert(kBlockM == kPanel, "dS^T rows are one 128-byte swizzled row of queries");
+  static_assert(kDqCols == 32 || kDqCols == 64, "dQ wgmma is instantiated for N = 32 and 64");
+  static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared-memory opt-in limit");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
+                "register split exceeds the register file");
+};
+
+// Byte offset of element (row, col) of a 128B-swizzled tile of 128-byte rows
+// (what TMA's CU_TENSOR_MAP_SWIZZLE_128B writes and the descriptors read).
+__device__ __forceinline__ uint32_t swizzle128(int row, int col) {
+  return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
+}
+
+// acc (64 keys x 64 queries) = a (64 rows of K or V) * b (64 rows of Q or dO)^T,
+// contracting over the head dim (both K-major, in 64-column panels of kBlockN and
+// kBlockM rows), issued and committed as one wgmma group.
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void product_ss(float (&acc)[2][HopperBwdTraits<kHeadDim>::kBlockM / 4],
+                                           uint32_t a, uint32_t b) {
+  using Traits = HopperBwdTraits<kHeadDim>;
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const uint32_t step = (kk % 4) * 32;  // k16 step inside the 128-byte panel row
+    sm90::wgmma_ss<Elem, 0, 0>(acc, sm90::make_smem_desc(a + (kk / 4) * Traits::kPanelBytesKV + step, 16, 1024),
+                               sm90::make_smem_desc(b + (kk / 4) * Traits::kPanelBytesQ + step, 16, 1024),
+                               kk > 0 ? 1 : 0);
+  }
+  sm90::wgmma_commit();
+}
+
+// acc (64 keys x head dim) += a (64 keys x 64 queries, packed registers) *
+// tile (64 queries x head dim: Q or dO of a stage, MN-major = transpose-B),
+// issued and committed as one wgmma group.
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void accumulate_rs(float (&acc)[2][kHeadDim / 4],
+                                              uint32_t (&a)[HopperBwdTraits<kHeadDim>::kBlockM / 16][4],
+                                              uint32_t tile) {
+  using Traits = HopperBwdTraits<kHeadDim>;
+  sm90::fence_operands(acc);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+    sm90::wgmma_rs<Elem>(acc, a[kk], sm90::make_smem_desc(tile + kk * 16 * 128, Traits::kPanelBytesQ, 1024));
+  sm90::wgmma_commit();
+}
+
+template <int kHeadDim, typename Elem, bool kCausal>
+__global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
+    hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
+                      const __grid_constant__ CUtensorMap tm_k,
+                      const __grid_constant__ CUtensorMap tm_v,
+                      const __grid_constant__ CUtensorMap tm_do, const cuda::BwdArgs args) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Traits = HopperBwdTraits<kHeadDim>;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kPanels = kHeadDim / Traits::kPanel;
+  constexpr int kSCols = kBlockM / 4;   // S^T fragment columns per thread row
+  constexpr int kOCols = kHeadDim / 4;  // dK/dV fragment columns per thread row
+  constexpr int kQCols = Traits::kDqCols / 4;
+  constexpr int kMSteps = kBlockM / 16;  // k16 steps of the dV/dK products
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = ptx::smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms start 1 KiB aligned
+  uint8_t* const base_ptr = smem_raw + (base - raw);
+  const uint32_t s_k = base + Traits::kOffK;
+  const uint32_t s_v = base + Traits::kOffV;
+  const uint32_t bars = base + Traits::kOffBars;
+  const uint32_t bar_kv_full = bars;
+  const uint32_t bar_kv_empty = bars + 8;
+  auto bar_full = [&](int s) { return bars + 8u * (2 + s); };
+  auto bar_empty = [&](int s) { return bars + 8u * (2 + kStages + s); };
+  float* const s_lse = reinterpret_cast<float*>(base_ptr + Traits::kOffLse);
+  float* const s_delta = reinterpret_cast<float*>(base_ptr + Traits::kOffDelta);
+
+  const PortattnBwdParams& p = args.p;
+  const PortattnFwdParams& f = p.fwd;
+  const int batch = blockIdx.z;
+  const bool det = p.deterministic != 0;
+  const int group = f.nheads / f.nheads_k;
+  const cuda::BwdHeads cta_heads = cuda::bwd_heads(args, det, group);
+  const int head_k = cta_heads.head_k;
+  const int head_first = cta_heads.head_first;
+  const int heads = cta_heads.heads;
+  const int seqlen_q = f.seqlen_q;
+  const int seqlen_k = f.seqlen_k;
+  const int diag = seqlen_k - seqlen_q;
+  const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int n_step = det ? args.splits : n_blocks;  // default: one key block per CTA
+  const int m_total = (seqlen_q + kBlockM - 1) / kBlockM;
+  // First query block that sees key block n (key j is visible to i when j <= i + diag).
+  auto m_first = [&](int n_block) {
+    return kCausal ? max(0, n_block * kBlockN - diag) / kBlockM : 0;
+  };
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(bar_kv_full, 1);
+    sm90::mbar_init(bar_kv_empty, Traits::kConsumers * 4);  // one arrival per consumer warp
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(bar_full(s), 1 + 32);  // the TMA issue (expect_tx) + warp 1's LSE/delta lanes
+      sm90::mbar_init(bar_empty(s), Traits::kConsumers * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    sm90::fence_proxy_async_smem();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- producer: warp 0 lane 0 issues TMA, warp 1 fills LSE/delta ----
+    // (two warps, so each role's loop fits the 24 registers left to it)
+    sm90::setmaxnreg_dec<Traits::kProducerRegs>();
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp > 1 || (warp == 0 && lane > 0)) return;
+    if (warp == 0) {
+      sm90::prefetch_tensormap(&tm_q);
+      sm90::prefetch_tensormap(&tm_k);
+      sm90::prefetch_tensormap(&tm_v);
+      sm90::prefetch_tensormap(&tm_do);
+    }
+    int step = 0;  // Q/dO ring position, continued across key blocks
+    uint32_t kv_round = 0;
+    for (int n_block = blockIdx.x; n_block < n_blocks; n_block += n_step) {
+      const int m_begin = m_first(n_block);
+      const int m_blocks = m_total > m_begin ? m_total - m_begin : 0;
+      const int iters = heads * m_blocks;
+      if (iters == 0) continue;
+      if (warp == 0) {
+        sm90::mbar_wait(bar_kv_empty, (kv_round & 1u) ^ 1u);
+        sm90::mbar_arrive_expect_tx(bar_kv_full, 2 * Traits::kKVBytes);
+#pragma unroll
+        for (int p = 0; p < kPanels; ++p) {
+          sm90::tma_load_4d(s_k + p * Traits::kPanelBytesKV, &tm_k, bar_kv_full, p * Traits::kPanel,
+                            n_block * kBlockN, head_k, batch);
+          sm90::tma_load_4d(s_v + p * Traits::kPanelBytesKV, &tm_v, bar_kv_full, p * Traits::kPanel,
+                            n_block * kBlockN, head_k, batch);
+        }
+      }
+      ++kv_round;
+      for (int it = 0; it < iters; ++it, ++step) {
+        const int stage = step % kStages;
+        const int head = head_first + it / m_blocks;
+        const int m0 = (m_begin + it % m_blocks) * kBlockM;
+        sm90::mbar_wait(bar_empty(stage), ((step / kStages) & 1u) ^ 1u);
+        if (warp == 0) {
+          const uint32_t s_q = base + Traits::kOffQ + stage * Traits::kQBytes;
+          const uint32_t s_do = base + Traits::kOffDo + stage * Traits::kQBytes;
+          sm90::mbar_arrive_expect_tx(bar_full(stage), 2 * Traits::kQBytes);
+#pragma unroll
+          for (int p = 0; p < kPanels; ++p) {
+            sm90::tma_load_4d(s_q + p * Traits::kPanelBytesQ, &tm_q, bar_full(stage),
+                              p * Traits::kPanel, m0, head, batch);
+            sm90::tma_load_4d(s_do + p * Traits::kPanelBytesQ, &tm_do, bar_full(stage),
+                              p * Traits::kPanel, m0, head, batch);
+          }
+        } else {
+          const float* g_lse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + m0;
+          const float* g_delta = args.delta + cuda::ws_row(args, batch, head, m0);
+#pragma unroll
+          for (int r = lane; r < kBlockM; r += 32) {
+            const bool valid = m0 + r < seqlen_q;
+            const float lse = valid ? g_lse[r] : softmax::neg_inf();
+            s_lse[stage * kBlockM + r] =
+                lse == softmax::neg_inf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
+            s_delta[stage * kBlockM + r] = valid ? g_delta[r] : 0.f;
+          }
+          sm90::mbar_arrive(bar_full(stage));  // releases this lane's LSE/delta writes
+        }
+      }
+    }
+  } else {
+    // ---- consumers ----
+    sm90::setmaxnreg_inc<Traits::kConsumerRegs>();
+    const int wg = warpgroup - 1;
+    const int tid = threadIdx.x % 128;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int g = lane / 4;
+    const int q4 = lane % 4;
+    const int key_row = wg * 64 + warp * 16 + g;  // this thread's keys in the block: + 0, + 8
+    // A operand rows of S^T / dP^T: this warpgroup's 64 keys of each K/V panel.
+    const uint32_t s_k_wg = s_k + wg * 64 * 128;
+    const uint32_t s_v_wg = s_v + wg * 64 * 128;
+    // B operand of dQ = dS K: this warpgroup's half of K's columns (a panel for
+    // hd128; 32 columns = 64 bytes into the one panel for hd64, where the
+    // hardware's XOR applies to the final address as for the k16 steps).
+    const uint32_t s_k_dq = s_k + (kHeadDim == 128 ? wg * Traits::kPanelBytesKV : wg * 64);
+    const float scale_log2 = f.softmax_scale * softmax::kLog2e;
+    float* const dq_slice = args.dq_accum + (det ? blockIdx.x * args.dq_slice : 0);
+    const bool gqa_atomic = !det && group > 1;
+
+    int step = 0;
+    uint32_t kv_round = 0;
+    for (int n_block = blockIdx.x; n_block < n_blocks; n_block += n_step) {
+      const int n0 = n_block * kBlockN;
+      const int m_begin = m_first(n_block);
+      const int m_blocks = m_total > m_begin ? m_total - m_begin : 0;
+      const int iters = heads * m_blocks;
+
+      float dv[2][kOCols], dk[2][kOCols];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < kOCols; ++c) dv[r][c] = dk[r][c] = 0.f;
+
+      if (iters > 0) sm90::mbar_wait(bar_kv_full, kv_round & 1u);
+      for (int it = 0; it < iters; ++it, ++step) {
+        const int stage = step % kStages;
+        const uint32_t parity = (step / kStages) & 1u;
+        const int head = head_first + it / m_blocks;
+        const int m0 = (m_begin + it % m_blocks) * kBlockM;
+        const uint32_t s_q = base + Traits::kOffQ + stage * Traits::kQBytes;
+        const uint32_t s_do = base + Traits::kOffDo + stage * Traits::kQBytes;
+        const uint32_t s_ds = base + Traits::kOffDs + (step & 1) * Traits::kDsBytes;
+        const float* lse2 = s_lse + stage * kBlockM;
+        const float* delta = s_delta + stage * kBlockM;
+
+        // ---- S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each) ----
+        float s[2][kSCols], dp[2][kSCols];
+        sm90::mbar_wait(bar_full(stage), parity);
+        product_ss<kHeadDim, Elem>(s, s_k_wg, s_q);
+        product_ss<kHeadDim, Elem>(dp, s_v_wg, s_do);
+        sm90::wgmma_wait<1>();
+        sm90::fence_operands(s);
+
+        // ---- P^T: masked only on blocks that straddle seqlen_k or the diagonal
+        // (rows past seqlen_q have lse2 = +inf, so their P^T is 0 unmasked).
+        const bool edge = n0 + kBlockN > seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + diag);
+#pragma unroll
+        for (int c = 0; c < kSCols; ++c) {
+          const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
+          const float l = lse2[col];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
+            if (edge) {
+              const int key = n0 + key_row + 8 * r;
+              const bool visible = key < seqlen_k && (!kCausal || key <= m0 + col + diag);
+              prob = visible ? prob : 0.f;
+            }
+            s[r][c] = prob;
+          }
+        }
+        uint32_t pp[kMSteps][4], ds[kMSteps][4];
+        sm90::pack_a_fragment<Elem>(pp, s);
+
+        // ---- dV += P^T dO (runs while dS^T is computed) ----
+        accumulate_rs<kHeadDim, Elem>(dv, pp, s_do);
+        sm90::wgmma_wait<1>();  // dP^T complete; dV may still run
+        sm90::fence_operands(dp);
+
+#pragma unroll
+        for (int c = 0; c < kSCols; ++c) {
+          const float d = delta[(c / 2) * 8 + 2 * q4 + (c % 2)];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) dp[r][c] = s[r][c] * (dp[r][c] - d);
+        }
+        sm90::pack_a_fragment<Elem>(ds, dp);
+
+        // ---- dK += dS^T Q ----
+        accumulate_rs<kHeadDim, Elem>(dk, ds, s_q);
+
+        // ---- dS^T to shared memory, then both consumers' keys are visible ----
+#pragma unroll
+        for (int kk = 0; kk < kMSteps; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = key_row + 8 * (e & 1);
+            const int col = 16 * kk + 8 * (e >> 1) + 2 * q4;
+            cuda::st_shared_b32(s_ds + swizzle128(row, col), ds[kk][e]);
+          }
+        sm90::fence_proxy_async_smem();
+        sm90::named_barrier_sync(1, 128 * Traits::kConsumers);
+
+        // ---- dQ (64 queries x this consumer's kDqCols) = dS K over all 128 keys ----
+        float dq[2][kQCols];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+          sm90::wgmma_ss<Elem, 1, 1>(dq, sm90::make_smem_desc(s_ds + kk * 16 * 128, Traits::kDsBytes, 1024),
+                                     sm90::make_smem_desc(s_k_dq + kk * 16 * 128, Traits::kPanelBytesKV, 1024),
+                                     kk > 0 ? 1 : 0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(dq);
+        sm90::fence_operands(dv);
+        sm90::fence_operands(dk);
+        sm90::fence_fragment(pp);
+        sm90::fence_fragment(ds);
+        // This warp no longer reads the stage (Q, dO, LSE, delta).
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
+
+        float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = warp * 16 + g + 8 * r;
+          if (m0 + row >= seqlen_q) continue;
+#pragma unroll
+          for (int j = 0; j < kQCols / 2; ++j)
+            cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
+        }
+      }
+      if (iters > 0) {
+        ++kv_round;
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(bar_kv_empty);  // K and V of this block are done
+      }
+
+      // ---- epilogue: dK (scaled) and dV of this thread's two keys ----
+      const int n_valid = min(kBlockN, seqlen_k - n0);
+      // GQA default mode: fp32 reductions into the (B, Sk, chunk KV heads, D) accumulators.
+      const int64_t acc_stride = static_cast<int64_t>(args.heads_k) * kHeadDim;
+      const int64_t acc_offset = (static_cast<int64_t>(batch) * seqlen_k + n0) * acc_stride +
+                                 static_cast<int64_t>(head_k - args.head0 / group) * kHeadDim;
+      Elem* g_dk = static_cast<Elem*>(p.dk) + batch * p.dk_strides.batch_stride +
+                   static_cast<int64_t>(n0) * p.dk_strides.row_stride + head_k * p.dk_strides.head_stride;
+      Elem* g_dv = static_cast<Elem*>(p.dv) + batch * p.dv_strides.batch_stride +
+                   static_cast<int64_t>(n0) * p.dv_strides.row_stride + head_k * p.dv_strides.head_stride;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = key_row + 8 * r;
+        if (row >= n_valid) continue;
+#pragma unroll
+        for (int j = 0; j < kOCols / 2; ++j) {
+          const int col = 8 * j + 2 * q4;
+          const float dk0 = dk[r][2 * j] * f.softmax_scale, dk1 = dk[r][2 * j + 1] * f.softmax_scale;
+          if (gqa_atomic) {
+            const int64_t at = acc_offset + row * acc_stride + col;
+            cuda::accum_add2(args.dk_accum + at, dk0, dk1);
+            cuda::accum_add2(args.dv_accum + at, dv[r][2 * j], dv[r][2 * j + 1]);
+          } else {
+            *reinterpret_cast<uint32_t*>(g_dk + row * p.dk_strides.row_stride + col) =
+                ptx::ElemTraits<Elem>::pack(dk0, dk1);
+            *reinterpret_cast<uint32_t*>(g_dv + row * p.dv_strides.row_stride + col) =
+                ptx::ElemTraits<Elem>::pack(dv[r][2 * j], dv[r][2 * j + 1]);
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace hopper
+}  // namespace portattn

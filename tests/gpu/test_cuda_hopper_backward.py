@@ -1,0 +1,185 @@
+"""GPU tests of the sm_90a backward kernel (csrc/hopper_bwd_*), called directly and through dispatch.
+
+`_C.hopper_bwd` exists when the build's archs include sm_90; it takes `_C.bwd`'s
+arguments and workspace. Everything here skips with the reason otherwise, and on
+any GPU but sm_90.
+
+Error rule (DEVELOPERS.md), per gradient, as tests/gpu/test_cuda_backward.py applies it:
+    max|grad - grad64| <= 3 * max|grad_torch_lowp - grad64| + 1e-5
+Gradients are NaN-poisoned before every launch; inputs are fresh random normals.
+
+`python tests/gpu/test_cuda_hopper_backward.py` (or pytest -s) also prints the
+backward's time against the sm80+ backward and forward+backward against SDPA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from cuda_gpu_setup import BACKEND, rand  # noqa: E402  (skips without a GPU or without the CUDA backend)
+
+from portattn.backends.cuda import _C, CudaSm90Backend  # noqa: E402
+from test_cuda_backward import _backward, _check_grads, _forward, _options  # noqa: E402
+from test_cuda_hopper_forward import _median_ms  # noqa: E402
+
+if not hasattr(_C, "hopper_bwd"):
+    pytest.skip("the CUDA backend was built without the Hopper path (sm_90 not among its archs)",
+                allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip(f"the Hopper kernel is built for sm_90a only; this GPU is sm_"
+                f"{''.join(map(str, torch.cuda.get_device_capability()))}", allow_module_level=True)
+
+HOPPER = CudaSm90Backend()
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128]
+# Non-multiples of the 128-key / 64-query blocks, seqlen_q != seqlen_k both ways.
+SEQLENS = [(1, 1), (77, 77), (128, 128), (300, 300), (1000, 1000), (77, 300), (1000, 300)]
+
+
+def _inputs(dtype, head_dim, seqlens, gqa):
+    seqlen_q, seqlen_k = seqlens
+    batch, heads = 2, 4
+    return (rand(batch, seqlen_q, heads, head_dim, dtype=dtype),
+            rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype),
+            rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype))
+
+
+def _hopper_grads(q, k, v, causal, deterministic):
+    options = _options(q, window=(-1, 0 if causal else -1))
+    out, lse = _forward(HOPPER, q, k, v, options)
+    dout = torch.randn_like(out)
+    grads = _backward(HOPPER, dout, q, k, v, out, lse, options, deterministic)
+    return grads, dout, (out, lse, options)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hopper_backward_grid(dtype, head_dim, seqlens, causal, gqa, deterministic):
+    q, k, v = _inputs(dtype, head_dim, seqlens, gqa)
+    grads, dout, _ = _hopper_grads(q, k, v, causal, deterministic)
+    _check_grads(grads, q, k, v, dout, dict(causal=causal))
+
+
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa):
+    q, k, v = _inputs(torch.bfloat16, head_dim, (1000, 1000), gqa)
+    first, dout, (out, lse, options) = _hopper_grads(q, k, v, True, True)
+    for _ in range(3):
+        again = _backward(HOPPER, dout, q, k, v, out, lse, options, True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"deterministic {name} differs between runs"
+
+
+def test_hopper_backward_in_head_chunks_matches_the_sm80_backward():
+    # 32k tokens, 16 query / 8 KV heads: the fp32 dQ scratch passes 128 MiB, so the launch runs in
+    # two chunks of KV heads (bwd_workspace_layout). Too long for the float64 oracle: compared with
+    # the sm80+ backward on the same inputs, within a few bf16 ulps of the largest gradient (a wrong
+    # chunk offset gives whole heads of garbage or NaN, far outside that).
+    batch, seqlen, heads, heads_k, head_dim = 1, 32768, 16, 8, 128
+    unchunked = 4 * batch * seqlen * head_dim * (heads + 2 * heads_k)  # fp32 dQ + the GQA dK/dV sums
+    workspace = _C.bwd_workspace_bytes(batch, heads, heads_k, head_dim, seqlen, seqlen, False)
+    assert workspace < 0.6 * unchunked, "this shape is meant to run in head chunks"
+    q = rand(batch, seqlen, heads, head_dim, dtype=torch.bfloat16)
+    k, v = (rand(batch, seqlen, heads_k, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    options = _options(q, window=(-1, 0))
+    out, lse = _forward(BACKEND, q, k, v, options)
+    dout = torch.randn_like(out)
+    ours = _backward(HOPPER, dout, q, k, v, out, lse, options)
+    sm80 = _backward(BACKEND, dout, q, k, v, out, lse, options)
+    for name, a, b in zip(("dq", "dk", "dv"), ours, sm80):
+        assert not a.isnan().any(), f"{name} has NaN"
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 4 * 2**-8 * scale, f"{name} differs from sm80+"
+
+
+def test_hopper_backward_strided_views():
+    # q/k/v as views of one packed (B, S, H + 2 Hk, D) tensor, GQA 2; gradients into strided views.
+    batch, seqlen, heads, heads_k, head_dim = 2, 300, 4, 2, 128
+    packed = rand(batch, seqlen, heads + 2 * heads_k, head_dim, dtype=torch.bfloat16)
+    q, k, v = packed.split([heads, heads_k, heads_k], dim=2)
+    grads, dout, _ = _hopper_grads(q, k, v, True, False)
+    _check_grads(grads, q, k, v, dout, dict(causal=True))
+
+
+def test_hopper_backward_refuses_what_it_does_not_serve():
+    q = rand(1, 64, 2, 64, dtype=torch.bfloat16)
+    options = _options(q, window=(37, 11))
+    out, lse = _forward(BACKEND, q, q, q, options)
+    with pytest.raises(RuntimeError, match="sliding windows"):
+        _backward(HOPPER, torch.randn_like(out), q, q, q, out, lse, options)
+
+
+def test_dispatch_serves_training_calls_on_the_hopper_path():
+    import portattn
+
+    q, k, v = (rand(2, 300, 4, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
+    assert portattn.explain(q, k, v, causal=True, deterministic=True).chosen == "cuda-sm90"
+    assert portattn.explain(q, k, v, window_size=(64, 0)).chosen == "cuda"  # declared: sm80+ path only
+    out = portattn.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _check_grads((q.grad, k.grad, v.grad), q.detach(), k.detach(), v.detach(), dout, dict(causal=True))
+
+
+# ---- timing ------------------------------------------------------------------------------
+
+def timing_table():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import portattn
+
+    rows = ["| hd | seqlen | causal | bwd hopper TFLOP/s | hopper deterministic | bwd sm80+ TFLOP/s | "
+            "fwd+bwd ours ms | SDPA flash ms | SDPA cuDNN ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for head_dim, heads in ((64, 32), (128, 16)):
+        for seqlen in (4096, 16384):
+            batch = 16384 // seqlen
+            q, k, v = (rand(batch, seqlen, heads, head_dim, dtype=torch.bfloat16) for _ in range(3))
+            for causal in (False, True):
+                options = _options(q, window=(-1, 0 if causal else -1))
+                out, lse = _forward(BACKEND, q, k, v, options)
+                dout = torch.randn_like(out)
+                grads = [torch.empty_like(x) for x in (q, k, v)]
+                flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                timed = {}
+                for name, backend, det in (("hopper", HOPPER, False), ("det", HOPPER, True),
+                                           ("sm80", BACKEND, False)):
+                    timed[name] = _median_ms(lambda: backend.backward(
+                        dout, q, k, v, out, lse, *grads, deterministic=det, **options))
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                timed["ours"] = _median_ms(lambda: portattn.flash_attn_func(
+                    *leaves, causal=causal).backward(dout))
+                qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+                dt = dout.transpose(1, 2)
+
+                def sdpa_step():
+                    torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dt)
+
+                for name, kind in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        with sdpa_kernel(kind):
+                            timed[name] = f"{_median_ms(sdpa_step):.2f}"
+                    except RuntimeError as error:  # that SDPA backend is unavailable in this torch
+                        timed[name] = f"n/a ({str(error)[:30]})"
+                rows.append(f"| {head_dim} | {seqlen} | {causal} | {flops / timed['hopper'] / 1e9:.0f} | "
+                            f"{flops / timed['det'] / 1e9:.0f} | {flops / timed['sm80'] / 1e9:.0f} | "
+                            f"{timed['ours']:.2f} | {timed['flash']} | {timed['cudnn']} |")
+    return "\n".join(rows)
+
+
+def test_hopper_backward_timing_printout():
+    # A printout, not a gate: correctness is checked above.
+    table = timing_table()
+    print("\n" + table)
+    assert table.count("\n") == 9, "a timing row is missing"
+
+
+if __name__ == "__main__":
+    print(timing_table())
