@@ -114,45 +114,16 @@ struct RowState {
 // P = exp2(S * scale_log2 - subtract) for one row, in place; returns the row's sum.
 // kPolyEvery > 0: every kPolyEvery-th column through exp2_poly (Note
 // [portattn polynomial exp2]), the rest through the hardware unit.
-// kChains > 1 (Note [portattn reduction chains]): the sum in that many
-// interleaved partial sums.
-template <int kCols, int kPolyEvery = 0, int kChains = 1>
+template <int kCols, int kPolyEvery = 0>
 PORTATTN_SOFTMAX_HD float exp2_row(float (&s)[kCols], float scale_log2, float subtract) {
-  static_assert(kCols % kChains == 0, "columns must split evenly over the chains");
-  float partial[kChains];
-#pragma unroll
-  for (int i = 0; i < kChains; ++i) partial[i] = 0.f;
+  float row_sum = 0.f;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     const float x = s[c] * scale_log2 - subtract;
     s[c] = (kPolyEvery > 0 && c % kPolyEvery == kPolyEvery - 1) ? exp2_poly(x) : exp2_fast(x);
-    partial[c % kChains] += s[c];
+    row_sum += s[c];
   }
-  float row_sum = partial[0];
-#pragma unroll
-  for (int i = 1; i < kChains; ++i) row_sum += partial[i];
   return row_sum;
-}
-
-// Note [portattn reduction chains]
-// A row max or sum over a thread's 32 (Hopper) columns written as one loop
-// is a chain of 32 dependent instructions, about 4 clocks each; with only two
-// warps of a warpgroup per scheduler, nothing else hides that latency and the
-// softmax of a block outlasts the other warpgroup's matrix products. Split
-// into kChains interleaved chains the same work overlaps with itself. The
-// maximum is exact either way; the sum is reassociated (fp32, ~1 ulp).
-template <int kChains, int kCols>
-PORTATTN_SOFTMAX_HD float row_max(const float (&s)[kCols], float init) {
-  static_assert(kCols % kChains == 0, "columns must split evenly over the chains");
-  float partial[kChains];
-#pragma unroll
-  for (int i = 0; i < kChains; ++i) partial[i] = init;
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) partial[c % kChains] = max2(partial[c % kChains], s[c]);
-  float result = partial[0];
-#pragma unroll
-  for (int i = 1; i < kChains; ++i) result = max2(result, partial[i]);
-  return result;
 }
 
 // One key block: turns S into unnormalised probabilities P (in place) and
@@ -184,18 +155,21 @@ PORTATTN_SOFTMAX_HD void online_softmax_step(float (&s)[kRows][kCols], float (&o
 // block's softmax runs: the running sums are rescaled here, O is not; the
 // caller multiplies row r of O by `correction[r]` once that product has
 // landed (rescale_rows). kFirst: nothing to correct yet (correction = 1).
-template <bool kFirst, int kRows, int kCols, class RowReduce, int kPolyEvery = 0, int kChains = 1>
+template <bool kFirst, int kRows, int kCols, class RowReduce, int kPolyEvery = 0>
 PORTATTN_SOFTMAX_HD void online_softmax_step_deferred(float (&s)[kRows][kCols],
                                                       RowState<kRows>& state, float scale_log2,
                                                       float (&correction)[kRows]) {
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const float block_max = RowReduce::max(row_max<kChains>(s[r], state.max[r]));
+    float block_max = state.max[r];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) block_max = max2(block_max, s[r][c]);
+    block_max = RowReduce::max(block_max);
     const float subtract = block_max == neg_inf() ? 0.f : block_max * scale_log2;
     correction[r] = kFirst ? 1.f : exp2_fast(state.max[r] * scale_log2 - subtract);
     state.sum[r] = kFirst ? 0.f : state.sum[r] * correction[r];
     state.max[r] = block_max;
-    state.sum[r] += exp2_row<kCols, kPolyEvery, kChains>(s[r], scale_log2, subtract);
+    state.sum[r] += exp2_row<kCols, kPolyEvery>(s[r], scale_log2, subtract);
   }
 }
 

@@ -143,7 +143,7 @@ cudaError_t run(const PortattnFwdParams& params) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
 #ifdef PORTATTN_HOPPER_TUNING
   if (std::is_same<Elem, __nv_bfloat16>::value && tuning_schedule() >= 0)
-    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 13, 17, 65, 67, 69, 71>(params, tuning_schedule());
+    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 13, 17>(params, tuning_schedule());
 #endif
   return run_default<kHeadDim, Elem>(params);
 }

@@ -40,8 +40,6 @@
 //   kSchedExp2Poly4/8  every 4th / 8th exponential of the softmax computed
 //                    by a polynomial on the FMA pipe instead of the MUFU unit
 //                    (Note [portattn polynomial exp2]).
-//   kSchedOneChain   row max and sum as single dependent chains, as before
-//                    Note [portattn reduction chains] (four chains otherwise).
 // K and V have separate "empty" barriers: K's stage is handed back as soon
 // as S = Q K^T has completed, V's after P V, so the next K load starts a
 // softmax earlier.
@@ -85,7 +83,6 @@ enum HopperFwdScheduleBits : int {
   kSchedStages3 = 8,
   kSchedExp2Poly4 = 16,  // every 4th exponential on the FMA pipe (Note [portattn polynomial exp2])
   kSchedExp2Poly8 = 32,  // every 8th
-  kSchedOneChain = 64,   // row max / sum as one dependent chain (Note [portattn reduction chains])
 };
 
 template <int kHeadDim, int kSchedule>
@@ -97,7 +94,6 @@ struct HopperFwdTraits {
   static constexpr int kPolyEvery =
       (kSchedule & kSchedExp2Poly4) ? 4 : ((kSchedule & kSchedExp2Poly8) ? 8 : 0);
   static_assert(kPolyEvery == 0 || kPipelined, "the polynomial exp2 is in the pipelined loop only");
-  static constexpr int kChains = (kSchedule & kSchedOneChain) ? 1 : 4;
   static constexpr int kBlockM = 128;  // two consumer warpgroups x wgmma M (64)
   static constexpr int kBlockN = 128;  // S is 64 x 128 fp32 per warpgroup: 64 registers a thread
   // hd64 tiles are half the size, so twice the stages fit: deeper prefetch for free.
@@ -425,8 +421,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
           sm90::fence_operands(s);
           release(bar_k_empty(stage_of(0)));
           mask(s, 0);
-          softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery,
-                                                    Traits::kChains>(
+          softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
               s, state, args.scale_log2, correction);
           pack_p(p, s);
           // Phase it: S(it) and P(it-1) V(it-1) in flight together.
@@ -445,8 +440,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::fence_operands(s);
             release(bar_k_empty(stage_of(it)));
             mask(s, it);
-            softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery,
-                                                    Traits::kChains>(
+            softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
                 s, state, args.scale_log2, correction);
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
