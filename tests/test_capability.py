@@ -10,6 +10,8 @@ from portattn.capability import matrix, probe
 from portattn.capability.archs import Arch, ArchRange, parse_arch
 from portattn.capability.callspec import FEATURES, CallSpec
 from portattn.capability.declare import BackendSpec
+from portattn.capability.matrix import check_call
+from portattn.capability.probe import fake_device
 from portattn.capability.specs import cuda as cuda_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -439,3 +441,20 @@ def test_probe_through_torch_rocm(monkeypatch):
     assert devices[0].smem_per_block_optin == 64 * KIB  # 0 opt-in falls back to the per-block limit
     assert devices[0].runtime_version == "6.3.1"
     assert devices[1].arch.family == "unknown" and not devices[1].arch.known
+
+
+def test_forward_only_features_serve_inference_and_refuse_training_calls():
+    # cuda-sm90 declares window and softcap forward only: an inference call with them
+    # stays on the Hopper path, a training call goes elsewhere with the reason.
+    h100 = fake_device("h100")
+    for feature in ("window", "softcap"):
+        assert check_call("cuda-sm90", h100, call(features=("forward", feature))) == []
+        reasons = check_call("cuda-sm90", h100, call(features=("forward", "backward", feature)))
+        assert reasons == [f"feature {feature} is forward-only on cuda-sm90; with a backward it runs "
+                           f"on the sm80+ path (cuda)"]
+
+
+def test_forward_only_features_must_be_declared_supported():
+    with pytest.raises(ValueError, match="forward-only features must be declared supported"):
+        BackendSpec(name="x", title="x", vendor=None, supported=frozenset({"forward"}),
+                    forward_only={"window": "runs elsewhere"})

@@ -63,6 +63,8 @@ class BackendSpec:
     verified: Mapping[str, frozenset] = field(default_factory=dict)  # arch name -> features passed on it
     resource_rules: Tuple[ResourceRule, ...] = ()
     unsupported_notes: Mapping[str, str] = field(default_factory=dict)  # feature -> what happens instead
+    # Supported in calls without a backward only: feature -> where training calls with it go.
+    forward_only: Mapping[str, str] = field(default_factory=dict)
     build_arch_env: str = ""  # the restriction variable naming the built archs
     fallback_when_unbuilt: str = ""  # e.g. "pip install with nvcc available"
 
@@ -70,6 +72,9 @@ class BackendSpec:
         unknown = (set(self.supported) | {f for fs in self.verified.values() for f in fs}) - ALL_FEATURES
         if unknown:
             raise ValueError(f"{self.name}: unknown feature names {sorted(unknown)}; add them to callspec.FEATURES")
+        not_supported = set(self.forward_only) - set(self.supported)
+        if not_supported:
+            raise ValueError(f"{self.name}: forward-only features must be declared supported: {sorted(not_supported)}")
         unsupported_verified = {f for fs in self.verified.values() for f in fs} - set(self.supported)
         if unsupported_verified:
             raise ValueError(f"{self.name}: features verified but not declared supported: {sorted(unsupported_verified)}")

@@ -144,6 +144,8 @@ def _check_features(spec: BackendSpec, call: CallSpec) -> List[str]:
         if call.uses(f) and f not in spec.supported:
             note = spec.unsupported_notes.get(f)
             reasons.append(f"feature {f} not supported by {spec.name}" + (f" ({note})" if note else ""))
+        elif call.uses(f) and call.uses("backward") and f in spec.forward_only:
+            reasons.append(f"feature {f} is forward-only on {spec.name}; with a backward it {spec.forward_only[f]}")
     return reasons
 
 

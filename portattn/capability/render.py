@@ -79,6 +79,9 @@ def _footnotes() -> List[str]:
     for spec in backend_specs():
         for feature, note in spec.unsupported_notes.items():
             notes.append(f"- {spec.name}: {FEATURE_TITLES.get(feature, feature)} {note}.")
+        for feature, note in spec.forward_only.items():
+            notes.append(f"- {spec.name}: {FEATURE_TITLES.get(feature, feature)} is forward only; "
+                         f"a training call with it {note}.")
         for rule in spec.resource_rules:
             own = [d for d in devices if d.vendor == spec.vendor and any(r.contains(d.arch) for r in spec.archs)]
             short = [d for d in own if d.smem_per_block_optin < rule.min_smem_optin]

@@ -44,31 +44,34 @@ HEAD_DIMS = [64, 128]
 SEQLENS = [(1, 1), (17, 113), (113, 17), (128, 128), (1000, 1000), (1, 4097), (4097, 1000), (2048, 2048)]
 
 
-def _options(scale, causal):
-    return dict(softmax_scale=scale, window_left=-1, window_right=0 if causal else -1, softcap=0.0,
+def _options(scale, causal, window=(-1, -1), softcap=0.0):
+    left, right = (-1, 0) if causal else window
+    return dict(softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
                 alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
 
 
-def hopper_forward(q, k, v, *, causal, out=None, lse=None, scale=None):
+def hopper_forward(q, k, v, *, causal, out=None, lse=None, scale=None, window=(-1, -1), softcap=0.0):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.full_like(q, float("nan")) if out is None else out
     if lse is None:
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    o = _options(scale, causal)
+    o = _options(scale, causal, window, softcap)
     _C.hopper_fwd(*fwd_args(q, k, v, out, lse, None, None, 0, 0, o["softmax_scale"], o["window_left"],
                             o["window_right"], o["softcap"], o["alibi_slopes"], o["dropout_p"],
                             o["rng_seed"], o["rng_offset"]))
     return out, lse
 
 
-def _check(out, lse, q, k, v, causal):
+def _check(out, lse, q, k, v, causal, window=(-1, -1), softcap=0.0):
     scale = 1.0 / math.sqrt(q.shape[-1])
     ref = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     ref_lse = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     ReferenceBackend().forward(q.float(), k.float(), v.float(), ref, ref_lse, cu_seqlens_q=None,
-                               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, **_options(scale, causal))
-    low, _ = naive_attention(q, k, v, compute_dtype=q.dtype, causal=causal)
-    _, low_lse = naive_attention(q.float(), k.float(), v.float(), compute_dtype=torch.float32, causal=causal)
+                               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                               **_options(scale, causal, window, softcap))
+    mask = dict(causal=causal, window=window, softcap=softcap)
+    low, _ = naive_attention(q, k, v, compute_dtype=q.dtype, **mask)
+    _, low_lse = naive_attention(q.float(), k.float(), v.float(), compute_dtype=torch.float32, **mask)
     assert not out.isnan().any(), "output has NaN (unwritten or bad math)"
     assert not lse.isnan().any(), "lse has NaN (unwritten or bad math)"
     err = (out.float() - ref).abs().max().item()
@@ -111,6 +114,34 @@ def test_hopper_forward_gqa_and_strided_views(head_dim):
         _check(out, lse, q, k, v, causal)
 
 
+# (window_left, window_right): sliding windows both sides, left only, right only,
+# and causal with a left bound; with and without softcap (Gemma-2's 30 / 50).
+WINDOWS = [(64, 0), (100, 37), (-1, 50), (300, -1), (0, 0)]
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (300, 777), (777, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_windows_and_softcap(head_dim, seqlens, window, softcap):
+    seqlen_q, seqlen_k = seqlens
+    q = rand(2, seqlen_q, 3, head_dim, dtype=torch.bfloat16)
+    k = rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16)
+    v = rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16)
+    out, lse = hopper_forward(q, k, v, causal=False, window=window, softcap=softcap)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, False, window, softcap)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [0.0, 50.0])
+def test_hopper_forward_softcap_fp16(causal, softcap):
+    q, k, v = (rand(2, 513, 4, 128, dtype=torch.float16) for _ in range(3))
+    out, lse = hopper_forward(q, k, v, causal=causal, softcap=softcap)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, causal, softcap=softcap)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_forward_many_tiles_per_cta(head_dim, causal):
@@ -129,8 +160,8 @@ def test_hopper_forward_refuses_what_it_does_not_serve():
     q = rand(1, 64, 2, 64, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     lse = torch.empty(1, 2, 64, device="cuda")
-    args = list(fwd_args(q, q, q, out, lse, None, None, 0, 0, 0.125, 37, 11, 0.0, None, 0.0, 0, 0))
-    with pytest.raises(RuntimeError, match="sliding windows"):
+    args = list(fwd_args(q, q, q, out, lse, None, None, 0, 0, 0.125, -1, -1, 0.0, None, 0.1, 0, 0))
+    with pytest.raises(RuntimeError, match="dropout is served by the sm80"):
         _C.hopper_fwd(*args)
     q96 = rand(1, 64, 2, 96, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="head_dim 96"):
@@ -184,11 +215,14 @@ def test_dispatch_routes_eligible_calls_to_the_hopper_path_and_the_rest_to_sm80(
 
     q, k, v = (rand(2, 300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
-    assert portattn.explain(q, k, v, softcap=5.0).chosen == "cuda"  # declared: sm80+ path only
+    assert portattn.explain(q, k, v, softcap=5.0, window_size=(64, 0)).chosen == "cuda-sm90"
+    assert portattn.explain(q, k, v, dropout_p=0.1).chosen == "cuda"  # declared: sm80+ path only
     assert portattn.explain(q[..., :96], k[..., :96], v[..., :96]).chosen == "cuda"  # head dim 96
     q.requires_grad_()
     # Training calls too: the backward is the Hopper one (tests/gpu/test_cuda_hopper_backward.py).
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
+    # Windows and softcap are forward only on the Hopper path (capability/specs/cuda_sm90.py).
+    assert portattn.explain(q, k, v, softcap=5.0).chosen == "cuda"
     out = portattn.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)

@@ -1,21 +1,21 @@
 """The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(windows, softcap, ALiBi, dropout, varlen, other head dims) goes to
-the sm80+ path ("cuda"), never silently served differently. The kernel is built
+(ALiBi, dropout, varlen, other head dims; windows and softcap in training
+calls) goes to the sm80+ path ("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
 from ..archs import ArchRange
 from ..declare import BackendSpec
 
-SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa"})
+SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa", "window", "softcap"})
 
 # sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_hopper_forward.py, 67 passed
 # calling the kernel directly (bench/results/hopper_fwd_first_run.md); the same file's
 # dispatch test routes through the public API (bench/results/gpu_suite.md). The backward
 # (and its deterministic mode): tests/gpu/test_cuda_hopper_backward.py
 # (bench/results/hopper_bwd_runs.md).
-VERIFIED = {"sm90": SUPPORTED}
+VERIFIED = {"sm90": frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa"})}
 
 SPEC = BackendSpec(
     name="cuda-sm90",
@@ -31,12 +31,16 @@ SPEC = BackendSpec(
     supported=SUPPORTED,
     verified=VERIFIED,
     unsupported_notes={
-        "window": "runs on the sm80+ path (cuda)",
-        "softcap": "runs on the sm80+ path (cuda)",
         "alibi": "runs on the sm80+ path (cuda)",
         "dropout": "runs on the sm80+ path (cuda)",
         "varlen": "runs on the sm80+ path (cuda)",
         "paged_kv": "is gathered into a packed varlen call first",
+    },
+    # The Hopper forward serves them; its backward does not yet, so training
+    # calls with them run both passes on the sm80+ path.
+    forward_only={
+        "window": "runs on the sm80+ path (cuda)",
+        "softcap": "runs on the sm80+ path (cuda)",
     },
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="build with sm_90 among PORTATTN_CUDA_ARCHS (the default) to include it",

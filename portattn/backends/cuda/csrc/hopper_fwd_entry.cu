@@ -23,12 +23,16 @@ namespace {
 using HopperFn = cudaError_t (*)(const PortattnFwdParams&);
 
 // Its own opt-in flags: the sm80+ kernels' SmemOptIn<hd, Elem, bool> would alias.
-template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
+template <class Kernel>
 struct HopperSmemOptIn {
   static portattn::cuda::SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
-portattn::cuda::SmemOptInState HopperSmemOptIn<kHeadDim, Elem, kCausal, kSchedule>::state = {0ull};
+template <class Kernel>
+portattn::cuda::SmemOptInState HopperSmemOptIn<Kernel>::state = {0ull};
+
+// One kernel's compile-time choices (the type that keys its opt-in flag).
+template <int kHeadDim_, typename Elem_, int kMask_, bool kSoftcap_, int kSchedule_>
+struct HopperFwdVariantKey {};
 
 // The schedules calls run (Note [portattn hopper forward schedule]), chosen
 // from the tuning runs on an H100 (bench/results/hopper_fwd_tuning_run*.md,
@@ -39,20 +43,21 @@ portattn::cuda::SmemOptInState HopperSmemOptIn<kHeadDim, Elem, kCausal, kSchedul
 // unequal tiles better than any fixed order measured: persistent lost 8-15%
 // at 4k-16k), except short ones (<= 8 key blocks), where the persistent
 // grid's overlap of one tile's end with the next's start wins (+11% hd64 1k).
-// Three stages and the polynomial exp2 measured within noise or slower and
-// are built only in tuning builds.
+// Sliding windows run like causal calls (their tiles differ in cost near
+// the sequence start). Three stages and the polynomial exp2 measured within
+// noise or slower and are built only in tuning builds.
 constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent;
 constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
 constexpr int kShortCausalMaxSeqlenK = 1024;
 
-template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, int kSchedule>
 cudaError_t launch(const PortattnFwdParams& params) {
   using Traits = HopperFwdTraits<kHeadDim, kSchedule>;
-  auto kernel = &hopper_fwd_kernel<kHeadDim, Elem, kCausal, kSchedule>;
+  auto kernel = &hopper_fwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kSchedule>;
   cudaError_t err = portattn::cuda::ensure_dynamic_smem(
       reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
-      &HopperSmemOptIn<kHeadDim, Elem, kCausal, kSchedule>::state);
+      &HopperSmemOptIn<HopperFwdVariantKey<kHeadDim, Elem, kMask, kSoftcap, kSchedule>>::state);
   if (err != cudaSuccess) return err;
   CUtensorMap tm_q, tm_k, tm_v;
   err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, params.batch,
@@ -88,7 +93,13 @@ cudaError_t launch(const PortattnFwdParams& params) {
     const int64_t group = (int64_t(24) << 20) / (kv_bytes > 0 ? kv_bytes : 1);
     args.group_heads = static_cast<int>(group < 1 ? 1 : (group > heads_batches ? heads_batches : group));
   }
-  args.scale_log2 = params.softmax_scale * softmax::kLog2e;
+  args.window_left = params.window_left;
+  args.window_right = params.window_right;
+  // With softcap the kernel caps the scaled scores itself, so the softmax
+  // works on them in natural units (scale 1).
+  args.scale_log2 = (kSoftcap ? 1.f : params.softmax_scale) * softmax::kLog2e;
+  args.softcap = params.softcap;
+  args.softcap_scale = kSoftcap ? params.softmax_scale / params.softcap : 0.f;
   int grid = args.num_tiles;
   if (Traits::kPersistent) {
     // One CTA per SM (the shared memory admits no second): each walks a
@@ -104,18 +115,31 @@ cudaError_t launch(const PortattnFwdParams& params) {
   return cudaGetLastError();
 }
 
-template <int kHeadDim, typename Elem, int kSchedule>
-cudaError_t run_schedule(const PortattnFwdParams& params) {
-  return params.window_right == 0 ? launch<kHeadDim, Elem, true, kSchedule>(params)
-                                  : launch<kHeadDim, Elem, false, kSchedule>(params);
+int mask_of(const PortattnFwdParams& params) {
+  if (params.window_left < 0 && params.window_right < 0) return kMaskNone;
+  if (params.window_left < 0 && params.window_right == 0) return kMaskCausal;
+  return kMaskLocal;
 }
 
-template <int kHeadDim, typename Elem>
+// The tuning sweep covers the two masks the issue's grid times (none, causal), no softcap.
+template <int kHeadDim, typename Elem, int kSchedule>
+cudaError_t run_schedule(const PortattnFwdParams& params) {
+  return mask_of(params) == kMaskCausal ? launch<kHeadDim, Elem, kMaskCausal, false, kSchedule>(params)
+                                        : launch<kHeadDim, Elem, kMaskNone, false, kSchedule>(params);
+}
+
+template <int kHeadDim, typename Elem, bool kSoftcap>
 cudaError_t run_default(const PortattnFwdParams& params) {
-  if (params.window_right != 0) return launch<kHeadDim, Elem, false, kNonCausalSchedule>(params);
-  if (params.seqlen_k <= kShortCausalMaxSeqlenK)
-    return launch<kHeadDim, Elem, true, kShortCausalSchedule>(params);
-  return launch<kHeadDim, Elem, true, kCausalSchedule>(params);
+  switch (mask_of(params)) {
+    case kMaskNone:
+      return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNonCausalSchedule>(params);
+    case kMaskCausal:
+      return params.seqlen_k <= kShortCausalMaxSeqlenK
+                 ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausalSchedule>(params)
+                 : launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kCausalSchedule>(params);
+    default:
+      return launch<kHeadDim, Elem, kMaskLocal, kSoftcap, kCausalSchedule>(params);
+  }
 }
 
 #ifdef PORTATTN_HOPPER_TUNING
@@ -145,7 +169,8 @@ cudaError_t run(const PortattnFwdParams& params) {
   if (std::is_same<Elem, __nv_bfloat16>::value && tuning_schedule() >= 0)
     return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 13, 17>(params, tuning_schedule());
 #endif
-  return run_default<kHeadDim, Elem>(params);
+  return params.softcap > 0.f ? run_default<kHeadDim, Elem, true>(params)
+                              : run_default<kHeadDim, Elem, false>(params);
 }
 
 struct HopperVariant {
@@ -154,7 +179,8 @@ struct HopperVariant {
   HopperFn run;
 };
 
-// The instantiated (head dim, dtype) pairs; causal is a run-time choice inside run().
+// The instantiated (head dim, dtype) pairs; the mask, softcap and schedule are
+// run-time choices inside run().
 constexpr HopperVariant kVariants[] = {
     {64, PORTATTN_FP16, &run<64, __half>},
     {64, PORTATTN_BF16, &run<64, __nv_bfloat16>},
@@ -185,7 +211,8 @@ extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* m
     return fail(message, message_len, -1, text);
   }
   char refusal[200];
-  if (refuses(*params, refusal, sizeof(refusal))) return fail(message, message_len, -1, refusal);
+  if (refuses(*params, refusal, sizeof(refusal), kServesWindowsAndSoftcap))
+    return fail(message, message_len, -1, refusal);
   portattn::cuda::set_error_detail("");
   const cudaError_t err = variant->run(*params);
   if (err != cudaSuccess) {

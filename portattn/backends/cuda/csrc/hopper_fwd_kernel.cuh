@@ -76,6 +76,10 @@
 namespace portattn {
 namespace hopper {
 
+// Which keys a query sees (Note [portattn semantics] in params.h). kMaskCausal
+// is window (-1, 0); kMaskLocal any other window with a bound.
+enum HopperFwdMask : int { kMaskNone = 0, kMaskCausal = 1, kMaskLocal = 2 };
+
 enum HopperFwdScheduleBits : int {
   kSchedPipelined = 1,
   kSchedPingPong = 2,
@@ -135,13 +139,18 @@ struct HopperFwdArgs {
   int heads_per_kv;  // nheads / nheads_k
   int num_m_blocks;  // query blocks per (head, batch)
   int num_tiles;     // num_m_blocks * nheads * batch
-  int group_heads;   // causal persistent order: (head, batch) pairs per L2 group
-  float scale_log2;  // softmax_scale * log2(e)
+  int group_heads;   // masked persistent order: (head, batch) pairs per L2 group
+  int window_left;   // kMaskLocal: -1 = unbounded
+  int window_right;
+  float scale_log2;  // softmax_scale * log2(e); log2(e) with softcap (scores capped first)
+  float softcap;     // kSoftcap: s = softcap * tanh(s * softcap_scale)
+  float softcap_scale;  // softmax_scale / softcap
 };
 
 struct HopperTile {
   int m_block, head, batch;
-  int n_blocks;  // key blocks this query block sees (0: only empty rows)
+  int n_end;     // one past the last key block any row of the tile sees
+  int n_blocks;  // key blocks n_end - n_blocks .. n_end - 1 (0: only empty rows)
 };
 
 // Tile t of the launch. Non-causal tiles cost the same, so the query block
@@ -157,11 +166,12 @@ struct HopperTile {
 // one-CTA-per-tile launch at 1k tokens. A plain stride over the per-head
 // order left one CTA 1.6x the mean at 16k tokens: 128 query blocks against
 // 132 CTAs.)
-template <bool kCausal, bool kPersistent, int kBlockM, int kBlockN>
+template <int kMask, bool kPersistent, int kBlockM, int kBlockN>
 __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& args) {
+  constexpr bool kLongestFirst = kMask != kMaskNone;
   HopperTile tile;
   int hb;
-  if (kCausal && kPersistent) {
+  if (kLongestFirst && kPersistent) {
     const int heads_batches = args.num_tiles / args.num_m_blocks;
     const int per_group = args.group_heads * args.num_m_blocks;
     const int group = t / per_group;
@@ -172,18 +182,26 @@ __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& ar
   } else {
     const int m = t % args.num_m_blocks;
     hb = t / args.num_m_blocks;
-    tile.m_block = kCausal ? args.num_m_blocks - 1 - m : m;
+    tile.m_block = kLongestFirst ? args.num_m_blocks - 1 - m : m;
   }
   tile.head = hb % args.nheads;
   tile.batch = hb / args.nheads;
-  int n_blocks = (args.seqlen_k + kBlockN - 1) / kBlockN;
-  if (kCausal) {
-    // Key j is visible to query i when j <= i + seqlen_k - seqlen_q.
+  // Key j is visible to query i when i + diag - window_left <= j <= i + diag + window_right.
+  const int diag = args.seqlen_k - args.seqlen_q;
+  const int right = kMask == kMaskCausal ? 0 : args.window_right;
+  int n_end = (args.seqlen_k + kBlockN - 1) / kBlockN;
+  if (kMask != kMaskNone && right >= 0) {
     const int last_row = min((tile.m_block + 1) * kBlockM, args.seqlen_q) - 1;
-    const int last_key = last_row + args.seqlen_k - args.seqlen_q;
-    n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / kBlockN + 1);
+    const int last_key = last_row + diag + right;
+    n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
   }
-  tile.n_blocks = n_blocks;
+  int n_begin = 0;
+  if (kMask == kMaskLocal && args.window_left >= 0) {
+    const int first_key = tile.m_block * kBlockM + diag - args.window_left;
+    n_begin = first_key <= 0 ? 0 : first_key / kBlockN;
+  }
+  tile.n_end = n_end;
+  tile.n_blocks = n_end > n_begin ? n_end - n_begin : 0;
   return tile;
 }
 
@@ -215,7 +233,7 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 
 // ---- the kernel ---------------------------------------------------------------------
 
-template <int kHeadDim, typename Elem, bool kCausal, int kSchedule>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, int kSchedule>
 __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads, 1)
     hopper_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
@@ -275,7 +293,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       for (int round = 0; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
         const int t = tile_of_cta(round, args.num_tiles);
         if (t == args.num_tiles) continue;
-        const HopperTile tile = decode_tile<kCausal, Traits::kPersistent, kBlockM, kBlockN>(t, args);
+        const HopperTile tile = decode_tile<kMask, Traits::kPersistent, kBlockM, kBlockN>(t, args);
         if (tile.n_blocks == 0) continue;
         const int head_k = tile.head / args.heads_per_kv;
         const int qb = q_fills % kQBuffers;
@@ -289,7 +307,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
         for (int it = 0; it < tile.n_blocks; ++it, ++kv_fills) {
           const int stage = kv_fills % kStages;
           const uint32_t free_parity = ((kv_fills / kStages) & 1) ^ 1;
-          const int n_block = tile.n_blocks - 1 - it;
+          const int n_block = tile.n_end - 1 - it;
           sm90::mbar_wait(bar_k_empty(stage), free_parity);
           sm90::mbar_arrive_expect_tx(bar_k_full(stage), Traits::kKVBytes);
 #pragma unroll
@@ -367,28 +385,42 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     for (int round = 0; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
       const int t = tile_of_cta(round, args.num_tiles);
       if (t == args.num_tiles) continue;
-      const HopperTile tile = decode_tile<kCausal, Traits::kPersistent, kBlockM, kBlockN>(t, args);
+      const HopperTile tile = decode_tile<kMask, Traits::kPersistent, kBlockM, kBlockN>(t, args);
       const int n_blocks = tile.n_blocks;
       // Row of fragment row r (0/1) is row0 + 8r.
       const int row0 = tile.m_block * kBlockM + wg * 64 + warp * 16 + g;
       auto stage_of = [&](int it) { return (kv_uses + it) % kStages; };
       auto parity_of = [&](int it) { return static_cast<uint32_t>(((kv_uses + it) / kStages) & 1); };
-      // Mask keys past seqlen_k (TMA zero-filled them) and, for causal, keys
-      // after each row's diagonal; only the blocks that straddle either edge.
+      // Softcap, then the mask: keys past seqlen_k (TMA zero-filled them)
+      // and outside each row's window. Only blocks that straddle an edge pay
+      // for the mask: the right edge is tightest for the tile's first row,
+      // the left edge for its last.
+      const int diag = args.seqlen_k - args.seqlen_q;
+      const int m0 = tile.m_block * kBlockM;
+      const int right = kMask == kMaskCausal ? 0 : args.window_right;
+      const bool right_bound = kMask != kMaskNone && right >= 0;
+      const bool left_bound = kMask == kMaskLocal && args.window_left >= 0;
       auto mask = [&](float (&s)[2][kSCols], int it) {
-        const int col_base = (n_blocks - 1 - it) * kBlockN;
+        if constexpr (kSoftcap) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int c = 0; c < kSCols; ++c) s[r][c] = args.softcap * tanhf(s[r][c] * args.softcap_scale);
+        }
+        const int col_base = (tile.n_end - 1 - it) * kBlockN;
         const bool edge = col_base + kBlockN > args.seqlen_k ||
-                          (kCausal && col_base + kBlockN - 1 >
-                                          tile.m_block * kBlockM + args.seqlen_k - args.seqlen_q);
+                          (right_bound && col_base + kBlockN - 1 > m0 + diag + right) ||
+                          (left_bound && col_base < m0 + kBlockM - 1 + diag - args.window_left);
         if (edge) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int limit = kCausal ? min(args.seqlen_k, row0 + 8 * r + args.seqlen_k - args.seqlen_q + 1)
-                                      : args.seqlen_k;
+            const int row = row0 + 8 * r;
+            const int hi = right_bound ? min(args.seqlen_k - 1, row + diag + right) : args.seqlen_k - 1;
+            const int lo = left_bound ? row + diag - args.window_left : 0;
 #pragma unroll
             for (int c = 0; c < kSCols; ++c) {
               const int col = col_base + (c / 2) * 8 + 2 * q4 + (c % 2);
-              if (col >= limit) s[r][c] = softmax::neg_inf();
+              if (col > hi || col < lo) s[r][c] = softmax::neg_inf();
             }
           }
         }
