@@ -120,7 +120,8 @@ PORTATTN_SOFTMAX_HD float exp2_row(float (&s)[kCols], float scale_log2, float su
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     const float x = s[c] * scale_log2 - subtract;
-    s[c] = (kPolyEvery > 0 && c % kPolyEvery == kPolyEvery - 1) ? exp2_poly(x) : exp2_fast(x);
+    constexpr int kEvery = kPolyEvery > 0 ? kPolyEvery : 1;  // (a zero modulus warns even when unused)
+    s[c] = (kPolyEvery > 0 && c % kEvery == kEvery - 1) ? exp2_poly(x) : exp2_fast(x);
     row_sum += s[c];
   }
   return row_sum;
