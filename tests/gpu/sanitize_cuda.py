@@ -8,8 +8,9 @@ The cases cover the code paths that index memory differently: sequence tails
 backward splitting it in two halves), GQA and MQA (the backward's fp32 dK/dV
 atomics and its per-KV-head loop), varlen with empty and single-row sequences,
 the extras kernel (softcap + ALiBi + dropout), and the backward's deterministic
-dQ slices, and the sm_90a forward and backward (GQA, both modes) on an sm_90 device. Outputs and gradients are NaN-poisoned; exits non-zero if any stays
-unwritten, while the sanitizer reports access errors and races.
+dQ slices, and the sm_90a forward (each of its schedules, windows and softcap) and
+backward (GQA, both modes) on an sm_90 device. Outputs and gradients are NaN-poisoned;
+exits non-zero if any stays unwritten, while the sanitizer reports access errors and races.
 """
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ def main() -> int:
             q = torch.randn(2, seqlen_q, 4, head_dim, **bf16)
             k, v = (torch.randn(2, seqlen_k, 2, head_dim, **bf16) for _ in range(2))
             failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
+        # Each forward schedule (hopper_fwd_entry.cu): persistent non-causal with several tiles
+        # per CTA (7 query blocks x 20 heads x 3 > 132 SMs), causal past 1024 keys (one CTA per
+        # tile, ping-pong), and the forward-only window + softcap kernels.
+        q = torch.randn(3, 777, 20, 128, **bf16)
+        k, v = (torch.randn(3, 513, 20, 128, **bf16) for _ in range(2))
+        failures += unwritten(q, k, v, backend=BACKEND_SM90)
+        q, k, v = (torch.randn(1, 1100, 2, 64, **bf16) for _ in range(3))
+        failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
+        out, lse, _ = _forward(BACKEND_SM90, q, k, v, window_left=100, window_right=37, softcap=30.0)
+        failures += int(out.isnan().any().item() or lse.isnan().any().item())
     print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs")
     return 1 if failures else 0
 
