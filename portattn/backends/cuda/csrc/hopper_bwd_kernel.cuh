@@ -49,6 +49,10 @@
 //   hd128: K 32 + V 32 + 2 stages x (Q 16 + dO 16) + dS^T 2 x 16 = 160 KiB (+...)
 // Consumer registers per thread (hd128): dV 64 + dK 64 fp32, S^T/P^T 32 + dP^T/dS^T
 // 32 fp32, P^T and dS^T packed 16 + 16; the dQ accumulator (32) lives after S/dP die.
+// ptxas (nvcc 13.0): 0 spills for every variant at 24 / 240 registers; the producer
+// spilled at 24 while one warp did both of its jobs, hence the split over two warps.
+// Measured on an H100 (bench/results/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
+// (hd128) the sm80+ backward; what to try next is in bench/results/hopper_notes.md.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
