@@ -96,6 +96,6 @@ def test_too_small_workspace_is_a_clear_error(module):
     b, s, h, d = 1, 128, 2, 64
     strides = (s * h * d, h * d, d, 1)
     fwd_args = (256, 256, 256, 256, 256, strides, strides, strides, strides, h * s, s,
-                1, b, h, h, d, s, s, 0, 0, 0, 0.125, 0.0, -1, -1, 0, 0, 0.0, 0, 0, 0)
+                1, b, h, h, d, s, s, 0, 0, 0, 0.125, 0.0, -1, -1, 0, 0, 0.0, 0, 0, 0, 0, 0)  # ..., stream, total_q, total_k
     with pytest.raises(RuntimeError, match="workspace smaller"):
         module.bwd(256, strides, 256, strides, 256, strides, 256, strides, 0, 0, False, *fwd_args)

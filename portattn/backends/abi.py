@@ -20,7 +20,7 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         _, seqlen_k, nheads_k, _ = k.shape
-        cu_q = cu_k = 0
+        cu_q = cu_k = total_q = total_k = 0
         lse_strides = (0, 0) if lse is None else lse.stride()[:2]
     else:
         _, nheads, headdim = q.shape
@@ -28,6 +28,7 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         batch = cu_seqlens_q.shape[0] - 1
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
         cu_q, cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+        total_q, total_k = q.shape[0], k.shape[0]
         lse_strides = (0, 0) if lse is None else (0, lse.stride(0))
     if alibi_slopes is None:
         alibi = alibi_batch_stride = 0
@@ -40,7 +41,7 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         DTYPE_CODES[q.dtype], batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
         cu_q, cu_k, 0, softmax_scale, softcap, window_left, window_right,
         alibi, alibi_batch_stride, dropout_p, rng_seed, rng_offset,
-        raw_stream(q.device.index),
+        raw_stream(q.device.index), total_q, total_k,
     )
 
 

@@ -133,6 +133,48 @@ def test_hopper_forward_windows_and_softcap(head_dim, seqlens, window, softcap):
     _check(out, lse, q, k, v, False, window, softcap)
 
 
+# Packed sequences (cu_seqlens): empty ones, single rows, lengths across block edges,
+# seqlen_q != seqlen_k per sequence, more sequences than one CTA wave of tiles.
+VARLEN_LENGTHS = [
+    ([0, 1, 17, 130, 257, 1000], [5, 0, 300, 129, 257, 900]),
+    ([128] * 40 + [77], [128] * 40 + [300]),
+]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(100, 37)), dict(softcap=30.0)],
+                         ids=["full", "causal", "window", "softcap"])
+@pytest.mark.parametrize("lengths", VARLEN_LENGTHS, ids=["mixed", "many"])
+@pytest.mark.parametrize("heads_k", [4, 1])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_varlen(head_dim, heads_k, lengths, options):
+    lens_q, lens_k = lengths
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = rand(sum(lens_q), 4, head_dim, dtype=torch.bfloat16)
+    k = rand(sum(lens_k), heads_k, head_dim, dtype=torch.bfloat16)
+    v = rand(sum(lens_k), heads_k, head_dim, dtype=torch.bfloat16)
+    causal = options.get("causal", False)
+    window, softcap = options.get("window", (-1, -1)), options.get("softcap", 0.0)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((4, q.shape[0]), float("nan"), device="cuda")
+    o = _options(scale, causal, window, softcap)
+    _C.hopper_fwd(*fwd_args(q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), o["softmax_scale"],
+                            o["window_left"], o["window_right"], o["softcap"], None, 0.0, 0, 0))
+    torch.cuda.synchronize()
+    mask = dict(causal=causal, window=window, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **mask)
+    low, _ = naive_attention(q, k, v, compute_dtype=torch.bfloat16, **mask)
+    assert not out.isnan().any(), "output has NaN (unwritten or bad math)"
+    assert not lse.isnan().any(), "lse has NaN (unwritten or bad math)"
+    err = (out.double() - ref).abs().max().item()
+    base = (low.double() - ref).abs().max().item()
+    assert err <= 2 * base + 1e-5, f"out error {err:.3e} > 2 x torch bf16 error {base:.3e}"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), "lse = -inf on a different set of rows"
+    assert (lse.double() - ref_lse)[~empty].abs().max().item() <= 1e-3
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("softcap", [0.0, 50.0])
 def test_hopper_forward_softcap_fp16(causal, softcap):
@@ -216,6 +258,10 @@ def test_dispatch_routes_eligible_calls_to_the_hopper_path_and_the_rest_to_sm80(
     q, k, v = (rand(2, 300, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, softcap=5.0, window_size=(64, 0)).chosen == "cuda-sm90"
+    packed = q.reshape(-1, 4, 128)
+    cu = torch.tensor([0, 300, 600], device="cuda", dtype=torch.int32)
+    assert portattn.explain(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
+                            max_seqlen_k=300).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, dropout_p=0.1).chosen == "cuda"  # declared: sm80+ path only
     assert portattn.explain(q[..., :96], k[..., :96], v[..., :96]).chosen == "cuda"  # head dim 96
     q.requires_grad_()

@@ -75,6 +75,11 @@ typedef struct PortattnFwdParams {
   uint64_t philox_offset;
 
   void* stream;  // cudaStream_t / hipStream_t
+
+  // Varlen: rows of the packed q and k/v tensors (total over the batch). The
+  // Hopper kernels' tensor maps need the extent; the others ignore it.
+  int64_t total_q;
+  int64_t total_k;
 } PortattnFwdParams;
 
 typedef struct PortattnBwdParams {

@@ -1,14 +1,15 @@
 """The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(ALiBi, dropout, varlen, other head dims; windows and softcap in training
+(ALiBi, dropout, other head dims; windows, softcap and varlen in training
 calls) goes to the sm80+ path ("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
 from ..archs import ArchRange
 from ..declare import BackendSpec
 
-SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa", "window", "softcap"})
+SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa", "window", "softcap",
+                       "varlen"})
 
 # sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_hopper_forward.py, 67 passed
 # calling the kernel directly (bench/results/hopper_fwd_first_run.md); the same file's
@@ -33,12 +34,12 @@ SPEC = BackendSpec(
     unsupported_notes={
         "alibi": "runs on the sm80+ path (cuda)",
         "dropout": "runs on the sm80+ path (cuda)",
-        "varlen": "runs on the sm80+ path (cuda)",
         "paged_kv": "is gathered into a packed varlen call first",
     },
-    # The Hopper forward serves them; its backward does not yet, so training
+    # The Hopper forward serves these; its backward does not yet, so training
     # calls with them run both passes on the sm80+ path.
     forward_only={
+        "varlen": "runs on the sm80+ path (cuda)",
         "window": "runs on the sm80+ path (cuda)",
         "softcap": "runs on the sm80+ path (cuda)",
     },

@@ -60,14 +60,24 @@ cudaError_t launch(const PortattnFwdParams& params) {
       &HopperSmemOptIn<HopperFwdVariantKey<kHeadDim, Elem, kMask, kSoftcap, kSchedule>>::state);
   if (err != cudaSuccess) return err;
   CUtensorMap tm_q, tm_k, tm_v;
-  err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, params.batch,
-                    params.seqlen_q, params.nheads, kHeadDim, Traits::kBlockM);
+  // Varlen: the packed (total, heads, head_dim) tensors as one "batch" whose rows the
+  // kernel offsets by cu_seqlens; rows past a sequence's end are masked there.
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  const int map_batch = varlen ? 1 : params.batch;
+  const int64_t rows_q = varlen ? params.total_q : params.seqlen_q;
+  const int64_t rows_k = varlen ? params.total_k : params.seqlen_k;
+  if (rows_q > INT32_MAX || rows_k > INT32_MAX) {
+    portattn::cuda::set_error_detail("more than 2^31 rows");
+    return cudaErrorInvalidValue;
+  }
+  err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, map_batch,
+                    static_cast<int>(rows_q), params.nheads, kHeadDim, Traits::kBlockM);
   if (err == cudaSuccess)
-    err = encode_bshd(&tm_k, params.k, params.k_strides, params.dtype, params.batch,
-                      params.seqlen_k, params.nheads_k, kHeadDim, Traits::kBlockN);
+    err = encode_bshd(&tm_k, params.k, params.k_strides, params.dtype, map_batch,
+                      static_cast<int>(rows_k), params.nheads_k, kHeadDim, Traits::kBlockN);
   if (err == cudaSuccess)
-    err = encode_bshd(&tm_v, params.v, params.v_strides, params.dtype, params.batch,
-                      params.seqlen_k, params.nheads_k, kHeadDim, Traits::kBlockN);
+    err = encode_bshd(&tm_v, params.v, params.v_strides, params.dtype, map_batch,
+                      static_cast<int>(rows_k), params.nheads_k, kHeadDim, Traits::kBlockN);
   if (err != cudaSuccess) return err;
   HopperFwdArgs args;
   args.out = params.out;
@@ -77,6 +87,8 @@ cudaError_t launch(const PortattnFwdParams& params) {
   args.lse_head_stride = params.lse_head_stride;
   args.seqlen_q = params.seqlen_q;
   args.seqlen_k = params.seqlen_k;
+  args.cu_seqlens_q = params.cu_seqlens_q;
+  args.cu_seqlens_k = params.cu_seqlens_k;
   args.nheads = params.nheads;
   args.heads_per_kv = params.nheads / params.nheads_k;
   args.num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -211,7 +223,11 @@ extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* m
     return fail(message, message_len, -1, text);
   }
   char refusal[200];
-  if (refuses(*params, refusal, sizeof(refusal), kServesWindowsAndSoftcap))
+  // The forward serves varlen (cu_seqlens) itself; refuses() speaks for both Hopper
+  // kernels and the backward does not, so the check sees the call without it.
+  PortattnFwdParams checked = *params;
+  checked.cu_seqlens_q = checked.cu_seqlens_k = nullptr;
+  if (refuses(checked, refusal, sizeof(refusal), kServesWindowsAndSoftcap))
     return fail(message, message_len, -1, refusal);
   portattn::cuda::set_error_detail("");
   const cudaError_t err = variant->run(*params);

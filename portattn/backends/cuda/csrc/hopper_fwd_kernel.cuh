@@ -133,8 +133,10 @@ struct HopperFwdArgs {
   float* lse;
   int64_t lse_batch_stride;
   int64_t lse_head_stride;
-  int seqlen_q;
+  int seqlen_q;  // varlen: the maximum over the batch
   int seqlen_k;
+  const int32_t* cu_seqlens_q;  // varlen (packed rows; tensor maps with one "batch"), else null
+  const int32_t* cu_seqlens_k;
   int nheads;
   int heads_per_kv;  // nheads / nheads_k
   int num_m_blocks;  // query blocks per (head, batch)
@@ -149,6 +151,10 @@ struct HopperFwdArgs {
 
 struct HopperTile {
   int m_block, head, batch;
+  int q_start, k_start;    // first row of the sequence (varlen), else 0
+  int seqlen_q, seqlen_k;  // of this sequence
+  int tma_batch;           // the batch coordinate of the tensor maps (0 for varlen)
+  bool rows;               // the tile has rows of its sequence (varlen: not past its end)
   int n_end;     // one past the last key block any row of the tile sees
   int n_blocks;  // key blocks n_end - n_blocks .. n_end - 1 (0: only empty rows)
 };
@@ -186,12 +192,25 @@ __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& ar
   }
   tile.head = hb % args.nheads;
   tile.batch = hb / args.nheads;
+  if (args.cu_seqlens_q != nullptr) {
+    tile.q_start = args.cu_seqlens_q[tile.batch];
+    tile.seqlen_q = args.cu_seqlens_q[tile.batch + 1] - tile.q_start;
+    tile.k_start = args.cu_seqlens_k[tile.batch];
+    tile.seqlen_k = args.cu_seqlens_k[tile.batch + 1] - tile.k_start;
+    tile.tma_batch = 0;
+  } else {
+    tile.q_start = tile.k_start = 0;
+    tile.seqlen_q = args.seqlen_q;
+    tile.seqlen_k = args.seqlen_k;
+    tile.tma_batch = tile.batch;
+  }
+  tile.rows = tile.m_block * kBlockM < tile.seqlen_q;
   // Key j is visible to query i when i + diag - window_left <= j <= i + diag + window_right.
-  const int diag = args.seqlen_k - args.seqlen_q;
+  const int diag = tile.seqlen_k - tile.seqlen_q;
   const int right = kMask == kMaskCausal ? 0 : args.window_right;
-  int n_end = (args.seqlen_k + kBlockN - 1) / kBlockN;
+  int n_end = (tile.seqlen_k + kBlockN - 1) / kBlockN;
   if (kMask != kMaskNone && right >= 0) {
-    const int last_row = min((tile.m_block + 1) * kBlockM, args.seqlen_q) - 1;
+    const int last_row = min((tile.m_block + 1) * kBlockM, tile.seqlen_q) - 1;
     const int last_key = last_row + diag + right;
     n_end = last_key < 0 ? 0 : min(n_end, last_key / kBlockN + 1);
   }
@@ -201,7 +220,7 @@ __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& ar
     n_begin = first_key <= 0 ? 0 : first_key / kBlockN;
   }
   tile.n_end = n_end;
-  tile.n_blocks = n_end > n_begin ? n_end - n_begin : 0;
+  tile.n_blocks = tile.rows && n_end > n_begin ? n_end - n_begin : 0;
   return tile;
 }
 
@@ -303,7 +322,8 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
 #pragma unroll
         for (int p = 0; p < Traits::kPanels; ++p)
           sm90::tma_load_4d(s_q + qb * Traits::kQBytes + p * kPanelBytesQ, &tm_q, bar_q_full(qb),
-                            p * Traits::kPanel, tile.m_block * kBlockM, tile.head, tile.batch);
+                            p * Traits::kPanel, tile.q_start + tile.m_block * kBlockM, tile.head,
+                            tile.tma_batch);
         for (int it = 0; it < tile.n_blocks; ++it, ++kv_fills) {
           const int stage = kv_fills % kStages;
           const uint32_t free_parity = ((kv_fills / kStages) & 1) ^ 1;
@@ -313,15 +333,15 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
 #pragma unroll
           for (int p = 0; p < Traits::kPanels; ++p)
             sm90::tma_load_4d(s_k + stage * Traits::kKVBytes + p * kPanelBytesKV, &tm_k,
-                              bar_k_full(stage), p * Traits::kPanel, n_block * kBlockN, head_k,
-                              tile.batch);
+                              bar_k_full(stage), p * Traits::kPanel, tile.k_start + n_block * kBlockN,
+                              head_k, tile.tma_batch);
           sm90::mbar_wait(bar_v_empty(stage), free_parity);
           sm90::mbar_arrive_expect_tx(bar_v_full(stage), Traits::kKVBytes);
 #pragma unroll
           for (int p = 0; p < Traits::kPanels; ++p)
             sm90::tma_load_4d(s_v + stage * Traits::kKVBytes + p * kPanelBytesKV, &tm_v,
-                              bar_v_full(stage), p * Traits::kPanel, n_block * kBlockN, head_k,
-                              tile.batch);
+                              bar_v_full(stage), p * Traits::kPanel, tile.k_start + n_block * kBlockN,
+                              head_k, tile.tma_batch);
         }
       }
     }
@@ -386,6 +406,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       const int t = tile_of_cta(round, args.num_tiles);
       if (t == args.num_tiles) continue;
       const HopperTile tile = decode_tile<kMask, Traits::kPersistent, kBlockM, kBlockN>(t, args);
+      if (!tile.rows) continue;  // varlen: past the end of its sequence, rows of another
       const int n_blocks = tile.n_blocks;
       // Row of fragment row r (0/1) is row0 + 8r.
       const int row0 = tile.m_block * kBlockM + wg * 64 + warp * 16 + g;
@@ -395,7 +416,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       // and outside each row's window. Only blocks that straddle an edge pay
       // for the mask: the right edge is tightest for the tile's first row,
       // the left edge for its last.
-      const int diag = args.seqlen_k - args.seqlen_q;
+      const int diag = tile.seqlen_k - tile.seqlen_q;
       const int m0 = tile.m_block * kBlockM;
       const int right = kMask == kMaskCausal ? 0 : args.window_right;
       const bool right_bound = kMask != kMaskNone && right >= 0;
@@ -408,14 +429,15 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             for (int c = 0; c < kSCols; ++c) s[r][c] = args.softcap * tanhf(s[r][c] * args.softcap_scale);
         }
         const int col_base = (tile.n_end - 1 - it) * kBlockN;
-        const bool edge = col_base + kBlockN > args.seqlen_k ||
+        // (Varlen keys past the sequence's end are the next sequence's rows.)
+        const bool edge = col_base + kBlockN > tile.seqlen_k ||
                           (right_bound && col_base + kBlockN - 1 > m0 + diag + right) ||
                           (left_bound && col_base < m0 + kBlockM - 1 + diag - args.window_left);
         if (edge) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = row0 + 8 * r;
-            const int hi = right_bound ? min(args.seqlen_k - 1, row + diag + right) : args.seqlen_k - 1;
+            const int hi = right_bound ? min(tile.seqlen_k - 1, row + diag + right) : tile.seqlen_k - 1;
             const int lo = left_bound ? row + diag - args.window_left : 0;
 #pragma unroll
             for (int c = 0; c < kSCols; ++c) {
@@ -537,8 +559,8 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + 8 * r;
-        if (row >= args.seqlen_q) continue;
-        Elem* out_row = out + static_cast<int64_t>(row) * args.out_strides.row_stride;
+        if (row >= tile.seqlen_q) continue;
+        Elem* out_row = out + static_cast<int64_t>(tile.q_start + row) * args.out_strides.row_stride;
 #pragma unroll
         for (int c = 0; c < kOCols; c += 2) {
           const int col = (c / 2) * 8 + 2 * q4;
@@ -546,7 +568,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
               ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]);
         }
         if (args.lse != nullptr && q4 == 0)
-          args.lse[tile.batch * args.lse_batch_stride + tile.head * args.lse_head_stride + row] =
+          args.lse[tile.batch * args.lse_batch_stride + tile.head * args.lse_head_stride + tile.q_start + row] =
               lse[r];
       }
     }
