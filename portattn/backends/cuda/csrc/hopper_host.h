@@ -45,6 +45,14 @@ inline cudaError_t encode_bshd(CUtensorMap* map, const void* data, const Portatt
     portattn::cuda::set_error_detail("cuTensorMapEncodeTiled is not available from the driver");
     return err;
   }
+  // The encoder is a driver call and needs a context current on this thread, which
+  // the runtime binds only lazily: torch's autograd worker thread had none when the
+  // backward ran there (CUresult 201, invalid context). cudaSetDevice on the current
+  // device binds its primary context (CUDA >= 12); when it already is, it costs little.
+  int device = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  if (err != cudaSuccess) return err;
   // A dimension of extent 1 may carry any stride (e.g. 0 for an expanded
   // view); TMA wants a nonzero multiple of 16 bytes, which it never uses there.
   auto stride_bytes = [](int64_t elems, int extent) -> cuuint64_t {
