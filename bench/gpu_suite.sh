@@ -3,7 +3,7 @@
 # carried libportattn_cuda.so (built on the dev machine: `python3 portattn/backends/cuda/build.py`,
 # Python-independent), then the stages named in the arguments, logs under $OUT:
 #   tests     every `gpu`-marked test (forward, backward, reference on GPU) -> gpu_tests.log
-#   sanitize  compute-sanitizer memcheck + racecheck on the small forward/backward cases
+#   sanitize  compute-sanitizer memcheck + racecheck on the small forward/backward cases, synccheck on the Hopper ones
 #   overhead  bench/bench_overhead.py (host overhead, self-check cost)
 #   report    portattn-report, --selftest and the quickstart example -> report.txt
 #   bench     bench/bench_attention.py $BENCH_ARGS (default --backward): portattn, the sm80+ path forced,
@@ -30,7 +30,10 @@ for stage in "$@"; do
       for tool in memcheck racecheck; do
         echo "== $tool" >> "$OUT/sanitize.log"
         timeout 240 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_cuda.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
-      done ;;
+      done
+      # synccheck (barrier misuse) on the Hopper kernels: named barriers, mbarriers, setmaxnreg.
+      echo "== synccheck (hopper kernels)" >> "$OUT/sanitize.log"
+      timeout 200 compute-sanitizer --tool synccheck --kernel-name kns=hopper python3 tests/gpu/sanitize_cuda.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log" ;;
     overhead)
       timeout 200 python3 bench/bench_overhead.py --out "$OUT" 2>&1 | tail -18 ;;
     report)
