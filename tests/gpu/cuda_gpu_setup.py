@@ -19,6 +19,16 @@ HEAD_DIMS = [32, 40, 64, 80, 96, 128, 160, 192, 200, 224, 256]
 SEQLENS = [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (4097, 1000)]
 
 
+def skip_unless_hopper(symbol):
+    """Skips the calling test module unless `_C` has the sm_90a entry `symbol` and this GPU is sm_90."""
+    if not hasattr(cuda_backend._C, symbol):
+        pytest.skip("the CUDA backend was built without the Hopper path (sm_90 not among its archs)",
+                    allow_module_level=True)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the Hopper kernels are built for sm_90a only; this GPU is sm_"
+                    f"{''.join(map(str, torch.cuda.get_device_capability()))}", allow_module_level=True)
+
+
 def rand(*shape, dtype):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 

@@ -18,18 +18,13 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from cuda_gpu_setup import BACKEND, rand  # noqa: E402  (skips without a GPU or without the CUDA backend)
+from cuda_gpu_setup import BACKEND, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
 
 from portattn.backends.cuda import _C, CudaSm90Backend  # noqa: E402
 from test_cuda_backward import _backward, _check_grads, _forward, _options  # noqa: E402
 from test_cuda_hopper_forward import _median_ms  # noqa: E402
 
-if not hasattr(_C, "hopper_bwd"):
-    pytest.skip("the CUDA backend was built without the Hopper path (sm_90 not among its archs)",
-                allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(f"the Hopper kernel is built for sm_90a only; this GPU is sm_"
-                f"{''.join(map(str, torch.cuda.get_device_capability()))}", allow_module_level=True)
+skip_unless_hopper("hopper_bwd")
 
 HOPPER = CudaSm90Backend()
 DTYPES = [torch.float16, torch.bfloat16]

@@ -26,18 +26,13 @@ from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 
-from cuda_gpu_setup import rand  # noqa: E402  (skips without a GPU or without the CUDA backend)
+from cuda_gpu_setup import rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
 
 from portattn.backends.abi import fwd_args  # noqa: E402
 from portattn.backends.cuda import _C  # noqa: E402
 from portattn.backends.reference import ReferenceBackend  # noqa: E402
 
-if not hasattr(_C, "hopper_fwd"):
-    pytest.skip("the CUDA backend was built without the Hopper path (sm_90 not among its archs)",
-                allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(f"the Hopper kernel is built for sm_90a only; this GPU is sm_"
-                f"{''.join(map(str, torch.cuda.get_device_capability()))}", allow_module_level=True)
+skip_unless_hopper("hopper_fwd")
 
 DTYPES = [torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 128]

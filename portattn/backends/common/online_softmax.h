@@ -127,6 +127,21 @@ PORTATTN_SOFTMAX_HD float exp2_row(float (&s)[kCols], float scale_log2, float su
   return row_sum;
 }
 
+// The row's running maximum after this block (across the threads that share
+// the row), and the amount the exponent subtracts for it: 0 while the row has
+// seen no finite score, so that exp2(-inf - (-inf)) never produces NaN.
+template <class RowReduce, int kCols>
+PORTATTN_SOFTMAX_HD float block_row_max(const float (&s)[kCols], float running_max) {
+  float m = running_max;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) m = max2(m, s[c]);
+  return RowReduce::max(m);
+}
+
+PORTATTN_SOFTMAX_HD float max_offset(float row_max, float scale_log2) {
+  return row_max == neg_inf() ? 0.f : row_max * scale_log2;
+}
+
 // One key block: turns S into unnormalised probabilities P (in place) and
 // rescales O and the running sums. `kFirst` skips the rescale of O, which is
 // still zero on the first block.
@@ -135,11 +150,8 @@ PORTATTN_SOFTMAX_HD void online_softmax_step(float (&s)[kRows][kCols], float (&o
                                              RowState<kRows>& state, float scale_log2) {
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    float block_max = state.max[r];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) block_max = max2(block_max, s[r][c]);
-    block_max = RowReduce::max(block_max);
-    const float subtract = block_max == neg_inf() ? 0.f : block_max * scale_log2;
+    const float block_max = block_row_max<RowReduce>(s[r], state.max[r]);
+    const float subtract = max_offset(block_max, scale_log2);
     if (!kFirst) {
       const float correction = exp2_fast(state.max[r] * scale_log2 - subtract);
       state.sum[r] *= correction;
@@ -162,11 +174,8 @@ PORTATTN_SOFTMAX_HD void online_softmax_step_deferred(float (&s)[kRows][kCols],
                                                       float (&correction)[kRows]) {
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    float block_max = state.max[r];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) block_max = max2(block_max, s[r][c]);
-    block_max = RowReduce::max(block_max);
-    const float subtract = block_max == neg_inf() ? 0.f : block_max * scale_log2;
+    const float block_max = block_row_max<RowReduce>(s[r], state.max[r]);
+    const float subtract = max_offset(block_max, scale_log2);
     correction[r] = kFirst ? 1.f : exp2_fast(state.max[r] * scale_log2 - subtract);
     state.sum[r] = kFirst ? 0.f : state.sum[r] * correction[r];
     state.max[r] = block_max;
@@ -213,7 +222,7 @@ PORTATTN_SOFTMAX_HD void online_softmax_step_lazy(float (&s)[kRows][kCols],
   if (RowReduce::any(grow)) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const float subtract = block_max[r] == neg_inf() ? 0.f : block_max[r] * scale_log2;
+      const float subtract = max_offset(block_max[r], scale_log2);
       const float correction = exp2_fast(state.max[r] * scale_log2 - subtract);
       state.sum[r] *= correction;
 #pragma unroll
@@ -223,7 +232,7 @@ PORTATTN_SOFTMAX_HD void online_softmax_step_lazy(float (&s)[kRows][kCols],
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const float subtract = state.max[r] == neg_inf() ? 0.f : state.max[r] * scale_log2;
+    const float subtract = max_offset(state.max[r], scale_log2);
     state.sum[r] += exp2_row(s[r], scale_log2, subtract);
   }
 }

@@ -233,16 +233,6 @@ __device__ __forceinline__ int tile_of_cta(int round, int num_tiles) {
 
 namespace sm90 {
 
-// The packed P fragment is an input of an asynchronous wgmma: pinning it here
-// after the wait keeps the compiler from reusing its registers earlier.
-template <int kRows>
-__device__ __forceinline__ void fence_operands(uint32_t (&a)[kRows][4]) {
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) asm volatile("" : "+r"(a[r][c])::"memory");
-}
-
 // Signals a named barrier without waiting (named_barrier_sync: hopper_ptx.cuh).
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -328,20 +318,17 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
           const int stage = kv_fills % kStages;
           const uint32_t free_parity = ((kv_fills / kStages) & 1) ^ 1;
           const int n_block = tile.n_end - 1 - it;
-          sm90::mbar_wait(bar_k_empty(stage), free_parity);
-          sm90::mbar_arrive_expect_tx(bar_k_full(stage), Traits::kKVBytes);
+          // K then V of the block, each into its ring slot once the consumers freed it.
+          auto load = [&](const CUtensorMap* map, uint32_t dst, uint32_t empty, uint32_t full) {
+            sm90::mbar_wait(empty, free_parity);
+            sm90::mbar_arrive_expect_tx(full, Traits::kKVBytes);
 #pragma unroll
-          for (int p = 0; p < Traits::kPanels; ++p)
-            sm90::tma_load_4d(s_k + stage * Traits::kKVBytes + p * kPanelBytesKV, &tm_k,
-                              bar_k_full(stage), p * Traits::kPanel, tile.k_start + n_block * kBlockN,
-                              head_k, tile.tma_batch);
-          sm90::mbar_wait(bar_v_empty(stage), free_parity);
-          sm90::mbar_arrive_expect_tx(bar_v_full(stage), Traits::kKVBytes);
-#pragma unroll
-          for (int p = 0; p < Traits::kPanels; ++p)
-            sm90::tma_load_4d(s_v + stage * Traits::kKVBytes + p * kPanelBytesKV, &tm_v,
-                              bar_v_full(stage), p * Traits::kPanel, tile.k_start + n_block * kBlockN,
-                              head_k, tile.tma_batch);
+            for (int p = 0; p < Traits::kPanels; ++p)
+              sm90::tma_load_4d(dst + p * kPanelBytesKV, map, full, p * Traits::kPanel,
+                                tile.k_start + n_block * kBlockN, head_k, tile.tma_batch);
+          };
+          load(&tm_k, s_k + stage * Traits::kKVBytes, bar_k_empty(stage), bar_k_full(stage));
+          load(&tm_v, s_v + stage * Traits::kKVBytes, bar_v_empty(stage), bar_v_full(stage));
         }
       }
     }
@@ -498,7 +485,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
                 s, state, args.scale_log2, correction);
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
-            sm90::fence_operands(p);
+            sm90::fence_fragment(p);
             release(bar_v_empty(stage_of(it - 1)));
             softmax::rescale_rows(o, correction);
             pack_p(p, s);
@@ -514,7 +501,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
           turn_pass(true);
           sm90::wgmma_wait<0>();
           sm90::fence_operands(o);
-          sm90::fence_operands(p);
+          sm90::fence_fragment(p);
           release(bar_v_empty(stage_of(n_blocks - 1)));
         } else {
           // One block at a time: S, softmax, P V, each waiting for the last.
@@ -542,7 +529,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             issue_pv(o, p, stage_of(it));
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
-            sm90::fence_operands(p);
+            sm90::fence_fragment(p);
             release(bar_v_empty(stage_of(it)));
           }
           release(bar_q_empty(qb));
