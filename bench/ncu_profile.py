@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import re
 import sys
 
-CASE = dict(batch=1, heads=16, seqlen=16384, head_dim=128, causal=False)
+# PORTATTN_NCU_HEAD_DIM=64 profiles the hd64 shape of the same grid (hidden 2048: 32 heads).
+_HEAD_DIM = int(os.environ.get("PORTATTN_NCU_HEAD_DIM", "128"))
+CASE = dict(batch=1, heads=2048 // _HEAD_DIM, seqlen=16384, head_dim=_HEAD_DIM, causal=False)
 
 
 def case_flops(mode: str) -> float:

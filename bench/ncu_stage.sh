@@ -51,17 +51,21 @@ profile() {  # name mode regex title
   cat "$report.txt"
 }
 
+# PORTATTN_NCU_HEAD_DIM (default 128) picks the head dim of the case (bench/ncu_profile.py).
+HD=${PORTATTN_NCU_HEAD_DIM:-128}
+SHAPE="hd$HD s16384 B1 H$((2048 / HD)) full"
+SUFFIX=$([ "$HD" = 128 ] || echo "_hd$HD")
 for what in ${@:-fwd bwd bwd_sm80}; do
   case "$what" in
-    fwd) profile fwd fwd hopper "Hopper forward, hd128 s16384 B1 H16 full" ;;
+    fwd) profile "fwd$SUFFIX" fwd hopper "Hopper forward, $SHAPE" ;;
     bwd)
       # Not built yet in every tree: skip the (slow) ncu launch when the library has no such kernel.
       if grep -qa hopper_bwd portattn/backends/cuda/libportattn_cuda.so 2>/dev/null; then
-        profile bwd_hopper bwd hopper_bwd "Hopper backward, hd128 s16384 B1 H16 full"
+        profile "bwd_hopper$SUFFIX" bwd hopper_bwd "Hopper backward, $SHAPE"
       else
         echo "== Hopper backward: none in this build (no hopper_bwd symbol in libportattn_cuda.so)" | tee "$OUT/ncu_bwd_hopper.txt"
       fi ;;
-    bwd_sm80) profile bwd_sm80 bwd_sm80 bwd_kernel "sm80+ backward (cuda forced), hd128 s16384 B1 H16 full" ;;
+    bwd_sm80) profile "bwd_sm80$SUFFIX" bwd_sm80 bwd_kernel "sm80+ backward (cuda forced), $SHAPE" ;;
     *) echo "profile: unknown kernel '$what' (fwd, bwd, bwd_sm80)" ;;
   esac
 done
