@@ -20,31 +20,47 @@ namespace {
 
 using HopperBwdFn = cudaError_t (*)(const PortattnBwdParams&);
 
-template <int kHeadDim, typename Elem, bool kCausal>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
 struct HopperBwdSmemOptIn {
   static cuda::SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, bool kCausal>
-cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kCausal>::state = {0ull};
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
+cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap>::state = {0ull};
 
 struct TensorMaps {
   CUtensorMap q, k, v, dout;
 };
 
-template <int kHeadDim, typename Elem, bool kCausal>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
 cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
   using Traits = HopperBwdTraits<kHeadDim>;
-  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kCausal>;
-  const cudaError_t err = cuda::ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
-                                                    &HopperBwdSmemOptIn<kHeadDim, Elem, kCausal>::state);
+  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap>;
+  const cudaError_t err = cuda::ensure_dynamic_smem(
+      reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
+      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap>::state);
   if (err != cudaSuccess) return err;
   const PortattnFwdParams& f = args.p.fwd;
   const int n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const bool det = args.p.deterministic != 0;
   const dim3 grid(det ? args.splits : n_blocks, det ? args.heads_k : args.heads, f.batch);
   if (grid.x == 0) return cudaSuccess;
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, args);
+  // tanhf's argument as the forward computes it (hopper_fwd_entry.cu), so both see
+  // the same value; a kernel parameter, read from the constant bank, holds no register.
+  const float softcap_scale = kSoftcap ? f.softmax_scale / f.softcap : 0.f;
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, args,
+                                                                 softcap_scale);
   return cudaGetLastError();
+}
+
+// The main kernel of this call's mask (window) with or without softcap.
+template <int kHeadDim, typename Elem, bool kSoftcap>
+cudaError_t launch_masked(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
+  const PortattnFwdParams& f = args.p.fwd;
+  if (f.window_left < 0 && f.window_right < 0)
+    return launch_main<kHeadDim, Elem, kBwdMaskNone, kSoftcap>(maps, args, stream);
+  if (f.window_left < 0 && f.window_right == 0)
+    return launch_main<kHeadDim, Elem, kBwdMaskCausal, kSoftcap>(maps, args, stream);
+  return launch_main<kHeadDim, Elem, kBwdMaskLocal, kSoftcap>(maps, args, stream);
 }
 
 template <int kHeadDim, typename Elem>
@@ -65,10 +81,10 @@ cudaError_t run(const PortattnBwdParams& params) {
     err = encode_bshd(&maps.v, f.v, f.v_strides, f.dtype, f.batch, f.seqlen_k, f.nheads_k, kHeadDim,
                       Traits::kBlockN);
   if (err != cudaSuccess) return err;
-  const bool causal = f.window_right == 0;
-  return cuda::run_bwd_sequence<Elem>(params, [&maps, causal](const cuda::BwdArgs& args, cudaStream_t stream) {
-    return causal ? launch_main<kHeadDim, Elem, true>(maps, args, stream)
-                  : launch_main<kHeadDim, Elem, false>(maps, args, stream);
+  const bool softcap = f.softcap > 0.f;
+  return cuda::run_bwd_sequence<Elem>(params, [&maps, softcap](const cuda::BwdArgs& args, cudaStream_t stream) {
+    return softcap ? launch_masked<kHeadDim, Elem, true>(maps, args, stream)
+                   : launch_masked<kHeadDim, Elem, false>(maps, args, stream);
   });
 }
 
@@ -79,7 +95,7 @@ struct HopperBwdVariant {
 };
 
 // The instantiated (head dim, dtype) pairs, the forward's (hopper_fwd_entry.cu);
-// causal is a run-time choice inside run().
+// the mask and softcap are run-time choices inside run().
 constexpr HopperBwdVariant kBwdVariants[] = {
     {64, PORTATTN_FP16, &run<64, __half>},
     {64, PORTATTN_BF16, &run<64, __nv_bfloat16>},

@@ -1,10 +1,11 @@
 // Hopper (sm_90a) backward attention: TMA tile loads, wgmma, warp specialization.
 //
 // Note [portattn hopper backward]
-// Serves fixed-length batches, fp16/bf16, head dims 64 and 128, non-causal or
-// causal (bottom-right), GQA/MQA, the default (atomic dQ) and the deterministic
-// mode. Windows, softcap, ALiBi, dropout and varlen stay on the sm80+ backward
-// (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
+// Serves fixed-length batches, fp16/bf16, head dims 64 and 128, any window
+// (causal included, bottom-right), softcap, GQA/MQA, the default (atomic dQ) and
+// the deterministic mode: the calls the Hopper forward serves. ALiBi, dropout and
+// varlen stay on the sm80+ backward (bwd_kernel.cuh); hopper_bwd_entry.cu refuses
+// them with a message. The launch
 // sequence, workspace and math are those of Note [portattn cuda backward]:
 // the same preprocess (delta = rowsum(dO * O)) and convert kernels run around
 // this main kernel, and it writes the same fp32 dQ accumulator (and, for GQA in
@@ -17,12 +18,15 @@
 //                then Q and dO of each query block into a kStages-deep ring);
 //                warp 1's lanes fill the stage's LSE (log2 units, +inf for rows
 //                without a visible key or past seqlen_q, so their P is exactly
-//                0) and delta rows from global memory.
+//                0) and delta rows from global memory. Per key block only the
+//                query blocks its window reaches are loaded (m_range).
 //   warpgroups 1, 2  consumers (setmaxnreg 240), 64 keys each (the M of one
 //                wgmma). Per query block of kBlockM = 64 rows:
 //     S^T  = K Q^T        m64n64k16 SS (both K-major)       \ issued together;
 //     dP^T = V dO^T       m64n64k16 SS                       / S waited first
 //     P^T  = exp2(S^T * scale * log2e - lse2)   (masked on edge blocks only)
+//            softcap: exp2(c * tanh(S^T * scale / c) * log2e - lse2), the
+//            forward's tanhf argument; dS^T then carries (1 - tanh^2)
 //     dV  += P^T dO       m64nDk16 RS (A = P^T packed in registers, exactly
 //                         the forward's P fragment; B = dO MN-major) overlaps dS
 //     dS^T = P^T * (dP^T - delta)
@@ -49,8 +53,10 @@
 //   hd128: K 32 + V 32 + 2 stages x (Q 16 + dO 16) + dS^T 2 x 16 = 160 KiB (+...)
 // Consumer registers per thread (hd128): dV 64 + dK 64 fp32, S^T/P^T 32 + dP^T/dS^T
 // 32 fp32, P^T and dS^T packed 16 + 16; the dQ accumulator (32) lives after S/dP die.
-// ptxas (nvcc 13.0): 0 spills for every variant at 24 / 240 registers; the producer
-// spilled at 24 while one warp did both of its jobs, hence the split over two warps.
+// ptxas (nvcc 13.0): 0 spills at 24 / 240 registers for every variant without
+// softcap (the producer spilled at 24 while one warp did both of its jobs, hence
+// the split over two warps). hd128 with softcap spills a few loop-invariant words
+// (4-12 bytes; tanhf's branches), hd64 with softcap none.
 // Measured on an H100 (bench/results/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
 // (hd128) the sm80+ backward; what to try next is in bench/results/hopper_notes.md.
 #pragma once
@@ -145,12 +151,18 @@ __device__ __forceinline__ void accumulate_rs(float (&acc)[2][kHeadDim / 4],
   sm90::wgmma_commit();
 }
 
-template <int kHeadDim, typename Elem, bool kCausal>
+// Which keys a query sees (Note [portattn semantics]): kBwdMaskCausal is the
+// window (-1, 0), kBwdMaskLocal any other window with a bound. The forward's
+// choice (hopper_fwd_kernel.cuh: HopperFwdMask) made on the same rule.
+enum HopperBwdMask : int { kBwdMaskNone = 0, kBwdMaskCausal = 1, kBwdMaskLocal = 2 };
+
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
 __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v,
-                      const __grid_constant__ CUtensorMap tm_do, const cuda::BwdArgs args) {
+                      const __grid_constant__ CUtensorMap tm_do, const cuda::BwdArgs args,
+                      const float softcap_scale) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Traits = HopperBwdTraits<kHeadDim>;
   constexpr int kBlockM = Traits::kBlockM;
@@ -191,9 +203,20 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
   const int n_step = det ? args.splits : n_blocks;  // default: one key block per CTA
   const int m_total = (seqlen_q + kBlockM - 1) / kBlockM;
-  // First query block that sees key block n (key j is visible to i when j <= i + diag).
-  auto m_first = [&](int n_block) {
-    return kCausal ? max(0, n_block * kBlockN - diag) / kBlockM : 0;
+  // Key j is visible to query i when i + diag - wl <= j <= i + diag + wr.
+  const int wl = f.window_left;
+  const int wr = kMask == kBwdMaskCausal ? 0 : f.window_right;
+  const bool right_bound = kMask != kBwdMaskNone && wr >= 0;
+  const bool left_bound = kMask == kBwdMaskLocal && wl >= 0;
+  // Query blocks [m_begin, m_begin + m_blocks) see key block n: the right bound
+  // fixes the first (the first row that reaches the block's first key), the
+  // left bound the last (the last row that still reaches its last key).
+  auto m_range = [&](int n_block, int& m_begin, int& m_blocks) {
+    const int n0 = n_block * kBlockN;
+    m_begin = right_bound ? max(0, n0 - diag - wr) / kBlockM : 0;
+    const int m_end = left_bound ? min(m_total, max(0, min(n0 + kBlockN, seqlen_k) - 1 - diag + wl + kBlockM) / kBlockM)
+                                 : m_total;
+    m_blocks = max(m_end - m_begin, 0);
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -225,8 +248,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     int step = 0;  // Q/dO ring position, continued across key blocks
     uint32_t kv_round = 0;
     for (int n_block = blockIdx.x; n_block < n_blocks; n_block += n_step) {
-      const int m_begin = m_first(n_block);
-      const int m_blocks = m_total > m_begin ? m_total - m_begin : 0;
+      int m_begin, m_blocks;
+      m_range(n_block, m_begin, m_blocks);
       const int iters = heads * m_blocks;
       if (iters == 0) continue;
       if (warp == 0) {
@@ -297,8 +320,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     uint32_t kv_round = 0;
     for (int n_block = blockIdx.x; n_block < n_blocks; n_block += n_step) {
       const int n0 = n_block * kBlockN;
-      const int m_begin = m_first(n_block);
-      const int m_blocks = m_total > m_begin ? m_total - m_begin : 0;
+      int m_begin, m_blocks;
+      m_range(n_block, m_begin, m_blocks);
       const int iters = heads * m_blocks;
 
       float dv[2][kOCols], dk[2][kOCols];
@@ -327,26 +350,54 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
 
-        // ---- P^T: masked only on blocks that straddle seqlen_k or the diagonal
-        // (rows past seqlen_q have lse2 = +inf, so their P^T is 0 unmasked).
-        const bool edge = n0 + kBlockN > seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + diag);
-#pragma unroll
-        for (int c = 0; c < kSCols; ++c) {
-          const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
-          const float l = lse2[col];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
-            if (edge) {
-              const int key = n0 + key_row + 8 * r;
-              const bool visible = key < seqlen_k && (!kCausal || key <= m0 + col + diag);
-              prob = visible ? prob : 0.f;
-            }
-            s[r][c] = prob;
-          }
-        }
+        // ---- P^T: masked only on blocks that straddle seqlen_k or a window edge
+        // (the right edge is tightest for the block's first query, the left for
+        // its last). Rows past seqlen_q or without any visible key have
+        // lse2 = +inf, so their P^T is exactly 0 unmasked.
+        const bool edge = n0 + kBlockN > seqlen_k || (right_bound && n0 + kBlockN - 1 > m0 + diag + wr) ||
+                          (left_bound && n0 < m0 + kBlockM - 1 + diag - wl);
+        auto visible = [&](int key, int query) {
+          return key < seqlen_k && (!right_bound || key <= query + diag + wr) &&
+                 (!left_bound || key >= query + diag - wl);
+        };
         uint32_t pp[kMSteps][4], ds[kMSteps][4];
-        sm90::pack_a_fragment<Elem>(pp, s);
+        if constexpr (kSoftcap) {
+          // tanh first, in place (its branches then keep nothing else live), then
+          // P^T packs straight into the dV operand while s keeps P^T * (1 - tanh^2),
+          // the factor dS^T needs.
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) s[r][c] = tanhf(s[r][c] * softcap_scale);
+#pragma unroll
+          for (int c = 0; c < kSCols; c += 2)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float prob[2];
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int col = (c / 2) * 8 + 2 * q4 + h;
+                const float t = s[r][c + h];
+                prob[h] = softmax::exp2_fast(f.softcap * t * softmax::kLog2e - lse2[col]);
+                if (edge && !visible(n0 + key_row + 8 * r, m0 + col)) prob[h] = 0.f;
+                s[r][c + h] = prob[h] * (1.f - t * t);
+              }
+              pp[c / 4][r + (c & 2)] = ptx::ElemTraits<Elem>::pack(prob[0], prob[1]);
+            }
+        } else {
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c) {
+            const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
+            const float l = lse2[col];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
+              if (edge) prob = visible(n0 + key_row + 8 * r, m0 + col) ? prob : 0.f;
+              s[r][c] = prob;
+            }
+          }
+          sm90::pack_a_fragment<Elem>(pp, s);
+        }
 
         // ---- dV += P^T dO (runs while dS^T is computed) ----
         accumulate_rs<kHeadDim, Elem>(dv, pp, s_do);

@@ -227,7 +227,7 @@ extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* m
   // kernels and the backward does not, so the check sees the call without it.
   PortattnFwdParams checked = *params;
   checked.cu_seqlens_q = checked.cu_seqlens_k = nullptr;
-  if (refuses(checked, refusal, sizeof(refusal), kServesWindowsAndSoftcap))
+  if (refuses(checked, refusal, sizeof(refusal)))
     return fail(message, message_len, -1, refusal);
   portattn::cuda::set_error_detail("");
   const cudaError_t err = variant->run(*params);

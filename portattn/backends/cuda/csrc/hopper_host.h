@@ -82,20 +82,12 @@ inline cudaError_t encode_bshd(CUtensorMap* map, const void* data, const Portatt
 // Writes why the Hopper kernels cannot serve the call into `text` and returns
 // true, or returns false. Input validation proper (shapes, dtypes, GQA
 // divisibility) happened in portattn/validation.py; these are the features the
-// sm80+ kernels serve instead, TMA's alignment rule and the device.
-// Windows and softcap: the forward serves them (kServesWindowsAndSoftcap), the
-// backward not yet.
-constexpr bool kServesWindowsAndSoftcap = true;
-
-inline bool refuses(const PortattnFwdParams& p, char* text, int text_len,
-                    bool windows_and_softcap = false) {
+// sm80+ kernels serve instead, TMA's alignment rule and the device. Both
+// Hopper directions serve the same calls (windows and softcap included).
+inline bool refuses(const PortattnFwdParams& p, char* text, int text_len) {
   const char* why = nullptr;
   if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr)
     why = "varlen / seqused_k calls are served by the sm80+ kernel only";
-  else if (!windows_and_softcap && (p.window_left >= 0 || (p.window_right != -1 && p.window_right != 0)))
-    why = "sliding windows are served by the sm80+ kernel only (causal is supported)";
-  else if (!windows_and_softcap && p.softcap > 0.f)
-    why = "softcap is served by the sm80+ kernel only";
   else if (p.alibi_slopes != nullptr)
     why = "ALiBi is served by the sm80+ kernel only";
   else if (p.dropout_p > 0.f)
