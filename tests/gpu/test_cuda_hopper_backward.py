@@ -6,7 +6,8 @@ any GPU but sm_90.
 
 Error rule (DEVELOPERS.md), per gradient, as tests/gpu/test_cuda_backward.py applies it:
     max|grad - grad64| <= 3 * max|grad_torch_lowp - grad64| + 1e-5
-Gradients are NaN-poisoned before every launch; inputs are fresh random normals.
+Gradients are NaN-poisoned before every launch; inputs are fresh random normals; the forward
+is the Hopper one (`_C.hopper_fwd`), so its LSE (windows, softcap) is what the backward reads.
 
 `python tests/gpu/test_cuda_hopper_backward.py` (or pytest -s) also prints the
 backward's time against the sm80+ backward and forward+backward against SDPA.
@@ -41,8 +42,9 @@ def _inputs(dtype, head_dim, seqlens, gqa):
             rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype))
 
 
-def _hopper_grads(q, k, v, causal, deterministic):
-    options = _options(q, window=(-1, 0 if causal else -1))
+def _hopper_grads(q, k, v, deterministic, window=(-1, -1), softcap=0.0):
+    # The Hopper forward's LSE feeds the Hopper backward: the contract between the two is tested.
+    options = _options(q, window=window, softcap=softcap)
     out, lse = _forward(HOPPER, q, k, v, options)
     dout = torch.randn_like(out)
     grads = _backward(HOPPER, dout, q, k, v, out, lse, options, deterministic)
@@ -57,15 +59,45 @@ def _hopper_grads(q, k, v, causal, deterministic):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_hopper_backward_grid(dtype, head_dim, seqlens, causal, gqa, deterministic):
     q, k, v = _inputs(dtype, head_dim, seqlens, gqa)
-    grads, dout, _ = _hopper_grads(q, k, v, causal, deterministic)
+    grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=(-1, 0 if causal else -1))
     _check_grads(grads, q, k, v, dout, dict(causal=causal))
 
 
+# (window_left, window_right) as the Hopper forward's tests: sliding windows both sides, left only,
+# right only, causal with a left bound, and one key per query; seqlen_q > seqlen_k leaves the first
+# rows without any visible key (lse = -inf: their P must be 0, not NaN).
+WINDOWS = [(64, 0), (100, 37), (-1, 50), (300, -1), (0, 0)]
+WINDOW_SEQLENS = [(1000, 1000), (300, 777), (777, 300)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=lambda c: f"softcap{c:g}")
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("seqlens", WINDOW_SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_backward_windows_and_softcap(head_dim, seqlens, window, softcap, gqa, deterministic):
+    q, k, v = _inputs(torch.bfloat16, head_dim, seqlens, gqa)
+    grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=window, softcap=softcap)
+    _check_grads(grads, q, k, v, dout, dict(window=window, softcap=softcap))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 37)], ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_backward_softcap_fp16(head_dim, window, deterministic):
+    # A small cap (5) puts most scores on tanh's flat part, where (1 - tanh^2) matters most.
+    q, k, v = _inputs(torch.float16, head_dim, (777, 513), 2)
+    grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=window, softcap=5.0)
+    _check_grads(grads, q, k, v, dout, dict(window=window, softcap=5.0))
+
+
+@pytest.mark.parametrize("window, softcap", [((-1, 0), 0.0), ((100, 37), 30.0)], ids=["causal", "window_softcap"])
 @pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa):
+def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa, window, softcap):
     q, k, v = _inputs(torch.bfloat16, head_dim, (1000, 1000), gqa)
-    first, dout, (out, lse, options) = _hopper_grads(q, k, v, True, True)
+    first, dout, (out, lse, options) = _hopper_grads(q, k, v, True, window=window, softcap=softcap)
     for _ in range(3):
         again = _backward(HOPPER, dout, q, k, v, out, lse, options, True)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
@@ -99,15 +131,15 @@ def test_hopper_backward_strided_views():
     batch, seqlen, heads, heads_k, head_dim = 2, 300, 4, 2, 128
     packed = rand(batch, seqlen, heads + 2 * heads_k, head_dim, dtype=torch.bfloat16)
     q, k, v = packed.split([heads, heads_k, heads_k], dim=2)
-    grads, dout, _ = _hopper_grads(q, k, v, True, False)
+    grads, dout, _ = _hopper_grads(q, k, v, False, window=(-1, 0))
     _check_grads(grads, q, k, v, dout, dict(causal=True))
 
 
 def test_hopper_backward_refuses_what_it_does_not_serve():
     q = rand(1, 64, 2, 64, dtype=torch.bfloat16)
-    options = _options(q, window=(37, 11))
+    options = _options(q, dropout_p=0.1)
     out, lse = _forward(BACKEND, q, q, q, options)
-    with pytest.raises(RuntimeError, match="sliding windows"):
+    with pytest.raises(RuntimeError, match="dropout"):
         _backward(HOPPER, torch.randn_like(out), q, q, q, out, lse, options)
 
 
