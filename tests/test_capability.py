@@ -443,15 +443,19 @@ def test_probe_through_torch_rocm(monkeypatch):
     assert devices[1].arch.family == "unknown" and not devices[1].arch.known
 
 
-def test_forward_only_features_serve_inference_and_refuse_training_calls():
-    # cuda-sm90 declares window and softcap forward only: an inference call with them
-    # stays on the Hopper path, a training call goes elsewhere with the reason.
+def test_forward_only_features_serve_inference_and_refuse_training_calls(monkeypatch):
+    # A backend whose forward serves window and softcap but whose backward does not: an
+    # inference call with them stays on it, a training call goes elsewhere with the reason.
+    spec = dataclasses.replace(matrix.get_spec("cuda-sm90"), name="fwd-only",
+                               forward_only={"window": "runs elsewhere", "softcap": "runs elsewhere"})
+    monkeypatch.setitem(matrix._SPECS, "fwd-only", spec)
     h100 = fake_device("h100")
     for feature in ("window", "softcap"):
-        assert check_call("cuda-sm90", h100, call(features=("forward", feature))) == []
-        reasons = check_call("cuda-sm90", h100, call(features=("forward", "backward", feature)))
-        assert reasons == [f"feature {feature} is forward-only on cuda-sm90; with a backward it runs "
-                           f"on the sm80+ path (cuda)"]
+        assert check_call("fwd-only", h100, call(features=("forward", feature))) == []
+        reasons = check_call("fwd-only", h100, call(features=("forward", "backward", feature)))
+        assert reasons == [f"feature {feature} is forward-only on fwd-only; with a backward it runs elsewhere"]
+        training = call(features=("forward", "backward", feature))
+        assert check_call("cuda-sm90", h100, training) == []  # the Hopper backward serves both
 
 
 def test_forward_only_features_must_be_declared_supported():

@@ -149,7 +149,8 @@ def test_dispatch_serves_training_calls_on_the_hopper_path():
     q, k, v = (rand(2, 300, 4, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, causal=True, deterministic=True).chosen == "cuda-sm90"
-    assert portattn.explain(q, k, v, window_size=(64, 0)).chosen == "cuda"  # declared: sm80+ path only
+    assert portattn.explain(q, k, v, window_size=(64, 0), softcap=30.0).chosen == "cuda-sm90"
+    assert portattn.explain(q, k, v, dropout_p=0.1).chosen == "cuda"  # declared: sm80+ path only
     out = portattn.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)

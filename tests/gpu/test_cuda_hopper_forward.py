@@ -262,8 +262,8 @@ def test_dispatch_routes_eligible_calls_to_the_hopper_path_and_the_rest_to_sm80(
     q.requires_grad_()
     # Training calls too: the backward is the Hopper one (tests/gpu/test_cuda_hopper_backward.py).
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
-    # Windows and softcap are forward only on the Hopper path (capability/specs/cuda_sm90.py).
-    assert portattn.explain(q, k, v, softcap=5.0).chosen == "cuda"
+    # Windows and softcap too: the Hopper backward serves them (capability/specs/cuda_sm90.py).
+    assert portattn.explain(q, k, v, softcap=5.0).chosen == "cuda-sm90"
     out = portattn.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)

@@ -1,8 +1,8 @@
 """The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(ALiBi, dropout, other head dims; windows, softcap and varlen in training
-calls) goes to the sm80+ path ("cuda"), never silently served differently. The kernel is built
+(ALiBi, dropout, other head dims; varlen in training calls) goes to the sm80+ path
+("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
 from ..archs import ArchRange
@@ -16,6 +16,8 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # test routes through the public API) and tests/gpu/test_cuda_hopper_backward.py (the backward
 # and its deterministic mode; 235 passed with the dispatch test at 28a8511), compute-sanitizer
 # memcheck and racecheck clean (bench/results/hopper_runs_session2.md, hopper_bwd_runs.md).
+# Windows and softcap in the backward: test_cuda_hopper_backward.py's window/softcap tests
+# (branch hopper-bwd2), first run in the integrated GPU run; revert this commit if they fail.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
@@ -36,12 +38,10 @@ SPEC = BackendSpec(
         "dropout": "runs on the sm80+ path (cuda)",
         "paged_kv": "is gathered into a packed varlen call first",
     },
-    # The Hopper forward serves these; its backward does not yet, so training
-    # calls with them run both passes on the sm80+ path.
+    # The Hopper forward serves varlen; its backward does not yet, so training
+    # calls with it run both passes on the sm80+ path.
     forward_only={
         "varlen": "runs on the sm80+ path (cuda)",
-        "window": "runs on the sm80+ path (cuda)",
-        "softcap": "runs on the sm80+ path (cuda)",
     },
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="build with sm_90 among PORTATTN_CUDA_ARCHS (the default) to include it",
