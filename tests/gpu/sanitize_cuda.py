@@ -97,14 +97,13 @@ def main() -> int:
             failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
         # Each forward schedule (hopper_fwd_entry.cu): persistent non-causal with several tiles
         # per CTA (7 query blocks x 20 heads x 3 > 132 SMs), causal past 1024 keys (one CTA per
-        # tile, ping-pong), and the forward-only window + softcap kernels.
+        # tile, ping-pong), and the window + softcap kernels of both directions.
         q = torch.randn(3, 777, 20, 128, **bf16)
         k, v = (torch.randn(3, 513, 20, 128, **bf16) for _ in range(2))
         failures += unwritten(q, k, v, backend=BACKEND_SM90)
         q, k, v = (torch.randn(1, 1100, 2, 64, **bf16) for _ in range(3))
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
-        out, lse, _ = _forward(BACKEND_SM90, q, k, v, window_left=100, window_right=37, softcap=30.0)
-        failures += int(out.isnan().any().item() or lse.isnan().any().item())
+        failures += unwritten(q, k, v, backend=BACKEND_SM90, window_left=100, window_right=37, softcap=30.0)
     print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs")
     return 1 if failures else 0
 
