@@ -82,8 +82,9 @@ inline cudaError_t encode_bshd(CUtensorMap* map, const void* data, const Portatt
 // Writes why the Hopper kernels cannot serve the call into `text` and returns
 // true, or returns false. Input validation proper (shapes, dtypes, GQA
 // divisibility) happened in portattn/validation.py; these are the features the
-// sm80+ kernels serve instead, TMA's alignment rule and the device. Both
-// Hopper directions serve the same calls (windows and softcap included).
+// sm80+ kernels serve instead, TMA's alignment rule and the device. Windows
+// and softcap: both Hopper directions serve them; varlen only the forward, which
+// clears cu_seqlens before asking (hopper_fwd_entry.cu).
 inline bool refuses(const PortattnFwdParams& p, char* text, int text_len) {
   const char* why = nullptr;
   if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr)
