@@ -27,9 +27,11 @@ for stage in "$@"; do
     tests)
       timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
     sanitize)
+      # SANITIZE_KERNELS=<substring> restricts memcheck / racecheck to the kernels whose names contain it.
+      only=${SANITIZE_KERNELS:+--kernel-name kns=$SANITIZE_KERNELS}
       for tool in memcheck racecheck; do
-        echo "== $tool" >> "$OUT/sanitize.log"
-        timeout 240 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_cuda.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
+        echo "== $tool ${SANITIZE_KERNELS:+(kernels matching $SANITIZE_KERNELS)}" >> "$OUT/sanitize.log"
+        timeout 240 compute-sanitizer --tool $tool $only python3 tests/gpu/sanitize_cuda.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
       done
       # synccheck (barrier misuse) on the Hopper kernels: named barriers, mbarriers, setmaxnreg.
       echo "== synccheck (hopper kernels)" >> "$OUT/sanitize.log"
