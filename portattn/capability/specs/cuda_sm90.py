@@ -11,13 +11,11 @@ from ..declare import BackendSpec
 SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa", "window", "softcap",
                        "varlen"})
 
-# sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_hopper_forward.py (168 passed at
-# acb192c+: every schedule, windows, softcap, varlen, calling the kernel directly; its dispatch
-# test routes through the public API) and tests/gpu/test_cuda_hopper_backward.py (the backward
-# and its deterministic mode; 235 passed with the dispatch test at 28a8511), compute-sanitizer
-# memcheck and racecheck clean (bench/results/hopper_runs_session2.md, hopper_bwd_runs.md).
-# Windows and softcap in the backward: test_cuda_hopper_backward.py's window/softcap tests
-# (branch hopper-bwd2), first run in the integrated GPU run; revert this commit if they fail.
+# sm90 (H100 80GB HBM3, 2026-11-21): integrated GPU run 3 at 76e7159 (bench/results/gpu_suite.md):
+# tests/gpu/test_cuda_hopper_forward.py (every forward schedule, windows, softcap, varlen,
+# calling the kernel directly; its dispatch test through the public API) and
+# tests/gpu/test_cuda_hopper_backward.py (the backward and its deterministic mode, windows and
+# softcap), 1917 GPU tests passed in all; compute-sanitizer memcheck and synccheck clean.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
