@@ -122,7 +122,8 @@ extern "C" int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* m
     return fail(message, message_len, -1, text);
   }
   char refusal[200];
-  if (refuses(f, refusal, sizeof(refusal))) return fail(message, message_len, -1, refusal);
+  if (refuses(f, refusal, sizeof(refusal), /*varlen_served=*/false))
+    return fail(message, message_len, -1, refusal);
   if (!portattn::cuda::bwd_operands_aligned(*params))
     return fail(message, message_len, -1,
                 "portattn cuda hopper: dout, dq, dk and dv need 16-byte aligned data pointers and "

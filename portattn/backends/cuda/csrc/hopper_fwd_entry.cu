@@ -223,11 +223,7 @@ extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* m
     return fail(message, message_len, -1, text);
   }
   char refusal[200];
-  // The forward serves varlen (cu_seqlens) itself; refuses() speaks for both Hopper
-  // kernels and the backward does not, so the check sees the call without it.
-  PortattnFwdParams checked = *params;
-  checked.cu_seqlens_q = checked.cu_seqlens_k = nullptr;
-  if (refuses(checked, refusal, sizeof(refusal)))
+  if (refuses(*params, refusal, sizeof(refusal), /*varlen_served=*/true))
     return fail(message, message_len, -1, refusal);
   portattn::cuda::set_error_detail("");
   const cudaError_t err = variant->run(*params);

@@ -83,12 +83,14 @@ inline cudaError_t encode_bshd(CUtensorMap* map, const void* data, const Portatt
 // true, or returns false. Input validation proper (shapes, dtypes, GQA
 // divisibility) happened in portattn/validation.py; these are the features the
 // sm80+ kernels serve instead, TMA's alignment rule and the device. Windows
-// and softcap: both Hopper directions serve them; varlen only the forward, which
-// clears cu_seqlens before asking (hopper_fwd_entry.cu).
-inline bool refuses(const PortattnFwdParams& p, char* text, int text_len) {
+// and softcap: both Hopper directions serve them; varlen (cu_seqlens) only the
+// forward (`varlen_served`); seqused_k neither.
+inline bool refuses(const PortattnFwdParams& p, char* text, int text_len, bool varlen_served) {
   const char* why = nullptr;
-  if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr)
-    why = "varlen / seqused_k calls are served by the sm80+ kernel only";
+  if (p.seqused_k != nullptr)
+    why = "seqused_k calls are served by the sm80+ kernel only";
+  else if (!varlen_served && (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr))
+    why = "varlen calls are served by the sm80+ kernel only";
   else if (p.alibi_slopes != nullptr)
     why = "ALiBi is served by the sm80+ kernel only";
   else if (p.dropout_p > 0.f)
