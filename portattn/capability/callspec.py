@@ -22,6 +22,7 @@ FEATURES = (
     "gqa",
     "varlen",
     "paged_kv",
+    "decode",
     "deterministic_backward",
 )
 
@@ -36,6 +37,7 @@ FEATURE_TITLES = {
     "gqa": "GQA / MQA",
     "varlen": "varlen (cu_seqlens)",
     "paged_kv": "paged KV cache",
+    "decode": "KV-cache decode (split-KV, in place)",
     "deterministic_backward": "deterministic backward",
 }
 

@@ -113,5 +113,131 @@ inline PortattnBwdParams bwd_params(PORTATTN_BWD_OWN_ARGS, const PortattnFwdPara
   return p;
 }
 
+// ---- decode (Note [portattn decode] in params.h) ----
+// decode(q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,
+//        lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
+//        cu_seqlens_q, cu_seqlens_k, cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx,
+//        block_table, block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,
+//        total_q, total_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,
+//        alibi_batch_stride, num_splits, o_partial, lse_partial, stream)
+// Built in one place on the Python side: portattn/backends/abi.py decode_args().
+#define PORTATTN_DECODE_ARGS                                                                       \
+  uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, pybind11::handle q_strides, \
+      pybind11::handle k_strides, pybind11::handle v_strides, pybind11::handle out_strides,        \
+      int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads,         \
+      int nheads_k, int headdim, int seqlen_q, int seqlen_k, uintptr_t cu_seqlens_q,               \
+      uintptr_t cu_seqlens_k, uintptr_t cache_seqlens, int seqlen_new, uintptr_t cache_leftpad,    \
+      uintptr_t cache_batch_idx, uintptr_t block_table, int64_t block_table_batch_stride,          \
+      int page_size, int num_pages, int cache_batches, int kv_capacity, int64_t total_q,           \
+      int64_t total_k, float softmax_scale, float softcap, int window_left, int window_right,      \
+      uintptr_t alibi_slopes, int64_t alibi_batch_stride, int num_splits, uintptr_t o_partial,     \
+      uintptr_t lse_partial, uintptr_t stream
+
+inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
+  PortattnDecodeParams p{};
+  p.q = address<const void>(q);
+  p.k = address<const void>(k);
+  p.v = address<const void>(v);
+  p.out = address<void>(out);
+  p.lse = address<float>(lse);
+  p.q_strides = tensor4(q_strides);
+  p.k_strides = tensor4(k_strides);
+  p.v_strides = tensor4(v_strides);
+  p.out_strides = tensor4(out_strides);
+  p.lse_batch_stride = lse_batch_stride;
+  p.lse_head_stride = lse_head_stride;
+  p.dtype = dtype;
+  p.batch = batch;
+  p.nheads = nheads;
+  p.nheads_k = nheads_k;
+  p.headdim = headdim;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.cu_seqlens_q = address<const int32_t>(cu_seqlens_q);
+  p.cu_seqlens_k = address<const int32_t>(cu_seqlens_k);
+  p.cache_seqlens = address<const int32_t>(cache_seqlens);
+  p.seqlen_new = seqlen_new;
+  p.cache_leftpad = address<const int32_t>(cache_leftpad);
+  p.cache_batch_idx = address<const int32_t>(cache_batch_idx);
+  p.block_table = address<const int32_t>(block_table);
+  p.block_table_batch_stride = block_table_batch_stride;
+  p.page_size = page_size;
+  p.num_pages = num_pages;
+  p.cache_batches = cache_batches;
+  p.kv_capacity = kv_capacity;
+  p.total_q = total_q;
+  p.total_k = total_k;
+  p.softmax_scale = softmax_scale;
+  p.softcap = softcap;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.alibi_slopes = address<const float>(alibi_slopes);
+  p.alibi_batch_stride = alibi_batch_stride;
+  p.num_splits = num_splits;
+  p.o_partial = address<float>(o_partial);
+  p.lse_partial = address<float>(lse_partial);
+  p.stream = address<void>(stream);
+  return p;
+}
+
+// kvcache_append(k_new, v_new, k_new_strides, v_new_strides, k_cache, v_cache, k_cache_strides,
+//                v_cache_strides, q, q_out, q_strides, q_out_strides, dtype, batch, seqlen_new,
+//                seqlen_q, nheads, nheads_k, headdim, cache_seqlens, cache_batch_idx, block_table,
+//                block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,
+//                rotary_cos, rotary_sin, rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro,
+//                rotary_interleaved, q_position_per_token, stream)
+#define PORTATTN_APPEND_ARGS                                                                       \
+  uintptr_t k_new, uintptr_t v_new, pybind11::handle k_new_strides,                                \
+      pybind11::handle v_new_strides, uintptr_t k_cache, uintptr_t v_cache,                        \
+      pybind11::handle k_cache_strides, pybind11::handle v_cache_strides, uintptr_t q,             \
+      uintptr_t q_out, pybind11::handle q_strides, pybind11::handle q_out_strides, int dtype,      \
+      int batch, int seqlen_new, int seqlen_q, int nheads, int nheads_k, int headdim,              \
+      uintptr_t cache_seqlens, uintptr_t cache_batch_idx, uintptr_t block_table,                   \
+      int64_t block_table_batch_stride, int page_size, int num_pages, int cache_batches,           \
+      int kv_capacity, uintptr_t rotary_cos, uintptr_t rotary_sin, int64_t rotary_row_stride,      \
+      int rotary_dtype, int rotary_dim, int seqlen_ro, bool rotary_interleaved,                    \
+      bool q_position_per_token, uintptr_t stream
+
+inline PortattnAppendParams append_params(PORTATTN_APPEND_ARGS) {
+  PortattnAppendParams p{};
+  p.k_new = address<const void>(k_new);
+  p.v_new = address<const void>(v_new);
+  p.k_new_strides = tensor4(k_new_strides);
+  p.v_new_strides = tensor4(v_new_strides);
+  p.k_cache = address<void>(k_cache);
+  p.v_cache = address<void>(v_cache);
+  p.k_cache_strides = tensor4(k_cache_strides);
+  p.v_cache_strides = tensor4(v_cache_strides);
+  p.q = address<const void>(q);
+  p.q_out = address<void>(q_out);
+  p.q_strides = tensor4(q_strides);
+  p.q_out_strides = tensor4(q_out_strides);
+  p.dtype = dtype;
+  p.batch = batch;
+  p.seqlen_new = seqlen_new;
+  p.seqlen_q = seqlen_q;
+  p.nheads = nheads;
+  p.nheads_k = nheads_k;
+  p.headdim = headdim;
+  p.cache_seqlens = address<const int32_t>(cache_seqlens);
+  p.cache_batch_idx = address<const int32_t>(cache_batch_idx);
+  p.block_table = address<const int32_t>(block_table);
+  p.block_table_batch_stride = block_table_batch_stride;
+  p.page_size = page_size;
+  p.num_pages = num_pages;
+  p.cache_batches = cache_batches;
+  p.kv_capacity = kv_capacity;
+  p.rotary_cos = address<const void>(rotary_cos);
+  p.rotary_sin = address<const void>(rotary_sin);
+  p.rotary_row_stride = rotary_row_stride;
+  p.rotary_dtype = rotary_dtype;
+  p.rotary_dim = rotary_dim;
+  p.seqlen_ro = seqlen_ro;
+  p.rotary_interleaved = rotary_interleaved ? 1 : 0;
+  p.q_position_per_token = q_position_per_token ? 1 : 0;
+  p.stream = address<void>(stream);
+  return p;
+}
+
 }  // namespace binding
 }  // namespace portattn

@@ -101,6 +101,121 @@ typedef struct PortattnBwdParams {
   int deterministic;  // 1: bitwise reproducible dq (no fp32 atomics race)
 } PortattnBwdParams;
 
+// ---- decode: few query rows against a KV cache read in place ----------------
+//
+// Note [portattn decode]
+// One CTA per (split, kv head x 16-row query tile, sequence). The query rows of
+// one KV head's group are packed into the tile's rows (row = query * group +
+// head-in-group), so each K/V byte is read once per step, not once per query
+// head. The CTA's warps take different keys of each stage and merge their
+// softmax states through shared memory at the end; the key range of a sequence
+// is split over `num_splits` CTAs whose partial results (fp32, in the caller's
+// workspace) a combine kernel merges by their LSE. With one split the CTA
+// writes `out` directly. Every per-sequence value (lengths, offsets, page
+// numbers) is read and clamped on the device: no host synchronisation, so a
+// decode step can be captured in a CUDA graph, and no value of those tensors
+// can make a kernel read or write outside the tensors it was given.
+//
+// Where sequence b's keys live (exactly one of three layouts):
+// - contiguous cache: k[(batch_idx ? batch_idx[b] : b), leftpad + j]
+// - paged cache:      k[block_table[b, p / page_size], p % page_size], p = leftpad + j
+// - varlen (packed):  k[cu_seqlens_k[b] + j]
+// Key count: cache_seqlens[b] + seqlen_new - leftpad (cache layouts, clamped to the
+// capacity), cu_seqlens_k[b + 1] - cu_seqlens_k[b] (varlen), else seqlen_k.
+typedef struct PortattnDecodeParams {
+  const void* q;  // (batch, seqlen_q, nheads, headdim), or varlen (total_q, nheads, headdim)
+  const void* k;  // see above; paged: (num_pages, page_size, nheads_k, headdim)
+  const void* v;
+  void* out;   // like q
+  float* lse;  // null, or (batch, nheads, seqlen_q) / varlen (nheads, total_q)
+
+  PortattnTensor4 q_strides, k_strides, v_strides, out_strides;  // k/v batch stride: per page when paged
+  int64_t lse_batch_stride;
+  int64_t lse_head_stride;
+
+  int dtype;
+  int batch;
+  int nheads;
+  int nheads_k;
+  int headdim;
+  int seqlen_q;  // max over the batch for varlen
+  int seqlen_k;  // keys per sequence when no per-sequence count is given
+
+  const int32_t* cu_seqlens_q;   // varlen queries, or null
+  const int32_t* cu_seqlens_k;   // varlen keys, or null
+  const int32_t* cache_seqlens;  // cache layouts: live keys before the append, or null (capacity)
+  int seqlen_new;                // tokens appended at cache_seqlens[b] (already written)
+  const int32_t* cache_leftpad;  // or null
+  const int32_t* cache_batch_idx;  // contiguous cache only, or null
+  const int32_t* block_table;    // paged cache only, or null
+  int64_t block_table_batch_stride;
+  int page_size;
+  int num_pages;      // k's first extent when paged (page numbers are clamped to it)
+  int cache_batches;  // k's first extent for a contiguous cache (batch_idx is clamped to it)
+  int kv_capacity;    // key rows a sequence can hold: seqlen dim, or block_table width * page_size
+  int64_t total_q;    // varlen: rows of q / k (offsets are clamped to them)
+  int64_t total_k;
+
+  float softmax_scale;
+  float softcap;
+  int window_left;
+  int window_right;
+  const float* alibi_slopes;
+  int64_t alibi_batch_stride;
+
+  int num_splits;        // >= 1; > 1 needs the workspace below
+  float* o_partial;      // (num_splits, batch, nheads, seqlen_q, headdim) fp32
+  float* lse_partial;    // (num_splits, batch, nheads, seqlen_q) fp32
+
+  void* stream;
+} PortattnDecodeParams;
+
+// Appends new keys/values to a cache (rotating the keys) and writes rotated
+// queries, before a decode call on the same stream: one writer per element.
+// Rotary positions follow flash-attn 2: key i of sequence b sits at cache row
+// cache_seqlens[b] + i and is rotated at that index (which counts leftpad);
+// queries are rotated at cache_seqlens[b] (+ i when q_position_per_token:
+// causal or local attention). Rows past the capacity are not written.
+typedef struct PortattnAppendParams {
+  const void* k_new;  // (batch, seqlen_new, nheads_k, headdim) or null
+  const void* v_new;
+  PortattnTensor4 k_new_strides, v_new_strides;
+  void* k_cache;
+  void* v_cache;
+  PortattnTensor4 k_cache_strides, v_cache_strides;
+  const void* q;  // (batch, seqlen_q, nheads, headdim) or null (no query rotation)
+  void* q_out;    // rotated queries, like q
+  PortattnTensor4 q_strides, q_out_strides;
+
+  int dtype;
+  int batch;
+  int seqlen_new;
+  int seqlen_q;
+  int nheads;
+  int nheads_k;
+  int headdim;
+
+  const int32_t* cache_seqlens;  // (batch,)
+  const int32_t* cache_batch_idx;
+  const int32_t* block_table;
+  int64_t block_table_batch_stride;
+  int page_size;
+  int num_pages;
+  int cache_batches;
+  int kv_capacity;
+
+  const void* rotary_cos;  // (seqlen_ro, rotary_dim / 2) or null
+  const void* rotary_sin;
+  int64_t rotary_row_stride;  // elements between positions (cos and sin share it)
+  int rotary_dtype;           // PortattnDtype, or 2 for float32
+  int rotary_dim;             // even, <= headdim; 0 = no rotation
+  int seqlen_ro;
+  int rotary_interleaved;
+  int q_position_per_token;
+
+  void* stream;
+} PortattnAppendParams;
+
 #ifdef __cplusplus
 }
 #endif

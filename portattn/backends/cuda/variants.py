@@ -50,6 +50,9 @@ FAMILIES: Tuple[Family, ...] = (
     # backward family (backward engineer): bwd_<hd>_<dtype>.cu instantiate run_bwd
     Family("bwd", "bwd_launch.cuh", "portattn::cuda::run_bwd", "kBwdVariants", "kNumBwdVariants",
            "BwdFn", "PortattnBwdParams"),
+    # split-KV decode over a KV cache read in place (Note [portattn decode] in common/params.h)
+    Family("decode", "decode_launch.cuh", "portattn::cuda::run_decode", "kDecodeVariants",
+           "kNumDecodeVariants", "DecodeFn", "PortattnDecodeParams"),
 )
 
 

@@ -6,8 +6,10 @@ after the GPU suite ran green on that hardware.
 from ..archs import ArchRange
 from ..declare import ALL_FEATURES, BackendSpec, ResourceRule
 
-# The kernels do not read paged caches: kvcache.py gathers them into a packed varlen call first.
-SUPPORTED = ALL_FEATURES - {"paged_kv"}
+# Paged caches are read in place by the decode kernels (csrc/decode_*; portattn/decode.py
+# routes flash_attn_with_kvcache and short-query calls there); a long-query varlen call
+# with block_table is gathered into a packed varlen call first.
+SUPPORTED = ALL_FEATURES
 
 # arch name -> features our GPU suite passed on that hardware.
 # sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_forward.py, 568 passed
@@ -48,7 +50,7 @@ SPEC = BackendSpec(
         )
         for above, need in FWD_HEADDIM_SMEM
     ),
-    unsupported_notes={"paged_kv": "is gathered into a packed varlen call first (an O(cached tokens) copy)"},
+    unsupported_notes={},
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="install with nvcc available (CUDA_HOME) to build it",
 )

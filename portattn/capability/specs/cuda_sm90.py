@@ -34,7 +34,8 @@ SPEC = BackendSpec(
     unsupported_notes={
         "alibi": "runs on the sm80+ path (cuda)",
         "dropout": "runs on the sm80+ path (cuda)",
-        "paged_kv": "is gathered into a packed varlen call first",
+        "paged_kv": "is read by the sm80+ path's decode kernels (cuda)",
+        "decode": "runs on the sm80+ path's decode kernels (cuda)",
     },
     # The Hopper forward serves varlen; its backward does not yet, so training
     # calls with it run both passes on the sm80+ path.

@@ -10,10 +10,11 @@ from ..declare import ALL_FEATURES, BackendSpec
 # ["features"] lists the same set and tests/test_rocm_isa.py keeps them equal.
 # The backward has no atomics, so it is always deterministic. Nothing here has
 # run on AMD hardware: every entry is "compiled".
-SUPPORTED = ALL_FEATURES - {"paged_kv"}
+SUPPORTED = ALL_FEATURES - {"paged_kv", "decode"}
 
 UNSUPPORTED_NOTES = {
     "paged_kv": "is gathered into a packed varlen call first (an O(cached tokens) copy)",
+    "decode": "is gathered into a packed varlen call and run by the forward kernels",
 }
 
 # arch name -> features our GPU suite passed on that hardware.

@@ -22,6 +22,10 @@ int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int messag
 long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params);
 int portattn_cuda_bwd_smem_bytes(int head_dim);
 // ---- end backward declarations ----
+// ---- decode (decode_entry.cu) ----
+int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len);
+int portattn_cuda_kvcache_append(const PortattnAppendParams* params, char* message, int message_len);
+void portattn_cuda_decode_tile(int head_dim, int* stage_keys, int* threads, int* smem_bytes);
 #ifdef PORTATTN_WITH_HOPPER
 // Opt-in sm_90a forward (hopper_fwd_entry.cu; build with PORTATTN_CUDA_HOPPER=1).
 int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message, int message_len);
@@ -106,6 +110,43 @@ py::dict smem_budgets(const py::list& head_dims) {
 }
 // ---- end backward ----
 
+// ---- decode ----
+void decode(PORTATTN_DECODE_ARGS) {
+  char message[512];
+  const PortattnDecodeParams p = portattn::binding::decode_params(
+      q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,
+      lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,
+      cu_seqlens_k, cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx, block_table,
+      block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
+      softmax_scale, softcap, window_left, window_right, alibi_slopes, alibi_batch_stride,
+      num_splits, o_partial, lse_partial, stream);
+  check(portattn_cuda_decode(&p, message, sizeof(message)), message);
+}
+
+void kvcache_append(PORTATTN_APPEND_ARGS) {
+  char message[512];
+  const PortattnAppendParams p = portattn::binding::append_params(
+      k_new, v_new, k_new_strides, v_new_strides, k_cache, v_cache, k_cache_strides,
+      v_cache_strides, q, q_out, q_strides, q_out_strides, dtype, batch, seqlen_new, seqlen_q,
+      nheads, nheads_k, headdim, cache_seqlens, cache_batch_idx, block_table,
+      block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity, rotary_cos,
+      rotary_sin, rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro, rotary_interleaved,
+      q_position_per_token, stream);
+  check(portattn_cuda_kvcache_append(&p, message, sizeof(message)), message);
+}
+
+// {"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim (the split planner's input).
+py::dict decode_tile(int head_dim) {
+  int stage_keys = -1, threads = -1, smem_bytes = -1;
+  portattn_cuda_decode_tile(head_dim, &stage_keys, &threads, &smem_bytes);
+  py::dict tile;
+  tile["stage_keys"] = stage_keys;
+  tile["threads"] = threads;
+  tile["smem_bytes"] = smem_bytes;
+  return tile;
+}
+// ---- end decode ----
+
 py::dict build_config() {
   static const char* const kDtypeNames[] = {"float16", "bfloat16"};
   py::list head_dims, dtypes, archs;
@@ -183,4 +224,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("bwd_smem_bytes", &portattn_cuda_bwd_smem_bytes,
         "smallest shared memory (bytes) of the backward block shapes for an instantiated head dim");
   // ---- end backward bindings ----
+  m.def("decode", &decode, "split-KV decode over a KV cache read in place (common/params.h: PortattnDecodeParams)");
+  m.def("kvcache_append", &kvcache_append,
+        "append new k/v to a cache with rotary, and rotate q (common/params.h: PortattnAppendParams)");
+  m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim");
 }

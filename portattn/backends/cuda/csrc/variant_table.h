@@ -42,6 +42,13 @@ cudaError_t run_bwd(const PortattnBwdParams& params);
 extern const Variant<BwdFn> kBwdVariants[];
 extern const int kNumBwdVariants;
 // ---- end backward family ----
+// ---- decode family (split-KV over a KV cache; decode_launch.cuh) ----
+using DecodeFn = cudaError_t (*)(const PortattnDecodeParams&);
+template <int kHeadDim, typename Elem>
+cudaError_t run_decode(const PortattnDecodeParams& params);
+extern const Variant<DecodeFn> kDecodeVariants[];
+extern const int kNumDecodeVariants;
+// ---- end decode family ----
 extern const char* const kBuildArchs;  // e.g. "80;90", as the build was asked for
 extern const char* const kBuildPtx;    // arch of the embedded PTX, e.g. "90" ("" = none)
 
@@ -80,6 +87,15 @@ struct SmemOptIn {
 };
 template <int kHeadDim, typename Elem, bool kFlag>
 SmemOptInState SmemOptIn<kHeadDim, Elem, kFlag>::state = {0ull};
+
+// The decode kernels' own opt-in record (SmemOptIn's is keyed by the same
+// template arguments and belongs to the forward kernels).
+template <int kHeadDim, typename Elem, bool kFlag>
+struct DecodeSmemOptIn {
+  static SmemOptInState state;
+};
+template <int kHeadDim, typename Elem, bool kFlag>
+SmemOptInState DecodeSmemOptIn<kHeadDim, Elem, kFlag>::state = {0ull};
 
 }  // namespace cuda
 }  // namespace portattn

@@ -1,0 +1,305 @@
+// C entry points of the decode path (Note [portattn decode] in common/params.h):
+// the split combine, the cache append with rotary, and the per-head-dim tile
+// facts the Python split planner (portattn/decode.py) needs.
+#include <stdio.h>
+
+#include "decode_kernel.cuh"
+#include "variant_table.h"
+
+namespace portattn {
+namespace cuda {
+
+namespace {
+
+constexpr int kCombineWarps = 4;
+// The planner never asks for more (decode.py: MAX_SPLITS); the combine keeps one
+// weight per split in shared memory.
+constexpr int kMaxSplits = 128;
+
+template <typename Elem>
+__device__ __forceinline__ float to_float(Elem x);
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename Elem>
+__device__ __forceinline__ Elem from_float(float x);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// One warp per output row (sequence, head, query): LSE-weighted sum of the
+// splits' normalised partial outputs. A row no split saw (every partial LSE
+// -inf) gets out = 0 and lse = -inf, the forward kernels' convention.
+template <typename Elem>
+__global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(const PortattnDecodeParams p) {
+  __shared__ float weights[kCombineWarps][kMaxSplits];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.nheads * p.seqlen_q;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
+  if (row >= rows_total) return;
+  const int qi = static_cast<int>(row % p.seqlen_q);
+  const int head = static_cast<int>((row / p.seqlen_q) % p.nheads);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.nheads));
+  int q_start = 0;
+  if (p.cu_seqlens_q != nullptr) {
+    // The decode kernel's clamping (DecodeSequence), so both skip the same rows.
+    const DecodeSequence seq = DecodeSequence::of(p, b);
+    if (qi >= seq.seqlen_q) return;
+    q_start = seq.q_start;
+  }
+  const int splits = p.num_splits;
+  float* w = weights[warp];
+  float m = softmax::neg_inf();
+  for (int s = lane; s < splits; s += 32) {
+    const float l = p.lse_partial[s * rows_total + row];
+    w[s] = l;
+    m = fmaxf(m, l);
+  }
+  m = warp_max(m);
+  float sum = 0.f;
+  if (m != softmax::neg_inf())
+    for (int s = lane; s < splits; s += 32) sum += expf(w[s] - m);
+  sum = warp_sum(sum);
+  const float lse = (m == softmax::neg_inf() || sum == 0.f) ? softmax::neg_inf() : m + logf(sum);
+  for (int s = lane; s < splits; s += 32) w[s] = lse == softmax::neg_inf() ? 0.f : expf(w[s] - lse);
+  __syncwarp();
+
+  const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
+  Elem* out = static_cast<Elem*>(p.out) + o_batch + static_cast<int64_t>(q_start + qi) * p.out_strides.row_stride +
+              static_cast<int64_t>(head) * p.out_strides.head_stride;
+  for (int col = lane * 4; col < p.headdim; col += 128) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < splits; ++s) {
+      const float weight = w[s];
+      if (weight == 0.f) continue;  // an empty split (or one that lost by ~88 nats)
+      const float4 part = *reinterpret_cast<const float4*>(p.o_partial + (s * rows_total + row) * p.headdim + col);
+      acc[0] += weight * part.x;
+      acc[1] += weight * part.y;
+      acc[2] += weight * part.z;
+      acc[3] += weight * part.w;
+    }
+    uint2 packed;
+    packed.x = ptx::ElemTraits<Elem>::pack(acc[0], acc[1]);
+    packed.y = ptx::ElemTraits<Elem>::pack(acc[2], acc[3]);
+    *reinterpret_cast<uint2*>(out + col) = packed;
+  }
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[(p.cu_seqlens_q != nullptr ? 0 : b * p.lse_batch_stride) + head * p.lse_head_stride + q_start + qi] = lse;
+}
+
+// ---- append + rotary -------------------------------------------------------------
+
+template <typename Elem>
+struct Rotary {
+  const PortattnAppendParams& p;
+
+  __device__ __forceinline__ float table(const void* base, int64_t index) const {
+    if (p.rotary_dtype == 2) return static_cast<const float*>(base)[index];
+    if (p.rotary_dtype == PORTATTN_BF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
+    return __half2float(static_cast<const __half*>(base)[index]);
+  }
+
+  // Element e of row x rotated at position pos (elements past rotary_dim pass through).
+  __device__ __forceinline__ float apply(const Elem* x, int e, int pos) const {
+    const float value = to_float(x[e]);
+    if (e >= p.rotary_dim) return value;
+    pos = min(max(pos, 0), p.seqlen_ro - 1);
+    const int half = p.rotary_dim / 2;
+    int pair, partner;
+    bool first;
+    if (p.rotary_interleaved) {  // pairs (0, 1), (2, 3), ...
+      pair = e / 2;
+      first = (e % 2) == 0;
+      partner = first ? e + 1 : e - 1;
+    } else {  // GPT-NeoX halves: (i, i + rotary_dim / 2)
+      pair = e % half;
+      first = e < half;
+      partner = first ? e + half : e - half;
+    }
+    const int64_t index = static_cast<int64_t>(pos) * p.rotary_row_stride + pair;
+    const float c = table(p.rotary_cos, index), s = table(p.rotary_sin, index);
+    const float other = to_float(x[partner]);
+    return first ? value * c - other * s : value * c + other * s;
+  }
+};
+
+// One block per (token, head) row, one thread per element: rows of the new
+// keys/values first (written into the cache), then the query rows (rotated
+// into q_out). Tiny next to the decode itself; its own launch keeps one writer
+// per cache element (no race between the CTAs of one KV head's splits).
+template <typename Elem>
+__global__ void kvcache_append_kernel(const PortattnAppendParams p) {
+  const int e = threadIdx.x;
+  const int64_t kv_rows = p.k_new != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_new * p.nheads_k : 0;
+  int64_t row = blockIdx.x;
+  const Rotary<Elem> rotary{p};
+  if (row < kv_rows) {
+    const int h = static_cast<int>(row % p.nheads_k);
+    const int i = static_cast<int>((row / p.nheads_k) % p.seqlen_new);
+    const int b = static_cast<int>(row / (static_cast<int64_t>(p.nheads_k) * p.seqlen_new));
+    const int pos = p.cache_seqlens[b] + i;
+    if (pos < 0 || pos >= p.kv_capacity || e >= p.headdim) return;
+    int64_t k_off, v_off;
+    if (p.block_table != nullptr) {
+      const int page = min(max(p.block_table[b * p.block_table_batch_stride + pos / p.page_size], 0), p.num_pages - 1);
+      const int in_page = pos % p.page_size;
+      k_off = page * p.k_cache_strides.batch_stride + static_cast<int64_t>(in_page) * p.k_cache_strides.row_stride;
+      v_off = page * p.v_cache_strides.batch_stride + static_cast<int64_t>(in_page) * p.v_cache_strides.row_stride;
+    } else {
+      const int entry = p.cache_batch_idx != nullptr ? min(max(p.cache_batch_idx[b], 0), p.cache_batches - 1) : b;
+      k_off = entry * p.k_cache_strides.batch_stride + static_cast<int64_t>(pos) * p.k_cache_strides.row_stride;
+      v_off = entry * p.v_cache_strides.batch_stride + static_cast<int64_t>(pos) * p.v_cache_strides.row_stride;
+    }
+    k_off += h * p.k_cache_strides.head_stride + e;
+    v_off += h * p.v_cache_strides.head_stride + e;
+    const Elem* k_src = static_cast<const Elem*>(p.k_new) + b * p.k_new_strides.batch_stride +
+                        i * p.k_new_strides.row_stride + h * p.k_new_strides.head_stride;
+    const Elem* v_src = static_cast<const Elem*>(p.v_new) + b * p.v_new_strides.batch_stride +
+                        i * p.v_new_strides.row_stride + h * p.v_new_strides.head_stride;
+    static_cast<Elem*>(p.k_cache)[k_off] = from_float<Elem>(rotary.apply(k_src, e, pos));
+    static_cast<Elem*>(p.v_cache)[v_off] = v_src[e];
+    return;
+  }
+  row -= kv_rows;
+  const int h = static_cast<int>(row % p.nheads);
+  const int i = static_cast<int>((row / p.nheads) % p.seqlen_q);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.nheads) * p.seqlen_q));
+  if (e >= p.headdim) return;
+  const int pos = p.cache_seqlens[b] + (p.q_position_per_token ? i : 0);
+  const Elem* q_src = static_cast<const Elem*>(p.q) + b * p.q_strides.batch_stride + i * p.q_strides.row_stride +
+                      h * p.q_strides.head_stride;
+  Elem* q_dst = static_cast<Elem*>(p.q_out) + b * p.q_out_strides.batch_stride + i * p.q_out_strides.row_stride +
+                h * p.q_out_strides.head_stride;
+  q_dst[e] = from_float<Elem>(rotary.apply(q_src, e, pos));
+}
+
+template <int kHeadDim = 32>
+void decode_tile_of(int head_dim, int* stage_keys, int* threads, int* smem_bytes) {
+  if constexpr (kHeadDim > 256) {
+    *stage_keys = *threads = *smem_bytes = -1;
+  } else if (head_dim == kHeadDim) {
+    *stage_keys = DecodeTileConfig<kHeadDim>::kStageKeys;
+    *threads = DecodeTileConfig<kHeadDim>::kThreads;
+    *smem_bytes = DecodeTileConfig<kHeadDim>::kSmemBytes;
+  } else {
+    decode_tile_of<kHeadDim + 32>(head_dim, stage_keys, threads, smem_bytes);
+  }
+}
+
+bool decode_strides_aligned(const PortattnDecodeParams& p) {
+  return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) &&
+         strides_aligned(p.q_strides) && strides_aligned(p.k_strides) && strides_aligned(p.v_strides) &&
+         strides_aligned(p.out_strides);
+}
+
+}  // namespace
+
+cudaError_t launch_decode_combine(const PortattnDecodeParams& params) {
+  const int64_t rows = static_cast<int64_t>(params.batch) * params.nheads * params.seqlen_q;
+  const unsigned blocks = static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps);
+  const cudaStream_t stream = static_cast<cudaStream_t>(params.stream);
+  if (params.dtype == PORTATTN_BF16)
+    decode_combine_kernel<__nv_bfloat16><<<blocks, kCombineWarps * 32, 0, stream>>>(params);
+  else
+    decode_combine_kernel<__half><<<blocks, kCombineWarps * 32, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace portattn
+
+using namespace portattn::cuda;
+
+// Tile facts of the decode kernel serving `head_dim` (-1s when none is built).
+extern "C" void portattn_cuda_decode_tile(int head_dim, int* stage_keys, int* threads, int* smem_bytes) {
+  const Variant<DecodeFn>* variant = find_variant(kDecodeVariants, kNumDecodeVariants, head_dim, PORTATTN_FP16);
+  if (variant == nullptr) variant = find_variant(kDecodeVariants, kNumDecodeVariants, head_dim, PORTATTN_BF16);
+  if (variant == nullptr) {
+    *stage_keys = *threads = *smem_bytes = -1;
+    return;
+  }
+  decode_tile_of(variant->head_dim, stage_keys, threads, smem_bytes);
+}
+
+extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len) {
+  const Variant<DecodeFn>* variant =
+      find_variant(kDecodeVariants, kNumDecodeVariants, params->headdim, params->dtype);
+  if (variant == nullptr) {
+    char text[160];
+    snprintf(text, sizeof(text), "portattn cuda: no decode kernel built for head_dim %d dtype %d",
+             params->headdim, params->dtype);
+    return fail(message, message_len, -1, text);
+  }
+  if (!decode_strides_aligned(*params)) {
+    return fail(message, message_len, -1,
+                "portattn cuda decode: q, the caches and out need 16-byte aligned data pointers and "
+                "strides that are multiples of 8 elements");
+  }
+  if (params->nheads_k <= 0 || params->nheads % params->nheads_k != 0 || params->headdim % 8 != 0) {
+    return fail(message, message_len, -1, "portattn cuda decode: nheads % nheads_k and headdim % 8 must be 0");
+  }
+  if (params->num_splits < 1 || params->num_splits > kMaxSplits ||
+      (params->num_splits > 1 && (params->o_partial == nullptr || params->lse_partial == nullptr ||
+                                  !aligned16(params->o_partial)))) {
+    char text[200];
+    snprintf(text, sizeof(text),
+             "portattn cuda decode: num_splits %d must be in [1, %d], with an aligned workspace above 1",
+             params->num_splits, kMaxSplits);
+    return fail(message, message_len, -1, text);
+  }
+  if (params->block_table != nullptr && (params->page_size <= 0 || params->num_pages <= 0)) {
+    return fail(message, message_len, -1, "portattn cuda decode: a paged cache needs page_size and num_pages > 0");
+  }
+  set_error_detail("");
+  const cudaError_t err = variant->run(*params);
+  if (err != cudaSuccess) {
+    char text[400];
+    snprintf(text, sizeof(text), "portattn cuda decode: %s%s%s", cudaGetErrorString(err),
+             last_error_detail()[0] ? ": " : "", last_error_detail());
+    return fail(message, message_len, static_cast<int>(err), text);
+  }
+  return 0;
+}
+
+extern "C" int portattn_cuda_kvcache_append(const PortattnAppendParams* params, char* message, int message_len) {
+  const PortattnAppendParams& p = *params;
+  if (p.headdim <= 0 || p.headdim > 1024 || (p.rotary_dim % 2) != 0 || p.rotary_dim > p.headdim) {
+    return fail(message, message_len, -1,
+                "portattn cuda append: headdim must be in [1, 1024] and rotary_dim even and <= headdim");
+  }
+  if (p.rotary_dim > 0 && (p.rotary_cos == nullptr || p.rotary_sin == nullptr || p.seqlen_ro <= 0)) {
+    return fail(message, message_len, -1, "portattn cuda append: rotary needs cos, sin and seqlen_ro > 0");
+  }
+  const int64_t kv_rows = p.k_new != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_new * p.nheads_k : 0;
+  const int64_t q_rows = p.q != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_q * p.nheads : 0;
+  const int64_t blocks = kv_rows + q_rows;
+  if (blocks == 0) return 0;
+  const int threads = (p.headdim + 31) / 32 * 32;
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  if (p.dtype == PORTATTN_BF16)
+    kvcache_append_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
+  else
+    kvcache_append_kernel<__half><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    char text[200];
+    snprintf(text, sizeof(text), "portattn cuda append: %s", cudaGetErrorString(err));
+    return fail(message, message_len, static_cast<int>(err), text);
+  }
+  return 0;
+}

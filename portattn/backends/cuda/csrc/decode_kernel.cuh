@@ -1,0 +1,388 @@
+// Split-KV decode kernel for sm80+ (mma.sync): few query rows against many
+// keys, read in place from a contiguous cache, a paged cache or packed
+// (varlen) sequences. Design: Note [portattn decode] in common/params.h.
+//
+// Tile configuration (DecodeTileConfig): a CTA owns 16 packed query rows
+// (query x head-in-group) of one (sequence, KV head) and one key split.
+// Each warp takes 16 keys of every stage (kStageKeys = 16 x warps), so the
+// score tile of a warp is one m16n16 block and P never leaves registers.
+//   head dim <= 128: 4 warps, 64 keys per stage;
+//   head dim  > 128: 2 warps, 32 keys per stage (O is head_dim / 2 fp32
+//                    registers per thread; 4 warps would also double the
+//                    shared memory of the final merge).
+// Shared memory: kStages stages of K and V (swizzled, ptx::SwizzledTile),
+// each 32 KiB at head dims 128 and 256, three stages in flight: 96 KiB, within
+// the 99 KiB that consumer GPUs (sm86/sm89/sm120) allow per block. Q is read
+// straight into mma A fragments (16 rows, once per CTA), so it needs no
+// shared memory. The decode is bound by HBM bandwidth: what matters is the
+// bytes in flight per SM (Little's law: ~3.35 TB/s x ~1 us / 132 SMs = 25 KiB
+// on an H100); two stages ahead of the one being consumed give 64 KiB per CTA.
+//
+// Per stage: every thread issues its part of the next K/V stage (cp.async,
+// with a per-row page lookup when paged: any page size works, a stage may
+// span several pages), then each warp computes S = Q K^T over its 16 keys,
+// masks only on boundary stages, runs the online-softmax step and O += P V.
+// At the end the warps' (O, LSE) pairs are merged through shared memory,
+// which is the same LSE-weighted sum the split combine does across CTAs.
+#pragma once
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "../../common/online_softmax.h"
+#include "../../common/params.h"
+#include "fwd_kernel.cuh"
+#include "ptx.cuh"
+
+namespace portattn {
+namespace cuda {
+
+template <int kHeadDim_>
+struct DecodeTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockM = 16;  // packed query rows per CTA
+  static constexpr int kWarpKeys = 16;
+  static constexpr int kStageKeys = kWarps * kWarpKeys;
+  // Small head dims have small stages: keep more of them in flight.
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 3;
+  using KVTile = ptx::SwizzledTile<kStageKeys, kHeadDim>;
+  static constexpr int kStageBytes = 2 * KVTile::kBytes;  // K then V
+  // Stage loads: 16-byte chunks, a power-of-two number of lanes per key row.
+  static constexpr int kLoadLanesPerRow = next_pow2(kHeadDim / 8);
+  static constexpr int kLoadRowsPerStep = kThreads / kLoadLanesPerRow;
+  static_assert(kLoadRowsPerStep > 0 && kStageKeys % kLoadRowsPerStep == 0, "loader layout");
+  static constexpr int kMergeBytes = kWarps * kBlockM * (kHeadDim + 1) * 4;
+  static constexpr int kSmemBytes = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
+  static_assert(KVTile::kBytes % 128 == 0, "stage buffers keep the swizzle's 128-byte alignment");
+};
+
+// Where one sequence's queries and keys are, with every device-read value clamped
+// to the tensors' extents (Note [portattn decode]).
+struct DecodeSequence {
+  int q_start;   // first packed row of q (varlen), else 0
+  int seqlen_q;
+  int seqlen_k;  // visible keys
+  int key_base;  // position of key 0: leftpad (caches) or packed row (varlen)
+  int cache_row; // contiguous cache: which batch entry of k
+
+  __device__ __forceinline__ static DecodeSequence of(const PortattnDecodeParams& p, int b) {
+    DecodeSequence s{0, p.seqlen_q, p.seqlen_k, 0, b};
+    if (p.cu_seqlens_q != nullptr) {
+      const int start = min(max(p.cu_seqlens_q[b], 0), static_cast<int>(p.total_q));
+      const int end = min(max(p.cu_seqlens_q[b + 1], start), static_cast<int>(p.total_q));
+      s.q_start = start;
+      s.seqlen_q = min(end - start, p.seqlen_q);
+    }
+    if (p.cu_seqlens_k != nullptr) {
+      const int start = min(max(p.cu_seqlens_k[b], 0), static_cast<int>(p.total_k));
+      const int end = min(max(p.cu_seqlens_k[b + 1], start), static_cast<int>(p.total_k));
+      s.key_base = start;
+      s.seqlen_k = end - start;
+    } else if (p.cache_seqlens != nullptr || p.cache_leftpad != nullptr) {
+      int end = p.cache_seqlens != nullptr ? p.cache_seqlens[b] + p.seqlen_new : p.kv_capacity;
+      end = min(max(end, 0), p.kv_capacity);
+      const int start = p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[b], 0), end) : 0;
+      s.key_base = start;
+      s.seqlen_k = end - start;
+    } else {
+      s.seqlen_k = min(p.seqlen_k, p.kv_capacity);
+    }
+    if (p.cache_batch_idx != nullptr) s.cache_row = min(max(p.cache_batch_idx[b], 0), p.cache_batches - 1);
+    return s;
+  }
+};
+
+// Element offset of key row `pos` (a position in the sequence's layout) of one
+// KV head, for K or V (their strides may differ: separate views of a cache).
+struct KeyRowAddress {
+  const int32_t* pages;  // this sequence's block-table row, or null
+  int page_size;
+  int num_pages;
+
+  __device__ __forceinline__ int64_t offset(const PortattnTensor4& st, int cache_row, int pos) const {
+    if (pages == nullptr) return cache_row * st.batch_stride + static_cast<int64_t>(pos) * st.row_stride;
+    const int page = min(max(pages[pos / page_size], 0), num_pages - 1);
+    return page * st.batch_stride + static_cast<int64_t>(pos % page_size) * st.row_stride;
+  }
+};
+
+template <int kHeadDim, typename Elem, bool kExtras>
+__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
+    decode_kernel(const PortattnDecodeParams params) {
+  using Config = DecodeTileConfig<kHeadDim>;
+  using KVTile = typename Config::KVTile;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kStageKeys = Config::kStageKeys;
+  constexpr int kStages = Config::kStages;
+  constexpr int kOCols = kHeadDim / 4;
+  constexpr int kSCols = 4;  // 16 keys per warp: two n8 tiles, two columns each
+  constexpr int kRows = 2;   // rows g and g + 8 of the 16-row tile
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t smem = ptx::smem_addr(smem_raw);
+
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int split = blockIdx.x;
+  const int group = params.nheads / params.nheads_k;
+  const int m_tiles = (params.seqlen_q * group + 15) / 16;
+  const int head_k = blockIdx.y / m_tiles;
+  const int m_tile = blockIdx.y % m_tiles;
+  const int batch = blockIdx.z;
+
+  const DecodeSequence seq = DecodeSequence::of(params, batch);
+  const int rows = seq.seqlen_q * group;  // packed rows of this sequence
+  const int row0 = m_tile * 16;
+  if (row0 >= rows) return;  // a shorter varlen sequence: nothing of it here (the combine skips it too)
+
+  // ---- the key range this CTA covers --------------------------------------------
+  const int diag = seq.seqlen_k - seq.seqlen_q;
+  const int wl = params.window_left, wr = params.window_right;
+  const int q_first = row0 / group, q_last = min(row0 + 15, rows - 1) / group;
+  int key_lo = 0, key_hi = seq.seqlen_k;  // [lo, hi): keys some row of the tile may see
+  if (wl >= 0) key_lo = max(0, q_first + diag - wl);
+  if (wr >= 0) key_hi = min(key_hi, q_last + diag + wr + 1);
+  const int stage_begin_all = key_lo / kStageKeys;
+  const int stage_end_all = key_hi > key_lo ? (key_hi + kStageKeys - 1) / kStageKeys : stage_begin_all;
+  const int per_split = (stage_end_all - stage_begin_all + params.num_splits - 1) / params.num_splits;
+  const int stage_begin = min(stage_begin_all + split * per_split, stage_end_all);
+  const int stage_end = min(stage_begin + per_split, stage_end_all);
+
+  // ---- per-thread rows: register row r is tile row g + 8 r -----------------------
+  const int g = lane / 4;
+  int q_of_row[kRows];
+  float slope[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int packed = min(row0 + g + 8 * r, rows - 1);
+    q_of_row[r] = packed / group;
+    slope[r] = 0.f;
+    if (kExtras && params.alibi_slopes != nullptr)
+      slope[r] = params.alibi_slopes[batch * params.alibi_batch_stride + head_k * group + packed % group];
+  }
+
+  // ---- Q straight into A fragments: a[kk] = rows (g, g+8) x cols kk*16 + (2q, 2q+1, 8+2q, 9+2q)
+  const Elem* gQ = static_cast<const Elem*>(params.q);
+  uint32_t qa[kHeadDim / 16][4];
+  {
+    const int64_t q_batch = params.cu_seqlens_q != nullptr ? 0 : batch * params.q_strides.batch_stride;
+    const Elem* q_row[kRows];
+    bool row_ok[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int packed = row0 + g + 8 * r;
+      row_ok[r] = packed < rows;
+      const int safe = row_ok[r] ? packed : 0;
+      q_row[r] = gQ + q_batch + static_cast<int64_t>(seq.q_start + safe / group) * params.q_strides.row_stride +
+                 static_cast<int64_t>(head_k * group + safe % group) * params.q_strides.head_stride;
+    }
+    const int c0 = 2 * (lane % 4);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = kk * 16 + half * 8 + c0;
+        const bool col_ok = col < params.headdim;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          qa[kk][half * 2 + r] =
+              row_ok[r] && col_ok ? *reinterpret_cast<const uint32_t*>(q_row[r] + col) : 0u;
+      }
+    }
+  }
+
+  // ---- K/V stage loader: per-row addresses (pages may change at any row) ---------
+  constexpr int kLanesPerRow = Config::kLoadLanesPerRow;
+  constexpr int kRowsPerStep = Config::kLoadRowsPerStep;
+  constexpr int kSteps = kStageKeys / kRowsPerStep;
+  const int load_row0 = threadIdx.x / kLanesPerRow;
+  const int load_col = (threadIdx.x % kLanesPerRow) * 8;
+  const bool load_lane = load_col < kHeadDim;
+  const bool load_col_ok = load_col < params.headdim;
+  const Elem* gK = static_cast<const Elem*>(params.k) + head_k * params.k_strides.head_stride;
+  const Elem* gV = static_cast<const Elem*>(params.v) + head_k * params.v_strides.head_stride;
+  const KeyRowAddress rows_at{
+      params.block_table != nullptr ? params.block_table + batch * params.block_table_batch_stride : nullptr,
+      params.page_size, params.num_pages};
+  const int cache_row = params.cu_seqlens_k != nullptr ? 0 : seq.cache_row;
+
+  auto load_stage = [&](int stage) {
+    const uint32_t sK = smem + (stage % kStages) * Config::kStageBytes;
+    const uint32_t sV = sK + KVTile::kBytes;
+    if (load_lane) {
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+        const int row = load_row0 + step * kRowsPerStep;
+        const int key = stage * kStageKeys + row;
+        const bool valid = load_col_ok && key < seq.seqlen_k;
+        const int pos = seq.key_base + (valid ? key : 0);
+        const uint32_t dst = KVTile::offset(row, load_col);
+        const int64_t k_off = valid ? rows_at.offset(params.k_strides, cache_row, pos) + load_col : 0;
+        const int64_t v_off = valid ? rows_at.offset(params.v_strides, cache_row, pos) + load_col : 0;
+        ptx::cp_async_16(sK + dst, gK + k_off, valid);
+        ptx::cp_async_16(sV + dst, gV + v_off, valid);
+      }
+    }
+  };
+
+  float o[kRows][kOCols];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kOCols; ++c) o[r][c] = 0.f;
+  softmax::RowState<kRows> state;
+  state.init();
+  const float scale_log2 = params.softmax_scale * softmax::kLog2e;
+  const float softmax_scale_log2 = kExtras ? 1.f : scale_log2;
+
+  // ldmatrix lane addresses of this warp's 16 keys (rows 16 w .. 16 w + 15 of a stage).
+  const uint32_t k_frag = KVTile::lane(warp * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const uint32_t v_frag = KVTile::lane(warp * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const int col0 = 2 * (lane % 4);
+
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (stage_begin + i < stage_end) load_stage(stage_begin + i);
+    ptx::cp_async_commit();
+  }
+
+  for (int stage = stage_begin; stage < stage_end; ++stage) {
+    ptx::cp_async_wait<kStages - 2>();
+    __syncthreads();  // this stage landed for every thread; everyone is done with stage - 1's buffer
+    if (stage + kStages - 1 < stage_end) load_stage(stage + kStages - 1);
+    ptx::cp_async_commit();
+
+    const uint32_t sK = smem + (stage % kStages) * Config::kStageBytes;
+    const uint32_t sV = sK + KVTile::kBytes;
+    float s[kRows][kSCols];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int c = 0; c < kSCols; ++c) s[r][c] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, sK + (k_frag ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(0, kk * 2));
+      mma_m16n16<Elem>(s, 0, 0, qa[kk], b);
+    }
+
+    const int key0 = stage * kStageKeys + warp * 16;
+    if (kExtras) {
+      const float softcap = params.softcap;
+      const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < kSCols; ++c) {
+          float x = s[r][c] * params.softmax_scale;
+          if (softcap > 0.f) x = softcap * tanhf(x * inv_softcap);
+          const int j = key0 + (c / 2) * 8 + col0 + (c % 2);
+          x -= slope[r] * fabsf(static_cast<float>(q_of_row[r] + diag - j));
+          s[r][c] = x * softmax::kLog2e;
+        }
+    }
+    const int stage_key0 = stage * kStageKeys;
+    const bool needs_mask = stage_key0 + kStageKeys > seq.seqlen_k ||
+                            (wr >= 0 && stage_key0 + kStageKeys - 1 > q_first + diag + wr) ||
+                            (wl >= 0 && stage_key0 < q_last + diag - wl);
+    if (needs_mask) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int i = q_of_row[r];
+        const int lo = wl >= 0 ? i + diag - wl : 0;
+        const int hi = min(seq.seqlen_k - 1, wr >= 0 ? i + diag + wr : seq.seqlen_k - 1);
+#pragma unroll
+        for (int c = 0; c < kSCols; ++c) {
+          const int j = key0 + (c / 2) * 8 + col0 + (c % 2);
+          if (j < lo || j > hi) s[r][c] = softmax::neg_inf();
+        }
+      }
+    }
+
+    softmax::online_softmax_step_lazy<kRows, kSCols, kOCols, QuadReduce>(s, o, state, softmax_scale_log2);
+
+    uint32_t p[4];
+    p[0] = ptx::ElemTraits<Elem>::pack(s[0][0], s[0][1]);
+    p[1] = ptx::ElemTraits<Elem>::pack(s[1][0], s[1][1]);
+    p[2] = ptx::ElemTraits<Elem>::pack(s[0][2], s[0][3]);
+    p[3] = ptx::ElemTraits<Elem>::pack(s[1][2], s[1][3]);
+#pragma unroll
+    for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4_trans(b, sV + (v_frag ^ KVTile::chunk_xor(dp * 2)) + KVTile::fixed(0, dp * 2));
+      mma_m16n16<Elem>(o, 0, dp, p, b);
+    }
+  }
+
+  // ---- merge the warps' states, then write out (one split) or the partials ------
+  float lse[kRows];
+  softmax::online_softmax_finalize<kRows, kOCols, QuadReduce>(o, state, softmax_scale_log2, 1.f, lse);
+  ptx::cp_async_wait<0>();
+  __syncthreads();  // the stage buffers become the merge buffer
+  // [warp][row][kHeadDim + 1] fp32: the extra column holds the row's LSE, and the
+  // odd pitch spreads the rows of one store over the banks.
+  float* sO = reinterpret_cast<float*>(smem_raw);
+  constexpr int kRowPitch = kHeadDim + 1;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    float* row = sO + (warp * 16 + g + 8 * r) * kRowPitch;
+#pragma unroll
+    for (int c = 0; c < kOCols; ++c) row[(c / 2) * 8 + col0 + (c % 2)] = o[r][c];
+    if (lane % 4 == 0) row[kHeadDim] = lse[r];
+  }
+  __syncthreads();
+
+  const bool single = params.num_splits == 1;
+  Elem* gO = static_cast<Elem*>(params.out);
+  constexpr int kQuads = 16 * kHeadDim / 4;  // 4 consecutive columns per item
+  for (int item = threadIdx.x; item < kQuads; item += kThreads) {
+    const int row = item / (kHeadDim / 4);
+    const int col = (item % (kHeadDim / 4)) * 4;
+    const int packed = row0 + row;
+    if (packed >= rows || col >= params.headdim) continue;
+    float m = softmax::neg_inf();
+#pragma unroll
+    for (int w = 0; w < Config::kWarps; ++w) m = fmaxf(m, sO[(w * 16 + row) * kRowPitch + kHeadDim]);
+    float total_lse = softmax::neg_inf();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (m != softmax::neg_inf()) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < Config::kWarps; ++w) sum += __expf(sO[(w * 16 + row) * kRowPitch + kHeadDim] - m);
+      total_lse = m + __logf(sum);
+#pragma unroll
+      for (int w = 0; w < Config::kWarps; ++w) {
+        const float* src = sO + (w * 16 + row) * kRowPitch;
+        const float weight = __expf(src[kHeadDim] - total_lse);  // exp(-inf) = 0 for an empty warp
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] += weight * src[col + e];
+      }
+    }
+    const int qi = packed / group;
+    const int head = head_k * group + packed % group;
+    if (single) {
+      const int64_t o_batch = params.cu_seqlens_q != nullptr ? 0 : batch * params.out_strides.batch_stride;
+      Elem* dst = gO + o_batch + static_cast<int64_t>(seq.q_start + qi) * params.out_strides.row_stride +
+                  static_cast<int64_t>(head) * params.out_strides.head_stride + col;
+      uint2 packed_out;
+      packed_out.x = ptx::ElemTraits<Elem>::pack(acc[0], acc[1]);
+      packed_out.y = ptx::ElemTraits<Elem>::pack(acc[2], acc[3]);
+      *reinterpret_cast<uint2*>(dst) = packed_out;
+      if (col == 0 && params.lse != nullptr)
+        params.lse[(params.cu_seqlens_q != nullptr ? 0 : batch * params.lse_batch_stride) +
+                   head * params.lse_head_stride + seq.q_start + qi] = total_lse;
+    } else {
+      const int64_t row_index =
+          ((static_cast<int64_t>(split) * params.batch + batch) * params.nheads + head) * params.seqlen_q + qi;
+      *reinterpret_cast<float4*>(params.o_partial + row_index * params.headdim + col) =
+          make_float4(acc[0], acc[1], acc[2], acc[3]);
+      if (col == 0) params.lse_partial[row_index] = total_lse;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace portattn

@@ -1,0 +1,43 @@
+// Host side of the decode kernel (decode_kernel.cuh): grid, shared-memory
+// opt-in, launch, then the split combine (decode_entry.cu) when the key range
+// is split. Included by the generated per-(head dim, dtype) translation units
+// (variants.py, family "decode"), each of which instantiates run_decode.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "decode_kernel.cuh"
+#include "variant_table.h"
+
+namespace portattn {
+namespace cuda {
+
+// Merges the num_splits partial results of a decode call (decode_entry.cu).
+cudaError_t launch_decode_combine(const PortattnDecodeParams& params);
+
+template <int kHeadDim, typename Elem, bool kExtras>
+cudaError_t launch_decode(const PortattnDecodeParams& params) {
+  using Config = DecodeTileConfig<kHeadDim>;
+  auto kernel = &decode_kernel<kHeadDim, Elem, kExtras>;
+  constexpr int kSmem = Config::kSmemBytes;
+  cudaError_t err = ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmem,
+                                        &DecodeSmemOptIn<kHeadDim, Elem, kExtras>::state);
+  if (err != cudaSuccess) return err;
+  const int group = params.nheads / params.nheads_k;
+  const int m_tiles = (params.seqlen_q * group + Config::kBlockM - 1) / Config::kBlockM;
+  const dim3 grid(params.num_splits, params.nheads_k * m_tiles, params.batch);
+  kernel<<<grid, Config::kThreads, kSmem, static_cast<cudaStream_t>(params.stream)>>>(params);
+  return cudaGetLastError();
+}
+
+template <int kHeadDim, typename Elem>
+cudaError_t run_decode(const PortattnDecodeParams& params) {
+  if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
+  const bool extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  cudaError_t err = extras ? launch_decode<kHeadDim, Elem, true>(params)
+                           : launch_decode<kHeadDim, Elem, false>(params);
+  if (err != cudaSuccess || params.num_splits == 1) return err;
+  return launch_decode_combine(params);
+}
+
+}  // namespace cuda
+}  // namespace portattn
