@@ -4,8 +4,9 @@ Switching from flash-attn is an import change: `from portattn import flash_attn_
 Differences, all deliberate and documented in README:
 - `return_attn_probs=True` returns (out, softmax_lse, None): no backend materialises
   the O(seqlen^2) probability matrix.
-- `flash_attn_with_kvcache` and paged `block_table` calls gather the cache into a
-  packed varlen call; the attention itself then dispatches like any varlen call.
+- `flash_attn_with_kvcache` reads the cache in place on the decode kernels (kvcache.py,
+  decode.py); where no compiled backend has them, and for paged varlen calls that are
+  not decode-shaped, the cache is gathered into a packed varlen call first.
 """
 from __future__ import annotations
 
@@ -102,6 +103,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sequence's key count.
     """
     if block_table is not None:
+        in_place = _paged_varlen_in_place(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                                          causal, window_size, softcap, alibi_slopes)
+        if in_place is not None:
+            out, lse = in_place
+            return (out, lse, None) if return_attn_probs else out
         k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k)
     return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -153,16 +160,58 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (num_blocks, page_block_size, nheads_k, headdim). k, v (optional): (batch, seqlen_new,
     nheads_k, headdim), written at positions cache_seqlens[b] onwards. rotary_cos/sin
     ((seqlen_ro, rotary_dim / 2)) rotate q and the new k first; cache_leftpad marks where
-    each sequence starts in the cache. num_splits is accepted for compatibility (a tuning
-    hint; ignored). No gradients (inference API).
+    each sequence starts in the cache. num_splits: how many CTAs share one sequence's keys
+    (0 = chosen from the shapes and the GPU; an explicit count is honoured up to 128).
+    No gradients (inference API).
+
+    On a GPU with decode kernels the cache is read in place and nothing is read on the
+    host, so the call can be captured in a CUDA graph (Note [portattn decode]); values of
+    cache_seqlens, cache_leftpad, cache_batch_idx and block_table outside the cache are
+    clamped on the device (PORTATTN_DEBUG_CHECKS=1 raises a ValueError instead).
     """
     from .kvcache import attend_to_cache
 
     return attend_to_cache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-        rotary_interleaved, alibi_slopes, return_softmax_lse, flash_attn_varlen_func,
+        rotary_interleaved, alibi_slopes, return_softmax_lse, num_splits, flash_attn_varlen_func,
     )
+
+
+def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes):
+    """(out, lse) of a decode-shaped paged varlen inference call, read in place by the
+    decode kernels; None when the call is not one (it is then gathered first)."""
+    from .decode import prefers_decode, run_decode
+    from .kvcache import check_block_table
+
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        return None  # the gather path reports the shape error
+    if dropout_p != 0.0 or q.device.type != "cuda" or (torch.is_grad_enabled() and q.requires_grad):
+        return None
+    nheads, head_dim = q.shape[1], q.shape[2]
+    nheads_k = k_cache.shape[2]
+    if k_cache.shape != v_cache.shape or nheads_k == 0 or nheads % nheads_k or k_cache.shape[3] != head_dim:
+        return None
+    if not prefers_decode(max_seqlen_q, nheads // nheads_k, max_seqlen_k):
+        return None
+    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0], q.device)
+    check_block_table(block_table, batch, q.device)
+    scale, window_left, window_right = check_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
+        head_dim, q.device,
+    )
+    bits = dispatch.feature_bits(window_left, window_right, softcap, alibi_slopes is not None, 0.0,
+                                 nheads != nheads_k, True, paged_kv=True, decode=True)
+    decoder = dispatch.DISPATCHER.decode_backend_for(q.device, q.dtype, head_dim, bits)
+    if decoder is None:
+        return None
+    return run_decode(decoder, _last_dim_contiguous(q), k_cache, v_cache, need_lse=True,
+                      softmax_scale=scale, window_left=window_left, window_right=window_right,
+                      softcap=float(softcap), alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k, block_table=block_table)
 
 
 def _gather_paged_varlen(k_cache, v_cache, block_table, cu_seqlens_k):

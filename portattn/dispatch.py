@@ -35,6 +35,7 @@ _COMPILED = (
 BACKEND_NAMES = tuple(name for name, _, _ in _COMPILED) + ("reference",)
 
 _BIT = {name: 1 << i for i, name in enumerate(FEATURES)}
+DECODE_BIT = _BIT["decode"]
 _DTYPE_NAMES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
@@ -58,6 +59,7 @@ def feature_bits(
     backward: bool = False,
     deterministic: bool = False,
     paged_kv: bool = False,
+    decode: bool = False,
 ) -> int:
     """The features a call uses, as an int (cheap to hash; decoded by `call_spec`)."""
     bits = _BIT["forward"]
@@ -81,6 +83,8 @@ def feature_bits(
             bits |= _BIT["deterministic_backward"]
     if paged_kv:
         bits |= _BIT["paged_kv"]
+    if decode:
+        bits |= _BIT["decode"]
     return bits
 
 
@@ -122,6 +126,25 @@ class Dispatcher:
         if backend is None:
             backend = self._decide(key, device, dtype, head_dim, bits)
         return backend
+
+    def decode_backend_for(self, device: torch.device, dtype: torch.dtype, head_dim: int, bits: int):
+        """The compiled backend whose decode kernels serve this call (`bits` has "decode"),
+        or None: the caller then gathers the cache into a packed varlen call, which
+        dispatches (and warns, or raises for a forced backend) like any other call."""
+        key = ("decode", device.type, device.index, dtype, head_dim, bits)
+        if key in self._decisions:
+            return self._decisions[key]
+        call = call_spec(device, dtype, head_dim, bits)
+        chosen = None
+        for slot, reasons in self.evaluate(call, device):
+            if self.forced is not None and slot.name != self.forced:
+                continue
+            if not reasons and getattr(slot.backend, "has_decode", lambda: False)():
+                chosen = slot.backend
+                break
+        with self._lock:
+            self._decisions[key] = chosen
+        return chosen
 
     # ---- the cold path ------------------------------------------------------------
     def _decide(self, key, device, dtype, head_dim, bits) -> Backend:

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from . import dispatch
+from .decode import prefers_decode, run_decode
 from .rng import draw_philox_seed_offset
 from .validation import check_cu_seqlens_values
 
@@ -66,6 +67,16 @@ def run_forward(
         nheads != k.shape[-2], varlen,
     )
     device = q.device
+    if dropout_p == 0.0 and device.type == "cuda":
+        seqlen_q, seqlen_k = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
+        if prefers_decode(seqlen_q, nheads // k.shape[-2], seqlen_k):
+            decoder = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits | dispatch.DECODE_BIT)
+            if decoder is not None:
+                run_decode(decoder, q, k, v, need_lse=lse is not None, softmax_scale=softmax_scale,
+                           window_left=window_left, window_right=window_right, softcap=softcap,
+                           alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, out=out, lse=lse)
+                return out, lse, 0, 0
     backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
     seed, offset = draw_philox_seed_offset(device) if dropout_p > 0.0 else (0, 0)
     backend.forward(

@@ -142,14 +142,15 @@ def test_rocm_ranges_exclude_gfx90c_apu():
 
 
 def test_check_call_lists_every_reason():
-    reasons = matrix.check_call("cuda", probe.fake_device("t4"), call("float32", 264, features=("forward", "paged_kv")))
-    assert len(reasons) == 5, reasons
+    reasons = matrix.check_call("cuda-sm90", probe.fake_device("t4"), call("float32", 264, features=("forward", "paged_kv")))
+    assert len(reasons) == 5, reasons  # arch, dtype, head dim (range and multiple), paged_kv
+    reasons += matrix.check_call("cuda", probe.fake_device("t4"), call("float32", 264, features=("forward", "paged_kv")))
     text = "\n".join(reasons)
     assert "needs 128 KiB of opt-in shared memory per block" in text
     assert "arch sm75 (Tesla T4) below cuda's minimum sm80" in text
     assert "dtype float32 not supported (cuda: float16, bfloat16)" in text
     assert "head_dim 264 > 256 (cuda supports multiples of 8 up to 256)" in text
-    assert "feature paged_kv not supported by cuda" in text
+    assert "feature paged_kv not supported by cuda-sm90" in text
 
 
 def test_check_call_head_dim_rules():
@@ -258,8 +259,9 @@ def test_feature_status_cuda():
     assert set(matrix.feature_status("cuda", "sm75").values()) == {"no"}
     assert set(matrix.feature_status("cuda", "gfx942").values()) == {"no"}
     status = matrix.feature_status("cuda", "sm121")
-    assert status["paged_kv"] == "no"
-    assert {status[f] for f in FEATURES if f != "paged_kv"} <= {"compiled", "verified"}
+    # Every feature, paged KV and decode included (csrc/decode_*).
+    assert {status[f] for f in FEATURES} <= {"compiled", "verified"}
+    assert matrix.feature_status("rocm", "gfx942")["decode"] in ("no", "compiled")
 
 
 def test_verified_list_moves_status(monkeypatch):
@@ -284,7 +286,8 @@ def test_support_table_rows():
     by_feature = {row["feature"]: row["status"] for row in rows}
     assert set(FEATURES) <= set(by_feature)
     assert by_feature["forward"]["reference"] == "verified"
-    assert by_feature["paged_kv"]["cuda"] == "no"
+    assert by_feature["paged_kv"]["cuda-sm90"] == "no"
+    assert by_feature["decode"]["cuda"] in ("compiled", "verified")
     assert by_feature["dtype:float32"]["cuda"] == "no"
     assert by_feature["dtype:float32"]["reference"] == "verified"
 

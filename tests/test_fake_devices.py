@@ -60,7 +60,7 @@ def test_device_verdicts(kind):
 def test_cuda_status_on_supported_nvidia_parts(kind):
     status = matrix.feature_status("cuda", probe.fake_device(kind).arch)
     assert status["forward"] in ("compiled", "verified")
-    assert status["paged_kv"] == "no"
+    assert status["paged_kv"] in ("compiled", "verified") and status["decode"] in ("compiled", "verified")
 
 
 def test_sm121_is_served_as_sm120_family():

@@ -98,3 +98,98 @@ def load_extension(package: str, what: str):
         return importlib.import_module(name), ""
     except ImportError as error:
         return None, f"the {what} module is built but does not load ({error})"
+
+
+# ---- decode (Note [portattn decode] in common/params.h) ------------------------------------
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                max_seqlen_k=0, cache_seqlens=None, seqlen_new=0, cache_leftpad=None,
+                cache_batch_idx=None, block_table=None, softmax_scale, window_left, window_right,
+                softcap, alibi_slopes, num_splits, o_partial=None, lse_partial=None) -> tuple:
+    """The `decode` argument tuple (PORTATTN_DECODE_ARGS order in common/binding_args.h).
+
+    q is (batch, seqlen_q, nheads, headdim) or, with cu_seqlens_q, (total_q, nheads, headdim).
+    k and v are a contiguous cache (batch_cache, capacity, nheads_k, headdim), a paged one
+    (num_pages, page_size, nheads_k, headdim) with block_table, or packed keys (total_k,
+    nheads_k, headdim) with cu_seqlens_k."""
+    if cu_seqlens_q is None:
+        batch, seqlen_q, nheads, headdim = q.shape
+        lse_strides = (0, 0) if lse is None else lse.stride()[:2]
+        total_q = 0
+    else:
+        total_q, nheads, headdim = q.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        seqlen_q = max_seqlen_q
+        lse_strides = (0, 0) if lse is None else (0, lse.stride(0))
+    nheads_k = k.shape[-2]
+    num_pages = page_size = cache_batches = 0
+    block_table_stride = 0
+    total_k = 0
+    if block_table is not None:
+        num_pages, page_size = k.shape[0], k.shape[1]
+        kv_capacity = block_table.shape[1] * page_size
+        block_table_stride = block_table.stride(0)
+        seqlen_k = max_seqlen_k if cu_seqlens_k is not None else kv_capacity
+    elif cu_seqlens_k is not None:
+        total_k = k.shape[0]
+        kv_capacity = seqlen_k = max_seqlen_k
+    else:
+        cache_batches, kv_capacity = k.shape[0], k.shape[1]
+        seqlen_k = kv_capacity
+    if alibi_slopes is None:
+        alibi = alibi_batch_stride = 0
+    else:
+        alibi = alibi_slopes.data_ptr()
+        alibi_batch_stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+    return (
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), _ptr(lse),
+        q.stride(), k.stride(), v.stride(), out.stride(), lse_strides[0], lse_strides[1],
+        DTYPE_CODES[q.dtype], batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
+        _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cache_seqlens), seqlen_new,
+        _ptr(cache_leftpad), _ptr(cache_batch_idx), _ptr(block_table), block_table_stride,
+        page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
+        softmax_scale, softcap, window_left, window_right, alibi, alibi_batch_stride,
+        num_splits, _ptr(o_partial), _ptr(lse_partial), raw_stream(q.device.index),
+    )
+
+
+ROTARY_FP32 = 2  # PortattnAppendParams.rotary_dtype for float32 tables
+
+
+def append_args(k_cache, v_cache, k_new, v_new, q, q_out, *, cache_seqlens, cache_batch_idx=None,
+                block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                q_position_per_token=False) -> tuple:
+    """The `kvcache_append` argument tuple (PORTATTN_APPEND_ARGS order in common/binding_args.h)."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_k = k_cache.shape[-2]
+    seqlen_new = 0 if k_new is None else k_new.shape[1]
+    no_strides = (0, 0, 0, 0)
+    if block_table is not None:
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        kv_capacity = block_table.shape[1] * page_size
+        block_table_stride, cache_batches = block_table.stride(0), 0
+    else:
+        num_pages = page_size = block_table_stride = 0
+        cache_batches, kv_capacity = k_cache.shape[0], k_cache.shape[1]
+    if rotary_cos is None:
+        rotary_dim = seqlen_ro = rotary_row_stride = rotary_dtype = 0
+    else:
+        seqlen_ro, rotary_dim = rotary_cos.shape[0], rotary_cos.shape[1] * 2
+        rotary_row_stride = rotary_cos.stride(0)
+        rotary_dtype = ROTARY_FP32 if rotary_cos.dtype == torch.float32 else DTYPE_CODES[rotary_cos.dtype]
+    return (
+        _ptr(k_new), _ptr(v_new), no_strides if k_new is None else k_new.stride(),
+        no_strides if v_new is None else v_new.stride(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.stride(), v_cache.stride(), _ptr(q) if q_out is not None else 0,
+        _ptr(q_out), q.stride(), no_strides if q_out is None else q_out.stride(),
+        DTYPE_CODES[k_cache.dtype], batch, seqlen_new, seqlen_q, nheads, nheads_k, headdim,
+        cache_seqlens.data_ptr(), _ptr(cache_batch_idx), _ptr(block_table), block_table_stride,
+        page_size, num_pages, cache_batches, kv_capacity, _ptr(rotary_cos), _ptr(rotary_sin),
+        rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro, bool(rotary_interleaved),
+        bool(q_position_per_token), raw_stream(k_cache.device.index),
+    )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .abi import fwd_args, run_bwd
+from .abi import append_args, decode_args, fwd_args, run_bwd
 from .base import Backend
 
 
@@ -16,6 +16,7 @@ class CompiledBackend(Backend):
         self.module = module
         self.unavailable_reason = unavailable_reason
         self._build_config = module.build_config() if module is not None else None
+        self._decode_tiles: dict = {}
 
     def build_config(self) -> Optional[dict]:
         return self._build_config
@@ -29,3 +30,20 @@ class CompiledBackend(Backend):
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
         run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, **options)
+
+    # ---- decode (portattn/decode.py is the caller) ----------------------------------
+    def has_decode(self) -> bool:
+        return self.module is not None and hasattr(self.module, "decode")
+
+    def decode_tile(self, head_dim: int) -> dict:
+        """{"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim."""
+        tile = self._decode_tiles.get(head_dim)
+        if tile is None:
+            tile = self._decode_tiles[head_dim] = dict(self.module.decode_tile(head_dim))
+        return tile
+
+    def decode(self, q, k, v, out, lse, **options) -> None:
+        self.module.decode(*decode_args(q, k, v, out, lse, **options))
+
+    def kvcache_append(self, k_cache, v_cache, k_new, v_new, q, q_out, **options) -> None:
+        self.module.kvcache_append(*append_args(k_cache, v_cache, k_new, v_new, q, q_out, **options))

@@ -119,7 +119,8 @@ typedef struct PortattnBwdParams {
 // Where sequence b's keys live (exactly one of three layouts):
 // - contiguous cache: k[(batch_idx ? batch_idx[b] : b), leftpad + j]
 // - paged cache:      k[block_table[b, p / page_size], p % page_size], p = leftpad + j
-// - varlen (packed):  k[cu_seqlens_k[b] + j]
+// - varlen (packed):  k[cu_seqlens_k[b] + j]; with a block table, paged as above
+//   from position 0, cu_seqlens_k giving only the lengths
 // Key count: cache_seqlens[b] + seqlen_new - leftpad (cache layouts, clamped to the
 // capacity), cu_seqlens_k[b + 1] - cu_seqlens_k[b] (varlen), else seqlen_k.
 typedef struct PortattnDecodeParams {

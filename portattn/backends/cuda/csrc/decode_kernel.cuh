@@ -76,7 +76,11 @@ struct DecodeSequence {
       s.q_start = start;
       s.seqlen_q = min(end - start, p.seqlen_q);
     }
-    if (p.cu_seqlens_k != nullptr) {
+    if (p.cu_seqlens_k != nullptr && p.block_table != nullptr) {
+      // Paged varlen (flash_attn_varlen_func with block_table): cu_seqlens_k gives
+      // the lengths; every sequence starts at position 0 of its own pages.
+      s.seqlen_k = min(max(p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b], 0), p.kv_capacity);
+    } else if (p.cu_seqlens_k != nullptr) {
       const int start = min(max(p.cu_seqlens_k[b], 0), static_cast<int>(p.total_k));
       const int end = min(max(p.cu_seqlens_k[b + 1], start), static_cast<int>(p.total_k));
       s.key_base = start;
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   const KeyRowAddress rows_at{
       params.block_table != nullptr ? params.block_table + batch * params.block_table_batch_stride : nullptr,
       params.page_size, params.num_pages};
-  const int cache_row = params.cu_seqlens_k != nullptr ? 0 : seq.cache_row;
+  const int cache_row = params.cu_seqlens_k != nullptr && params.block_table == nullptr ? 0 : seq.cache_row;
 
   auto load_stage = [&](int stage) {
     const uint32_t sK = smem + (stage % kStages) * Config::kStageBytes;

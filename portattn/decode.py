@@ -1,0 +1,135 @@
+"""Decode: few query rows against many keys, on a compiled backend's split-KV kernels.
+
+Note [portattn decode] (backends/common/params.h) describes the kernels. This module
+decides the two things the host must: whether a dense or varlen call is decode-shaped
+(`prefers_decode`), and how many CTAs share one sequence's keys (`choose_num_splits`).
+Both read only static shapes and device properties, never a tensor's values, so a decode
+step captured in a CUDA graph replays the same launch whatever `cache_seqlens`,
+`block_table` or the new tokens hold: the kernels read those on the device and give each
+split an equal share of the actual keys.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+# The combine kernel keeps one weight per split in shared memory (csrc/decode_entry.cu).
+MAX_SPLITS = 128
+# A split shorter than this spends more on its prologue, its partial write and the
+# combine than it saves (FA2/FA3 and FlashInfer settle on 128-256 keys).
+MIN_KEYS_PER_SPLIT = 256
+# Splitting a grid that already fills most of the GPU only adds the combine.
+FULL_GRID_FRACTION = 0.8
+# Among split counts whose last wave is this close to the best, take the smallest.
+WAVE_EFFICIENCY_SLACK = 0.85
+
+# Dense/varlen calls go to the decode kernels when their packed query rows (queries x
+# heads per KV head) fill at most this many 16-row tiles and the keys are many: the
+# forward kernels give one CTA to each (head, 128 queries) and never split the keys.
+DECODE_MAX_PACKED_ROWS = 64
+DECODE_MIN_KEYS = 512
+DECODE_MIN_KEYS_PER_QUERY = 8
+
+
+def prefers_decode(seqlen_q: int, group: int, seqlen_k: int) -> bool:
+    """Whether a call of this shape is decode-shaped (few query rows, many keys)."""
+    return (0 < seqlen_q * group <= DECODE_MAX_PACKED_ROWS and seqlen_k >= DECODE_MIN_KEYS
+            and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY * seqlen_q)
+
+
+def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_split_min: int,
+                      requested: int = 0) -> int:
+    """Split count for a grid of `base_ctas` CTAs whose longest key range has `key_stages`
+    stages, on a device with `slots` resident CTAs. `requested` > 0 is honoured (capped at
+    MAX_SPLITS and the stage count: a split beyond the last stage would have no keys).
+
+    Without a request: one split when the grid already fills the device; otherwise the
+    smallest count whose last wave is within WAVE_EFFICIENCY_SLACK of the best wave
+    efficiency (FA2's rule, with resident slots rather than SMs as the unit).
+    """
+    most = max(1, min(MAX_SPLITS, key_stages))
+    if requested > 0:
+        return min(requested, most)
+    if base_ctas <= 0 or base_ctas >= FULL_GRID_FRACTION * slots:
+        return 1
+    most = max(1, min(most, key_stages // max(1, stages_per_split_min)))
+
+    def efficiency(splits: int) -> float:
+        waves = base_ctas * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_EFFICIENCY_SLACK * best)
+
+
+_SLOTS: dict = {}
+
+
+def resident_slots(device: torch.device, tile: dict) -> int:
+    """CTAs of the decode kernel that fit on the device at once (SMs x CTAs per SM)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, tile["smem_bytes"], tile["threads"])
+    slots = _SLOTS.get(key)
+    if slots is None:
+        props = torch.cuda.get_device_properties(index)
+        smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 100 * 1024
+        threads_per_sm = getattr(props, "max_threads_per_multi_processor", 0) or 2048
+        # 1 KiB per block is reserved by the hardware on sm80+.
+        per_sm = min(smem_per_sm // (tile["smem_bytes"] + 1024), threads_per_sm // tile["threads"])
+        slots = _SLOTS[key] = props.multi_processor_count * max(1, per_sm)
+    return slots
+
+
+def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window_left: int,
+               window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+               num_splits: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
+               max_seqlen_k: int = 0, cache_seqlens=None, seqlen_new: int = 0, cache_leftpad=None,
+               cache_batch_idx=None, block_table=None, out=None, lse=None):
+    """One decode call on `backend` (a compiled backend with decode kernels): (out, lse).
+
+    lse is (batch, nheads, seqlen_q), or (nheads, total_q) with cu_seqlens_q, or None
+    when not `need_lse`. Allocations (out, lse, the split workspace) come from torch's
+    caching allocator, which CUDA-graph capture redirects to the graph's pool; `out` and
+    `lse` may be passed in already allocated."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, seqlen_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
+        _, nheads, head_dim = q.shape
+        lse_shape = (nheads, q.shape[0])
+    else:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        lse_shape = (batch, nheads, seqlen_q)
+    nheads_k = k.shape[-2]
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None and need_lse:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if block_table is not None:
+        key_capacity = block_table.shape[1] * k.shape[1]
+    elif cu_seqlens_k is not None:
+        key_capacity = max_seqlen_k
+    else:
+        key_capacity = k.shape[1]
+    tile = backend.decode_tile(head_dim)
+    m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
+    splits = choose_num_splits(
+        batch * nheads_k * m_tiles, -(-key_capacity // tile["stage_keys"]),
+        resident_slots(q.device, tile), MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits,
+    )
+    o_partial = lse_partial = None
+    if splits > 1:
+        o_partial = torch.empty((splits, batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
+        lse_partial = torch.empty((splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    backend.decode(
+        q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, cache_seqlens=cache_seqlens,
+        seqlen_new=seqlen_new, cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+        block_table=block_table, softmax_scale=softmax_scale, window_left=window_left,
+        window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+        num_splits=splits, o_partial=o_partial, lse_partial=lse_partial,
+    )
+    return out, lse
