@@ -1,0 +1,222 @@
+"""Decode benchmark: one new query token (or a few) against a KV cache, portattn vs SDPA.
+
+  python bench/bench_decode.py [--batches 1,16,64] [--caches 4096,8192,32768] [--head-dims 64,128,256]
+                               [--heads 32/8,32/32] [--short-query] [--out bench/results] [--dry-run]
+
+Columns, side by side in one run (bf16):
+- portattn `flash_attn_with_kvcache` on a contiguous cache (batch, cache, Hk, D) with
+  `cache_seqlens`, and on paged caches (page 16 and 256, pages shuffled) over the same
+  storage; eager calls, and the same step replayed from a CUDA graph (no host cost);
+- SDPA (default backend choice, `enable_gqa=True`) on the same keys laid out as it wants
+  them, (batch, Hk, cache, D) contiguous, eager and graphed.
+"bound" is the time to read K and V once at the HBM peak (3.35 TB/s on an H100 SXM; set
+--hbm-tbps for another part); "share" is bound / time. Timing: triton's do_bench (median,
+L2 flushed between calls). `--short-query` adds flash_attn_func with seqlen_q 1-16 against
+4k-8k keys (GQA 32/8, hd 128) vs SDPA. Results: <out>/decode_bench.{json,md,png}.
+`--dry-run` runs tiny shapes on the CPU with fake timings (plumbing only).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import zlib
+
+import torch
+
+import peers
+
+MAX_CACHE_BYTES = 12 << 30  # K+V of one layout; SDPA's copy doubles it (80 GB part)
+
+
+def _timer(dry_run):
+    def ms(fn, salt):
+        if dry_run:
+            fn()
+            return 0.01 + zlib.crc32(salt.encode()) % 1000 / 1000.0
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=60, return_mode="median")
+    return ms
+
+
+def _graphed(fn):
+    """A CUDA graph of one call (warmed up on a side stream first); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def decode_point(batch, cache, heads, heads_k, head_dim, device, ms, dry_run, hbm_tbps):
+    import torch.nn.functional as F
+
+    import portattn
+
+    row = {"batch": batch, "cache": cache, "heads": heads, "heads_k": heads_k, "head_dim": head_dim,
+           "us": {}, "na": {}}
+    kv_bytes = 2 * batch * cache * heads_k * head_dim * 2
+    row["bound_us"] = kv_bytes / (hbm_tbps * 1e12) * 1e6
+    if kv_bytes > MAX_CACHE_BYTES:
+        row["na"]["all"] = f"K+V = {kv_bytes / 2**30:.0f} GiB > the benchmark's {MAX_CACHE_BYTES >> 30} GiB cap"
+        return row
+    dtype = torch.bfloat16
+    q = torch.randn(batch, 1, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, cache, heads_k, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), cache, dtype=torch.int32, device=device)
+    calls = {
+        "contiguous": lambda: portattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens),
+    }
+    for page in (16, 256):
+        if cache % page:
+            row["na"][f"paged{page}"] = f"cache {cache} is not a multiple of the page size {page}"
+            continue
+        pages = batch * cache // page
+        table = torch.randperm(pages, device=device).reshape(batch, cache // page).to(torch.int32)
+        kp, vp = k.view(pages, page, heads_k, head_dim), v.view(pages, page, heads_k, head_dim)
+        calls[f"paged{page}"] = (lambda kp=kp, vp=vp, table=table:
+                                 portattn.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table))
+    qt = q.transpose(1, 2).contiguous()
+    kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    calls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=heads != heads_k)
+    for name, fn in calls.items():
+        try:
+            with torch.no_grad():
+                row["us"][name] = ms(fn, f"{name}{batch}{cache}{head_dim}") * 1e3
+                if not dry_run:
+                    row["us"][name + "_graph"] = ms(_graphed(fn), f"g{name}{batch}{cache}") * 1e3
+        except Exception as error:  # one cell's failure must not end the run
+            row["na"][name] = peers._reason(error)
+    del q, k, v, kt, vt, qt, calls
+    return row
+
+
+def short_query_point(batch, seqlen_q, seqlen_k, device, ms):
+    import torch.nn.functional as F
+
+    import portattn
+
+    heads, heads_k, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_k, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    row = {"batch": batch, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "us": {}}
+    with torch.no_grad():
+        row["us"]["portattn"] = ms(lambda: portattn.flash_attn_func(q, k, v, causal=True), f"s{batch}{seqlen_q}") * 1e3
+        row["us"]["sdpa"] = ms(lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=seqlen_q > 1, enable_gqa=True), f"t{batch}{seqlen_q}") * 1e3
+    return row
+
+
+def _fmt(x, digits=0):
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(result) -> list:
+    lines = ["## Decode: one query token, bf16; time per call (us), eager and CUDA-graph replay", "",
+             "| batch | cache | Hq/Hk | hd | bound | portattn | graph | paged 16 | paged 256 | SDPA | SDPA graph "
+             "| SDPA / portattn | SDPA / portattn (graphs) | portattn share of bound (graph) | SDPA share (graph) | paged16 / contig |",
+             "|---" * 16 + "|"]
+    for r in result["decode"]:
+        us = r["us"]
+        def ratio(a, b):
+            return None if us.get(a) is None or us.get(b) is None else us[a] / us[b]
+        share = lambda name: None if us.get(name) is None else r["bound_us"] / us[name]
+        lines.append(
+            f"| {r['batch']} | {r['cache']} | {r['heads']}/{r['heads_k']} | {r['head_dim']} | {r['bound_us']:.0f} | "
+            f"{_fmt(us.get('contiguous'))} | {_fmt(us.get('contiguous_graph'))} | {_fmt(us.get('paged16'))} | "
+            f"{_fmt(us.get('paged256'))} | {_fmt(us.get('sdpa'))} | {_fmt(us.get('sdpa_graph'))} | "
+            f"{_fmt(ratio('sdpa', 'contiguous'), 2)} | {_fmt(ratio('sdpa_graph', 'contiguous_graph'), 2)} | "
+            f"{_fmt(share('contiguous_graph'), 2)} | {_fmt(share('sdpa_graph'), 2)} | "
+            f"{_fmt(ratio('paged16_graph', 'contiguous_graph'), 2)} |"
+            + (f" n/a: {'; '.join(r['na'].values())}" if r["na"] else ""))
+    if result.get("short_query"):
+        lines += ["", "## Short query through flash_attn_func (causal, GQA 32/8, hd 128), us per call", "",
+                  "| batch | seqlen_q | seqlen_k | portattn | SDPA | SDPA / portattn |", "|---" * 6 + "|"]
+        for r in result["short_query"]:
+            p, s = r["us"]["portattn"], r["us"]["sdpa"]
+            lines.append(f"| {r['batch']} | {r['seqlen_q']} | {r['seqlen_k']} | {p:.0f} | {s:.0f} | {s / p:.2f} |")
+    return lines + [""]
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in result["decode"] if r["us"]]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(11, 4))
+    labels = [f"b{r['batch']} {r['cache'] // 1024}k {r['heads']}/{r['heads_k']} d{r['head_dim']}" for r in rows]
+    for name, label in (("contiguous_graph", "portattn (graph)"), ("paged16_graph", "portattn paged 16 (graph)"),
+                        ("sdpa_graph", "SDPA (graph)"), ("contiguous", "portattn eager"), ("sdpa", "SDPA eager")):
+        ys = [r["bound_us"] / r["us"][name] if r["us"].get(name) else math.nan for r in rows]
+        ax.plot(range(len(rows)), ys, marker="o", label=label)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=75, fontsize=6)
+    ax.set_ylabel("share of the HBM bound")
+    ax.axhline(0.85, color="grey", linestyle=":", linewidth=1)
+    ax.legend(fontsize=7)
+    ax.set_title(f"decode, {result['device']} {result['date']} ({result['commit']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--caches", default="4096,8192,32768")
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--heads", default="32/8,32/32")
+    parser.add_argument("--short-query", action="store_true")
+    parser.add_argument("--hbm-tbps", type=float, default=3.35)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--name", default="decode_bench")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    peers.require_device(args.dry_run)
+    device = "cpu" if args.dry_run else "cuda"
+    ms = _timer(args.dry_run)
+    result = dict(peers.header(args.dry_run), title="Decode benchmark: portattn vs SDPA", decode=[], short_query=[],
+                  hbm_tbps=args.hbm_tbps, modes=[], impls=[], grid=[])
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
+    caches = peers.parse_ints(args.caches)
+    if args.dry_run:
+        caches = [min(c, 512) for c in caches]
+    for batch in peers.parse_ints(args.batches):
+        for cache in caches:
+            for head_dim in peers.parse_ints(args.head_dims):
+                for hq, hk in heads:
+                    if args.dry_run:  # a small CPU proxy: 4 query heads, grouped or not
+                        batch, hq, hk = 1, 4, (4 if hk == hq else 2)
+                    row = decode_point(batch, cache, hq, hk, head_dim, device, ms, args.dry_run, args.hbm_tbps)
+                    result["decode"].append(row)
+                    print(markdown(dict(result, decode=[row], short_query=[]))[-2], flush=True)
+                    if not args.dry_run:
+                        torch.cuda.empty_cache()
+    if args.short_query:
+        for batch, seqlen_q, seqlen_k in ((1, 1, 8192), (8, 1, 8192), (32, 1, 4096), (8, 4, 8192), (8, 16, 8192),
+                                          (4, 16, 4096)):
+            result["short_query"].append(short_query_point(batch if not args.dry_run else 1, seqlen_q,
+                                                           seqlen_k if not args.dry_run else 64, device, ms))
+    lines = markdown(result)
+    peers.write_results(result, args.out, args.name, extra_markdown=lines)
+    plot(result, os.path.join(args.out, args.name + ".png"))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Host side of the decode path on the CPU: the split planner, the size rule that routes
+calls to the decode kernels, flash-attn 2's rotary positions with cache_leftpad, the
+opt-in value checks, and the decode benchmark's plumbing (the kernels themselves are
+tested on the GPU: tests/gpu/test_cuda_decode.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import portattn
+from naive import naive_attention
+from portattn import decode, kvcache
+from portattn.kvcache import apply_rotary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- the split planner -----------------------------------------------------------------
+H100_SLOTS = 132 * 2  # 96 KiB decode tiles: two CTAs per SM
+
+
+def test_explicit_split_count_is_honoured_up_to_the_stage_count():
+    assert decode.choose_num_splits(8, 128, H100_SLOTS, 4, requested=5) == 5
+    assert decode.choose_num_splits(8, 3, H100_SLOTS, 4, requested=5) == 3  # no split without keys
+    assert decode.choose_num_splits(8, 10_000, H100_SLOTS, 4, requested=999) == decode.MAX_SPLITS
+
+
+def test_a_full_grid_is_not_split():
+    assert decode.choose_num_splits(64 * 8, 512, H100_SLOTS, 4) == 1  # batch 64, 8 KV heads
+
+
+def test_one_sequence_is_spread_over_the_device():
+    splits = decode.choose_num_splits(8, 128, H100_SLOTS, 4)  # batch 1, 8 KV heads, 8k keys
+    assert 8 * splits >= decode.WAVE_EFFICIENCY_SLACK * H100_SLOTS * 0.9
+    assert splits <= 128 // 4  # at least MIN_KEYS_PER_SPLIT keys each
+
+
+def test_short_caches_keep_their_splits_long_enough():
+    assert decode.choose_num_splits(8, 8, H100_SLOTS, 4) == 2  # 512 keys: two splits of 256
+    assert decode.choose_num_splits(8, 2, H100_SLOTS, 4) == 1
+
+
+@pytest.mark.parametrize("base", [1, 7, 100, 128, 200, 263])
+def test_chosen_count_fills_its_last_wave(base):
+    splits = decode.choose_num_splits(base, 4096, H100_SLOTS, 4)
+    waves = base * splits / H100_SLOTS
+    best = max((base * s / H100_SLOTS) / -(-base * s // H100_SLOTS) for s in range(1, 129))
+    assert waves / -(-waves // 1) >= decode.WAVE_EFFICIENCY_SLACK * best
+
+
+def test_decode_shaped_calls():
+    assert decode.prefers_decode(1, 4, 8192)
+    assert decode.prefers_decode(16, 4, 4096)  # 64 packed rows
+    assert not decode.prefers_decode(32, 4, 4096)  # 128 rows: the forward kernels' tile
+    assert not decode.prefers_decode(1, 4, 100)  # few keys: one forward CTA is enough
+    assert not decode.prefers_decode(0, 4, 8192)
+
+
+# ---- flash-attn 2 semantics on the host (reference backend) ------------------------------
+
+
+def test_rotary_positions_count_the_left_padding():
+    """flash-attn 2 rotates new key i at cache row cache_seqlens[b] + i and the query at
+    cache_seqlens[b], both absolute indices, padding included."""
+    torch.manual_seed(0)
+    batch, heads, heads_k, dim, capacity, new = 2, 4, 2, 16, 32, 1
+    q = torch.randn(batch, new, heads, dim)
+    k_new, v_new = torch.randn(batch, new, heads_k, dim), torch.randn(batch, new, heads_k, dim)
+    k_cache, v_cache = torch.randn(batch, capacity, heads_k, dim), torch.randn(batch, capacity, heads_k, dim)
+    dense_k, dense_v = k_cache.clone(), v_cache.clone()
+    seqlens = torch.tensor([10, 20], dtype=torch.int32)
+    leftpad = torch.tensor([3, 7], dtype=torch.int32)
+    angles = torch.rand(capacity, 4) * 5
+    cos, sin = angles.cos(), angles.sin()
+    out = portattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=seqlens, cache_leftpad=leftpad, rotary_interleaved=False)
+    for b in range(batch):
+        n, start = int(seqlens[b]), int(leftpad[b])
+        position = torch.tensor([[n]])
+        kb = apply_rotary(k_new[b : b + 1], cos, sin, position, False)
+        qb = apply_rotary(q[b : b + 1], cos, sin, position, False)
+        keys = torch.cat([dense_k[b : b + 1, start:n], kb], dim=1)
+        values = torch.cat([dense_v[b : b + 1, start:n], v_new[b : b + 1]], dim=1)
+        want, _ = naive_attention(qb, keys, values)
+        assert (out[b : b + 1].double() - want).abs().max() < 1e-5
+        assert torch.allclose(k_cache[b, n], kb[0, 0])  # the rotated key was written at row n
+
+
+def test_value_checks_are_opt_in(monkeypatch):
+    q = torch.randn(1, 1, 2, 16)
+    cache = torch.randn(1, 8, 2, 16)
+    too_long = torch.tensor([8], dtype=torch.int32)
+    monkeypatch.setattr(kvcache, "_DEBUG_CHECKS", True)
+    with pytest.raises(ValueError, match="cache_seqlens must be in"):
+        portattn.flash_attn_with_kvcache(q, cache, cache.clone(), k=torch.randn(1, 1, 2, 16),
+                                         v=torch.randn(1, 1, 2, 16), cache_seqlens=too_long)
+    with pytest.raises(ValueError, match="cache_batch_idx must be in"):
+        portattn.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=3,
+                                         cache_batch_idx=torch.tensor([4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(num_splits=-1), "num_splits must be an int >= 0"),
+    (dict(rotary_cos=torch.rand(8, 16), rotary_sin=torch.rand(8, 16)), "rotary_dim <= headdim"),
+    (dict(rotary_cos=torch.rand(8, 4)), "given together"),
+    (dict(block_table=torch.zeros(1, 2, dtype=torch.int64)), "block_table must be int32"),
+])
+def test_bad_kvcache_arguments_name_themselves(bad, match):
+    q = torch.randn(1, 1, 2, 16)
+    cache = torch.randn(2, 8, 2, 16)
+    with pytest.raises((ValueError, TypeError), match=match):
+        portattn.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=3, **bad)
+
+
+def test_decode_benchmark_dry_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "bench")]))
+    done = subprocess.run([sys.executable, "bench/bench_decode.py", "--dry-run", "--batches", "1", "--caches", "512",
+                           "--head-dims", "64", "--short-query", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    markdown = (tmp_path / "decode_bench.md").read_text()
+    assert "DRY RUN" in markdown and "| 1 | 512 | 4/2 | 64 |" in markdown
+    assert "## Short query through flash_attn_func" in markdown
