@@ -110,8 +110,21 @@ def short_query_point(batch, seqlen_q, seqlen_k, device, ms):
     row = {"batch": batch, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "us": {}}
     with torch.no_grad():
         row["us"]["portattn"] = ms(lambda: portattn.flash_attn_func(q, k, v, causal=True), f"s{batch}{seqlen_q}") * 1e3
-        row["us"]["sdpa"] = ms(lambda: F.scaled_dot_product_attention(
-            qt, kt, vt, is_causal=seqlen_q > 1, enable_gqa=True), f"t{batch}{seqlen_q}") * 1e3
+        # flash-attn's causal is bottom-right aligned; SDPA's is_causal is top-left, so the
+        # same mask is the lower-right causal bias (one query token sees every key: no mask).
+        mask = None
+        if seqlen_q > 1:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(seqlen_q, seqlen_k)
+        try:
+            F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+            sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+        except (RuntimeError, ValueError, TypeError):  # the causal bias may not take GQA: expand the heads
+            ke, ve = (x.repeat_interleave(heads // heads_k, dim=1) for x in (kt, vt))
+            sdpa = lambda: F.scaled_dot_product_attention(qt, ke, ve, attn_mask=mask)
+            row["sdpa_note"] = "K/V heads expanded (the lower-right causal bias does not take enable_gqa)"
+        row["us"]["sdpa"] = ms(sdpa, f"t{batch}{seqlen_q}") * 1e3
     return row
 
 

@@ -65,6 +65,8 @@ def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_sp
 
 
 _SLOTS: dict = {}
+# Split counts per call shape: the planner runs once per shape, not per decode step.
+_PLANS: dict = {}
 
 
 def resident_slots(device: torch.device, tile: dict) -> int:
@@ -114,16 +116,23 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
         key_capacity = max_seqlen_k
     else:
         key_capacity = k.shape[1]
-    tile = backend.decode_tile(head_dim)
-    m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
-    splits = choose_num_splits(
-        batch * nheads_k * m_tiles, -(-key_capacity // tile["stage_keys"]),
-        resident_slots(q.device, tile), MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits,
-    )
-    o_partial = lse_partial = None
+    plan_key = (q.device.index, head_dim, batch, nheads, nheads_k, seqlen_q, key_capacity, num_splits)
+    splits = _PLANS.get(plan_key)
+    if splits is None:
+        tile = backend.decode_tile(head_dim)
+        m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
+        splits = _PLANS[plan_key] = choose_num_splits(
+            batch * nheads_k * m_tiles, -(-key_capacity // tile["stage_keys"]),
+            resident_slots(q.device, tile), MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits,
+        )
+    o_partial = lse_partial = 0
     if splits > 1:
-        o_partial = torch.empty((splits, batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
-        lse_partial = torch.empty((splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        # One allocation for both: (splits, batch, nheads, seqlen_q, head_dim) partial outputs,
+        # then (splits, batch, nheads, seqlen_q) partial LSEs (16-byte aligned: head_dim % 8 == 0).
+        rows = splits * batch * nheads * seqlen_q
+        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+        o_partial = workspace.data_ptr()
+        lse_partial = o_partial + rows * head_dim * 4
     backend.decode(
         q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, cache_seqlens=cache_seqlens,

@@ -110,13 +110,14 @@ def _ptr(t) -> int:
 def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
                 max_seqlen_k=0, cache_seqlens=None, seqlen_new=0, cache_leftpad=None,
                 cache_batch_idx=None, block_table=None, softmax_scale, window_left, window_right,
-                softcap, alibi_slopes, num_splits, o_partial=None, lse_partial=None) -> tuple:
+                softcap, alibi_slopes, num_splits, o_partial=0, lse_partial=0) -> tuple:
     """The `decode` argument tuple (PORTATTN_DECODE_ARGS order in common/binding_args.h).
 
     q is (batch, seqlen_q, nheads, headdim) or, with cu_seqlens_q, (total_q, nheads, headdim).
     k and v are a contiguous cache (batch_cache, capacity, nheads_k, headdim), a paged one
     (num_pages, page_size, nheads_k, headdim) with block_table, or packed keys (total_k,
-    nheads_k, headdim) with cu_seqlens_k."""
+    nheads_k, headdim) with cu_seqlens_k. o_partial / lse_partial: addresses of the fp32 split
+    workspace (portattn/decode.py allocates both in one tensor), 0 with one split."""
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         lse_strides = (0, 0) if lse is None else lse.stride()[:2]
@@ -154,7 +155,7 @@ def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_
         _ptr(cache_leftpad), _ptr(cache_batch_idx), _ptr(block_table), block_table_stride,
         page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
         softmax_scale, softcap, window_left, window_right, alibi, alibi_batch_stride,
-        num_splits, _ptr(o_partial), _ptr(lse_partial), raw_stream(q.device.index),
+        num_splits, o_partial, lse_partial, raw_stream(q.device.index),
     )
 
 

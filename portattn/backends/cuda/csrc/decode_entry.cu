@@ -3,7 +3,9 @@
 // facts the Python split planner (portattn/decode.py) needs.
 #include <stdio.h>
 
-#include "decode_kernel.cuh"
+#include <mutex>
+
+#include "decode_launch.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -51,6 +53,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t rows_total = static_cast<int64_t>(p.batch) * p.nheads * p.seqlen_q;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
+  wait_for_previous_grid();  // the decode kernel's partials
   if (row >= rows_total) return;
   const int qi = static_cast<int>(row % p.seqlen_q);
   const int head = static_cast<int>((row / p.seqlen_q) % p.nheads);
@@ -144,6 +147,8 @@ struct Rotary {
 // per cache element (no race between the CTAs of one KV head's splits).
 template <typename Elem>
 __global__ void kvcache_append_kernel(const PortattnAppendParams p) {
+  wait_for_previous_grid();  // k_new, v_new, q and the lengths may come from the kernel before
+  allow_next_grid();         // the decode kernel may be scheduled now; it waits for this grid
   const int e = threadIdx.x;
   const int64_t kv_rows = p.k_new != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_new * p.nheads_k : 0;
   int64_t row = blockIdx.x;
@@ -211,13 +216,27 @@ bool decode_strides_aligned(const PortattnDecodeParams& p) {
 
 cudaError_t launch_decode_combine(const PortattnDecodeParams& params) {
   const int64_t rows = static_cast<int64_t>(params.batch) * params.nheads * params.seqlen_q;
-  const unsigned blocks = static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps);
+  const dim3 blocks(static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps));
   const cudaStream_t stream = static_cast<cudaStream_t>(params.stream);
   if (params.dtype == PORTATTN_BF16)
-    decode_combine_kernel<__nv_bfloat16><<<blocks, kCombineWarps * 32, 0, stream>>>(params);
-  else
-    decode_combine_kernel<__half><<<blocks, kCombineWarps * 32, 0, stream>>>(params);
-  return cudaGetLastError();
+    return launch_overlapped(&decode_combine_kernel<__nv_bfloat16>, blocks, dim3(kCombineWarps * 32), 0, stream, params);
+  return launch_overlapped(&decode_combine_kernel<__half>, blocks, dim3(kCombineWarps * 32), 0, stream, params);
+}
+
+bool pdl_supported() {
+  static std::mutex mutex;
+  static unsigned long long known = 0, supported = 0;  // bit d: device d asked / sm90+
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
+  const unsigned long long bit = 1ull << device;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!(known & bit)) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9)
+      supported |= bit;
+    known |= bit;
+  }
+  return (supported & bit) != 0;
 }
 
 }  // namespace cuda
@@ -289,13 +308,12 @@ extern "C" int portattn_cuda_kvcache_append(const PortattnAppendParams* params, 
   const int64_t q_rows = p.q != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_q * p.nheads : 0;
   const int64_t blocks = kv_rows + q_rows;
   if (blocks == 0) return 0;
-  const int threads = (p.headdim + 31) / 32 * 32;
+  const dim3 threads((p.headdim + 31) / 32 * 32);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  if (p.dtype == PORTATTN_BF16)
-    kvcache_append_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
-  else
-    kvcache_append_kernel<__half><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
-  const cudaError_t err = cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(blocks));
+  const cudaError_t err = p.dtype == PORTATTN_BF16
+                              ? launch_overlapped(&kvcache_append_kernel<__nv_bfloat16>, grid, threads, 0, stream, p)
+                              : launch_overlapped(&kvcache_append_kernel<__half>, grid, threads, 0, stream, p);
   if (err != cudaSuccess) {
     char text[200];
     snprintf(text, sizeof(text), "portattn cuda append: %s", cudaGetErrorString(err));

@@ -99,19 +99,47 @@ struct DecodeSequence {
   }
 };
 
-// Element offset of key row `pos` (a position in the sequence's layout) of one
-// KV head, for K or V (their strides may differ: separate views of a cache).
+// Where key row `pos` (a position in the sequence's layout) of one KV head lives:
+// a page (or the contiguous cache's batch entry) and the row within it. K and V
+// share it; their strides may differ (separate views of one cache).
 struct KeyRowAddress {
   const int32_t* pages;  // this sequence's block-table row, or null
   int page_size;
+  int page_shift;  // log2(page_size) when a power of two, else -1 (a division per row)
   int num_pages;
 
-  __device__ __forceinline__ int64_t offset(const PortattnTensor4& st, int cache_row, int pos) const {
-    if (pages == nullptr) return cache_row * st.batch_stride + static_cast<int64_t>(pos) * st.row_stride;
-    const int page = min(max(pages[pos / page_size], 0), num_pages - 1);
-    return page * st.batch_stride + static_cast<int64_t>(pos % page_size) * st.row_stride;
+  __device__ __forceinline__ KeyRowAddress(const int32_t* pages_, int page_size_, int num_pages_)
+      : pages(pages_), page_size(page_size_), num_pages(num_pages_) {
+    page_shift = pages_ != nullptr && (page_size_ & (page_size_ - 1)) == 0 ? __ffs(page_size_) - 1 : -1;
+  }
+
+  // The page holding `pos` (clamped: a bad block-table entry cannot leave the cache).
+  __device__ __forceinline__ int page_of(int pos) const {
+    const int slot = page_shift >= 0 ? pos >> page_shift : pos / page_size;
+    return min(max(pages[slot], 0), num_pages - 1);
+  }
+  __device__ __forceinline__ int row_in_page(int pos) const {
+    return page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
+  }
+  __device__ __forceinline__ static int64_t offset(const PortattnTensor4& st, int page_or_entry, int row) {
+    return page_or_entry * st.batch_stride + static_cast<int64_t>(row) * st.row_stride;
   }
 };
+
+// Programmatic dependent launch (sm90+; decode_launch.cuh sets the launch attribute there):
+// a kernel may be scheduled while the previous one in the stream finishes, and waits for
+// it here before touching memory that kernel may write. Without the attribute (or before
+// sm90) both are no-ops.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
 
 template <int kHeadDim, typename Elem, bool kExtras>
 __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
@@ -137,6 +165,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   const int m_tile = blockIdx.y % m_tiles;
   const int batch = blockIdx.z;
 
+  wait_for_previous_grid();  // q, the cache and the lengths may come from the kernel before
   const DecodeSequence seq = DecodeSequence::of(params, batch);
   const int rows = seq.seqlen_q * group;  // packed rows of this sequence
   const int row0 = m_tile * 16;
@@ -208,27 +237,34 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   const bool load_col_ok = load_col < params.headdim;
   const Elem* gK = static_cast<const Elem*>(params.k) + head_k * params.k_strides.head_stride;
   const Elem* gV = static_cast<const Elem*>(params.v) + head_k * params.v_strides.head_stride;
-  const KeyRowAddress rows_at{
+  const KeyRowAddress rows_at(
       params.block_table != nullptr ? params.block_table + batch * params.block_table_batch_stride : nullptr,
-      params.page_size, params.num_pages};
+      params.page_size, params.num_pages);
   const int cache_row = params.cu_seqlens_k != nullptr && params.block_table == nullptr ? 0 : seq.cache_row;
 
   auto load_stage = [&](int stage) {
     const uint32_t sK = smem + (stage % kStages) * Config::kStageBytes;
     const uint32_t sV = sK + KVTile::kBytes;
-    if (load_lane) {
+    if (!load_lane) return;
+    // All block-table reads of the stage first: independent loads whose latencies
+    // overlap, instead of one dependent read before each copy.
+    int page[kSteps], row_in[kSteps];
+    bool valid[kSteps];
 #pragma unroll
-      for (int step = 0; step < kSteps; ++step) {
-        const int row = load_row0 + step * kRowsPerStep;
-        const int key = stage * kStageKeys + row;
-        const bool valid = load_col_ok && key < seq.seqlen_k;
-        const int pos = seq.key_base + (valid ? key : 0);
-        const uint32_t dst = KVTile::offset(row, load_col);
-        const int64_t k_off = valid ? rows_at.offset(params.k_strides, cache_row, pos) + load_col : 0;
-        const int64_t v_off = valid ? rows_at.offset(params.v_strides, cache_row, pos) + load_col : 0;
-        ptx::cp_async_16(sK + dst, gK + k_off, valid);
-        ptx::cp_async_16(sV + dst, gV + v_off, valid);
-      }
+    for (int step = 0; step < kSteps; ++step) {
+      const int key = stage * kStageKeys + load_row0 + step * kRowsPerStep;
+      valid[step] = load_col_ok && key < seq.seqlen_k;
+      const int pos = seq.key_base + (valid[step] ? key : 0);
+      page[step] = rows_at.pages != nullptr ? rows_at.page_of(pos) : cache_row;
+      row_in[step] = rows_at.pages != nullptr ? rows_at.row_in_page(pos) : pos;
+    }
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      const uint32_t dst = KVTile::offset(load_row0 + step * kRowsPerStep, load_col);
+      const int64_t k_off = valid[step] ? KeyRowAddress::offset(params.k_strides, page[step], row_in[step]) + load_col : 0;
+      const int64_t v_off = valid[step] ? KeyRowAddress::offset(params.v_strides, page[step], row_in[step]) + load_col : 0;
+      ptx::cp_async_16(sK + dst, gK + k_off, valid[step]);
+      ptx::cp_async_16(sV + dst, gV + v_off, valid[step]);
     }
   };
 
@@ -320,6 +356,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
       mma_m16n16<Elem>(o, 0, dp, p, b);
     }
   }
+
+  allow_next_grid();  // the combine (or whatever follows) may be scheduled now; it waits for us
 
   // ---- merge the warps' states, then write out (one split) or the partials ------
   float lse[kRows];

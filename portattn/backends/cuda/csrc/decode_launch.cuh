@@ -5,6 +5,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "decode_kernel.cuh"
 #include "variant_table.h"
 
@@ -13,6 +15,28 @@ namespace cuda {
 
 // Merges the num_splits partial results of a decode call (decode_entry.cu).
 cudaError_t launch_decode_combine(const PortattnDecodeParams& params);
+
+// Whether the current device takes programmatic dependent launches (sm90+), asked once per device.
+bool pdl_supported();
+
+// Launches `kernel` so that it may be scheduled while the previous kernel of the stream
+// finishes (its prologue then overlaps that kernel's tail and our launch latency); the
+// kernels wait for it (wait_for_previous_grid) before reading anything it may write.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_overlapped(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                              cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl_supported() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_decode(const PortattnDecodeParams& params) {
@@ -25,8 +49,8 @@ cudaError_t launch_decode(const PortattnDecodeParams& params) {
   const int group = params.nheads / params.nheads_k;
   const int m_tiles = (params.seqlen_q * group + Config::kBlockM - 1) / Config::kBlockM;
   const dim3 grid(params.num_splits, params.nheads_k * m_tiles, params.batch);
-  kernel<<<grid, Config::kThreads, kSmem, static_cast<cudaStream_t>(params.stream)>>>(params);
-  return cudaGetLastError();
+  return launch_overlapped(kernel, grid, dim3(Config::kThreads), kSmem, static_cast<cudaStream_t>(params.stream),
+                           params);
 }
 
 template <int kHeadDim, typename Elem>
