@@ -354,12 +354,22 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
       ptx::cp_async_commit();
     };
 
-    bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sK, gK + n0 * f.k_strides.row_stride,
-                                                       f.k_strides.row_stride, n_valid, headdim);
-    bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sV, gV + n0 * f.v_strides.row_stride,
-                                                       f.v_strides.row_stride, n_valid, headdim);
-    ptx::cp_async_commit();
-    if (iters > 0) load_step(0, 0);
+    // K and V only for a block some query sees. A block no query sees (its
+    // window range is empty) must not issue them: nothing below would wait for
+    // those copies, and in the deterministic mode the CTA's next key block
+    // reuses sK/sV. cp.async copies are unordered until a wait, so the
+    // unwaited copies of the empty block could land after the next block's
+    // and leave it computing with the wrong keys/values (issue 12 item 7:
+    // dQ/dK/dV differing between reruns depending on cache state). The
+    // epilogue writes that block's zero dK/dV without reading K or V.
+    if (iters > 0) {
+      bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sK, gK + n0 * f.k_strides.row_stride,
+                                                         f.k_strides.row_stride, n_valid, headdim);
+      bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sV, gV + n0 * f.v_strides.row_stride,
+                                                         f.v_strides.row_stride, n_valid, headdim);
+      ptx::cp_async_commit();
+      load_step(0, 0);
+    }
 
     float acc_dk[kOTiles][4], acc_dv[kOTiles][4];
 #pragma unroll
@@ -565,6 +575,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
         }
       }
     }
+    // Invariant: no cp.async of this block is still in flight here (the last
+    // step waited for all, an empty block issued none); the wait makes that
+    // hold by construction (a no-op in the common case, once per key block).
+    ptx::cp_async_wait<0>();
     __syncthreads();  // every warp is done with K/V before the next key block overwrites them
   }
 }
