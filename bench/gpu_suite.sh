@@ -3,7 +3,8 @@
 # carried libportattn_cuda.so (built on the dev machine: `python3 portattn/backends/cuda/build.py`,
 # Python-independent), then the stages named in the arguments, logs under $OUT:
 #   tests     every `gpu`-marked test (forward, backward, reference on GPU) -> gpu_tests.log
-#   sanitize  compute-sanitizer memcheck + racecheck on the small forward/backward cases, synccheck on the Hopper ones
+#   sanitize  compute-sanitizer memcheck + racecheck + initcheck on the small forward/backward cases (adversarial
+#             cu_seqlens/seqused_k included), synccheck on the Hopper ones
 #   overhead  bench/bench_overhead.py (host overhead, self-check cost)
 #   report    portattn-report, --selftest and the quickstart example -> report.txt
 #   bench     bench/bench_attention.py $BENCH_ARGS (default --backward): portattn, the sm80+ path forced,
@@ -27,11 +28,16 @@ for stage in "$@"; do
     tests)
       timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
     sanitize)
-      # SANITIZE_KERNELS=<substring> restricts memcheck / racecheck to the kernels whose names contain it.
+      # SANITIZE_KERNELS=<substring> restricts memcheck / racecheck / initcheck to the kernels whose names contain it.
       only=${SANITIZE_KERNELS:+--kernel-name kns=$SANITIZE_KERNELS}
-      for tool in memcheck racecheck; do
+      # initcheck (reads of device memory nobody wrote) runs without torch's caching allocator,
+      # so every workspace is a fresh cudaMalloc the tool tracks as uninitialised; with the
+      # cache, recycled blocks count as written.
+      for tool in memcheck racecheck initcheck; do
         echo "== $tool ${SANITIZE_KERNELS:+(kernels matching $SANITIZE_KERNELS)}" >> "$OUT/sanitize.log"
-        timeout 240 compute-sanitizer --tool $tool $only python3 tests/gpu/sanitize_cuda.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
+        envs=""
+        if [ $tool = initcheck ]; then envs="PYTORCH_NO_CUDA_MEMORY_CACHING=1"; fi
+        env $envs timeout 300 compute-sanitizer --tool $tool $only python3 tests/gpu/sanitize_cuda.py 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
       done
       # synccheck (barrier misuse) on the Hopper kernels: named barriers, mbarriers, setmaxnreg.
       echo "== synccheck (hopper kernels)" >> "$OUT/sanitize.log"

@@ -20,7 +20,8 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         _, seqlen_k, nheads_k, _ = k.shape
-        cu_q = cu_k = total_q = total_k = 0
+        cu_q = cu_k = 0
+        total_q, total_k = seqlen_q, seqlen_k  # rows per batch entry (params.h)
         lse_strides = (0, 0) if lse is None else lse.stride()[:2]
     else:
         _, nheads, headdim = q.shape

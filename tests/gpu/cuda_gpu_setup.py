@@ -6,6 +6,8 @@ is no NVIDIA GPU or the CUDA backend is not built, so GPU tests never pass vacuo
 import pytest
 import torch
 
+from poison import POISON_BYTES, poison_free_memory  # noqa: F401  (re-exported to the test modules)
+
 cuda_backend = pytest.importorskip("portattn.backends.cuda", reason="portattn CUDA backend not importable")
 if cuda_backend._C is None:
     pytest.skip(f"portattn CUDA backend not built: {cuda_backend._IMPORT_ERROR}", allow_module_level=True)

@@ -2,13 +2,20 @@
 
     compute-sanitizer --tool memcheck  python tests/gpu/sanitize_cuda.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_cuda.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck python tests/gpu/sanitize_cuda.py
+
+(initcheck without torch's caching allocator: each workspace is then a fresh cudaMalloc
+that the tool tracks as unwritten; a recycled block would count as written.)
 
 The cases cover the code paths that index memory differently: sequence tails
 (17, 113 rows), a head dim served by a larger variant (40 -> 64, 200 -> 224, the
 backward splitting it in two halves), GQA and MQA (the backward's fp32 dK/dV
 atomics and its per-KV-head loop), varlen with empty and single-row sequences,
-the extras kernel (softcap + ALiBi + dropout), and the backward's deterministic
-dQ slices, and the sm_90a forward (each of its schedules, windows and softcap) and
+the extras kernel (softcap + ALiBi + dropout), adversarial cu_seqlens / seqused_k values
+(test_adversarial_bounds.py's cases, sm80+ forward and backward and the sm_90a forward),
+and the backward's deterministic
+dQ slices (flash-attn's deterministic case whose splits start on key blocks no query
+sees), and the sm_90a forward (each of its schedules, windows and softcap) and
 backward (GQA, both modes) on an sm_90 device. Outputs and gradients are NaN-poisoned;
 exits non-zero if any stays unwritten, while the sanitizer reports access errors and races.
 """
@@ -83,6 +90,12 @@ def main() -> int:
         k = torch.randn(2, sk, hk, head_dim, **bf16)
         v = torch.randn(2, sk, hk, head_dim, **bf16)
         failures += unwritten(q, k, v, **options)
+    if served(192):
+        # flash-attn's test_flash_attn_deterministic[3-799-False-192-True-True-dtype0] (issue 12
+        # item 7): every deterministic split starts on key blocks outside the window.
+        q = torch.randn(4, 3, 9, 192, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(4, 799, 9, 192, device="cuda", dtype=torch.float16) for _ in range(2))
+        failures += unwritten(q, k, v, window_left=551, window_right=0)
     if served(96):
         lens = [0, 1, 17, 130]
         cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
@@ -104,7 +117,26 @@ def main() -> int:
         q, k, v = (torch.randn(1, 1100, 2, 64, **bf16) for _ in range(3))
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_left=100, window_right=37, softcap=30.0)
-    print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs")
+    if served(64):
+        # Adversarial cu_seqlens / seqused_k values (decreasing, past the tensor, negative,
+        # INT_MIN/INT_MAX, longer than max_seqlen): the kernels clamp them on the device
+        # (common/seq_bounds.h); memcheck sees any access outside the tensors, the guard
+        # rows of run_case any write outside them (issue 12 item 4).
+        from test_adversarial_bounds import CASES, adversarial_cases, run_case
+
+        from portattn.backends import cuda as cuda_package
+
+        hopper = BACKEND_SM90.unsupported_reasons(HOPPER_CALL) == []
+        for case in adversarial_cases():
+            for window in ((-1, -1), (10, 3)):
+                for deterministic in (False, True):
+                    wrong = run_case(cuda_package._C, case, window=window, deterministic=deterministic)
+                    if hopper and CASES[case][2] is None and not deterministic:
+                        wrong += run_case(cuda_package._C, case, window=window, entry="hopper_fwd")
+                    if wrong:
+                        print(f"sanitize_cuda: adversarial {case} {window}: {wrong}")
+                    failures += int(bool(wrong))
+    print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs or wrote outside them")
     return 1 if failures else 0
 
 

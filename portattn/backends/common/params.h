@@ -57,7 +57,8 @@ typedef struct PortattnFwdParams {
   int seqlen_q;  // max over the batch for varlen
   int seqlen_k;
 
-  // Varlen: non-null cu_seqlens_q/k switch the kernel to packed sequences.
+  // Varlen: non-null cu_seqlens_q/k switch the kernel to packed sequences. Their
+  // values (and seqused_k's) are device data no kernel trusts: seq_bounds.h.
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   const int32_t* seqused_k;  // optional: keys actually used per sequence (kv cache)
@@ -76,8 +77,11 @@ typedef struct PortattnFwdParams {
 
   void* stream;  // cudaStream_t / hipStream_t
 
-  // Varlen: rows of the packed q and k/v tensors (total over the batch). The
-  // Hopper kernels' tensor maps need the extent; the others ignore it.
+  // Rows along the sequence axis of q (out, dq) and k/v (dk, dv): the packed
+  // total over the batch for varlen, seqlen_q / seqlen_k per batch entry
+  // otherwise; filled for every call (abi.py). Varlen kernels clamp each
+  // sequence's rows to them on the device (seq_bounds.h), and the Hopper
+  // kernels' tensor maps take them as the extent.
   int64_t total_q;
   int64_t total_k;
 } PortattnFwdParams;

@@ -56,6 +56,7 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/philox.h"
+#include "../../common/seq_bounds.h"
 #include "ptx.cuh"
 
 namespace portattn {
@@ -114,24 +115,9 @@ struct BwdArgs {
   int splits;        // deterministic: grid.x; default: unused
 };
 
-struct SeqInfo {
-  int q_start, k_start, seqlen_q, seqlen_k;
-};
-
-__device__ __forceinline__ SeqInfo seq_info(const PortattnFwdParams& f, int batch) {
-  SeqInfo s{0, 0, f.seqlen_q, f.seqlen_k};
-  if (f.cu_seqlens_q != nullptr) {
-    s.q_start = f.cu_seqlens_q[batch];
-    s.seqlen_q = f.cu_seqlens_q[batch + 1] - s.q_start;
-    s.k_start = f.cu_seqlens_k[batch];
-    s.seqlen_k = f.cu_seqlens_k[batch + 1] - s.k_start;
-  }
-  if (f.seqused_k != nullptr) s.seqlen_k = f.seqused_k[batch];
-  return s;
-}
-
 // Row of the (B, chunk heads, Sq_max) workspace arrays; varlen rows are padded
-// to the longest sequence, so the layout needs nothing but the params.
+// to the longest sequence, so the layout needs nothing but the params (and
+// seq_bounds caps every sequence at Sq_max, so no row reaches its neighbour's).
 __device__ __forceinline__ int64_t ws_row(const BwdArgs& args, int batch, int head, int i) {
   return (static_cast<int64_t>(batch) * args.heads + head - args.head0) * args.p.fwd.seqlen_q + i;
 }
@@ -158,8 +144,8 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args) {
   const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int head = args.head0 + blockIdx.y;
   const int batch = blockIdx.z;
-  const SeqInfo s = seq_info(f, batch);
-  if (i >= s.seqlen_q) return;
+  const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
+  if (i >= s.len_q) return;
   const int64_t row = s.q_start + i;
   float acc = 0.f;
   const int col = lane * 8;
@@ -294,9 +280,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
   const int heads = cta_heads.heads;
   const bool gqa_atomic = !det && group > 1;
 
-  const SeqInfo s = seq_info(f, batch);
-  const int n_blocks = (s.seqlen_k + kBlockN - 1) / kBlockN;
-  const int diag = s.seqlen_k - s.seqlen_q;
+  const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
+  const int n_blocks = (s.len_k + kBlockN - 1) / kBlockN;
+  const int diag = s.len_k - s.len_q;
   const int wl = f.window_left, wr = f.window_right;
   const int headdim = f.headdim;
 
@@ -319,11 +305,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
 
   for (int n_block = n_first; n_block < n_blocks; n_block += n_step) {
     const int n0 = n_block * kBlockN;
-    const int n_valid = min(kBlockN, s.seqlen_k - n0);
+    const int n_valid = min(kBlockN, s.len_k - n0);
     // Query rows that can see any key of this block (params.h masking rule).
-    int m_lo = 0, m_hi = s.seqlen_q;
+    int m_lo = 0, m_hi = s.len_q;
     if (wr >= 0) m_lo = max(0, n0 - diag - wr);
-    if (wl >= 0) m_hi = min(s.seqlen_q, n0 + n_valid - 1 - diag + wl + 1);
+    if (wl >= 0) m_hi = min(s.len_q, n0 + n_valid - 1 - diag + wl + 1);
     const int m_begin = m_lo / kBlockM;
     const int m_blocks = m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0;
     const int iters = heads * m_blocks;
@@ -340,13 +326,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
                         head * p.dout_strides.head_stride;
       bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffQ + stage * QTile::kBytes,
                                                          gQ, f.q_strides.row_stride,
-                                                         s.seqlen_q - m0, headdim);
+                                                         s.len_q - m0, headdim);
       bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffDo + stage * QTile::kBytes,
                                                          gDo, p.dout_strides.row_stride,
-                                                         s.seqlen_q - m0, headdim);
+                                                         s.len_q - m0, headdim);
       const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + s.q_start + m0;
       for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
-        const bool valid = m0 + r < s.seqlen_q;
+        const bool valid = m0 + r < s.len_q;
         const float lse = valid ? gLse[r] : softmax::neg_inf();
         sLse[stage * kBlockM + r] = lse == softmax::neg_inf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
         sDelta[stage * kBlockM + r] = valid ? args.delta[ws_row(args, batch, head, m0 + r)] : 0.f;
@@ -354,12 +340,22 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
       ptx::cp_async_commit();
     };
 
-    bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sK, gK + n0 * f.k_strides.row_stride,
-                                                       f.k_strides.row_stride, n_valid, headdim);
-    bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sV, gV + n0 * f.v_strides.row_stride,
-                                                       f.v_strides.row_stride, n_valid, headdim);
-    ptx::cp_async_commit();
-    if (iters > 0) load_step(0, 0);
+    // K and V only for a block some query sees. A block no query sees (its
+    // window range is empty) must not issue them: nothing below would wait for
+    // those copies, and in the deterministic mode the CTA's next key block
+    // reuses sK/sV. cp.async copies are unordered until a wait, so the
+    // unwaited copies of the empty block could land after the next block's
+    // and leave it computing with the wrong keys/values (issue 12 item 7:
+    // dQ/dK/dV differing between reruns depending on cache state). The
+    // epilogue writes that block's zero dK/dV without reading K or V.
+    if (iters > 0) {
+      bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sK, gK + n0 * f.k_strides.row_stride,
+                                                         f.k_strides.row_stride, n_valid, headdim);
+      bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sV, gV + n0 * f.v_strides.row_stride,
+                                                         f.v_strides.row_stride, n_valid, headdim);
+      ptx::cp_async_commit();
+      load_step(0, 0);
+    }
 
     float acc_dk[kOTiles][4], acc_dv[kOTiles][4];
 #pragma unroll
@@ -412,7 +408,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
       }
 
       // ---- P^T (dropped, for dV) into acc_s and dS^T into acc_dp -------------
-      const bool needs_mask = n0 + kBlockN > s.seqlen_k || m0 + kBlockM > s.seqlen_q ||
+      const bool needs_mask = n0 + kBlockN > s.len_k || m0 + kBlockM > s.len_q ||
                               (wl >= 0 && m0 + kBlockM - 1 + diag - wl > n0) ||
                               (wr >= 0 && n0 + kBlockN - 1 > m0 + diag + wr);
       const int key0 = n0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
@@ -448,7 +444,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
             if (kExtras) x -= alibi_slope * fabsf(static_cast<float>(i + diag - j));
             bool visible = true;
             if (needs_mask)
-              visible = j < s.seqlen_k && i < s.seqlen_q && (wl < 0 || j >= i + diag - wl) &&
+              visible = j < s.len_k && i < s.len_q && (wl < 0 || j >= i + diag - wl) &&
                         (wr < 0 || j <= i + diag + wr);
             const float prob = visible ? softmax::exp2_fast(x * softmax::kLog2e - lse2[c]) : 0.f;
             float dprob = acc_dp[t][e];
@@ -514,8 +510,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
           const int col = col0 + t * 8 + q2;
           if (col < headdim) {
             const int r0 = tm * 16 + g;
-            if (m0 + r0 < s.seqlen_q) accum_add2(gDq + r0 * headdim + col, acc[t][0], acc[t][1]);
-            if (m0 + r0 + 8 < s.seqlen_q)
+            if (m0 + r0 < s.len_q) accum_add2(gDq + r0 * headdim + col, acc[t][0], acc[t][1]);
+            if (m0 + r0 + 8 < s.len_q)
               accum_add2(gDq + (r0 + 8) * headdim + col, acc[t][2], acc[t][3]);
           }
         }
@@ -565,6 +561,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
         }
       }
     }
+    // Invariant: no cp.async of this block is still in flight here (the last
+    // step waited for all, an empty block issued none); the wait makes that
+    // hold by construction (a no-op in the common case, once per key block).
+    ptx::cp_async_wait<0>();
     __syncthreads();  // every warp is done with K/V before the next key block overwrites them
   }
 }
@@ -583,8 +583,8 @@ __global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int sl
   const int64_t rest = index / chunks;
   const int head = args.head0 + static_cast<int>(rest % args.heads);
   const int i = static_cast<int>(rest / args.heads);
-  const SeqInfo s = seq_info(f, batch);
-  if (i >= s.seqlen_q) return;
+  const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
+  if (i >= s.len_q) return;
   const float* src = args.dq_accum + ws_row(args, batch, head, i) * f.headdim + chunk * 8;
   float acc[8];
 #pragma unroll
@@ -620,8 +620,8 @@ __global__ void __launch_bounds__(256) bwd_convert_dkv(const BwdArgs args) {
   const int local_k = static_cast<int>(rest % args.heads_k);
   const int head_k = args.head0 / (f.nheads / f.nheads_k) + local_k;
   const int j = static_cast<int>(rest / args.heads_k);
-  const SeqInfo s = seq_info(f, batch);
-  if (j >= s.seqlen_k) return;
+  const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
+  if (j >= s.len_k) return;
   const int64_t src = ((static_cast<int64_t>(batch) * f.seqlen_k + j) * args.heads_k + local_k) *
                           f.headdim + chunk * 8;
   const int64_t row = s.k_start + j;

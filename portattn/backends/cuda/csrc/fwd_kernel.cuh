@@ -38,6 +38,7 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/philox.h"
+#include "../../common/seq_bounds.h"
 #include "ptx.cuh"
 
 namespace portattn {
@@ -168,15 +169,9 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
       params.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : static_cast<int>(blockIdx.x);
 
   // ---- which rows and keys this CTA sees ------------------------------------
-  int q_start = 0, k_start = 0;
-  int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
-  if (params.cu_seqlens_q != nullptr) {
-    q_start = params.cu_seqlens_q[batch];
-    seqlen_q = params.cu_seqlens_q[batch + 1] - q_start;
-    k_start = params.cu_seqlens_k[batch];
-    seqlen_k = params.cu_seqlens_k[batch + 1] - k_start;
-  }
-  if (params.seqused_k != nullptr) seqlen_k = params.seqused_k[batch];
+  const SeqBounds seq = seq_bounds(params, batch);  // clamped to the tensors (seq_bounds.h)
+  const int q_start = seq.q_start, k_start = seq.k_start;
+  const int seqlen_q = seq.len_q, seqlen_k = seq.len_k;
   const int m0 = m_block * kBlockM;
   if (m0 >= seqlen_q) return;
 

@@ -197,6 +197,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int head_k = cta_heads.head_k;
   const int head_first = cta_heads.head_first;
   const int heads = cta_heads.heads;
+  // Fixed-length batches only: the C entry refuses cu_seqlens and seqused_k
+  // (hopper_host.h: refuses), whatever Python decided, so the bounds are the
+  // host's shape ints and every row lies inside the tensors (seq_bounds.h's rule
+  // for dense calls).
   const int seqlen_q = f.seqlen_q;
   const int seqlen_k = f.seqlen_k;
   const int diag = seqlen_k - seqlen_q;

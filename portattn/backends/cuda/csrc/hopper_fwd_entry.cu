@@ -89,6 +89,8 @@ cudaError_t launch(const PortattnFwdParams& params) {
   args.seqlen_k = params.seqlen_k;
   args.cu_seqlens_q = params.cu_seqlens_q;
   args.cu_seqlens_k = params.cu_seqlens_k;
+  args.total_q = rows_q;
+  args.total_k = rows_k;
   args.nheads = params.nheads;
   args.heads_per_kv = params.nheads / params.nheads_k;
   args.num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;

@@ -70,6 +70,7 @@
 
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
+#include "../../common/seq_bounds.h"
 #include "hopper_ptx.cuh"
 #include "ptx.cuh"
 
@@ -137,6 +138,8 @@ struct HopperFwdArgs {
   int seqlen_k;
   const int32_t* cu_seqlens_q;  // varlen (packed rows; tensor maps with one "batch"), else null
   const int32_t* cu_seqlens_k;
+  int64_t total_q;  // rows of q / k along the sequence axis (params.h), the clamp of seq_bounds.h
+  int64_t total_k;
   int nheads;
   int heads_per_kv;  // nheads / nheads_k
   int num_m_blocks;  // query blocks per (head, batch)
@@ -192,18 +195,14 @@ __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& ar
   }
   tile.head = hb % args.nheads;
   tile.batch = hb / args.nheads;
-  if (args.cu_seqlens_q != nullptr) {
-    tile.q_start = args.cu_seqlens_q[tile.batch];
-    tile.seqlen_q = args.cu_seqlens_q[tile.batch + 1] - tile.q_start;
-    tile.k_start = args.cu_seqlens_k[tile.batch];
-    tile.seqlen_k = args.cu_seqlens_k[tile.batch + 1] - tile.k_start;
-    tile.tma_batch = 0;
-  } else {
-    tile.q_start = tile.k_start = 0;
-    tile.seqlen_q = args.seqlen_q;
-    tile.seqlen_k = args.seqlen_k;
-    tile.tma_batch = tile.batch;
-  }
+  // seqused_k is refused on this path (hopper_host.h), hence null.
+  const SeqBounds seq = seq_bounds(args.cu_seqlens_q, args.cu_seqlens_k, nullptr, args.seqlen_q, args.seqlen_k,
+                                   args.total_q, args.total_k, tile.batch);
+  tile.q_start = seq.q_start;
+  tile.k_start = seq.k_start;
+  tile.seqlen_q = seq.len_q;
+  tile.seqlen_k = seq.len_k;
+  tile.tma_batch = args.cu_seqlens_q != nullptr ? 0 : tile.batch;
   tile.rows = tile.m_block * kBlockM < tile.seqlen_q;
   // Key j is visible to query i when i + diag - window_left <= j <= i + diag + window_right.
   const int diag = tile.seqlen_k - tile.seqlen_q;

@@ -1,5 +1,5 @@
-// Data movement shared by the ROCm forward and backward kernels: sequence
-// bounds, global -> LDS tile copies and MFMA operand reads from LDS.
+// Data movement shared by the ROCm forward and backward kernels: global -> LDS
+// tile copies and MFMA operand reads from LDS (sequence bounds: common/seq_bounds.h).
 //
 // Tiles hold raw 16-bit patterns, rows padded by kLdsPad elements (8 bytes)
 // so the 32 rows one MFMA operand reads fall on distinct bank pairs. Global
@@ -11,6 +11,7 @@
 
 #include "../../common/params.h"
 #include "../../common/philox.h"
+#include "../../common/seq_bounds.h"  // SeqBounds / seq_bounds: every kernel's clamped sequence bounds
 
 #ifndef PORTATTN_ROCM_ARCH_NS
 #error "define PORTATTN_ROCM_ARCH_NS (the gfx target this translation unit is compiled for)"
@@ -21,23 +22,6 @@ namespace rocm {
 namespace PORTATTN_ROCM_ARCH_NS {
 
 constexpr int kLdsPad = 4;
-
-struct SeqBounds {
-  int q_start, k_start;  // first packed row of this sequence (0 unless varlen)
-  int len_q, len_k;
-};
-
-__device__ __forceinline__ SeqBounds seq_bounds(const PortattnFwdParams& p, int b) {
-  SeqBounds seq{0, 0, p.seqlen_q, p.seqlen_k};
-  if (p.cu_seqlens_q != nullptr) {
-    seq.q_start = p.cu_seqlens_q[b];
-    seq.len_q = p.cu_seqlens_q[b + 1] - seq.q_start;
-    seq.k_start = p.cu_seqlens_k[b];
-    seq.len_k = p.cu_seqlens_k[b + 1] - seq.k_start;
-  }
-  if (p.seqused_k != nullptr) seq.len_k = p.seqused_k[b];
-  return seq;
-}
 
 // Row `row` of head `h` of sequence `b` in a (batch, seqlen, heads, headdim)
 // tensor (varlen: row counts from the packed start, batch stride 0).
