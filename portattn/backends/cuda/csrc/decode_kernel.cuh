@@ -31,6 +31,7 @@
 
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
+#include "../../common/seq_bounds.h"
 #include "fwd_kernel.cuh"
 #include "ptx.cuh"
 
@@ -70,21 +71,14 @@ struct DecodeSequence {
 
   __device__ __forceinline__ static DecodeSequence of(const PortattnDecodeParams& p, int b) {
     DecodeSequence s{0, p.seqlen_q, p.seqlen_k, 0, b};
-    if (p.cu_seqlens_q != nullptr) {
-      const int start = min(max(p.cu_seqlens_q[b], 0), static_cast<int>(p.total_q));
-      const int end = min(max(p.cu_seqlens_q[b + 1], start), static_cast<int>(p.total_q));
-      s.q_start = start;
-      s.seqlen_q = min(end - start, p.seqlen_q);
-    }
+    // Packed rows follow the one rule of common/seq_bounds.h.
+    if (p.cu_seqlens_q != nullptr) packed_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, s.q_start, s.seqlen_q);
     if (p.cu_seqlens_k != nullptr && p.block_table != nullptr) {
       // Paged varlen (flash_attn_varlen_func with block_table): cu_seqlens_k gives
       // the lengths; every sequence starts at position 0 of its own pages.
       s.seqlen_k = min(max(p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b], 0), p.kv_capacity);
     } else if (p.cu_seqlens_k != nullptr) {
-      const int start = min(max(p.cu_seqlens_k[b], 0), static_cast<int>(p.total_k));
-      const int end = min(max(p.cu_seqlens_k[b + 1], start), static_cast<int>(p.total_k));
-      s.key_base = start;
-      s.seqlen_k = end - start;
+      packed_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, s.key_base, s.seqlen_k);
     } else if (p.cache_seqlens != nullptr || p.cache_leftpad != nullptr) {
       int end = p.cache_seqlens != nullptr ? p.cache_seqlens[b] + p.seqlen_new : p.kv_capacity;
       end = min(max(end, 0), p.kv_capacity);
