@@ -13,7 +13,7 @@ backward splitting it in two halves), GQA and MQA (the backward's fp32 dK/dV
 atomics and its per-KV-head loop), varlen with empty and single-row sequences,
 the extras kernel (softcap + ALiBi + dropout), adversarial cu_seqlens / seqused_k values
 (test_adversarial_bounds.py's cases, sm80+ forward and backward and the sm_90a forward),
-and the backward's deterministic
+the decode kernels (decode_cases), and the backward's deterministic
 dQ slices (flash-attn's deterministic case whose splits start on key blocks no query
 sees), and the sm_90a forward (each of its schedules, windows and softcap) and
 backward (GQA, both modes) on an sm_90 device. Outputs and gradients are NaN-poisoned;
@@ -58,6 +58,57 @@ def unwritten(q, k, v, backend=BACKEND, **options) -> int:
         backend.backward(torch.randn_like(out), q, k, v, out, lse, *grads, deterministic=deterministic, **args)
         torch.cuda.synchronize()
         failures += int(any(g.isnan().any().item() for g in grads))
+    return failures
+
+
+def decode_cases() -> int:
+    """The decode kernels (csrc/decode_*): contiguous with batch_idx and leftpad, paged with
+    page sizes 16 and 48 (not a power of two) and pages spanning stages, the append + rotary
+    kernel, several splits (the combine), a short varlen query, and adversarial lengths,
+    pages and indices that the kernels clamp."""
+    import portattn
+
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    failures = 0
+    for page, splits in ((0, 3), (16, 1), (48, 5)):
+        q = torch.randn(3, 2, 8, 128, **bf16)
+        k_new, v_new = torch.randn(3, 2, 2, 128, **bf16), torch.randn(3, 2, 2, 128, **bf16)
+        cos, sin = torch.rand(400, 32, **bf16), torch.rand(400, 32, **bf16)
+        seqlens = torch.tensor([0, 100, 380], dtype=torch.int32, device="cuda")
+        leftpad = torch.tensor([0, 7, 300], dtype=torch.int32, device="cuda") if page != 16 else None
+        if page:
+            k_cache = torch.randn(3 * 384 // page + 2, page, 2, 128, **bf16)
+            table = torch.randperm(k_cache.shape[0], device="cuda")[: 3 * 384 // page].reshape(3, -1).to(torch.int32)
+            batch_idx = None
+        else:
+            k_cache, table = torch.randn(5, 384, 2, 128, **bf16), None
+            batch_idx = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+        out, lse = portattn.flash_attn_with_kvcache(
+            q, k_cache, torch.randn_like(k_cache), k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+            cache_seqlens=seqlens, cache_leftpad=leftpad, cache_batch_idx=batch_idx, block_table=table,
+            causal=True, num_splits=splits, return_softmax_lse=True)
+        torch.cuda.synchronize()
+        failures += int(out.isnan().any().item() or lse.isnan().any().item())
+    q = torch.randn(4, 8, 128, **bf16)
+    kv = torch.randn(2000, 2, 2, 128, **bf16)
+    cu_q = torch.tensor([0, 1, 3, 3, 4], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 700, 701, 701, 2000], dtype=torch.int32, device="cuda")
+    out = portattn.flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, 2, 1299)
+    torch.cuda.synchronize()
+    failures += int(out.isnan().any().item())
+    # Values past every bound: lengths, leftpad, batch index and page numbers (clamped).
+    k_cache = torch.randn(4, 64, 2, 128, **bf16)
+    q = torch.randn(2, 1, 8, 128, **bf16)
+    for options in (dict(cache_seqlens=torch.tensor([10**6, -5], dtype=torch.int32, device="cuda")),
+                    dict(cache_seqlens=torch.tensor([30, 60], dtype=torch.int32, device="cuda"),
+                         cache_leftpad=torch.tensor([500, -9], dtype=torch.int32, device="cuda"),
+                         cache_batch_idx=torch.tensor([-1, 99], dtype=torch.int32, device="cuda")),
+                    dict(cache_seqlens=torch.tensor([64, 33], dtype=torch.int32, device="cuda"),
+                         block_table=torch.tensor([[2, 10**6], [-4, 1]], dtype=torch.int32, device="cuda"))):
+        cache = k_cache.view(8, 32, 2, 128) if "block_table" in options else k_cache
+        portattn.flash_attn_with_kvcache(q, cache, cache.clone(), k=torch.randn(2, 1, 2, 128, **bf16),
+                                         v=torch.randn(2, 1, 2, 128, **bf16), num_splits=2, **options)
+        torch.cuda.synchronize()
     return failures
 
 
@@ -136,6 +187,8 @@ def main() -> int:
                     if wrong:
                         print(f"sanitize_cuda: adversarial {case} {window}: {wrong}")
                     failures += int(bool(wrong))
+    if served(128) and hasattr(BACKEND.module, "decode"):
+        failures += decode_cases()
     print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs or wrote outside them")
     return 1 if failures else 0
 

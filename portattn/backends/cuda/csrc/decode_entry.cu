@@ -44,17 +44,21 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// One warp per output row (sequence, head, query): LSE-weighted sum of the
-// splits' normalised partial outputs. A row no split saw (every partial LSE
-// -inf) gets out = 0 and lse = -inf, the forward kernels' convention.
+// One block per output row (sequence, head, query): the LSE-weighted sum of the
+// splits' normalised partial outputs. Every warp computes the row's LSE from the
+// split LSEs (a few loads per lane), then sums its own share of the splits (warp w
+// takes splits w, w + kCombineWarps, ...) with several loads in flight; the warps'
+// sums meet in shared memory. A row no split saw (every partial LSE -inf) gets
+// out = 0 and lse = -inf, the forward kernels' convention.
 template <typename Elem>
 __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(const PortattnDecodeParams p) {
-  __shared__ float weights[kCombineWarps][kMaxSplits];
+  constexpr int kMaxQuads = 256 / 4 / 32;  // float4 columns per lane at head dim 256
+  constexpr int kUnroll = 4;
+  __shared__ float4 sums[kCombineWarps][kMaxQuads * 32];
+  wait_for_previous_grid();  // the decode kernel's partials
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t rows_total = static_cast<int64_t>(p.batch) * p.nheads * p.seqlen_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
-  wait_for_previous_grid();  // the decode kernel's partials
-  if (row >= rows_total) return;
+  const int64_t row = blockIdx.x;
   const int qi = static_cast<int>(row % p.seqlen_q);
   const int head = static_cast<int>((row / p.seqlen_q) % p.nheads);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.nheads));
@@ -62,43 +66,72 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   if (p.cu_seqlens_q != nullptr) {
     // The decode kernel's clamping (DecodeSequence), so both skip the same rows.
     const DecodeSequence seq = DecodeSequence::of(p, b);
-    if (qi >= seq.seqlen_q) return;
+    if (qi >= seq.seqlen_q) return;  // uniform over the block
     q_start = seq.q_start;
   }
   const int splits = p.num_splits;
-  float* w = weights[warp];
   float m = softmax::neg_inf();
-  for (int s = lane; s < splits; s += 32) {
-    const float l = p.lse_partial[s * rows_total + row];
-    w[s] = l;
-    m = fmaxf(m, l);
-  }
+  for (int s = lane; s < splits; s += 32) m = fmaxf(m, p.lse_partial[s * rows_total + row]);
   m = warp_max(m);
   float sum = 0.f;
   if (m != softmax::neg_inf())
-    for (int s = lane; s < splits; s += 32) sum += expf(w[s] - m);
+    for (int s = lane; s < splits; s += 32) sum += expf(p.lse_partial[s * rows_total + row] - m);
   sum = warp_sum(sum);
   const float lse = (m == softmax::neg_inf() || sum == 0.f) ? softmax::neg_inf() : m + logf(sum);
-  for (int s = lane; s < splits; s += 32) w[s] = lse == softmax::neg_inf() ? 0.f : expf(w[s] - lse);
-  __syncwarp();
 
+  float4 acc[kMaxQuads];
+#pragma unroll
+  for (int j = 0; j < kMaxQuads; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (lse != softmax::neg_inf()) {
+    for (int s0 = warp; s0 < splits; s0 += kCombineWarps * kUnroll) {
+      float weight[kUnroll];
+      float4 part[kUnroll][kMaxQuads];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {  // loads of kUnroll splits first, then the sums
+        const int s = s0 + u * kCombineWarps;
+        weight[u] = s < splits ? expf(p.lse_partial[s * rows_total + row] - lse) : 0.f;
+#pragma unroll
+        for (int j = 0; j < kMaxQuads; ++j) {
+          const int col = (j * 32 + lane) * 4;
+          part[u][j] = s < splits && col < p.headdim
+                           ? *reinterpret_cast<const float4*>(p.o_partial + (s * rows_total + row) * p.headdim + col)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int j = 0; j < kMaxQuads; ++j) {
+          acc[j].x += weight[u] * part[u][j].x;
+          acc[j].y += weight[u] * part[u][j].y;
+          acc[j].z += weight[u] * part[u][j].z;
+          acc[j].w += weight[u] * part[u][j].w;
+        }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxQuads; ++j) sums[warp][j * 32 + lane] = acc[j];
+  __syncthreads();
+  if (warp != 0) return;
   const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
   Elem* out = static_cast<Elem*>(p.out) + o_batch + static_cast<int64_t>(q_start + qi) * p.out_strides.row_stride +
               static_cast<int64_t>(head) * p.out_strides.head_stride;
-  for (int col = lane * 4; col < p.headdim; col += 128) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < splits; ++s) {
-      const float weight = w[s];
-      if (weight == 0.f) continue;  // an empty split (or one that lost by ~88 nats)
-      const float4 part = *reinterpret_cast<const float4*>(p.o_partial + (s * rows_total + row) * p.headdim + col);
-      acc[0] += weight * part.x;
-      acc[1] += weight * part.y;
-      acc[2] += weight * part.z;
-      acc[3] += weight * part.w;
+#pragma unroll
+  for (int j = 0; j < kMaxQuads; ++j) {
+    const int col = (j * 32 + lane) * 4;
+    if (col >= p.headdim) continue;
+    float4 total = sums[0][j * 32 + lane];
+#pragma unroll
+    for (int w = 1; w < kCombineWarps; ++w) {
+      const float4 other = sums[w][j * 32 + lane];
+      total.x += other.x;
+      total.y += other.y;
+      total.z += other.z;
+      total.w += other.w;
     }
     uint2 packed;
-    packed.x = ptx::ElemTraits<Elem>::pack(acc[0], acc[1]);
-    packed.y = ptx::ElemTraits<Elem>::pack(acc[2], acc[3]);
+    packed.x = ptx::ElemTraits<Elem>::pack(total.x, total.y);
+    packed.y = ptx::ElemTraits<Elem>::pack(total.z, total.w);
     *reinterpret_cast<uint2*>(out + col) = packed;
   }
   if (lane == 0 && p.lse != nullptr)
@@ -215,8 +248,7 @@ bool decode_strides_aligned(const PortattnDecodeParams& p) {
 }  // namespace
 
 cudaError_t launch_decode_combine(const PortattnDecodeParams& params) {
-  const int64_t rows = static_cast<int64_t>(params.batch) * params.nheads * params.seqlen_q;
-  const dim3 blocks(static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps));
+  const dim3 blocks(static_cast<unsigned>(static_cast<int64_t>(params.batch) * params.nheads * params.seqlen_q));
   const cudaStream_t stream = static_cast<cudaStream_t>(params.stream);
   if (params.dtype == PORTATTN_BF16)
     return launch_overlapped(&decode_combine_kernel<__nv_bfloat16>, blocks, dim3(kCombineWarps * 32), 0, stream, params);

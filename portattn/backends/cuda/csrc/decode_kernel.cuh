@@ -107,10 +107,13 @@ struct KeyRowAddress {
     page_shift = pages_ != nullptr && (page_size_ & (page_size_ - 1)) == 0 ? __ffs(page_size_) - 1 : -1;
   }
 
-  // The page holding `pos` (clamped: a bad block-table entry cannot leave the cache).
+  // Which block-table slot holds `pos`, and the page it names (clamped: a bad
+  // block-table entry cannot leave the cache).
+  __device__ __forceinline__ int page_of_slot(int pos) const {
+    return page_shift >= 0 ? pos >> page_shift : pos / page_size;
+  }
   __device__ __forceinline__ int page_of(int pos) const {
-    const int slot = page_shift >= 0 ? pos >> page_shift : pos / page_size;
-    return min(max(pages[slot], 0), num_pages - 1);
+    return min(max(pages[page_of_slot(pos)], 0), num_pages - 1);
   }
   __device__ __forceinline__ int row_in_page(int pos) const {
     return page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
@@ -236,31 +239,64 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
       params.page_size, params.num_pages);
   const int cache_row = params.cu_seqlens_k != nullptr && params.block_table == nullptr ? 0 : seq.cache_row;
 
+  // Per-thread invariants of the loads: this thread's rows of a stage are load_row0 +
+  // step * kRowsPerStep, so within one page (or a contiguous cache) their addresses are
+  // a base plus constant steps; shared-memory offsets are the same for every stage.
+  const int64_t k_step = kRowsPerStep * params.k_strides.row_stride;
+  const int64_t v_step = kRowsPerStep * params.v_strides.row_stride;
+  // Rows kRowsPerStep apart keep their swizzle bits when kRowsPerStep is a multiple of 8:
+  // then the offsets are one register plus immediates; otherwise computed per use.
+  const uint32_t dst0 = KVTile::offset(load_row0, load_col);
+  auto dst = [&](int step) -> uint32_t {
+    if constexpr (kRowsPerStep % 8 == 0) return dst0 + step * kRowsPerStep * KVTile::kPanelRowBytes;
+    return KVTile::offset(load_row0 + step * kRowsPerStep, load_col);
+  };
+
   auto load_stage = [&](int stage) {
     const uint32_t sK = smem + (stage % kStages) * Config::kStageBytes;
     const uint32_t sV = sK + KVTile::kBytes;
     if (!load_lane) return;
-    // All block-table reads of the stage first: independent loads whose latencies
-    // overlap, instead of one dependent read before each copy.
+    const int stage_key0 = stage * kStageKeys;
+    const int key0 = stage_key0 + load_row0;           // this thread's first key of the stage
+    const int rows_left = seq.seqlen_k - key0;         // its rows with step * kRowsPerStep < rows_left exist
+    const int first_pos = seq.key_base + stage_key0;   // the stage's first and last positions
+    // One page (or a contiguous cache) holds the whole stage: one lookup, constant steps.
+    // Uniform across the CTA, so the branch does not diverge.
+    const bool one_page = rows_at.pages == nullptr ||
+                          rows_at.page_of_slot(first_pos) == rows_at.page_of_slot(first_pos + kStageKeys - 1);
+    if (one_page) {
+      const int pos = seq.key_base + (rows_left > 0 ? key0 : 0);
+      const int page = rows_at.pages != nullptr ? rows_at.page_of(pos) : cache_row;
+      const int row = rows_at.pages != nullptr ? rows_at.row_in_page(pos) : pos;
+      const Elem* k_src = gK + KeyRowAddress::offset(params.k_strides, page, row) + load_col;
+      const Elem* v_src = gV + KeyRowAddress::offset(params.v_strides, page, row) + load_col;
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+        const bool valid = load_col_ok && step * kRowsPerStep < rows_left;
+        ptx::cp_async_16(sK + dst(step), valid ? k_src + step * k_step : gK, valid);
+        ptx::cp_async_16(sV + dst(step), valid ? v_src + step * v_step : gV, valid);
+      }
+      return;
+    }
+    // The stage spans pages: every block-table read first (independent loads whose
+    // latencies overlap), then the copies.
     int page[kSteps], row_in[kSteps];
-    bool valid[kSteps];
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
-      const int key = stage * kStageKeys + load_row0 + step * kRowsPerStep;
-      valid[step] = load_col_ok && key < seq.seqlen_k;
-      const int pos = seq.key_base + (valid[step] ? key : 0);
-      page[step] = rows_at.pages != nullptr ? rows_at.page_of(pos) : cache_row;
-      row_in[step] = rows_at.pages != nullptr ? rows_at.row_in_page(pos) : pos;
+      const int pos = seq.key_base + (step * kRowsPerStep < rows_left ? key0 + step * kRowsPerStep : 0);
+      page[step] = rows_at.page_of(pos);
+      row_in[step] = rows_at.row_in_page(pos);
     }
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
-      const uint32_t dst = KVTile::offset(load_row0 + step * kRowsPerStep, load_col);
-      const int64_t k_off = valid[step] ? KeyRowAddress::offset(params.k_strides, page[step], row_in[step]) + load_col : 0;
-      const int64_t v_off = valid[step] ? KeyRowAddress::offset(params.v_strides, page[step], row_in[step]) + load_col : 0;
-      ptx::cp_async_16(sK + dst, gK + k_off, valid[step]);
-      ptx::cp_async_16(sV + dst, gV + v_off, valid[step]);
+      const bool valid = load_col_ok && step * kRowsPerStep < rows_left;
+      const int64_t k_off = KeyRowAddress::offset(params.k_strides, page[step], row_in[step]) + load_col;
+      const int64_t v_off = KeyRowAddress::offset(params.v_strides, page[step], row_in[step]) + load_col;
+      ptx::cp_async_16(sK + dst(step), valid ? gK + k_off : gK, valid);
+      ptx::cp_async_16(sV + dst(step), valid ? gV + v_off : gV, valid);
     }
   };
+
 
   float o[kRows][kOCols];
 #pragma unroll
