@@ -115,3 +115,43 @@ def withdraw_flash_attn() -> str:
     message = f"portattn: removed {', '.join(sorted(removed))}"
     _LOG.info(message)
     return message
+
+
+# ring-flash-attn's attention modules (its __init__ re-exports these, then imports its HF
+# adapter, which needs transformers 4.x: `import ring_flash_attn` fails without it).
+_RING_MODULES = ("llama3_flash_attn_varlen", "ring_flash_attn", "ring_flash_attn_varlen",
+                 "zigzag_ring_flash_attn", "zigzag_ring_flash_attn_varlen", "stripe_flash_attn")
+
+
+def import_ring_flash_attn():
+    """`import ring_flash_attn`, on portattn, with or without transformers 4.x.
+
+    Calls provide_flash_attn() first. When the package imports normally (transformers
+    < 5 installed, or a ring-flash-attn without the adapter problem), returns it. When
+    only its HuggingFace adapter fails to import (ring-flash-attn 0.1.8 with transformers
+    5, or none), returns the package with its attention functions loaded from their own
+    modules, unchanged, and without the adapter (`substitute_hf_flash_attn`,
+    `update_ring_flash_attn_params` are then missing)."""
+    import importlib
+
+    provide_flash_attn()
+    try:
+        return importlib.import_module("ring_flash_attn")
+    except ImportError as error:
+        if "transformers" not in str(error) and "is_flash_attn" not in str(error):
+            raise
+        adapter_error = error
+    spec = importlib.util.find_spec("ring_flash_attn")
+    package = types.ModuleType("ring_flash_attn", "ring-flash-attn's attention functions (HF adapter not loaded)")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    package.__file__ = spec.origin
+    sys.modules["ring_flash_attn"] = package
+    for name in _RING_MODULES:
+        module = importlib.import_module(f"ring_flash_attn.{name}")
+        setattr(package, name, module)
+        for public in dir(module):
+            if public.endswith("_func") or public.endswith("_prepare_cu_seqlens"):
+                setattr(package, public, getattr(module, public))
+    _LOG.info("portattn: imported ring_flash_attn without its HF adapter (%s)", adapter_error)
+    return package
