@@ -95,3 +95,22 @@ def test_ring_flash_attn_runs_on_portattn_within_the_error_rule(world, tmp_path)
             baseline = (low.double() - want).abs().max().item()
             assert baseline > 0  # the rule needs a real bf16 error to compare with
             assert ours[name] <= factor * baseline + SLACK, (layout, name, ours[name], baseline)
+
+
+def test_context_parallel_example_matches_one_process_on_cpu():
+    """examples/context_parallel.py under torchrun with gloo: 2 processes, a tiny layer."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a free port for torchrun's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         os.path.join(root, "examples", "context_parallel.py"), "--seqlen", "128", "--dim", "64",
+         "--heads", "4", "--steps", "3"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "world 2 on cpu" in result.stdout and ": OK" in result.stdout
