@@ -31,6 +31,16 @@ def load_build_module(backend):
     return module
 
 
+def load_ninja_build():
+    """backends/ninja_build.py, loaded by path (torch-free, like build.py)."""
+    path = os.path.join(ROOT, "portattn", "backends", "ninja_build.py")
+    spec = importlib.util.spec_from_file_location("_portattn_ninja_build", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def chosen_backends():
     request = os.environ.get("PORTATTN_BACKENDS", "auto").strip().lower() or "auto"
     if request == "none":
@@ -61,7 +71,8 @@ class BuildBackends(build_ext):
         backend = ext.name.split(".")[-2]
         module = load_build_module(backend)
         ext_path = os.path.abspath(self.get_ext_fullpath(ext.name))
-        build_temp = os.path.join(os.path.abspath(self.build_temp), backend)
+        # Not self.build_temp: see persistent_build_dir (a second install reuses the objects).
+        build_temp = load_ninja_build().persistent_build_dir(ROOT, backend, os.environ)
         os.makedirs(os.path.dirname(ext_path), exist_ok=True)
         module.build(ext_path, build_temp, dict(os.environ))
 
@@ -91,7 +102,11 @@ setup(
     packages=find_packages(include=["portattn", "portattn.*"]),
     # torch is a run-time requirement only; no version pin, since nothing links libtorch.
     install_requires=["torch>=2.4"],
-    extras_require={"test": ["pytest>=7", "numpy"]},
+    # Everything the test suite imports (tests/test_install_extras.py keeps this list
+    # complete): matplotlib for the benchmark plots, pybind11 for the ROCm emulation
+    # build, ring-flash-attn for the context-parallel tests. No transformers here.
+    extras_require={"test": ["pytest>=7", "numpy", "matplotlib", "pybind11>=2.12",
+                             "ring-flash-attn>=0.1.8,<0.2"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildBackends},
     entry_points={"console_scripts": ["portattn-report=portattn.report:main"]},

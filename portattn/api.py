@@ -16,7 +16,7 @@ import torch
 
 from . import dispatch
 from .ops import attention
-from .validation import check_cu_seqlens, check_options, check_qkv
+from .validation import check_cu_seqlens, check_options, check_qkv, check_varlen
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -43,10 +43,8 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                  return_attn_probs):
     _, total_q, total_k, nheads, _, head_dim = check_qkv(q, k, v, varlen=True)
-    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, total_q, q.device)
-    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, total_k, q.device)
-    if batch_k != batch:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    batch, max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                     max_seqlen_k, total_q, total_k, q.device)
     scale, window_left, window_right = check_options(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
         head_dim, q.device,

@@ -96,7 +96,15 @@ def call_spec(device: torch.device, dtype: torch.dtype, head_dim: int, bits: int
         head_dim_v=head_dim,
         device_type=device.type,
         features=features,
+        device_index=_device_index(device),
     )
+
+
+def _device_index(device: torch.device) -> Optional[int]:
+    # Tensors always carry their index; a bare torch.device("cuda") means the current one.
+    if device.index is not None or device.type != "cuda":
+        return device.index
+    return torch.cuda.current_device()
 
 
 @dataclass
@@ -181,7 +189,7 @@ class Dispatcher:
         return verdicts
 
     def _selfcheck(self, slot: _BackendSlot, device: torch.device) -> str:
-        index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+        index = _device_index(device)
         verdict = slot.selfcheck.get((device.type, index))
         if verdict is None:
             from . import selfcheck

@@ -17,10 +17,14 @@ import torch
 
 from . import dispatch
 from .decode import prefers_decode, run_decode
-from .rng import draw_philox_seed_offset
+from .rng import draw_philox_seed_offset, rng_state_tensor, seed_offset_from_state
 from .validation import check_cu_seqlens_values
 
-_TRUST_CU_SEQLENS = os.environ.get("PORTATTN_TRUST_CU_SEQLENS", "0") == "1"
+# By default no call reads a tensor's values on the host (a device sync, and a CUDA graph
+# capture breaker): cu_seqlens are trusted, as in flash-attn, and the kernels keep their
+# memory accesses inside the given tensors whatever the values. PORTATTN_DEBUG_CHECKS=1
+# adds the host-side check, with a ValueError naming the argument. Read once (hot path).
+_DEBUG_CHECKS = os.environ.get("PORTATTN_DEBUG_CHECKS", "0") == "1"
 
 
 def _empty_lse(q: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -35,6 +39,11 @@ def _empty_lse(q: torch.Tensor, varlen: bool) -> torch.Tensor:
 
 def _no_keys(k: torch.Tensor, varlen: bool) -> bool:
     return k.shape[0] == 0 if varlen else k.shape[1] == 0
+
+
+def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0])
+    check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, k.shape[0])
 
 
 def run_forward(
@@ -52,9 +61,8 @@ def run_forward(
     lse = _empty_lse(q, varlen) if need_lse else None
     if out.numel() == 0:
         return out, lse, 0, 0
-    if varlen and not _TRUST_CU_SEQLENS:
-        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0])
-        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, k.shape[0])
+    if varlen and _DEBUG_CHECKS:
+        _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _no_keys(k, varlen):
         # Nothing to attend to: the documented result for an empty row.
         out.zero_()
@@ -93,12 +101,22 @@ def run_forward(
 def run_backward(
     dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale, window_left, window_right, softcap, dropout_p, rng_seed, rng_offset, deterministic,
+    grads=None,
 ):
-    """Returns (dq, dk, dv)."""
+    """Returns (dq, dk, dv): the given `grads` triple filled in, else new tensors.
+
+    `grads` (flash_attn_interface's low-level backward) must have the shapes and dtype of
+    q, k, v and satisfy the backend contract (last dim contiguous; the caller copes with
+    other layouts)."""
     varlen = cu_seqlens_q is not None
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if varlen and _DEBUG_CHECKS:
+        _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if grads is None:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq, dk, dv = grads
     if q.numel() == 0 or _no_keys(k, varlen):
         return dq.zero_(), dk.zero_(), dv.zero_()
     bits = dispatch.feature_bits(
@@ -165,7 +183,7 @@ def _fwd_op(
         softmax_scale, window_left, window_right, softcap, dropout_p,
     )
     # The philox seed/offset travel as a tensor so the compiled graph can save them.
-    return out, lse, torch.tensor([seed, offset], dtype=torch.int64)
+    return out, lse, rng_state_tensor(seed, offset)
 
 
 @_fwd_op.register_fake
@@ -182,7 +200,7 @@ def _bwd_op(
     softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
     rng_state: torch.Tensor, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seed, offset = rng_state.tolist()
+    seed, offset = seed_offset_from_state(rng_state)
     return run_backward(
         dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset,

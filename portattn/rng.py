@@ -29,3 +29,14 @@ def draw_philox_seed_offset(device: torch.device) -> tuple[int, int]:
     # no offset API, so draw both numbers from it.
     drawn = torch.randint(0, 2**62, (2,), dtype=torch.int64)
     return int(drawn[0]), int(drawn[1])
+
+
+def rng_state_tensor(seed: int, offset: int) -> torch.Tensor:
+    """(seed, offset) as flash-attn's `rng_state`: int64 (2,). It stays on the host, so the
+    backward reads it without a device sync (flash-attn keeps it on the GPU)."""
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
+def seed_offset_from_state(rng_state: torch.Tensor) -> tuple[int, int]:
+    seed, offset = rng_state.tolist()
+    return int(seed), int(offset)

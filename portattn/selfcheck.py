@@ -142,7 +142,7 @@ def _low_precision_error(q, k, v, ref_out, scale, causal):
 
 
 def _supports(backend: Backend, dtype_name: str, head_dim: int, device: torch.device, features) -> bool:
-    call = CallSpec(dtype_name, head_dim, head_dim, device.type, frozenset(features))
+    call = CallSpec(dtype_name, head_dim, head_dim, device.type, frozenset(features), device.index)
     try:
         return not backend.unsupported_reasons(call)
     except Exception:

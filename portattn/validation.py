@@ -5,13 +5,15 @@ Each failure raises TypeError (wrong kind of object or dtype) or ValueError
 what is accepted. The constants a message quotes are the ones the check uses.
 
 These checks run on every call, so they stay cheap: attribute reads and
-integer comparisons only. The one check that must read tensor *values*
-(cu_seqlens) lives in `check_cu_seqlens_values`, called from the op body
-(ops.py) so that it also runs under torch.compile.
+integer comparisons only; no tensor value is read on the host (window_size given
+as a tensor is the one exception, as in flash-attn). The check of cu_seqlens
+*values* (`check_cu_seqlens_values`) is opt-in, PORTATTN_DEBUG_CHECKS=1, and runs
+in the op body (ops.py) so that it also runs under torch.compile.
 """
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -115,15 +117,69 @@ def check_options(
 
 
 def _check_window(window_size):
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    left, right = window_size
+    # The common call passes a tuple of Python ints: keep that path to two isinstance checks.
+    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int:
+        left, right = window_size
+    else:
+        left, right = _window_pair(window_size)
     for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"window_size {side} must be an int (-1 = unbounded), got {value!r}")
         if value < -1:
             raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {value}")
     return left, right
+
+
+def _window_pair(window_size) -> tuple[int, int]:
+    """(left, right) from any pair flash-attn accepts: a tuple/list of integer-likes, or a
+    2-element integer tensor / numpy array (flash-attn's own tests pass `torch.randint(...)`).
+
+    A CUDA tensor here costs one device-to-host copy (a sync), as it does in flash-attn,
+    which also turns the window into host ints: the kernels take it as a launch parameter.
+    That is the only argument for which portattn reads a device tensor on the host.
+    """
+    if isinstance(window_size, torch.Tensor) or type(window_size).__module__ == "numpy":
+        shape = tuple(window_size.shape)
+        if shape != (2,) or not _is_integer_dtype(window_size.dtype):
+            raise TypeError(f"window_size must be a (left, right) pair of ints; got a {type(window_size).__name__} "
+                            f"of shape {shape} and dtype {window_size.dtype}")
+        left, right = window_size.tolist()  # one host read for both values
+        return int(left), int(right)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    return (as_int("window_size left", window_size[0], "(-1 = unbounded)", allow_device=True),
+            as_int("window_size right", window_size[1], "(-1 = unbounded)", allow_device=True))
+
+
+def _is_integer_dtype(dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return getattr(dtype, "kind", "") in ("i", "u")  # numpy
+
+
+def as_int(name: str, value, accepted: str = "", allow_device: bool = False) -> int:
+    """`value` as a Python int, for an argument flash-attn takes as an int.
+
+    Accepted, as in flash-attn (whose C++ binding converts through __index__): a Python
+    int, a numpy integer, or an integer tensor with one element. bools, floats and
+    anything else raise TypeError naming the argument. A one-element tensor that is not
+    on the CPU is read back only with `allow_device` (a device sync: window_size alone
+    allows it, see `_window_pair`); otherwise the message asks for a host int.
+    """
+    if type(value) is int:
+        return value
+    hint = f" {accepted}" if accepted else ""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int{hint}, got bool {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not _is_integer_dtype(value.dtype):
+            raise TypeError(f"{name} must be an int{hint}; got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+        if value.device.type not in ("cpu", "meta") and not allow_device:
+            raise TypeError(f"{name} must be a host int{hint}; got a tensor on {value.device}, whose value "
+                            f"portattn does not read back (a device sync per call): pass int({name}) once instead")
+        return int(value.item())
+    try:
+        return operator.index(value)  # numpy integers and other __index__ types; not floats
+    except TypeError:
+        raise TypeError(f"{name} must be an int{hint}, got {type(value).__name__} {value!r}") from None
 
 
 def _check_alibi(alibi_slopes, batch, nheads, device):
@@ -148,20 +204,24 @@ def check_cu_seqlens(name: str, cu_seqlens, max_seqlen, total: int, device: torc
         raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
         raise ValueError(f"{name} must be on {device} like q, got {cu_seqlens.device}")
-    max_name = name.replace("cu_seqlens", "max_seqlen")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
-    if max_seqlen < 0:
-        raise ValueError(f"{max_name} must be >= 0, got {max_seqlen}")
+    check_max_seqlen(name.replace("cu_seqlens", "max_seqlen"), max_seqlen)
     return cu_seqlens.shape[0] - 1
+
+
+def check_max_seqlen(name: str, max_seqlen) -> int:
+    """max_seqlen_q / max_seqlen_k as a host int >= 0 (integer-likes accepted, see `as_int`)."""
+    max_seqlen = as_int(name, max_seqlen, ">= 0")
+    if max_seqlen < 0:
+        raise ValueError(f"{name} must be >= 0, got {max_seqlen}")
+    return max_seqlen
 
 
 def check_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, max_seqlen: int, total: int) -> None:
     """Values of cu_seqlens: 0 first, non-decreasing, last <= total rows, lengths <= max_seqlen.
 
-    Reading the values costs one small device-to-host copy; kernels index memory
-    with them, so a wrong value would be an out-of-bounds read. Set
-    PORTATTN_TRUST_CU_SEQLENS=1 to skip (ops.py reads it once).
+    Reading the values costs a device-to-host copy and a sync, so it runs only with
+    PORTATTN_DEBUG_CHECKS=1 (ops.py reads it once). Without it, wrong values give wrong
+    results but no access outside the given tensors (the kernels clamp on the device).
     """
     values = cu_seqlens.tolist()
     if values[0] != 0:
@@ -176,3 +236,56 @@ def check_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, max_seqlen: int
     max_name = name.replace("cu_seqlens", "max_seqlen")
     if longest > max_seqlen:
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence in {name} ({longest})")
+
+
+def check_same_layout(name: str, value, like_name: str, like: torch.Tensor) -> None:
+    """`value` must be a tensor with the shape, dtype and device of `like` (dout/out vs q,
+    dq/dk/dv vs q/k/v in the low-level backward)."""
+    _require_tensor(name, value)
+    if value.shape != like.shape:
+        raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, got {tuple(value.shape)}")
+    if value.dtype != like.dtype:
+        raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {value.dtype}")
+    if value.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {value.device}")
+
+
+def check_softmax_lse(softmax_lse, q: torch.Tensor, varlen: bool) -> None:
+    """The LSE a low-level backward is given: float32 (batch, nheads, seqlen_q), or
+    (nheads, total_q) for varlen; any strides (it is made contiguous if needed)."""
+    _require_tensor("softmax_lse", softmax_lse)
+    expect = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(softmax_lse.shape) != expect:
+        layout = "(nheads, total_q)" if varlen else "(batch, nheads, seqlen_q)"
+        raise ValueError(f"softmax_lse must have shape {layout} = {expect}, got {tuple(softmax_lse.shape)}")
+    if softmax_lse.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"softmax_lse must be float32 (as the forward returns it), got {softmax_lse.dtype}")
+    if softmax_lse.device != q.device:
+        raise ValueError(f"softmax_lse must be on {q.device} like q, got {softmax_lse.device}")
+
+
+def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int,
+                 device: torch.device) -> tuple[int, int, int]:
+    """Metadata of a varlen call's cu_seqlens and max_seqlen (no values read).
+    Returns (batch, max_seqlen_q, max_seqlen_k) with the maxima as host ints."""
+    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, total_q, device)
+    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, total_k, device)
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    return batch, max_seqlen_q, max_seqlen_k
+
+
+def check_rng_state(rng_state, dropout_p: float):
+    """The low-level backward's rng_state: what the forward returned, needed with dropout."""
+    if dropout_p == 0.0:
+        return None
+    if rng_state is None:
+        raise ValueError("rng_state is required when dropout_p > 0: pass the rng_state the forward returned "
+                         "(it selects the dropout mask to regenerate)")
+    _require_tensor("rng_state", rng_state)
+    if rng_state.dtype != torch.int64 or rng_state.numel() != 2:
+        raise ValueError(f"rng_state must be the int64 (seed, offset) pair the forward returned, got dtype "
+                         f"{rng_state.dtype} and shape {tuple(rng_state.shape)}")
+    return rng_state

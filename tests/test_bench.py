@@ -102,3 +102,16 @@ def test_fa4_stage_says_what_is_missing(tmp_path):
 def test_stage_scripts_parse(script):
     done = _run(["bash", "-n", os.path.join("bench", script)])
     assert done.returncode == 0, done.stderr
+
+
+def test_ring_proxy_dry_run_writes_json_and_markdown(tmp_path):
+    done = _run([sys.executable, "bench/bench_ring_proxy.py", "--dry-run", "--ranks", "2,4", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "ring_proxy.json") as handle:
+        result = json.load(handle)
+    assert result["dry_run"] and result["device"] == "cpu"
+    assert {(r["ranks"], r["backward"]) for r in result["rows"]} == {(2, False), (4, False), (2, True), (4, True)}
+    for row in result["rows"]:
+        assert row["steps"] == row["ranks"] ** 2 and row["whole_ms"] > 0 and row["ring_ms"] > 0
+    table = (tmp_path / "ring_proxy.md").read_text()
+    assert "overhead / step" in table and table.count("\n| 64 |") == 4

@@ -53,11 +53,9 @@ def test_bad_dense_input(case):
 VARLEN_CASES = [
     ("cu_seqlens int64", dict(cu_seqlens_q=CU.long()), TypeError, "cu_seqlens_q must be int32"),
     ("cu_seqlens 2-D", dict(cu_seqlens_k=CU[None]), ValueError, "cu_seqlens_k must be 1-D"),
-    ("non-monotonic", dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32)), ValueError, "non-decreasing"),
-    ("first not zero", dict(cu_seqlens_k=torch.tensor([1, 3, 8], dtype=torch.int32)), ValueError, "cu_seqlens_k[0] must be 0"),
-    ("past the end", dict(cu_seqlens_q=torch.tensor([0, 3, 9], dtype=torch.int32)), ValueError, "exceeds the 8 packed rows"),
-    ("max_seqlen too small", dict(max_seqlen_q=4), ValueError, "max_seqlen_q = 4 is smaller than the longest sequence"),
     ("max_seqlen not int", dict(max_seqlen_k=5.0), TypeError, "max_seqlen_k must be an int"),
+    ("max_seqlen negative", dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
+    ("max_seqlen float tensor", dict(max_seqlen_q=torch.tensor(5.0)), TypeError, "max_seqlen_q must be an int"),
     ("batch differs", dict(cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32)), ValueError, "same batch"),
     ("varlen rank", dict(q=t(1, 8, 4, 64)), ValueError, "q must have 3 dimensions"),
 ]
@@ -71,6 +69,85 @@ def test_bad_varlen_input(case):
     with pytest.raises(error) as info:
         portattn.flash_attn_varlen_func(**args)
     assert fragment in str(info.value)
+
+
+# Checks of cu_seqlens *values* read the tensor on the host (a device sync): they run only
+# with PORTATTN_DEBUG_CHECKS=1 (ops._DEBUG_CHECKS, read once at import).
+VALUE_CASES = [
+    ("non-monotonic", dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32)), "non-decreasing"),
+    ("first not zero", dict(cu_seqlens_k=torch.tensor([1, 3, 8], dtype=torch.int32)), "cu_seqlens_k[0] must be 0"),
+    ("past the end", dict(cu_seqlens_q=torch.tensor([0, 3, 9], dtype=torch.int32)), "exceeds the 8 packed rows"),
+    ("max_seqlen too small", dict(max_seqlen_q=4), "max_seqlen_q = 4 is smaller than the longest sequence"),
+]
+
+
+@pytest.mark.parametrize("case", VALUE_CASES, ids=[c[0] for c in VALUE_CASES])
+def test_debug_checks_read_cu_seqlens_values(case, monkeypatch):
+    _, overrides, fragment = case
+    monkeypatch.setattr(portattn.ops, "_DEBUG_CHECKS", True)
+    args = dict(q=VQ, k=VK, v=VK.clone(), cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_q=5, max_seqlen_k=5)
+    args.update(overrides)
+    with pytest.raises(ValueError) as info:
+        portattn.flash_attn_varlen_func(**args)
+    assert fragment in str(info.value)
+
+
+def test_default_varlen_call_does_not_check_values_on_the_host(monkeypatch):
+    calls = []
+    monkeypatch.setattr(portattn.ops, "check_cu_seqlens_values", lambda *a: calls.append(a[0]))
+    q = VQ.float().requires_grad_()
+    out = portattn.flash_attn_varlen_func(q, VK.float(), VK.float(), CU, CU, 5, 5)
+    out.sum().backward()
+    assert calls == []
+    monkeypatch.setattr(portattn.ops, "_DEBUG_CHECKS", True)
+    portattn.flash_attn_varlen_func(q, VK.float(), VK.float(), CU, CU, 5, 5).sum().backward()
+    assert calls == ["cu_seqlens_q", "cu_seqlens_k"] * 2  # forward and backward
+
+
+def test_integer_like_window_and_max_seqlen():
+    np = pytest.importorskip("numpy")
+    q, k, v = Q.float(), K.float(), V.float()
+    want = portattn.flash_attn_func(q, k, v, window_size=(3, 1))
+    for window in (torch.tensor([3, 1]), (torch.tensor(3), torch.tensor(1)), np.array([3, 1]),
+                   (np.int64(3), np.int32(1)), [3, 1]):
+        assert torch.equal(portattn.flash_attn_func(q, k, v, window_size=window), want), window
+    vq, vk = VQ.float(), VK.float()
+    want = portattn.flash_attn_varlen_func(vq, vk, vk, CU, CU, 5, 5)
+    for max_seqlen in (np.int64(5), torch.tensor(5), torch.tensor([5], dtype=torch.int32)):
+        assert torch.equal(portattn.flash_attn_varlen_func(vq, vk, vk, CU, CU, max_seqlen, max_seqlen), want)
+
+
+@pytest.mark.parametrize("window,error,fragment", [
+    (torch.tensor([3.0, 1.0]), TypeError, "window_size must be a (left, right) pair of ints"),
+    (torch.tensor([3, 1, 0]), TypeError, "window_size must be a (left, right) pair of ints"),
+    ((torch.tensor([3, 1]), 1), TypeError, "window_size left must be an int"),
+    ((True, 1), TypeError, "window_size left must be an int"),
+    ((1, "2"), TypeError, "window_size right must be an int"),
+    (torch.tensor([-3, 1]), ValueError, "window_size left must be >= -1"),
+])
+def test_bad_window_sizes_name_the_argument(window, error, fragment):
+    with pytest.raises(error) as info:
+        portattn.flash_attn_func(Q, K, V, window_size=window)
+    assert fragment in str(info.value)
+
+
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: the host-read rule without a GPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_device_tensors_are_read_back_only_for_window_size():
+    from portattn.validation import _window_pair, as_int
+
+    on_gpu = torch.tensor(5).as_subclass(_OnGpu)
+    assert on_gpu.device.type == "cuda"
+    with pytest.raises(TypeError, match=r"max_seqlen_q must be a host int .*tensor on cuda:0"):
+        as_int("max_seqlen_q", on_gpu, ">= 0")
+    # window_size: read back (one sync), as flash-attn does.
+    assert _window_pair((on_gpu, torch.tensor(2).as_subclass(_OnGpu))) == (5, 2)
 
 
 def test_devices_must_match():

@@ -5,10 +5,37 @@ support declaration; the calls themselves are the same for both vendors.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
+
+import torch
 
 from .abi import append_args, decode_args, fwd_args, run_bwd
 from .base import Backend
+
+
+# torch.cuda.current_device() minus its lazy-init check (the module is loaded, so CUDA is up).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def on_tensors_device(method):
+    """Run a compiled call with its tensors' GPU current.
+
+    The C entry points launch on the current device (cudaGetDevice / hipGetDevice) and
+    read its properties there; the stream comes from the tensors' device. So a call on
+    cuda:1 while cuda:0 is current switches device for its duration, as flash-attn's
+    device guard does. The common case (already current) costs one cheap query.
+    """
+
+    @functools.wraps(method)
+    def call(self, first, *args, **kwargs):
+        index = first.device.index
+        if index is None or index == _current_device():
+            return method(self, first, *args, **kwargs)
+        with torch.cuda.device(index):
+            return method(self, first, *args, **kwargs)
+
+    return call
 
 
 class CompiledBackend(Backend):
@@ -21,6 +48,7 @@ class CompiledBackend(Backend):
     def build_config(self) -> Optional[dict]:
         return self._build_config
 
+    @on_tensors_device
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                 rng_seed, rng_offset) -> None:
@@ -28,6 +56,7 @@ class CompiledBackend(Backend):
                                   max_seqlen_k, softmax_scale, window_left, window_right, softcap,
                                   alibi_slopes, dropout_p, rng_seed, rng_offset))
 
+    @on_tensors_device
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
         run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, **options)
 
@@ -42,8 +71,10 @@ class CompiledBackend(Backend):
             tile = self._decode_tiles[head_dim] = dict(self.module.decode_tile(head_dim))
         return tile
 
+    @on_tensors_device
     def decode(self, q, k, v, out, lse, **options) -> None:
         self.module.decode(*decode_args(q, k, v, out, lse, **options))
 
+    @on_tensors_device
     def kvcache_append(self, k_cache, v_cache, k_new, v_new, q, q_out, **options) -> None:
         self.module.kvcache_append(*append_args(k_cache, v_cache, k_new, v_new, q, q_out, **options))

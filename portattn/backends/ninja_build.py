@@ -71,6 +71,19 @@ class NinjaBuild:
         subprocess.run([ninja, "-C", self.build_dir, "-j", jobs], check=True)
 
 
+def persistent_build_dir(source_root: str, backend: str, env: Mapping[str, str]) -> str:
+    """Where a backend's objects live between installs: PORTATTN_BUILD_DIR/<backend>, by
+    default <source tree>/.portattn_build/<backend> (git-ignored).
+
+    setuptools hands build_ext a fresh temporary build_temp for editable installs (and a
+    different one per install kind), so objects kept there are lost and a second
+    `pip install` recompiled every kernel. In one fixed folder, ninja's own bookkeeping
+    (.ninja_log: outputs, command lines, depfiles) rebuilds only what changed.
+    """
+    base = env.get("PORTATTN_BUILD_DIR") or os.path.join(source_root, ".portattn_build")
+    return os.path.join(os.path.abspath(base), backend)
+
+
 def _ninja_from_pip() -> str | None:
     try:
         import ninja  # type: ignore

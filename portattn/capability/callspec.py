@@ -8,6 +8,7 @@ the report CLI and the fake-device tests use the same checks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 # Feature names are the vocabulary of the support matrix, the README table,
 # explain() and the report CLI. Add a name here first, then declare it.
@@ -49,6 +50,10 @@ class CallSpec:
     head_dim_v: int  # of v (equal to head_dim for every current API entry point)
     device_type: str  # "cuda" | "cpu" | ... (torch's name; ROCm tensors are "cuda" too)
     features: frozenset  # subset of FEATURES actually used by the call ("forward" always)
+    # Which GPU of `device_type` the call's tensors are on; per-device decisions (arch,
+    # shared memory) read this device, never the current one. None: the current device
+    # (the report's typical call, which describes no particular tensors).
+    device_index: Optional[int] = None
 
     def uses(self, feature: str) -> bool:
         return feature in self.features

@@ -3,7 +3,7 @@ seqused_k values, passed straight to the compiled modules' fwd / bwd (and the sm
 forward where it runs), never make a kernel read or write outside its tensors.
 
 The host check (ops.run_forward's check_cu_seqlens_values) is bypassed on purpose: the
-values reach the kernels as they would with PORTATTN_TRUST_CU_SEQLENS=1 or under CUDA-graph
+values reach the kernels as they do by default (no host check) or under CUDA-graph
 capture. Each call must leave no CUDA error for the following torch.cuda.synchronize(),
 leave the guard rows around every output untouched, and write only rows inside the
 sequences as common/seq_bounds.h clamps them (mirrored by `clamped` below). The values

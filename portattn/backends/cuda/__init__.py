@@ -14,7 +14,7 @@ import torch
 
 from ...capability.callspec import CallSpec
 from ..abi import fwd_args, load_extension, run_bwd
-from ..compiled import CompiledBackend
+from ..compiled import CompiledBackend, on_tensors_device
 
 # Not built (no nvcc at install time), or built for another Python: a reason, not an error.
 _C, _IMPORT_ERROR = load_extension(__name__, "CUDA")
@@ -27,15 +27,17 @@ class CudaBackend(CompiledBackend):
         super().__init__(_C, _IMPORT_ERROR)
         self._devices: Optional[list] = None
 
-    def _device_info(self):
+    def _device_info(self, call: CallSpec):
+        """The DeviceInfo of the GPU the call's tensors are on (not the current device:
+        a call on cuda:1 while cuda:0 is current is judged by cuda:1's arch and memory)."""
         if self._devices is None:
             from ...capability.probe import probe_devices
 
             self._devices = [d for d in probe_devices() if d.vendor == "nvidia"]
         if not self._devices or not torch.cuda.is_available():
             return None
-        index = torch.cuda.current_device()
-        return self._devices[index] if index < len(self._devices) else None
+        index = call.device_index if call.device_index is not None else torch.cuda.current_device()
+        return self._devices[index] if 0 <= index < len(self._devices) else None
 
     def unsupported_reasons(self, call: CallSpec) -> list[str]:
         from ...capability.matrix import check_call
@@ -44,7 +46,7 @@ class CudaBackend(CompiledBackend):
             return [self.unavailable_reason]
         if torch.version.hip is not None:
             return ["this torch is a ROCm build (the CUDA backend needs CUDA)"]
-        return check_call(self.name, self._device_info(), call, self.build_config())
+        return check_call(self.name, self._device_info(call), call, self.build_config())
 
 
 class CudaSm90Backend(CudaBackend):
@@ -66,6 +68,7 @@ class CudaSm90Backend(CudaBackend):
     def build_config(self) -> Optional[dict]:
         return None if self._build_config is None else self._build_config.get("hopper")
 
+    @on_tensors_device
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                 rng_seed, rng_offset) -> None:
@@ -73,5 +76,6 @@ class CudaSm90Backend(CudaBackend):
                                          max_seqlen_k, softmax_scale, window_left, window_right,
                                          softcap, alibi_slopes, dropout_p, rng_seed, rng_offset))
 
+    @on_tensors_device
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
         run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, entry=self.module.hopper_bwd, **options)

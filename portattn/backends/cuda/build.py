@@ -209,10 +209,11 @@ def _install(built: str, target: str) -> None:
 
 
 def build(ext_path: str, build_temp: str, env: Mapping[str, str]) -> None:
-    """The build interface of docs/ARCHITECTURE.md: library, then the binding."""
+    """The build interface of docs/ARCHITECTURE.md: library, then the binding. build_temp is
+    this backend's own folder (setup.py: .portattn_build/cuda), kept between installs."""
     out_dir = os.path.dirname(os.path.abspath(ext_path))
     os.makedirs(out_dir, exist_ok=True)
-    temp = os.path.join(build_temp, "cuda")
+    temp = build_temp
     built_lib = os.path.join(temp, "out", LIBRARY_NAME)
     build_library(built_lib, temp, env)
     _install(built_lib, os.path.join(out_dir, LIBRARY_NAME))
@@ -231,14 +232,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Build the portattn CUDA backend in place.")
     parser.add_argument("--binding-only", action="store_true",
                         help=f"rebuild only _C against an existing {LIBRARY_NAME} (e.g. another Python)")
-    parser.add_argument("--build-temp", default=os.path.join(_HERE, "..", "..", "..", ".portattn_build"))
+    parser.add_argument("--build-temp", default=os.path.join(_HERE, "..", "..", "..", ".portattn_build", "cuda"))
     args = parser.parse_args(argv)
     ext_path = inplace_ext_path()
     build_temp = os.path.abspath(args.build_temp)
     if args.binding_only:
-        temp = os.path.join(build_temp, "cuda")
-        built_ext = os.path.join(temp, "out", os.path.basename(ext_path))
-        build_binding(built_ext, temp, os.environ, library_dir=_HERE)
+        built_ext = os.path.join(build_temp, "out", os.path.basename(ext_path))
+        build_binding(built_ext, build_temp, os.environ, library_dir=_HERE)
         _install(built_ext, ext_path)
     else:
         build(ext_path, build_temp, os.environ)

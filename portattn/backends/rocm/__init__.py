@@ -46,4 +46,4 @@ class RocmBackend(CompiledBackend):
 
         if self.unavailable_reason:
             return [self.unavailable_reason]
-        return check_call("rocm", device_info(), call, self._build_config)
+        return check_call("rocm", device_info(call.device_index), call, self._build_config)

@@ -1,0 +1,157 @@
+"""`import flash_attn` served by portattn, for libraries written against flash-attn.
+
+    import portattn.compat
+    portattn.compat.provide_flash_attn()      # before the library imports flash_attn
+    import ring_flash_attn                   # now runs on portattn: NVIDIA, AMD or CPU
+
+`provide_flash_attn` puts module aliases in `sys.modules`:
+
+    flash_attn                        the public functions (portattn.api)
+    flash_attn.flash_attn_interface   portattn.flash_attn_interface (+ the low-level _flash_attn_*)
+    flash_attn.bert_padding           portattn.bert_padding (unpad_input, pad_input, index_first_axis)
+    flash_attn.layers.rotary          portattn.rotary (apply_rotary_emb)
+
+It never shadows a real flash-attn (installed or already imported) unless asked to with
+force=True, and returns (and logs) one line saying what it did. Code that already holds
+the real flash-attn's functions keeps them: call it before importing such code.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import types
+
+_LOG = logging.getLogger("portattn")
+
+# The flash-attn release whose API these modules follow (exposed as flash_attn.__version__,
+# which some libraries compare against).
+FLASH_ATTN_API_VERSION = "2.8.3"
+_MARK = "__portattn_alias__"
+
+
+def _package(name: str, doc: str) -> types.ModuleType:
+    """An empty package module that can hold aliased submodules."""
+    module = types.ModuleType(name, doc)
+    module.__path__ = []  # a package: `import flash_attn.x` then looks x up in sys.modules
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    setattr(module, _MARK, True)
+    return module
+
+
+def _aliases() -> dict:
+    from . import bert_padding, flash_attn_interface, rotary
+
+    root = _package("flash_attn", "flash-attn's API, served by portattn (portattn.compat.provide_flash_attn).")
+    root.__version__ = FLASH_ATTN_API_VERSION
+    for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+                 "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+                 "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"):
+        setattr(root, name, getattr(flash_attn_interface, name))
+    layers = _package("flash_attn.layers", "flash-attn's layers, served by portattn (rotary only).")
+    root.flash_attn_interface = flash_attn_interface
+    root.bert_padding = bert_padding
+    root.layers = layers
+    layers.rotary = rotary
+    return {
+        "flash_attn": root,
+        "flash_attn.flash_attn_interface": flash_attn_interface,
+        "flash_attn.bert_padding": bert_padding,
+        "flash_attn.layers": layers,
+        "flash_attn.layers.rotary": rotary,
+    }
+
+
+def is_provided() -> bool:
+    """True when `flash_attn` in this process is portattn's alias."""
+    return getattr(sys.modules.get("flash_attn"), _MARK, False)
+
+
+def _real_flash_attn() -> str:
+    """Where a real flash-attn is, imported or installed; "" when there is none."""
+    loaded = sys.modules.get("flash_attn")
+    if loaded is not None:
+        return "" if getattr(loaded, _MARK, False) else f"already imported from {getattr(loaded, '__file__', '?')}"
+    try:
+        spec = importlib.util.find_spec("flash_attn")
+    except (ImportError, ValueError):
+        spec = None
+    return f"installed at {spec.origin}" if spec is not None else ""
+
+
+def provide_flash_attn(force: bool = False) -> str:
+    """Make `import flash_attn` (and the submodules above) resolve to portattn.
+
+    Returns what it did, in one line (also logged at INFO on the "portattn" logger). A
+    real flash-attn is left in place unless `force`; with force, every `flash_attn.*`
+    module is dropped from sys.modules first."""
+    if is_provided():
+        message = "portattn: flash_attn already resolves to portattn; nothing to do"
+    else:
+        real = _real_flash_attn()
+        if real and not force:
+            message = (f"portattn: a real flash_attn is {real}; left it in place "
+                       "(provide_flash_attn(force=True) shadows it with portattn)")
+            _LOG.info(message)
+            return message
+        for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+            del sys.modules[name]
+        aliases = _aliases()
+        sys.modules.update(aliases)
+        shadowed = f" (shadowing the real flash_attn {real})" if real else ""
+        message = f"portattn: {', '.join(aliases)} now resolve to portattn{shadowed}"
+    _LOG.info(message)
+    return message
+
+
+def withdraw_flash_attn() -> str:
+    """Undo provide_flash_attn: remove portattn's flash_attn aliases from sys.modules."""
+    if not is_provided():
+        return "portattn: flash_attn is not portattn's alias; nothing removed"
+    removed = [n for n in sys.modules if (n == "flash_attn" or n.startswith("flash_attn."))]
+    for name in removed:
+        del sys.modules[name]
+    message = f"portattn: removed {', '.join(sorted(removed))}"
+    _LOG.info(message)
+    return message
+
+
+# ring-flash-attn's attention modules (its __init__ re-exports these, then imports its HF
+# adapter, which needs transformers 4.x: `import ring_flash_attn` fails without it).
+_RING_MODULES = ("llama3_flash_attn_varlen", "ring_flash_attn", "ring_flash_attn_varlen",
+                 "zigzag_ring_flash_attn", "zigzag_ring_flash_attn_varlen", "stripe_flash_attn")
+
+
+def import_ring_flash_attn():
+    """`import ring_flash_attn`, on portattn, with or without transformers 4.x.
+
+    Calls provide_flash_attn() first. When the package imports normally (transformers
+    < 5 installed, or a ring-flash-attn without the adapter problem), returns it. When
+    only its HuggingFace adapter fails to import (ring-flash-attn 0.1.8 with transformers
+    5, or none), returns the package with its attention functions loaded from their own
+    modules, unchanged, and without the adapter (`substitute_hf_flash_attn`,
+    `update_ring_flash_attn_params` are then missing)."""
+    import importlib
+
+    provide_flash_attn()
+    try:
+        return importlib.import_module("ring_flash_attn")
+    except ImportError as error:
+        if "transformers" not in str(error) and "is_flash_attn" not in str(error):
+            raise
+        adapter_error = error
+    spec = importlib.util.find_spec("ring_flash_attn")
+    package = types.ModuleType("ring_flash_attn", "ring-flash-attn's attention functions (HF adapter not loaded)")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    package.__file__ = spec.origin
+    sys.modules["ring_flash_attn"] = package
+    for name in _RING_MODULES:
+        module = importlib.import_module(f"ring_flash_attn.{name}")
+        setattr(package, name, module)
+        for public in dir(module):
+            if public.endswith("_func") or public.endswith("_prepare_cu_seqlens"):
+                setattr(package, public, getattr(module, public))
+    _LOG.info("portattn: imported ring_flash_attn without its HF adapter (%s)", adapter_error)
+    return package
