@@ -92,7 +92,7 @@ setup(
     # torch is a run-time requirement only; no version pin, since nothing links libtorch.
     install_requires=["torch>=2.4"],
     # transformers: tests/test_transformers_integration.py (pure Python, about 20 s to install).
-    extras_require={"test": ["pytest>=7", "numpy", "transformers>=4.56"]},
+    extras_require={"test": ["pytest>=7", "numpy", "transformers>=4.57"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildBackends},
     entry_points={"console_scripts": ["portattn-report=portattn.report:main"]},

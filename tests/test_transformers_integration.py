@@ -303,6 +303,10 @@ def test_packed_sequences_match_eager(family, with_cu_seqlens, monkeypatch):
 
 
 def test_encoder_is_not_causal():
+    from transformers.models.bert import modeling_bert
+
+    if not hasattr(modeling_bert, "ALL_ATTENTION_FUNCTIONS"):
+        pytest.skip(f"BERT in transformers {transformers.__version__} does not use the attention interface")
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, max_position_embeddings=64, initializer_range=0.15,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -356,6 +360,15 @@ def test_gqa_decode_and_value_head_dims(v_dim):
     torch.testing.assert_close(out.to(F64), _eager_reference(q, k, v, scale=0.3), rtol=1e-5, atol=1e-5)
 
 
+def test_is_causal_false_sees_every_key():
+    q, k, v = _qkv(seq_q=3, seq_k=6)
+    layer = _Layer(torch.float32)
+    layer.is_causal = False  # an encoder layer; the is_causal argument overrides it either way
+    for kwargs in (dict(), dict(is_causal=False)):
+        out, _ = pt_hf.attention_forward(layer if not kwargs else _Layer(torch.float32), q, k, v, None, **kwargs)
+        torch.testing.assert_close(out.to(F64), _eager_reference(q, k, v, causal=False), rtol=1e-5, atol=1e-5)
+
+
 def test_float32_inputs_of_a_half_layer_are_cast_once(recwarn):
     q, k, v = _qkv()
     out, _ = pt_hf.attention_forward(_Layer(torch.bfloat16), q, k, v, None)
@@ -382,7 +395,9 @@ def test_padding_mask_function():
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1]], dtype=torch.bool)
     full = torch.ones_like(mask)
     causal = transformers.masking_utils.causal_mask_function
-    bidirectional = transformers.masking_utils.bidirectional_mask_function
+    def bidirectional(batch_idx, head_idx, q_idx, kv_idx):
+        return torch.ones_like(kv_idx, dtype=torch.bool)
+
     assert pt_hf.padding_mask(2, 4, 4, attention_mask=full) is None
     assert torch.equal(pt_hf.padding_mask(2, 4, 4, attention_mask=mask), mask)
     # a sliding cache keeps the last keys: the mask's last columns

@@ -141,6 +141,10 @@ def _attend(q, k, v, attention_mask, kwargs, options) -> torch.Tensor:
         if k.shape[1] > mask.shape[1]:
             # A static cache hands over all its slots; those past the mask were never written.
             k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
+        elif k.shape[1] < mask.shape[1]:
+            # A mask not cut to a sliding-window cache by padding_mask (built elsewhere):
+            # such a cache holds the last keys, so they own the mask's last columns.
+            mask = mask[:, -k.shape[1]:]
         keys = packing_from_mask(mask)
         # The queries are the last seqlen_q tokens the mask describes (prefill: all of them).
         queries = keys if seqlen_q == k.shape[1] else packing_from_mask(mask[:, -seqlen_q:])
@@ -186,21 +190,25 @@ def _given_varlen(kwargs, device) -> Optional[tuple[Packing, Packing]]:
 
 def padding_mask(
     batch_size: int,
-    q_length: int,
-    kv_length: int,
+    q_length: Optional[int] = None,
+    kv_length: int = 0,
     q_offset=0,
     kv_offset: int = 0,
     mask_function=None,
     attention_mask: Optional[torch.Tensor] = None,
     use_vmap: bool = False,
     device=None,
+    cache_position: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Optional[torch.Tensor]:
     """The mask `attention_forward` expects: a (batch, keys) bool of real tokens, or None.
 
     transformers' mask builders (`masking_utils.create_causal_mask` and friends) call this
-    with the 2-D user mask and the layer's key range [kv_offset, kv_offset + kv_length).
+    with the 2-D user mask, the queries' range [q_offset, q_offset + q_length) (transformers
+    4.x: their positions, `cache_position`) and the layer's keys [kv_offset, kv_offset + kv_length).
     """
+    if cache_position is not None:
+        q_length, q_offset = cache_position.shape[0], cache_position[0]
     if use_vmap:
         # use_vmap marks extra mask overlays (e.g. bidirectional image-token blocks);
         # a varlen call cannot express them, and neither can transformers' flash path.
