@@ -362,10 +362,11 @@ def test_gqa_decode_and_value_head_dims(v_dim):
 
 def test_is_causal_false_sees_every_key():
     q, k, v = _qkv(seq_q=3, seq_k=6)
-    layer = _Layer(torch.float32)
-    layer.is_causal = False  # an encoder layer; the is_causal argument overrides it either way
-    for kwargs in (dict(), dict(is_causal=False)):
-        out, _ = pt_hf.attention_forward(layer if not kwargs else _Layer(torch.float32), q, k, v, None, **kwargs)
+    encoder_layer, causal_layer = _Layer(torch.float32), _Layer(torch.float32)
+    encoder_layer.is_causal = False
+    # the layer's attribute, or the is_causal argument, which overrides it
+    for layer, kwargs in ((encoder_layer, {}), (causal_layer, dict(is_causal=False))):
+        out, _ = pt_hf.attention_forward(layer, q, k, v, None, **kwargs)
         torch.testing.assert_close(out.to(F64), _eager_reference(q, k, v, causal=False), rtol=1e-5, atol=1e-5)
 
 
