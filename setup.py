@@ -104,9 +104,10 @@ setup(
     install_requires=["torch>=2.4"],
     # Everything the test suite imports (tests/test_install_extras.py keeps this list
     # complete): matplotlib for the benchmark plots, pybind11 for the ROCm emulation
-    # build, ring-flash-attn for the context-parallel tests. No transformers here.
+    # build, ring-flash-attn for the context-parallel tests, transformers for
+    # tests/test_transformers_integration.py (pure Python, about 20 s to install).
     extras_require={"test": ["pytest>=7", "numpy", "matplotlib", "pybind11>=2.12",
-                             "ring-flash-attn>=0.1.8,<0.2"]},
+                             "ring-flash-attn>=0.1.8,<0.2", "transformers>=4.57"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildBackends},
     entry_points={"console_scripts": ["portattn-report=portattn.report:main"]},

@@ -4,8 +4,8 @@
 // and device, CUDA and HIP.
 //
 // Safety never depends on a host check (issue 12 item 4): cu_seqlens_q/k and
-// seqused_k are device data the Python layer may not have read (and does not, with
-// by default (PORTATTN_DEBUG_CHECKS=1 adds a host check), nor can under CUDA-graph capture), so whatever they hold
+// seqused_k are device data the Python layer does not read by default
+// (PORTATTN_DEBUG_CHECKS=1 adds a host check) and cannot under CUDA-graph capture, so whatever they hold
 // (decreasing offsets, offsets past the tensor, negative lengths) the bounds below
 // stay inside the tensors the kernel was given:
 //   - varlen q: start = clamp(cu_seqlens_q[b], 0, total_q), end = clamp(cu_seqlens_q[b + 1],

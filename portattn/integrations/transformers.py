@@ -1,0 +1,315 @@
+"""Hugging Face transformers integration: `attn_implementation="portattn"`.
+
+    import portattn.integrations.transformers as pt_hf
+    pt_hf.register()                      # once per process
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="portattn")
+
+`register(name)` adds two functions to transformers' registries under `name`:
+
+- `attention_forward` to `AttentionInterface`: the model's attention layers call it with
+  (batch, heads, seq, head_dim) tensors; it returns (batch, seq, heads, head_dim) and None
+  (no attention weights), the contract of every transformers attention function.
+- `padding_mask` to `AttentionMaskInterface`: what the model builds instead of a 4-D
+  additive mask. Causality, sliding windows and softcap are arguments of the kernel call,
+  so the only mask needed is a 2-D (batch, kv_len) boolean of real tokens, or None when
+  there is no padding.
+
+How a call is served (the same cases, in the same order, as transformers' own flash path,
+`modeling_flash_attention_utils._flash_attention_forward`):
+
+1. a 2-D padding mask: the real tokens are packed into one `flash_attn_varlen_func` call
+   and the output padded back with zeros (rows of padding tokens are 0, not garbage);
+2. `cu_seq_lens_q/k` and `max_length_q/k` given (padding-free training collators): a
+   varlen call on the flattened batch;
+3. `position_ids` that restart inside a row (sequences packed end to end, no mask): one
+   sequence per run of consecutive positions, a varlen call;
+4. otherwise a dense `flash_attn_func` call.
+
+A query shorter than its keys (decoding with a KV cache) is aligned to the last keys:
+flash-attn's bottom-right causal convention, which portattn shares. `sliding_window=w`
+becomes `window_size=(w - 1, w - 1)` (with causal the right side is 0 anyway): a query sees
+itself and the w - 1 keys before it, exactly eager's `kv_idx > q_idx - w`. Encoder models
+that want eager's bidirectional `|q - kv| <= w` pass w + 1, as ModernBERT does.
+
+Dtypes: float32 queries are cast to float16/bfloat16 (one warning) when autocast is on or
+the layer's own weights are in half precision, as transformers' flash path does (layer norms
+kept in float32, e.g. by PEFT). A model that is float32 throughout stays float32: portattn
+serves float32 with its reference backend on every device (exact, but on a GPU much slower
+than the kernels, with portattn's one-time fallback warning): load the model in bfloat16
+for speed.
+
+Not supported (a clear error, never a silent wrong answer): attention sinks (`s_aux`),
+paged caches (continuous batching), 4-D masks built elsewhere. `output_attentions=True`
+warns once and returns None as the weights.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from ..api import flash_attn_func, flash_attn_varlen_func
+from ._padding import (
+    Packing,
+    pack,
+    packing_from_mask,
+    packing_from_position_ids,
+    unpack,
+)
+
+DEFAULT_NAME = "portattn"
+_HALF = (torch.float16, torch.bfloat16)
+_warned: set = set()
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register portattn with transformers under `name`; returns the name.
+
+    Afterwards `from_pretrained(..., attn_implementation=name)`, `from_config(...)` and
+    `model.set_attn_implementation(name)` use portattn. Registering twice is harmless.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as error:
+        raise ImportError(
+            "portattn.integrations.transformers.register() needs transformers "
+            f"(pip install transformers): {error}"
+        ) from error
+    _check_name(name)
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, padding_mask)
+    return name
+
+
+def _check_name(name: str) -> None:
+    # transformers decides by substring and shape of the name: one containing "flash" is
+    # taken for a flash-attn package it then tries to import, "org/repo" for a hub
+    # kernel to download, and the built-in names would replace transformers' own.
+    reserved = ("flash", "sdpa", "flex", "eager", "paged")
+    if not isinstance(name, str) or not name or "/" in name or ":" in name or any(r in name for r in reserved):
+        raise ValueError(
+            f"name must be a plain identifier without '/', ':' or any of {reserved} "
+            f"(transformers gives those a meaning of its own), got {name!r}"
+        )
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract, computed by portattn.
+
+    query: (batch, heads, seq_q, head_dim); key, value: (batch, kv_heads, seq_k, head_dim),
+    kv_heads dividing heads (passed on un-expanded: GQA is native). Returns
+    ((batch, seq_q, heads, head_dim_v), None).
+    """
+    _refuse_unsupported(attention_mask, kwargs)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (batch, seq, heads, dim)
+    q, k, v = _compute_dtype(module, q, k, v)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if scaling is None:  # portattn's default would use the padded head dim below
+        scaling = q.shape[-1] ** -0.5
+    q, k, v, value_dim = _equal_head_dims(q, k, v)
+    options = dict(
+        dropout_p=float(dropout or 0.0),
+        softmax_scale=float(scaling),
+        causal=causal,
+        window_size=_window(sliding_window, k.shape[1]),
+        softcap=float(softcap or 0.0),
+        deterministic=_deterministic(kwargs),
+    )
+    out = _attend(q, k, v, attention_mask, kwargs, options)
+    return out[..., :value_dim], None
+
+
+def _attend(q, k, v, attention_mask, kwargs, options) -> torch.Tensor:
+    """The four cases of the module docstring, in that order."""
+    batch, seqlen_q = q.shape[:2]
+    if attention_mask is not None:
+        mask = attention_mask.bool()
+        if k.shape[1] > mask.shape[1]:
+            # A static cache hands over all its slots; those past the mask were never written.
+            k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
+        elif k.shape[1] < mask.shape[1]:
+            # A mask not cut to a sliding-window cache by padding_mask (built elsewhere):
+            # such a cache holds the last keys, so they own the mask's last columns.
+            mask = mask[:, -k.shape[1]:]
+        keys = packing_from_mask(mask)
+        # The queries are the last seqlen_q tokens the mask describes (prefill: all of them).
+        queries = keys if seqlen_q == k.shape[1] else packing_from_mask(mask[:, -seqlen_q:])
+        return unpack(_varlen(q, k, v, queries, keys, options), queries, batch, seqlen_q)
+
+    given = _given_varlen(kwargs, q.device)
+    if given is not None:
+        queries, keys = given
+        out = _varlen(q, k, v, queries, keys, options)
+        return out.reshape(batch, seqlen_q, *out.shape[1:])
+
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and seqlen_q == k.shape[1] and seqlen_q > 1:
+        # Without a mask, eager builds a block-diagonal mask for such inputs
+        # (masking_utils' packed-sequence detection); varlen computes the same.
+        packing = packing_from_position_ids(position_ids.expand(batch, -1))
+        if packing is not None:
+            out = _varlen(q, k, v, packing, packing, options)
+            return out.reshape(batch, seqlen_q, *out.shape[1:])
+
+    return flash_attn_func(q, k, v, **options)
+
+
+def _varlen(q, k, v, queries: Packing, keys: Packing, options) -> torch.Tensor:
+    return flash_attn_varlen_func(
+        pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens, keys.cu_seqlens,
+        queries.max_seqlen, keys.max_seqlen, **options,
+    )
+
+
+def _given_varlen(kwargs, device) -> Optional[tuple[Packing, Packing]]:
+    """Packings from the cu_seq_lens_q/k, max_length_q/k that padding-free collators pass."""
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    values = [kwargs.get(n) for n in names]
+    if any(x is None for x in values):
+        return None
+    cu_q, cu_k, max_q, max_k = values
+    cu_q, cu_k = cu_q.to(device=device, dtype=torch.int32), cu_k.to(device=device, dtype=torch.int32)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    return (Packing(torch.arange(total_q, device=device), cu_q, int(max_q)),
+            Packing(torch.arange(total_k, device=device), cu_k, int(max_k)))
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: Optional[int] = None,
+    kv_length: int = 0,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    use_vmap: bool = False,
+    device=None,
+    cache_position: Optional[torch.Tensor] = None,
+    **kwargs,
+) -> Optional[torch.Tensor]:
+    """The mask `attention_forward` expects: a (batch, keys) bool of real tokens, or None.
+
+    transformers' mask builders (`masking_utils.create_causal_mask` and friends) call this
+    with the 2-D user mask, the queries' range [q_offset, q_offset + q_length) (transformers
+    4.x: their positions, `cache_position`) and the layer's keys [kv_offset, kv_offset + kv_length).
+    """
+    if cache_position is not None:
+        q_length, q_offset = cache_position.shape[0], cache_position[0]
+    if use_vmap:
+        # use_vmap marks extra mask overlays (e.g. bidirectional image-token blocks);
+        # a varlen call cannot express them, and neither can transformers' flash path.
+        _warn_once("portattn: this model adds a custom mask overlay (or_mask/and_mask function) that "
+                   "attn_implementation='portattn' cannot express; it is ignored, as with flash attention. "
+                   "Use attn_implementation='eager' or 'sdpa' where that overlay matters.")
+    if attention_mask is not None:
+        # Sliding-window caches keep only the last keys: the mask's last columns are theirs.
+        mask = attention_mask[:, -kv_length:].bool()
+        # A mask shorter than kv_length (a static cache's unwritten slots) must be kept so
+        # attention_forward can cut the keys to it.
+        if mask.shape[1] == kv_length and bool(mask.all()):
+            return None
+        return mask
+    return _static_cache_extent(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
+
+
+def _static_cache_extent(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device):
+    """None, or an all-True mask over the written keys when a static cache has unwritten slots.
+
+    generate() drops an all-ones mask for implementations whose name lacks "flash", but a
+    static cache passes every slot of its buffer to attention; eager hides the unwritten ones
+    by causality. The keys up to the last query are the written ones; cut there when the
+    layer's own mask function says the slot just after the last query is invisible to it.
+    """
+    written = int(q_offset) + q_length - kv_offset
+    if kv_length <= written or mask_function is None:
+        return None
+    last_query = int(q_offset) + q_length - 1
+    if bool(mask_function(0, 0, torch.tensor(last_query), torch.tensor(last_query + 1))):
+        return None  # bidirectional: every key is real
+    return torch.ones(batch_size, written, dtype=torch.bool, device=device)
+
+
+def _window(sliding_window: Optional[int], seqlen_k: int) -> tuple[int, int]:
+    # transformers' convention: a window of w means the query and w - 1 keys before it
+    # (eager: kv_idx > q_idx - w), so flash-attn's inclusive bounds are (w - 1, w - 1);
+    # under causal the right bound is 0 whatever it says. Applied, as in transformers'
+    # flash path, only when the keys are longer than the window (otherwise it cuts nothing).
+    if sliding_window is None or sliding_window <= 0 or seqlen_k <= sliding_window:
+        return (-1, -1)
+    return (int(sliding_window) - 1, int(sliding_window) - 1)
+
+
+def _compute_dtype(module, q, k, v):
+    """Cast float32 q, k, v to the half dtype the layer computes in, if it computes in one."""
+    if q.dtype != torch.float32:
+        return q, k, v
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        target = torch.get_autocast_dtype(device_type)
+    else:
+        # q is float32 while the layer's projections are half: a float32 layer norm
+        # upstream (PEFT does that), not a float32 model.
+        weight = next((m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+        target = weight.dtype if weight is not None else q.dtype
+    if target not in _HALF:
+        return q, k, v  # a float32 model: portattn's reference backend serves float32 exactly
+    _warn_once(f"portattn: casting float32 attention inputs to {target} (the layer's compute dtype)")
+    return q.to(target), k.to(target), v.to(target)
+
+
+def _equal_head_dims(q, k, v):
+    """portattn needs one head dim for q, k and v; zero-pad the smaller side and crop later.
+
+    Zero columns change neither q.k (padding q and k together) nor the output's first
+    columns (padding v). Returns q, k, v and the head dim of the real output.
+    """
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if v_dim < qk_dim:
+        v = torch.nn.functional.pad(v, (0, qk_dim - v_dim))
+    elif v_dim > qk_dim:
+        q, k = (torch.nn.functional.pad(x, (0, v_dim - qk_dim)) for x in (q, k))
+    return q, k, v, v_dim
+
+
+def _deterministic(kwargs) -> bool:
+    given = kwargs.get("deterministic")
+    if given is not None:
+        return bool(given)
+    # torch.use_deterministic_algorithms(True) asks every op for a reproducible backward.
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def _refuse_unsupported(attention_mask, kwargs) -> None:
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"attn_implementation='portattn' takes a 2-D (batch, keys) padding mask or None, got a "
+            f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: a mask built outside "
+            "portattn's mask function (a custom 4-D mask, continuous batching). Use 'eager' or 'sdpa' for it."
+        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attn_implementation='portattn' does not support attention sinks (s_aux)")
+    if kwargs.get("block_table") is not None or type(kwargs.get("cache")).__name__ == "PagedAttentionCache":
+        raise NotImplementedError("attn_implementation='portattn' does not support paged KV caches "
+                                  "(continuous batching); use generate() with a DynamicCache")
+    if kwargs.get("output_attentions"):
+        _warn_once("portattn: output_attentions=True is not supported; attention weights are returned as None")
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
