@@ -336,6 +336,12 @@ extern "C" int portattn_cuda_kvcache_append(const PortattnAppendParams* params, 
   if (p.rotary_dim > 0 && (p.rotary_cos == nullptr || p.rotary_sin == nullptr || p.seqlen_ro <= 0)) {
     return fail(message, message_len, -1, "portattn cuda append: rotary needs cos, sin and seqlen_ro > 0");
   }
+  if (p.cache_seqlens == nullptr || (p.q != nullptr && (p.q_out == nullptr || p.q_out == p.q))) {
+    // Rows are placed by cache_seqlens; queries are rotated out of place (the kernel
+    // reads each element's rotary partner while other threads write theirs).
+    return fail(message, message_len, -1,
+                "portattn cuda append: needs cache_seqlens, and q_out distinct from q");
+  }
   const int64_t kv_rows = p.k_new != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_new * p.nheads_k : 0;
   const int64_t q_rows = p.q != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_q * p.nheads : 0;
   const int64_t blocks = kv_rows + q_rows;
