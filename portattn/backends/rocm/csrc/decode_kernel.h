@@ -46,7 +46,9 @@
 //   64   13312      8           16 (x2 prefetched)  4 (4)                   <= 128
 //   128  25600      16          32 (x2)             2 (2)                   <= 256
 //   256  50176      32          64 (x2)             1 (1)                   <= 512
-// Measured: see the ROCm README (VGPR+AGPR, LDS and MFMA counts per arch).
+// Measured (VGPR+AGPR total, of which AGPR; gfx90a / gfx942; SGPRs 82-100,
+// no spills, no scratch): 64: 116-117, 0 / 124, 0;  128: 178-180, 0 / 178, 0;
+// 256: 338-339, 82-83 / 349-350, 93-94.
 // The merge buffer sets the occupancy here (K/V need no LDS); at D = 256 a
 // workgroup still keeps 4 waves x 2 stages x 16 KiB of K/V reads in flight.
 #pragma once
@@ -91,14 +93,40 @@ struct DecodeTile {
   static_assert(kLdsBytes * kWavesPerSimd <= 65536, "the designed occupancy must fit a CU's LDS");
 };
 
-// A cache's row and batch strides in VGPRs (in_vgpr, cdna.h): the per-key
-// address arithmetic needs them every stage, and as wave-uniform values they
-// would hold 8 of the ~100 SGPRs, which the kernel's other uniform values
-// (pointers, lengths, window, scale) already nearly fill.
-__device__ __forceinline__ PortattnTensor4 strides_in_vgprs(const PortattnTensor4& s) {
-  return PortattnTensor4{static_cast<int64_t>(in_vgpr(static_cast<uint64_t>(s.batch_stride))),
-                         static_cast<int64_t>(in_vgpr(static_cast<uint64_t>(s.row_stride))), s.head_stride};
-}
+// Where the key reads of one (sequence, KV head) go, with the wave-uniform
+// values in VGPRs (in_vgpr, cdna.h): the per-key address arithmetic needs
+// them every stage, and as SGPRs they would take ~20 of the ~100 a wave has,
+// which the kernel's other uniform values (window, scale, softcap, output
+// addressing) and the unrolled D = 256 loop already nearly fill.
+struct KeySource {
+  const uint16_t* gK;  // head hk of k and v
+  const uint16_t* gV;
+  PortattnTensor4 k_strides, v_strides;  // batch (page) and row strides
+  decode::KeyRowAddress at;
+  int seqlen_k, key_base, cache_row, headdim;
+
+  __device__ __forceinline__ static KeySource of(const PortattnDecodeParams& p, const decode::Sequence& seq, int b,
+                                                 int hk) {
+    auto vgpr64 = [](int64_t x) { return static_cast<int64_t>(in_vgpr(static_cast<uint64_t>(x))); };
+    auto vgpr32 = [](int x) { return static_cast<int>(in_vgpr(static_cast<uint32_t>(x))); };
+    const uint16_t* k = static_cast<const uint16_t*>(p.k) + hk * p.k_strides.head_stride;
+    const uint16_t* v = static_cast<const uint16_t*>(p.v) + hk * p.v_strides.head_stride;
+    KeySource src;
+    src.gK = reinterpret_cast<const uint16_t*>(in_vgpr(reinterpret_cast<uint64_t>(k)));
+    src.gV = reinterpret_cast<const uint16_t*>(in_vgpr(reinterpret_cast<uint64_t>(v)));
+    src.k_strides = PortattnTensor4{vgpr64(p.k_strides.batch_stride), vgpr64(p.k_strides.row_stride), 0};
+    src.v_strides = PortattnTensor4{vgpr64(p.v_strides.batch_stride), vgpr64(p.v_strides.row_stride), 0};
+    const int32_t* pages = p.block_table != nullptr ? p.block_table + b * p.block_table_batch_stride : nullptr;
+    src.at = decode::KeyRowAddress{
+        reinterpret_cast<const int32_t*>(in_vgpr(reinterpret_cast<uint64_t>(pages))), vgpr32(p.page_size),
+        vgpr32(p.num_pages)};
+    src.seqlen_k = vgpr32(seq.seqlen_k);
+    src.key_base = vgpr32(seq.key_base);
+    src.cache_row = vgpr32(seq.cache_row);
+    src.headdim = vgpr32(p.headdim);
+    return src;
+  }
+};
 
 // This lane's share of one wave's 16 keys, read straight into MFMA operand
 // order (see the docblock): K row m's chunks and V's columns of keys 4g..4g+3.
@@ -107,38 +135,35 @@ struct DecodeKV {
   u32x4 k[Tile::kChunks];
   uint32_t v[4][Tile::kVWords];
 
-  __device__ __forceinline__ void fetch(const PortattnDecodeParams& p, const decode::Sequence& seq,
-                                        const decode::KeyRowAddress& at, const PortattnTensor4& k_strides,
-                                        const PortattnTensor4& v_strides, const uint16_t* gK, const uint16_t* gV,
-                                        int key0, int lm, int lg) {
+  __device__ __forceinline__ void fetch(const KeySource& src, int key0, int lm, int lg) {
     const int k_key = key0 + lm;
-    const bool k_valid = k_key < seq.seqlen_k;
-    const int64_t k_row = k_valid ? at.offset(k_strides, seq.cache_row, seq.key_base + k_key) : 0;
+    const bool k_valid = k_key < src.seqlen_k;
+    const int64_t k_row = k_valid ? src.at.offset(src.k_strides, src.cache_row, src.key_base + k_key) : 0;
 #pragma unroll
     for (int c = 0; c < Tile::kChunks; ++c) {
       const int col = 32 * c + 8 * lg;
       k[c] = u32x4{0u, 0u, 0u, 0u};
-      if (k_valid && col < p.headdim) k[c] = load<u32x4>(gK + k_row + col);
+      if (k_valid && col < src.headdim) k[c] = load<u32x4>(src.gK + k_row + col);
     }
     const int v_col = lm * Tile::kVDims;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const int key = key0 + 4 * lg + kk;
       // Zero-filled past the sequence: P is 0 there, but 0 * (stale NaN) is not.
-      const bool valid = key < seq.seqlen_k && v_col < p.headdim;
-      const int64_t v_row = valid ? at.offset(v_strides, seq.cache_row, seq.key_base + key) : 0;
+      const bool valid = key < src.seqlen_k && v_col < src.headdim;
+      const int64_t v_row = valid ? src.at.offset(src.v_strides, src.cache_row, src.key_base + key) : 0;
       if constexpr (Tile::kVWords % 4 == 0) {
 #pragma unroll
         for (int w = 0; w < Tile::kVWords; w += 4) {
           u32x4 words{0u, 0u, 0u, 0u};
           // headdim is a multiple of 8: a 16-byte piece is wholly inside or outside it.
-          if (valid && v_col + 2 * w < p.headdim) words = load<u32x4>(gV + v_row + v_col + 2 * w);
+          if (valid && v_col + 2 * w < src.headdim) words = load<u32x4>(src.gV + v_row + v_col + 2 * w);
           v[kk][w] = words.x, v[kk][w + 1] = words.y, v[kk][w + 2] = words.z, v[kk][w + 3] = words.w;
         }
       } else {
         static_assert(Tile::kVWords == 2, "D = 64: one 8-byte piece per key");
         u32x2 words{0u, 0u};
-        if (valid) words = load<u32x2>(gV + v_row + v_col);
+        if (valid) words = load<u32x2>(src.gV + v_row + v_col);
         v[kk][0] = words.x, v[kk][1] = words.y;
       }
     }
@@ -204,14 +229,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     rQ[2 * c + 1] = __builtin_bit_cast(u16x4, u32x2{chunk.z, chunk.w});
   }
 
-  const uint16_t* gK = static_cast<const uint16_t*>(p.k) + hk * p.k_strides.head_stride;
-  const uint16_t* gV = static_cast<const uint16_t*>(p.v) + hk * p.v_strides.head_stride;
-  const decode::KeyRowAddress at{
-      p.block_table != nullptr ? p.block_table + b * p.block_table_batch_stride : nullptr, p.page_size,
-      p.num_pages};
-
-  const PortattnTensor4 k_strides = strides_in_vgprs(p.k_strides);
-  const PortattnTensor4 v_strides = strides_in_vgprs(p.v_strides);
+  const KeySource src = KeySource::of(p, seq, b, hk);
 
   const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
   const bool use_softcap = p.softcap > 0.f;
@@ -231,14 +249,14 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   DecodeKV<Tile> kv;
   const int wave_key0 = wave * Tile::kWaveKeys;
   if (Tile::kPrefetch && range.begin < range.end)
-    kv.fetch(p, seq, at, k_strides, v_strides, gK, gV, range.begin * Tile::kStageKeys + wave_key0, lm, lg);
+    kv.fetch(src, range.begin * Tile::kStageKeys + wave_key0, lm, lg);
 
   for (int stage = range.begin; stage < range.end; ++stage) {
     const int stage_key0 = stage * Tile::kStageKeys;
     const int key0 = stage_key0 + wave_key0;
-    if (!Tile::kPrefetch) kv.fetch(p, seq, at, k_strides, v_strides, gK, gV, key0, lm, lg);
+    if (!Tile::kPrefetch) kv.fetch(src, key0, lm, lg);
     const DecodeKV<Tile> cur = kv;
-    if (Tile::kPrefetch && stage + 1 < range.end) kv.fetch(p, seq, at, k_strides, v_strides, gK, gV, key0 + Tile::kStageKeys, lm, lg);
+    if (Tile::kPrefetch && stage + 1 < range.end) kv.fetch(src, key0 + Tile::kStageKeys, lm, lg);
 
     f32x4 acc_s{0.f, 0.f, 0.f, 0.f};
 #pragma unroll
