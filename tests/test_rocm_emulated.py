@@ -32,7 +32,7 @@ HOST_CLANG = "clang++-19"  # _Float16 and ext_vector_type on the host need clang
 
 
 def build_emulation(build_dir: str) -> str:
-    """Compiles every forward variant for the "emu" pseudo-arch; returns the module path."""
+    """Compiles every variant (forward, backward, decode) for the "emu" pseudo-arch; returns the module path."""
     ninja_build = rocm_build.ninja_build
     csrc = os.path.join(ROCM_DIR, "csrc")
     chosen = variants.select(["emu"])
@@ -63,14 +63,20 @@ def build_emulation(build_dir: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory):
+def emulated(tmp_path_factory):
+    """The emulated `_C` module itself (the decode entry points are called on it directly)."""
     if shutil.which(HOST_CLANG) is None:
         pytest.skip(f"{HOST_CLANG} not found (run .ci/install_rocm_toolchain.sh)")
     build_dir = os.environ.get("PORTATTN_ROCM_EMU_BUILD_DIR") or str(tmp_path_factory.mktemp("rocm_emu"))
     ext_path = build_emulation(build_dir)
     spec = importlib.util.spec_from_file_location("portattn_rocm_emu._C", ext_path)
-    emulated = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(emulated)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def backend(emulated):
 
     import portattn.backends as backends
     import portattn.backends.rocm as rocm
@@ -277,3 +283,278 @@ def test_backward_varlen_causal_with_empty_sequences(backend):
 def test_backward_dropout_matches_reference_mask(backend, varlen):
     q, k, v, run, oracle = _dropout_problem(varlen, 0.17, 99991, (3 << 32) + 5)
     _run_backward(backend, q, k, v, naive_options=oracle, **run)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode (Note [portattn decode] in common/params.h): the module's decode / kvcache_append
+# entry points, called with the shared argument lists of common/binding_args.h, against the
+# float64 oracle applied to each sequence's keys gathered by hand from the cache layout.
+
+DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def _ptr(tensor):
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def _decode_call(module, q, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=0, leftpad=None, batch_idx=None,
+                 block_table=None, cu_q=None, cu_k=None, max_q=0, seqlen_k=0, window=(-1, -1), softcap=0.0,
+                 alibi=None, num_splits=1):
+    """decode(<PORTATTN_DECODE_ARGS>) on NaN-poisoned out / lse; returns (out, lse)."""
+    varlen = cu_q is not None
+    if varlen:
+        batch, seqlen_q = cu_q.numel() - 1, max_q
+        nheads, head_dim = q.shape[1], q.shape[2]
+        lse = torch.full((nheads, q.shape[0]), float("nan"))
+        lse_strides = (0, lse.stride(0))
+    else:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        lse = torch.full((batch, nheads, seqlen_q), float("nan"))
+        lse_strides = (lse.stride(0), lse.stride(1))
+    nheads_k = k_cache.shape[-2]
+    out = torch.full_like(q, float("nan"))
+    if block_table is not None:
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+    else:
+        num_pages, page_size = 0, 0
+        capacity = k_cache.shape[1] if cu_k is None else k_cache.shape[0]
+    o_partial = lse_partial = None
+    if num_splits > 1:
+        o_partial = torch.full((num_splits, batch, nheads, seqlen_q, head_dim), float("nan"))
+        lse_partial = torch.full((num_splits, batch, nheads, seqlen_q), float("nan"))
+    args = [
+        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(lse), q.stride(), k_cache.stride(), v_cache.stride(),
+        out.stride(), *lse_strides, DTYPE_CODE[q.dtype], batch, nheads, nheads_k, head_dim, seqlen_q, seqlen_k,
+        _ptr(cu_q), _ptr(cu_k), _ptr(cache_seqlens), seqlen_new, _ptr(leftpad), _ptr(batch_idx), _ptr(block_table),
+        block_table.stride(0) if block_table is not None else 0, page_size, num_pages,
+        k_cache.shape[0] if block_table is None and cu_k is None else 0, capacity,
+        q.shape[0] if varlen else 0, k_cache.shape[0] if cu_k is not None else 0,
+        1.0 / math.sqrt(head_dim), softcap, window[0], window[1], _ptr(alibi),
+        alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0, num_splits, _ptr(o_partial),
+        _ptr(lse_partial), 0,
+    ]
+    module.decode(*args)
+    return out, lse
+
+
+def _sequence_keys(b, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=0, leftpad=None, batch_idx=None,
+                   block_table=None, cu_k=None, seqlen_k=0):
+    """Sequence b's visible keys and values (n, Hk, D), gathered in Python from the layout."""
+    if cu_k is not None:
+        start, end = int(cu_k[b]), int(cu_k[b + 1])
+        return k_cache[start:end], v_cache[start:end]
+    if block_table is not None:
+        page = k_cache.shape[1]
+        capacity = block_table.shape[1] * page
+    else:
+        capacity = k_cache.shape[1]
+    end = min(int(cache_seqlens[b]) + seqlen_new, capacity) if cache_seqlens is not None else min(seqlen_k, capacity)
+    start = int(leftpad[b]) if leftpad is not None else 0
+    positions = torch.arange(start, end)
+    if block_table is not None:
+        pages = block_table[b, positions // page].long()
+        return k_cache[pages, positions % page], v_cache[pages, positions % page]
+    row = int(batch_idx[b]) if batch_idx is not None else b
+    return k_cache[row, positions], v_cache[row, positions]
+
+
+def _check_decode(out, lse, q, k_cache, v_cache, *, cu_q=None, window=(-1, -1), softcap=0.0, alibi=None,
+                  **layout):
+    """The error rule over all sequences: max|out - ref64| <= 2 max|torch lowp - ref64| + 1e-5."""
+    batch = cu_q.numel() - 1 if cu_q is not None else q.shape[0]
+    err = base = lse_err = lse_base = 0.0
+    for b in range(batch):
+        if cu_q is not None:
+            start, end = int(cu_q[b]), int(cu_q[b + 1])
+            qb, ob, lb = q[start:end][None], out[start:end][None], lse[:, start:end][None]
+        else:
+            qb, ob, lb = q[b:b + 1], out[b:b + 1], lse[b:b + 1]
+        kb, vb = (x[None] for x in _sequence_keys(b, k_cache, v_cache, **layout))
+        slopes = alibi[b:b + 1] if alibi is not None and alibi.dim() == 2 else alibi
+        options = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+        ref, ref_lse = naive_attention(qb, kb, vb, compute_dtype=torch.float64, **options)
+        low, _ = naive_attention(qb, kb, vb, compute_dtype=q.dtype, **options)
+        _, low_lse = naive_attention(qb.float(), kb.float(), vb.float(), compute_dtype=torch.float32, **options)
+        assert not ob.isnan().any(), f"sequence {b}: out has NaN (unwritten or bad math)"
+        assert not lb.isnan().any(), f"sequence {b}: lse has NaN (unwritten or bad math)"
+        empty = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lb), empty), f"sequence {b}: lse = -inf on a different set of rows"
+        assert (ob.transpose(1, 2)[empty] == 0).all(), f"sequence {b}: a row without keys is not 0"
+        if ob.numel():
+            err = max(err, (ob.double() - ref).abs().max().item())
+            base = max(base, (low.double() - ref).abs().max().item())
+        if (~empty).any():
+            lse_err = max(lse_err, (lb.double() - ref_lse)[~empty].abs().max().item())
+            lse_base = max(lse_base, (low_lse.double() - ref_lse)[~empty].abs().max().item())
+    assert err <= 2 * base + 1e-5, f"out error {err:.3e} > 2 x torch {q.dtype} error {base:.3e}"
+    assert lse_err <= 2 * lse_base + 1e-4, f"lse error {lse_err:.3e} vs fp32 naive {lse_base:.3e}"
+
+
+def _decode_and_check(emulated, q, k_cache, v_cache, *, num_splits=1, **options):
+    check_options = {key: value for key, value in options.items() if key not in ("max_q",)}
+    out, lse = _decode_call(emulated, q, k_cache, v_cache, num_splits=num_splits, **options)
+    _check_decode(out, lse, q, k_cache, v_cache, **check_options)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 64), (torch.bfloat16, 128)], ids=["fp16-64", "bf16-128"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_contiguous_cache_with_batch_idx_and_leftpad(emulated, dtype, head_dim, num_splits):
+    # GQA 4, uneven lengths including an empty sequence, leftpad, and a batch index into a larger cache.
+    k_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
+    v_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
+    q = _rand(3, 1, 8, head_dim, dtype=dtype)
+    cache_seqlens = torch.tensor([0, 77, 200], dtype=torch.int32)
+    leftpad = torch.tensor([0, 5, 30], dtype=torch.int32)
+    batch_idx = torch.tensor([2, 0, 3], dtype=torch.int32)
+    _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=cache_seqlens, leftpad=leftpad,
+                      batch_idx=batch_idx, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 4], ids=lambda g: f"gqa{g}")
+def test_decode_paged_cache_random_block_table(emulated, page_size, group):
+    generator = torch.Generator().manual_seed(page_size + group)
+    dtype, head_dim, nheads_k, batch = torch.bfloat16, 64, 2, 3
+    lengths = [131, 0, 40]
+    width = -(-max(lengths) // page_size)
+    num_pages = batch * width + 3
+    k_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
+    v_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
+    block_table = torch.randperm(num_pages, generator=generator)[:batch * width].reshape(batch, width).to(torch.int32)
+    q = _rand(batch, 1, nheads_k * group, head_dim, dtype=dtype)
+    _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                      block_table=block_table, num_splits=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 12], ids=lambda s: f"splits{s}")
+def test_decode_forced_splits(emulated, num_splits):
+    # 150 keys are 3 stages of 64: 5 splits leave some empty, 12 are more than the stages.
+    k_cache = _rand(2, 150, 1, 64, dtype=torch.float16)
+    v_cache = _rand(2, 150, 1, 64, dtype=torch.float16)
+    q = _rand(2, 1, 4, 64, dtype=torch.float16)
+    cache_seqlens = torch.tensor([150, 61], dtype=torch.int32)
+    _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    "seqlen_q, window, softcap, alibi",
+    [(3, (-1, 0), 0.0, False), (5, (40, 0), 2.0, True), (2, (20, 3), 0.0, True)],
+    ids=["causal", "window-softcap-alibi", "window-alibi-two-sided"],
+)
+def test_decode_window_softcap_alibi(emulated, seqlen_q, window, softcap, alibi):
+    # GQA 4: seqlen_q 5 packs 20 rows, two query tiles; causal is bottom-right aligned.
+    dtype, head_dim = torch.bfloat16, 128
+    k_cache = _rand(2, 180, 2, head_dim, dtype=dtype)
+    v_cache = _rand(2, 180, 2, head_dim, dtype=dtype)
+    q = _rand(2, seqlen_q, 8, head_dim, dtype=dtype)
+    slopes = torch.rand(2, 8) if alibi else None
+    _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=torch.tensor([180, 97], dtype=torch.int32),
+                      window=window, softcap=softcap, alibi=slopes, num_splits=2)
+
+
+def test_decode_varlen_with_an_empty_key_sequence(emulated):
+    lens_q, lens_k = [1, 2, 1], [100, 0, 130]
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = _rand(sum(lens_q), 4, 64, dtype=torch.float16)
+    k = _rand(sum(lens_k), 2, 64, dtype=torch.float16)
+    v = _rand(sum(lens_k), 2, 64, dtype=torch.float16)
+    _decode_and_check(emulated, q, k, v, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), window=(-1, 0), num_splits=2)
+
+
+def test_decode_tile_reports_the_planner_facts(emulated):
+    config = variants.CONFIGS[0]
+    tile = emulated.decode_tile(40)  # served by the smallest configuration
+    assert tile == {"stage_keys": config.decode.block, "threads": variants.DECODE_WAVES * 64,
+                    "smem_bytes": config.decode.lds_bytes}
+    assert emulated.decode_tile(variants.MAX_HEAD_DIM + 8) == {"stage_keys": -1, "threads": -1, "smem_bytes": -1}
+
+
+def _rotate_reference(x, cos, sin, positions, rotary_dim, interleaved):
+    """x (..., D) rotated at `positions` (same leading shape but D), fp32 math, then x's dtype."""
+    x32 = x.float()
+    c = cos[positions].float()
+    s = sin[positions].float()
+    rot, rest = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((out, rest), dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_append_with_rotary(emulated, interleaved, paged):
+    """Keys at cache_seqlens[b] + i rotated there, values copied, queries rotated at cache_seqlens[b] (+ i)."""
+    dtype, head_dim, rotary_dim, nheads, nheads_k, batch, seqlen_new = torch.float16, 64, 32, 4, 2, 2, 3
+    capacity, page_size = 48, 16
+    cache_seqlens = torch.tensor([5, 46], dtype=torch.int32)  # the second runs past the capacity
+    seqlen_ro = 64
+    angles = torch.rand(seqlen_ro, rotary_dim // 2) * 6.0
+    cos, sin = angles.cos(), angles.sin()  # float32 tables (rotary_dtype 2)
+    k_new = _rand(batch, seqlen_new, nheads_k, head_dim, dtype=dtype)
+    v_new = _rand(batch, seqlen_new, nheads_k, head_dim, dtype=dtype)
+    q = _rand(batch, seqlen_new, nheads, head_dim, dtype=dtype)
+    q_out = torch.full_like(q, float("nan"))
+    width = capacity // page_size
+    if paged:
+        block_table = torch.randperm(batch * width + 1)[:batch * width].reshape(batch, width).to(torch.int32)
+        k_cache = _rand(batch * width + 1, page_size, nheads_k, head_dim, dtype=dtype)
+        batch_idx = None
+    else:
+        block_table = None
+        k_cache = _rand(3, capacity, nheads_k, head_dim, dtype=dtype)
+        batch_idx = torch.tensor([2, 0], dtype=torch.int32)
+    v_cache = torch.randn_like(k_cache)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    for per_token in (False, True):
+        args = [
+            _ptr(k_new), _ptr(v_new), k_new.stride(), v_new.stride(), _ptr(k_cache), _ptr(v_cache), k_cache.stride(),
+            v_cache.stride(), _ptr(q), _ptr(q_out), q.stride(), q_out.stride(), DTYPE_CODE[dtype], batch, seqlen_new,
+            seqlen_new, nheads, nheads_k, head_dim, _ptr(cache_seqlens), _ptr(batch_idx), _ptr(block_table),
+            block_table.stride(0) if paged else 0, page_size if paged else 0, k_cache.shape[0] if paged else 0,
+            k_cache.shape[0] if not paged else 0, capacity, _ptr(cos), _ptr(sin), cos.stride(0), 2, rotary_dim,
+            seqlen_ro, interleaved, per_token, 0,
+        ]
+        emulated.kvcache_append(*args)
+        for b in range(batch):
+            positions = int(cache_seqlens[b]) + torch.arange(seqlen_new)
+            q_positions = positions if per_token else torch.full((seqlen_new,), int(cache_seqlens[b]))
+            q_ref = _rotate_reference(q[b], cos, sin, q_positions[:, None].expand(-1, nheads), rotary_dim, interleaved)
+            torch.testing.assert_close(q_out[b], q_ref, atol=1e-3, rtol=1e-3)
+            for i, pos in enumerate(positions.tolist()):
+                if pos >= capacity:
+                    continue  # rows past the capacity are not written
+                k_ref = _rotate_reference(k_new[b, i], cos, sin, torch.full((nheads_k,), pos), rotary_dim, interleaved)
+                if paged:
+                    where = (int(block_table[b, pos // page_size]), pos % page_size)
+                else:
+                    where = (int(batch_idx[b]), pos)
+                k_expected[where] = k_ref
+                v_expected[where] = v_new[b, i]
+        torch.testing.assert_close(k_cache, k_expected, atol=1e-3, rtol=1e-3)
+        assert torch.equal(v_cache, v_expected)
+
+
+def test_decode_after_append_reads_the_new_keys(emulated):
+    """seqlen_new counts the appended keys: an append then a decode over the same cache."""
+    dtype, head_dim, batch, nheads, nheads_k, seqlen_new = torch.bfloat16, 64, 2, 4, 1, 2
+    k_cache = _rand(batch, 96, nheads_k, head_dim, dtype=dtype)
+    v_cache = _rand(batch, 96, nheads_k, head_dim, dtype=dtype)
+    cache_seqlens = torch.tensor([70, 0], dtype=torch.int32)
+    k_new = _rand(batch, seqlen_new, nheads_k, head_dim, dtype=dtype)
+    v_new = _rand(batch, seqlen_new, nheads_k, head_dim, dtype=dtype)
+    q = _rand(batch, seqlen_new, nheads, head_dim, dtype=dtype)
+    args = [
+        _ptr(k_new), _ptr(v_new), k_new.stride(), v_new.stride(), _ptr(k_cache), _ptr(v_cache), k_cache.stride(),
+        v_cache.stride(), 0, 0, q.stride(), q.stride(), DTYPE_CODE[dtype], batch, seqlen_new, seqlen_new, nheads,
+        nheads_k, head_dim, _ptr(cache_seqlens), 0, 0, 0, 0, 0, batch, 96, 0, 0, 0, 2, 0, 0, False, False, 0,
+    ]
+    emulated.kvcache_append(*args)
+    _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=cache_seqlens, seqlen_new=seqlen_new,
+                      window=(-1, 0), num_splits=2)

@@ -3,7 +3,7 @@
 No AMD GPU is reachable, so nothing here runs a kernel. What the compiler
 produced is checked against each tile's designed budget (variants.FWD_TILES,
 the numbers fwd_kernel.h's docblock states): MFMA instructions of the right
-dtype present, no VGPR/SGPR spills, no scratch, LDS as designed and within
+dtype and shape (32x32x8; 16x16x16 in the decode kernel) present, no VGPR/SGPR spills, no scratch, LDS as designed and within
 64 KiB, and VGPR+AGPR few enough for the designed waves per SIMD.
 
 The build needs the toolchain from .ci/install_rocm_toolchain.sh (skips
@@ -39,16 +39,20 @@ def _load(name: str, path: str):
 rocm_build = _load("portattn_rocm_build", os.path.join(ROCM_DIR, "build.py"))
 variants = rocm_build.variants
 
-MFMA_MNEMONICS = {  # (arch family, dtype) -> the 32x32x8 instruction
-    ("gfx90a", "float16"): "v_mfma_f32_32x32x8f16",
-    ("gfx90a", "bfloat16"): "v_mfma_f32_32x32x8bf16_1k",
-    ("gfx94", "float16"): "v_mfma_f32_32x32x8_f16",
-    ("gfx94", "bfloat16"): "v_mfma_f32_32x32x8_bf16",
+MFMA_MNEMONICS = {  # (arch family, dtype, KernelTile.mfma_shape) -> the instruction
+    ("gfx90a", "float16", "32x32x8"): "v_mfma_f32_32x32x8f16",
+    ("gfx90a", "bfloat16", "32x32x8"): "v_mfma_f32_32x32x8bf16_1k",
+    ("gfx94", "float16", "32x32x8"): "v_mfma_f32_32x32x8_f16",
+    ("gfx94", "bfloat16", "32x32x8"): "v_mfma_f32_32x32x8_bf16",
+    ("gfx90a", "float16", "16x16x16"): "v_mfma_f32_16x16x16f16",
+    ("gfx90a", "bfloat16", "16x16x16"): "v_mfma_f32_16x16x16bf16_1k",
+    ("gfx94", "float16", "16x16x16"): "v_mfma_f32_16x16x16_f16",
+    ("gfx94", "bfloat16", "16x16x16"): "v_mfma_f32_16x16x16_bf16",
 }
 
 
-def _mfma_mnemonic(arch: str, dtype: str) -> str:
-    return MFMA_MNEMONICS[("gfx94" if arch.startswith("gfx94") else arch, dtype)]
+def _mfma_mnemonic(arch: str, dtype: str, shape: str = "32x32x8") -> str:
+    return MFMA_MNEMONICS[("gfx94" if arch.startswith("gfx94") else arch, dtype, shape)]
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +132,7 @@ def resource_reports(build_dir: str, variant, direction: str) -> list:
 def budget_problems(variant, tile, r) -> list:
     # .vgpr_count is the unified VGPR+AGPR total on gfx90a/gfx94x (AGPRs sit above the arch VGPRs).
     problems = []
-    want = _mfma_mnemonic(variant.arch, variant.dtype)
+    want = _mfma_mnemonic(variant.arch, variant.dtype, tile.mfma_shape)
     if tile.mfma_per_iteration == 0:
         if r["mfma"]:
             problems.append(f"unexpected MFMA instructions {sorted(set(r['mfma']))}")
@@ -160,8 +164,7 @@ def budget_problems(variant, tile, r) -> list:
 )
 def test_kernels_isa_meet_their_budget(built, variant, direction):
     reports = resource_reports(built[0], variant, direction)
-    expected = {"fwd": {"fwd"}, "bwd": {"bwd_rowdot", "bwd_dq", "bwd_dkdv"}}[direction]
-    assert {tile.kernel for tile, _ in reports} == expected
+    assert {tile.kernel for tile, _ in reports} == set(variants.DIRECTION_KERNELS[direction])
     problems = [f"{tile.kernel}: {problem}" for tile, r in reports for problem in budget_problems(variant, tile, r)]
     assert not problems, f"{variant.stem(direction)}: " + "; ".join(problems)
 
@@ -208,6 +211,21 @@ def _fwd_args(**overrides):
     return list(args.values())
 
 
+def _decode_args(**overrides):
+    """A well-formed decode() argument list (common/binding_args.h PORTATTN_DECODE_ARGS) with overrides."""
+    strides = (2048, 128, 64, 1)
+    args = dict(
+        q=4096, k=8192, v=12288, out=16384, lse=20480, q_strides=strides, k_strides=strides, v_strides=strides,
+        out_strides=strides, lse_batch_stride=32, lse_head_stride=16, dtype=1, batch=1, nheads=8, nheads_k=2,
+        headdim=64, seqlen_q=1, seqlen_k=16, cu_seqlens_q=0, cu_seqlens_k=0, cache_seqlens=24576, seqlen_new=0,
+        cache_leftpad=0, cache_batch_idx=0, block_table=0, block_table_batch_stride=0, page_size=0, num_pages=0,
+        cache_batches=1, kv_capacity=16, total_q=0, total_k=0, softmax_scale=0.125, softcap=0.0, window_left=-1,
+        window_right=-1, alibi_slopes=0, alibi_batch_stride=0, num_splits=1, o_partial=0, lse_partial=0, stream=0,
+    )
+    args.update(overrides)
+    return list(args.values())
+
+
 def _bwd_args(deterministic=False, **fwd_overrides):
     """A well-formed bwd() argument list: its own arguments, then fwd()'s."""
     strides = (2048, 128, 64, 1)
@@ -226,6 +244,9 @@ FEATURE_CALLS = {  # one call per declared feature, using it: (module function, 
     "varlen": ("fwd", _fwd_args(cu_seqlens_q=28672, cu_seqlens_k=28672, q_strides=(128, 64, 1))),
     "backward": ("bwd", _bwd_args()),
     "deterministic_backward": ("bwd", _bwd_args(deterministic=True)),
+    "decode": ("decode", _decode_args(num_splits=4, o_partial=32768, lse_partial=36864)),
+    "paged_kv": ("decode", _decode_args(block_table=28672, block_table_batch_stride=4, page_size=16,
+                                        num_pages=8, k_strides=(2048, 128, 64, 1), kv_capacity=64)),
 }
 
 
@@ -263,6 +284,34 @@ def test_fwd_rejects_broken_invariants(built, overrides, message):
         module.fwd(*_fwd_args(**overrides))
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_splits": 0}, "num_splits 0"),
+        ({"num_splits": 129}, r"num_splits 129 must be in \[1, 128\]"),
+        ({"num_splits": 2}, "o_partial"),
+        ({"block_table": 28672}, "page_size > 0"),
+        ({"headdim": 264}, "headdim 264"),
+        ({"k": 8200}, "k must be 16-byte aligned"),
+        ({"nheads": 3}, "nheads % nheads_k"),
+    ],
+)
+def test_decode_rejects_broken_invariants(built, overrides, message):
+    module = _load_built_module(built[1])
+    with pytest.raises(ValueError, match=message):
+        module.decode(*_decode_args(**overrides))
+
+
+def test_decode_tile_needs_no_device(built):
+    """The split planner's tile facts come from the variant table (the same on every arch)."""
+    module = _load_built_module(built[1])
+    for config in variants.CONFIGS:
+        assert module.decode_tile(config.head_dim) == {
+            "stage_keys": config.decode.block, "threads": variants.DECODE_WAVES * 64,
+            "smem_bytes": config.decode.lds_bytes,
+        }
+
+
 def test_bwd_rejects_a_short_workspace(built):
     module = _load_built_module(built[1])
     needed = module.bwd_workspace_bytes(1, 2, 2, 64, 16, 16, False)
@@ -287,8 +336,9 @@ def test_backend_without_amd_gpu_is_unavailable_with_a_reason():
     assert backend.unsupported_reasons(call) == [reason]
 
 
-def test_declaration_routes_undone_features_away_on_an_amd_device():
-    """On a (fake) MI300 an undone feature is a reason, so dispatch falls back for it."""
+def test_declaration_on_amd_devices():
+    """On a (fake) MI300 the declared features (decode and paged caches included) are served;
+    an RDNA device and a head dim past the largest built are reasons, so dispatch falls back."""
     from portattn.capability.archs import amd_arch
     from portattn.capability.matrix import check_call
     from portattn.capability.probe import DeviceInfo
@@ -298,8 +348,11 @@ def test_declaration_routes_undone_features_away_on_an_amd_device():
                        None, None, None, "fake")
     forward = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "backward", "causal", "dropout"}))
     assert check_call("rocm", mi300, forward) == []
-    paged = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "paged_kv"}))
-    assert any("paged_kv" in reason for reason in check_call("rocm", mi300, paged))
+    paged = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "decode", "paged_kv", "gqa"}))
+    assert check_call("rocm", mi300, paged) == []
+    rdna = DeviceInfo(0, "amd", "AMD Radeon RX 7900 XTX", amd_arch("gfx1100"), 96, 32, 65536,
+                      None, None, None, "fake")
+    assert check_call("rocm", rdna, paged), "an RDNA device is refused (no MFMA)"
     too_big = CallSpec("float16", 264, 264, "cuda", frozenset({"forward"}))
     assert any("264" in reason for reason in check_call("rocm", mi300, too_big))
 
@@ -342,4 +395,5 @@ def test_build_config_reports_lds_per_head_dim(built):
     assert config["smem_bytes"] == {
         "forward": {c.head_dim: c.fwd.lds_bytes for c in variants.CONFIGS},
         "backward": {c.head_dim: max(c.bwd_dq.lds_bytes, c.bwd_dkdv.lds_bytes) for c in variants.CONFIGS},
+        "decode": {c.head_dim: c.decode.lds_bytes for c in variants.CONFIGS},
     }

@@ -73,6 +73,8 @@ constexpr int kMaxWaves = 16;
 struct WaveScratch {
   float a[32][8];  // one MFMA's A operand (32 x 8)
   float b[8][32];  // and B operand (8 x 32)
+  float a16[16][16];  // the 16x16x16 shape's A and B operands
+  float b16[16][16];
   float lanes[kWave];
 };
 
@@ -133,6 +135,26 @@ V16 mfma_32x32x8(V4 a, V4 b, V16 c) {
   return c;
 }
 
+// D(16x16) += A(16x16) B(16x16) with the 16x16x16 lane mapping of cdna.h.
+template <class V4, class VC>
+VC mfma_16x16x16(V4 a, V4 b, VC c) {
+  WaveScratch& s = workgroup->scratch[wave()];
+  const int l = lane();
+  for (int k = 0; k < 4; ++k) {
+    s.a16[l % 16][4 * (l / 16) + k] = half_to_float(a[k]);
+    s.b16[4 * (l / 16) + k][l % 16] = half_to_float(b[k]);
+  }
+  wave_barrier();
+  for (int r = 0; r < 4; ++r) {
+    const int row = 4 * (l / 16) + r, col = l % 16;
+    float acc = c[r];
+    for (int k = 0; k < 16; ++k) acc += s.a16[row][k] * s.b16[k][col];
+    c[r] = acc;
+  }
+  wave_barrier();
+  return c;
+}
+
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
   for (unsigned z = 0; z < grid.z; ++z)
@@ -164,5 +186,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
 #define __shfl_xor(x, mask) ::hipemu::shfl_xor((x), (mask))
 #define __builtin_amdgcn_mfma_f32_32x32x8f16(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_32x32x8((a), (b), (c))
 #define __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_32x32x8((a), (b), (c))
+#define __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_16x16x16((a), (b), (c))
+#define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_16x16x16((a), (b), (c))
 #define hipLaunchKernelGGL(kernel, grid, block, shared_bytes, stream, ...) \
   ::hipemu::launch(kernel, grid, block, __VA_ARGS__)

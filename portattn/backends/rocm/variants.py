@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # gfx targets with the CDNA2+ matrix instructions the kernels use
-# (v_mfma_f32_32x32x8{f16,bf16_1k}); RDNA has no MFMA.
+# (v_mfma_f32_32x32x8{f16,bf16_1k}, and v_mfma_f32_16x16x16{f16,bf16_1k} in the
+# decode kernel); RDNA has no MFMA.
 SUPPORTED_ARCHS = ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950")
 # Built when no AMD GPU is present and PORTATTN_HIP_ARCHS is unset: MI200, MI300.
 DEFAULT_ARCHS = ("gfx90a", "gfx942")
@@ -27,13 +28,18 @@ REGISTER_GRANULE = 8
 LDS_BYTES_PER_CU = 65536
 LDS_PAD = 4  # kLdsPad in csrc/tiles.h
 ROWDOT_WAVES_PER_SIMD = 4  # bwd_rowdot_kernel's launch bounds
+DECODE_WAVES = 4  # waves per decode workgroup (DecodeTile::kWaves); each takes 16 keys of a stage
+DECODE_ROWS = 16  # packed query rows per decode workgroup (one 16x16x16 MFMA tile)
+COMBINE_WAVES_PER_SIMD = 2  # decode_combine_kernel's launch bounds
+APPEND_WAVES_PER_SIMD = 1  # kvcache_append_kernel's launch bounds
 
 
 @dataclass(frozen=True)
 class KernelTile:
     """One kernel's tile: `kernel` names its template in csrc (fwd_kernel, bwd_dq_kernel, ...).
 
-    block: keys per block (fwd, bwd_dq) or queries per block (bwd_dkdv).
+    block: keys per block (fwd, bwd_dq), queries per block (bwd_dkdv), keys per
+    stage of the whole workgroup (decode).
     waves_per_simd: designed occupancy; the kernel is compiled with
     amdgpu_waves_per_eu(this) and the ISA test holds VGPR+AGPR to the matching budget.
     """
@@ -61,7 +67,14 @@ class KernelTile:
             return 2 * (2 * rows + self.head_dim * (self.block + LDS_PAD))
         if self.kernel == "bwd_dkdv":  # Q, dO, fp32 LSE and rowsum(dO * O) per query
             return 2 * 2 * rows + 2 * 4 * self.block
+        if self.kernel == "decode":  # the waves' merge: fp32 O of waves 1.. (padded rows), LSE of all
+            return 4 * ((DECODE_WAVES - 1) * DECODE_ROWS * (self.head_dim + LDS_PAD) + DECODE_WAVES * DECODE_ROWS)
         return 0
+
+    @property
+    def mfma_shape(self) -> str:
+        """MxNxK of the kernel's MFMA instruction (Note [portattn MFMA layout] in csrc/cdna.h)."""
+        return "16x16x16" if self.kernel == "decode" else "32x32x8"
 
     @property
     def dim_split(self) -> int:
@@ -70,7 +83,9 @@ class KernelTile:
 
     @property
     def mfma_per_iteration(self) -> int:
-        """32x32x8 MFMAs per wave per block of the kernel's loop."""
+        """MFMAs (of mfma_shape) per wave per block of the kernel's loop."""
+        if self.kernel == "decode":  # S^T = K Q^T and O^T += V^T P^T, D / 16 steps each
+            return 2 * self.head_dim // 16
         tiles, steps = self.block // 32, self.block // 8
         dim_steps, out_tiles = self.head_dim // 8, self.head_dim // self.dim_split // 32
         per_product = {"fwd": (1, 1), "bwd_dq": (2, 1), "bwd_dkdv": (2, 2)}.get(self.kernel, (0, 0))
@@ -83,17 +98,25 @@ class HeadDimConfig:
     fwd: KernelTile
     bwd_dq: KernelTile
     bwd_dkdv: KernelTile
+    decode: KernelTile
+
+    @property
+    def decode_kernels(self) -> tuple:
+        """The decode instantiation's kernels: decode, split combine, cache append."""
+        combine = KernelTile("decode_combine", self.head_dim, 0, COMBINE_WAVES_PER_SIMD)
+        append = KernelTile("kvcache_append", self.head_dim, 0, APPEND_WAVES_PER_SIMD)
+        return (self.decode, combine, append)
 
     @property
     def kernels(self) -> tuple:
         rowdot = KernelTile("bwd_rowdot", self.head_dim, 0, ROWDOT_WAVES_PER_SIMD)
-        return (self.fwd, self.bwd_dq, self.bwd_dkdv, rowdot)
+        return (self.fwd, self.bwd_dq, self.bwd_dkdv, rowdot, *self.decode_kernels)
 
 
-def _config(head_dim, fwd, bwd_dq, bwd_dkdv) -> HeadDimConfig:
+def _config(head_dim, fwd, bwd_dq, bwd_dkdv, decode) -> HeadDimConfig:
     """(block, waves per SIMD, prefetch) per kernel -> HeadDimConfig."""
     return HeadDimConfig(head_dim, KernelTile("fwd", head_dim, *fwd), KernelTile("bwd_dq", head_dim, *bwd_dq),
-                         KernelTile("bwd_dkdv", head_dim, *bwd_dkdv))
+                         KernelTile("bwd_dkdv", head_dim, *bwd_dkdv), KernelTile("decode", head_dim, *decode))
 
 
 # Key blocks of the forward: 64 keys at D=64 amortise the softmax over more
@@ -105,10 +128,14 @@ def _config(head_dim, fwd, bwd_dq, bwd_dkdv) -> HeadDimConfig:
 # compiler needs a few more than 256 registers for either (2-4 spills at 2
 # waves per SIMD on both archs), so they are designed for one; at D=256 both
 # split the output head dim over 2 workgroups (kDimSplit in bwd_kernel.h).
+# The decode reads K/V straight into registers (16 keys per wave, 4 waves: 64
+# keys per stage) with the next stage prefetched; its LDS is only the waves'
+# final merge, which sets the occupancy: 13 / 25 / 49 KiB allow 4 / 2 / 1
+# workgroups per CU (decode_kernel.h's docblock).
 CONFIGS = (
-    _config(64, fwd=(64, 2, True), bwd_dq=(64, 2, False), bwd_dkdv=(32, 2, False)),
-    _config(128, fwd=(32, 2, True), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, True)),
-    _config(256, fwd=(32, 1, False), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, False)),
+    _config(64, fwd=(64, 2, True), bwd_dq=(64, 2, False), bwd_dkdv=(32, 2, False), decode=(64, 4, True)),
+    _config(128, fwd=(32, 2, True), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, True), decode=(64, 2, True)),
+    _config(256, fwd=(32, 1, False), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, False), decode=(64, 1, True)),
 )
 
 MAX_HEAD_DIM = max(config.head_dim for config in CONFIGS)
@@ -126,14 +153,21 @@ class Variant:
     config: HeadDimConfig
 
     def stem(self, direction: str) -> str:
-        """Source / object name of the forward ("fwd") or backward ("bwd") instantiation."""
+        """Source / object name of the forward ("fwd"), backward ("bwd") or decode instantiation."""
         return f"{direction}_{self.arch}_{DTYPES[self.dtype][2]}_hd{self.config.head_dim}"
 
     def entry_point(self, direction: str) -> str:
         return f"portattn_rocm_{self.stem(direction)}"
 
 
-DIRECTIONS = ("fwd", "bwd")
+DIRECTIONS = ("fwd", "bwd", "decode")
+
+# The kernels of each direction's instantiation, by KernelTile.kernel.
+DIRECTION_KERNELS = {
+    "fwd": ("fwd",),
+    "bwd": ("bwd_rowdot", "bwd_dq", "bwd_dkdv"),
+    "decode": ("decode", "decode_combine", "kvcache_append"),
+}
 
 
 def select(archs, dtypes=None, head_dims=None) -> list[Variant]:
@@ -176,6 +210,26 @@ def instantiation_source(variant: Variant, direction: str) -> str:
     config = variant.config
     header = (f"// Generated by portattn/backends/rocm/variants.py; do not edit.\n"
               f"// {variant.arch} {variant.dtype} head dim <= {config.head_dim}.\n")
+    if direction == "decode":
+        tile = _template(variant, config.decode, "DecodeTile")
+        return f"""{header}{_budget_line(config.decode)}
+// Also the split combine and the cache append (with rotary) for this dtype.
+#define PORTATTN_ROCM_ARCH_NS {variant.arch}
+#include "decode_kernel.h"
+
+static_assert({tile}::kLdsBytes == {config.decode.lds_bytes}, "variants.py and decode_kernel.h disagree on LDS");
+static_assert({tile}::kMfmaPerIter == {config.decode.mfma_per_iteration}, "variants.py and decode_kernel.h disagree");
+static_assert({tile}::kStageKeys == {config.decode.block} && {tile}::kBlockM == {DECODE_ROWS} &&
+              {tile}::kWaves == {DECODE_WAVES}, "variants.py and decode_kernel.h disagree on the tile");
+
+extern "C" int {variant.entry_point("decode")}(const PortattnDecodeParams* params) {{
+  return static_cast<int>(portattn::rocm::{variant.arch}::launch_decode<{tile}>(*params));
+}}
+
+extern "C" int {variant.entry_point("append")}(const PortattnAppendParams* params) {{
+  return static_cast<int>(portattn::rocm::{variant.arch}::launch_kvcache_append<{tile}>(*params));
+}}
+"""
     if direction == "fwd":
         fwd = _template(variant, config.fwd, "FwdTile")
         return f"""{header}{_budget_line(config.fwd)}
@@ -210,13 +264,17 @@ extern "C" int {variant.entry_point("bwd")}(const PortattnBwdParams* params) {{
 def registry_source(variants: list[Variant], compilers: dict) -> str:
     declarations = "\n".join(
         f'extern "C" int {v.entry_point("fwd")}(const PortattnFwdParams*);\n'
-        f'extern "C" int {v.entry_point("bwd")}(const PortattnBwdParams*);'
+        f'extern "C" int {v.entry_point("bwd")}(const PortattnBwdParams*);\n'
+        f'extern "C" int {v.entry_point("decode")}(const PortattnDecodeParams*);\n'
+        f'extern "C" int {v.entry_point("append")}(const PortattnAppendParams*);'
         for v in variants
     )
     rows = "\n".join(
         f'    {{"{v.arch}", {DTYPES[v.dtype][0]}, {v.config.head_dim}, &{v.entry_point("fwd")}, '
         f'&{v.entry_point("bwd")}, {v.config.fwd.lds_bytes}, '
-        f'{max(v.config.bwd_dq.lds_bytes, v.config.bwd_dkdv.lds_bytes)}}},'
+        f'{max(v.config.bwd_dq.lds_bytes, v.config.bwd_dkdv.lds_bytes)}, &{v.entry_point("decode")}, '
+        f'&{v.entry_point("append")}, {v.config.decode.lds_bytes}, {v.config.decode.block}, '
+        f'{DECODE_WAVES * 64}}},'
         for v in variants
     )
     compiler_rows = "\n".join(f'    {{"{arch}", "{_c_escape(text)}"}},' for arch, text in compilers.items())

@@ -8,14 +8,13 @@ from ..declare import ALL_FEATURES, BackendSpec
 
 # Exactly the features the HIP kernels implement: module.cpp's build_config()
 # ["features"] lists the same set and tests/test_rocm_isa.py keeps them equal.
-# The backward has no atomics, so it is always deterministic. Nothing here has
-# run on AMD hardware: every entry is "compiled".
-SUPPORTED = ALL_FEATURES - {"paged_kv", "decode"}
+# The backward has no atomics, so it is always deterministic. Paged and
+# contiguous caches are read in place by the decode kernels (csrc/decode_kernel.h,
+# the CUDA module's decode ABI). Nothing here has run on AMD hardware: every
+# entry is "compiled".
+SUPPORTED = ALL_FEATURES
 
-UNSUPPORTED_NOTES = {
-    "paged_kv": "is gathered into a packed varlen call first (an O(cached tokens) copy)",
-    "decode": "is gathered into a packed varlen call and run by the forward kernels",
-}
+UNSUPPORTED_NOTES = {}
 
 # arch name -> features our GPU suite passed on that hardware.
 VERIFIED = {}

@@ -15,6 +15,14 @@
 // (S^T = K Q^T) feeds O^T += V^T P^T with no cross-lane traffic, and each
 // lane owns one query row (column l % 32), so its softmax statistics need a
 // single exchange between lanes l and l ^ 32.
+//
+// The decode kernel (decode_kernel.h) uses the 16-row shape instead:
+// v_mfma_f32_16x16x16{f16,bf16_1k} (gfx90a) / v_mfma_f32_16x16x16_{f16,bf16}
+// (gfx942) computes D(16x16) += A(16x16) * B(16x16) per wave64:
+//   lane l supplies A[l % 16][4 * (l / 16) + 0..3] and B[4 * (l / 16) + 0..3][l % 16]
+//   and owns D[4 * (l / 16) + r][l % 16] for r = 0..3,
+// so again D's four registers are the B operand of a following product, and a
+// row of the transposed product (one query) lives in lanes l % 16 + 16 g.
 #pragma once
 #if defined(PORTATTN_ROCM_EMULATE)
 // tests/rocm_emulation: the kernels on the CPU, one thread per lane, MFMA and
@@ -29,6 +37,7 @@ namespace portattn {
 namespace rocm {
 
 typedef float f32x16 __attribute__((ext_vector_type(16)));
+typedef float f32x4 __attribute__((ext_vector_type(4)));
 typedef _Float16 f16x4 __attribute__((ext_vector_type(4)));
 typedef short i16x4 __attribute__((ext_vector_type(4)));
 typedef uint16_t u16x4 __attribute__((ext_vector_type(4)));
@@ -46,6 +55,7 @@ typedef uint32_t u32x4 __attribute__((ext_vector_type(4)));
 constexpr int kWaveSize = 64;
 constexpr int kMfmaM = 32;  // rows and columns of one MFMA tile
 constexpr int kMfmaK = 8;   // depth of one MFMA step
+constexpr int kMfma16 = 16;  // rows, columns and depth of the 16x16x16 shape
 
 // A dtype is two conversions and one matrix instruction; tiles store the raw
 // 16-bit patterns so loads and LDS traffic are dtype-agnostic.
@@ -64,6 +74,10 @@ struct Dtype<false> {
     return __builtin_amdgcn_mfma_f32_32x32x8f16(__builtin_bit_cast(f16x4, a),
                                                __builtin_bit_cast(f16x4, b), c, 0, 0, 0);
   }
+  static __device__ __forceinline__ f32x4 mfma16(u16x4 a, u16x4 b, f32x4 c) {
+    return __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(f16x4, a),
+                                                __builtin_bit_cast(f16x4, b), c, 0, 0, 0);
+  }
 };
 
 template <>
@@ -81,6 +95,10 @@ struct Dtype<true> {
     return __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(__builtin_bit_cast(i16x4, a),
                                                    __builtin_bit_cast(i16x4, b), c, 0, 0, 0);
   }
+  static __device__ __forceinline__ f32x4 mfma16(u16x4 a, u16x4 b, f32x4 c) {
+    return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(i16x4, a),
+                                                    __builtin_bit_cast(i16x4, b), c, 0, 0, 0);
+  }
 };
 
 // Row statistics of one query live in lanes l and l ^ 32 (Note [portattn MFMA layout]).
@@ -90,6 +108,20 @@ struct HalfWaveReduce {
     return x > other ? x : other;
   }
   static __device__ __forceinline__ float sum(float x) { return x + __shfl_xor(x, 32); }
+};
+
+// Row statistics of one query of the 16x16x16 layout live in lanes l % 16 + 16 g.
+struct QuarterWaveReduce {
+  static __device__ __forceinline__ float max(float x) {
+    float other = __shfl_xor(x, 16);
+    x = x > other ? x : other;
+    other = __shfl_xor(x, 32);
+    return x > other ? x : other;
+  }
+  static __device__ __forceinline__ float sum(float x) {
+    x += __shfl_xor(x, 16);
+    return x + __shfl_xor(x, 32);
+  }
 };
 
 // Moves a wave-uniform value into a VGPR. The compiler keeps uniform values

@@ -4,6 +4,9 @@
 // input was validated in Python already), picks the compiled variant for the
 // current device's gfx target, dtype and head dim from the generated
 // registry, launches it on the given stream and raises on any launch error.
+// decode / kvcache_append / decode_tile do the same for the split-KV decode
+// path (Note [portattn decode] in common/params.h), with the CUDA module's
+// argument lists.
 // build_config() reports what this binary contains, so Python never
 // re-derives it. This file is plain C++ (no device code): it only needs the
 // HIP runtime API.
@@ -36,12 +39,17 @@ namespace {
 constexpr int kMaxDevices = 64;
 constexpr int kPointerAlignment = 16;  // 16-byte global loads of K and V rows
 constexpr int kStrideMultiple = 8;     // keeps every row 16-byte aligned
+// The most splits a decode call may ask for: the split planner's ceiling
+// (portattn/decode.py), the same contract as the CUDA module.
+constexpr int kMaxDecodeSplits = 128;
 
 // Features the kernels implement (Note [portattn semantics]); the support
 // matrix's "rocm" block must declare exactly these. The backward has no
 // atomics, so it is always deterministic (Note [portattn rocm backward]).
-const std::vector<std::string> kFeatures = {"forward", "backward", "causal", "window", "softcap", "alibi",
-                                            "dropout", "gqa", "varlen", "deterministic_backward"};
+// The decode kernels read contiguous and paged caches in place.
+const std::vector<std::string> kFeatures = {"forward", "backward", "causal",  "window",
+                                            "softcap", "alibi",    "dropout", "gqa",
+                                            "varlen",  "deterministic_backward", "decode", "paged_kv"};
 
 void check_hip(hipError_t status, const char* what) {
   if (status == hipSuccess) return;
@@ -86,15 +94,24 @@ void check_layouts(std::initializer_list<TensorLayout> tensors) {
   }
 }
 
+int max_built_head_dim() {
+  int max_head_dim = 0;
+  for (int index = 0; index < kNumVariants; ++index) max_head_dim = std::max(max_head_dim, kVariants[index].head_dim);
+  return max_head_dim;
+}
+
+void check_head_dim(int headdim) {
+  const int max_head_dim = max_built_head_dim();
+  require(headdim <= max_head_dim, "headdim " + std::to_string(headdim) + " > " + std::to_string(max_head_dim) +
+                                       ", the largest built");
+}
+
 void check_fwd_invariants(const PortattnFwdParams& p) {
   require(p.dtype == PORTATTN_FP16 || p.dtype == PORTATTN_BF16, "dtype must be fp16 or bf16");
   require(p.batch > 0 && p.nheads > 0 && p.nheads_k > 0 && p.nheads % p.nheads_k == 0,
           "batch, nheads, nheads_k must be positive with nheads % nheads_k == 0");
   require(p.headdim > 0 && p.headdim % 8 == 0, "headdim must be a positive multiple of 8");
-  int max_head_dim = 0;
-  for (int index = 0; index < kNumVariants; ++index) max_head_dim = std::max(max_head_dim, kVariants[index].head_dim);
-  require(p.headdim <= max_head_dim, "headdim " + std::to_string(p.headdim) + " > " +
-                                         std::to_string(max_head_dim) + ", the largest built");
+  check_head_dim(p.headdim);
   require(p.seqlen_q >= 0 && p.seqlen_k >= 0, "sequence lengths must be non-negative");
   require((p.cu_seqlens_q == nullptr) == (p.cu_seqlens_k == nullptr),
           "cu_seqlens_q and cu_seqlens_k are given together");
@@ -114,6 +131,52 @@ void check_bwd_invariants(const PortattnBwdParams& p) {
   require(p.workspace != nullptr || needed == 0, "workspace must be non-null");
   require(p.workspace_bytes >= needed, "workspace of " + std::to_string(p.workspace_bytes) +
                                            " bytes, bwd_workspace_bytes() asks for " + std::to_string(needed));
+}
+
+void check_decode_invariants(const PortattnDecodeParams& p) {
+  require(p.dtype == PORTATTN_FP16 || p.dtype == PORTATTN_BF16, "dtype must be fp16 or bf16");
+  require(p.batch >= 0 && p.nheads > 0 && p.nheads_k > 0 && p.nheads % p.nheads_k == 0,
+          "batch >= 0, nheads and nheads_k positive with nheads % nheads_k == 0");
+  require(p.headdim > 0 && p.headdim % 8 == 0, "headdim must be a positive multiple of 8");
+  check_head_dim(p.headdim);
+  require(p.seqlen_q >= 0 && p.seqlen_k >= 0 && p.seqlen_new >= 0 && p.kv_capacity >= 0,
+          "sequence lengths and kv_capacity must be non-negative");
+  require(p.softcap >= 0.f, "softcap must be >= 0");
+  require(p.q && p.k && p.v && p.out, "q, k, v and out must be non-null");  // lse may be (not wanted)
+  check_layouts({{p.q, &p.q_strides, "q"}, {p.k, &p.k_strides, "k"}, {p.v, &p.v_strides, "v"},
+                 {p.out, &p.out_strides, "out"}});
+  require(p.num_splits >= 1 && p.num_splits <= kMaxDecodeSplits,
+          "num_splits " + std::to_string(p.num_splits) + " must be in [1, " + std::to_string(kMaxDecodeSplits) + "]");
+  require(p.num_splits == 1 || (p.o_partial != nullptr && p.lse_partial != nullptr &&
+                                reinterpret_cast<std::uintptr_t>(p.o_partial) % kPointerAlignment == 0),
+          "num_splits > 1 needs o_partial (" + std::to_string(kPointerAlignment) + "-byte aligned) and lse_partial");
+  require(p.block_table == nullptr || (p.page_size > 0 && p.num_pages > 0),
+          "a paged cache needs page_size > 0 and num_pages > 0");
+  require(p.block_table != nullptr || p.cache_batch_idx == nullptr || p.cache_batches > 0,
+          "cache_batch_idx needs cache_batches > 0");
+  require(p.cu_seqlens_q == nullptr || p.total_q >= 0, "total_q must be non-negative");
+  require(p.cu_seqlens_k == nullptr || p.total_k >= 0, "total_k must be non-negative");
+}
+
+void check_append_invariants(const PortattnAppendParams& p) {
+  require(p.dtype == PORTATTN_FP16 || p.dtype == PORTATTN_BF16, "dtype must be fp16 or bf16");
+  require(p.headdim > 0, "headdim must be positive");
+  check_head_dim(p.headdim);  // one lane per column of the serving variant's workgroup
+  require(p.batch >= 0 && p.seqlen_new >= 0 && p.seqlen_q >= 0 && p.nheads_k > 0 && p.nheads > 0,
+          "batch, seqlen_new, seqlen_q must be non-negative and nheads, nheads_k positive");
+  require(p.rotary_dim >= 0 && p.rotary_dim % 2 == 0 && p.rotary_dim <= p.headdim,
+          "rotary_dim must be even and <= headdim");
+  require(p.rotary_dim == 0 || (p.rotary_cos && p.rotary_sin && p.seqlen_ro > 0),
+          "rotary needs cos, sin and seqlen_ro > 0");
+  require(p.rotary_dim == 0 || p.rotary_dtype == PORTATTN_FP16 || p.rotary_dtype == PORTATTN_BF16 ||
+              p.rotary_dtype == 2,
+          "rotary_dtype must be fp16, bf16 or 2 (float32)");
+  require(p.k_new == nullptr || (p.v_new && p.k_cache && p.v_cache), "k_new needs v_new, k_cache and v_cache");
+  require(p.k_new == nullptr || p.block_table == nullptr || (p.page_size > 0 && p.num_pages > 0),
+          "a paged cache needs page_size > 0 and num_pages > 0");
+  require(p.k_new == nullptr || p.block_table != nullptr || p.cache_batch_idx == nullptr || p.cache_batches > 0,
+          "cache_batch_idx needs cache_batches > 0");
+  require(p.q == nullptr || p.q_out != nullptr, "q needs q_out");
 }
 
 // The smallest built head dim >= headdim for this device's arch and dtype.
@@ -156,6 +219,39 @@ void bwd(const PortattnBwdParams& params) {
   check_hip(static_cast<hipError_t>(variant.bwd(&params)), "backward kernel launch");
 }
 
+void decode(const PortattnDecodeParams& params) {
+  check_decode_invariants(params);
+  if (params.seqlen_q == 0 || params.batch == 0) return;
+  const KernelVariant& variant = find_variant(params.dtype, params.headdim);
+  check_hip(static_cast<hipError_t>(variant.decode(&params)), "decode kernel launch");
+}
+
+void kvcache_append(const PortattnAppendParams& params) {
+  check_append_invariants(params);
+  if (params.batch == 0 || ((params.k_new == nullptr || params.seqlen_new == 0) &&
+                            (params.q == nullptr || params.seqlen_q == 0))) {
+    return;
+  }
+  const KernelVariant& variant = find_variant(params.dtype, params.headdim);
+  check_hip(static_cast<hipError_t>(variant.append(&params)), "kvcache append kernel launch");
+}
+
+// {"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim
+// (the split planner's input); -1s when none is built. The same on every arch
+// and dtype, so no device is needed.
+py::dict decode_tile(int head_dim) {
+  const KernelVariant* best = nullptr;
+  for (int index = 0; index < kNumVariants; ++index) {
+    const KernelVariant& variant = kVariants[index];
+    if (variant.head_dim >= head_dim && (best == nullptr || variant.head_dim < best->head_dim)) best = &variant;
+  }
+  py::dict tile;
+  tile["stage_keys"] = best ? best->decode_stage_keys : -1;
+  tile["threads"] = best ? best->decode_threads : -1;
+  tile["smem_bytes"] = best ? best->decode_lds_bytes : -1;
+  return tile;
+}
+
 py::dict build_config() {
   std::vector<std::string> archs, dtypes;
   std::vector<int> head_dims;
@@ -183,21 +279,25 @@ py::dict build_config() {
   config["hip_runtime_version"] = HIP_VERSION;
   // LDS per workgroup per built head dim (the same on every arch), which the
   // support matrix compares with the device's (capability/matrix.py).
-  py::dict forward_lds, backward_lds;
+  py::dict forward_lds, backward_lds, decode_lds;
   for (int index = 0; index < kNumVariants; ++index) {
     forward_lds[py::int_(kVariants[index].head_dim)] = kVariants[index].fwd_lds_bytes;
     backward_lds[py::int_(kVariants[index].head_dim)] = kVariants[index].bwd_lds_bytes;
+    decode_lds[py::int_(kVariants[index].head_dim)] = kVariants[index].decode_lds_bytes;
   }
   py::dict lds;
   lds["forward"] = forward_lds;
   lds["backward"] = backward_lds;
+  lds["decode"] = decode_lds;
   config["smem_bytes"] = lds;
   return config;
 }
 
 // The same argument list as the CUDA module's fwd (common/binding_args.h): one
 // Python marshalling for both vendors (portattn/backends/abi.py).
+using binding::append_params;
 using binding::bwd_params;
+using binding::decode_params;
 using binding::fwd_params;
 
 void fwd_entry(PORTATTN_FWD_ARGS) {
@@ -211,6 +311,29 @@ void bwd_entry(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
   const PortattnBwdParams p = bwd_params(PORTATTN_BWD_OWN_ARG_NAMES, fwd_params(PORTATTN_FWD_ARG_NAMES));
   py::gil_scoped_release no_gil;
   bwd(p);
+}
+
+// decode(<PORTATTN_DECODE_ARGS>) and kvcache_append(<PORTATTN_APPEND_ARGS>), as the CUDA module.
+void decode_entry(PORTATTN_DECODE_ARGS) {
+  const PortattnDecodeParams p = decode_params(
+      q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride, lse_head_stride, dtype,
+      batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, cache_seqlens,
+      seqlen_new, cache_leftpad, cache_batch_idx, block_table, block_table_batch_stride, page_size, num_pages,
+      cache_batches, kv_capacity, total_q, total_k, softmax_scale, softcap, window_left, window_right,
+      alibi_slopes, alibi_batch_stride, num_splits, o_partial, lse_partial, stream);
+  py::gil_scoped_release no_gil;
+  decode(p);
+}
+
+void kvcache_append_entry(PORTATTN_APPEND_ARGS) {
+  const PortattnAppendParams p = append_params(
+      k_new, v_new, k_new_strides, v_new_strides, k_cache, v_cache, k_cache_strides, v_cache_strides, q, q_out,
+      q_strides, q_out_strides, dtype, batch, seqlen_new, seqlen_q, nheads, nheads_k, headdim, cache_seqlens,
+      cache_batch_idx, block_table, block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,
+      rotary_cos, rotary_sin, rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro, rotary_interleaved,
+      q_position_per_token, stream);
+  py::gil_scoped_release no_gil;
+  kvcache_append(p);
 }
 
 int64_t bwd_workspace_bytes_entry(int batch, int nheads, int nheads_k, int headdim, int seqlen_q, int seqlen_k,
@@ -230,6 +353,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("bwd", &bwd_entry, "backward attention over raw pointers (see backends/common/params.h)");
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes_entry,
         "scratch bytes bwd() needs: (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic)");
+  m.def("decode", &decode_entry,
+        "split-KV decode over a KV cache read in place (common/params.h: PortattnDecodeParams)");
+  m.def("kvcache_append", &kvcache_append_entry,
+        "append new k/v to a cache with rotary, and rotate q (common/params.h: PortattnAppendParams)");
+  m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim");
   m.def("build_config", &build_config, "what this binary contains: archs, dtypes, head_dims, features");
   m.def(
       "device_count",

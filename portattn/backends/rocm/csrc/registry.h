@@ -17,6 +17,12 @@ struct KernelVariant {
   int (*bwd)(const PortattnBwdParams*);
   int fwd_lds_bytes;  // per workgroup, the largest of the direction's kernels
   int bwd_lds_bytes;
+  // Decode (decode_kernel.h): split-KV decode + combine, and the cache append with rotary.
+  int (*decode)(const PortattnDecodeParams*);
+  int (*append)(const PortattnAppendParams*);
+  int decode_lds_bytes;
+  int decode_stage_keys;  // keys a workgroup consumes per stage (the split planner's unit)
+  int decode_threads;
 };
 
 struct ArchCompiler {

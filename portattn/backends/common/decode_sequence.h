@@ -1,0 +1,123 @@
+// Where a decode call's sequence lives and which keys a workgroup/CTA covers:
+// the device-side rules of Note [portattn decode] (params.h), written once
+// for the vendor kernels. Every value read from a device tensor (cu_seqlens,
+// cache_seqlens, leftpad, batch_idx, block_table) is clamped to the extents
+// the params carry, so no content of those tensors can move a read or a
+// write outside the tensors the call was given.
+//
+// The ROCm decode kernel includes this header. The CUDA decode kernel
+// (cuda/csrc/decode_kernel.cuh) has its own DecodeSequence / KeyRowAddress
+// with the same clamps; tests/test_rocm_emulated.py checks this copy's
+// behaviour on the CPU.
+#pragma once
+#include <stdint.h>
+
+#include "params.h"
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define PORTATTN_DECODE_HD __host__ __device__ __forceinline__
+#else
+#define PORTATTN_DECODE_HD inline
+#endif
+
+namespace portattn {
+namespace decode {
+
+PORTATTN_DECODE_HD int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+PORTATTN_DECODE_HD int min_int(int a, int b) { return a < b ? a : b; }
+PORTATTN_DECODE_HD int max_int(int a, int b) { return a > b ? a : b; }
+
+// One sequence's queries and keys.
+struct Sequence {
+  int q_start;    // first packed row of q (varlen), else 0
+  int seqlen_q;
+  int seqlen_k;   // visible keys
+  int key_base;   // position of key 0: leftpad (caches) or packed row (varlen)
+  int cache_row;  // contiguous cache: which batch entry of k (0 for varlen)
+
+  PORTATTN_DECODE_HD static Sequence of(const PortattnDecodeParams& p, int b) {
+    Sequence s{0, p.seqlen_q, p.seqlen_k, 0, b};
+    if (p.cu_seqlens_q != nullptr) {
+      const int total = static_cast<int>(p.total_q);
+      const int start = clamp_int(p.cu_seqlens_q[b], 0, total);
+      const int end = clamp_int(p.cu_seqlens_q[b + 1], start, total);
+      s.q_start = start;
+      s.seqlen_q = min_int(end - start, p.seqlen_q);
+    }
+    if (p.cu_seqlens_k != nullptr) {
+      const int total = static_cast<int>(p.total_k);
+      const int start = clamp_int(p.cu_seqlens_k[b], 0, total);
+      const int end = clamp_int(p.cu_seqlens_k[b + 1], start, total);
+      s.key_base = start;
+      s.seqlen_k = end - start;
+      s.cache_row = 0;  // packed keys: batch stride 0
+    } else if (p.cache_seqlens != nullptr || p.cache_leftpad != nullptr) {
+      const int end = clamp_int(p.cache_seqlens != nullptr ? p.cache_seqlens[b] + p.seqlen_new : p.kv_capacity, 0,
+                                p.kv_capacity);
+      const int start = p.cache_leftpad != nullptr ? clamp_int(p.cache_leftpad[b], 0, end) : 0;
+      s.key_base = start;
+      s.seqlen_k = end - start;
+    } else {
+      s.seqlen_k = min_int(p.seqlen_k, p.kv_capacity);
+    }
+    if (p.cu_seqlens_k == nullptr && p.cache_batch_idx != nullptr)
+      s.cache_row = clamp_int(p.cache_batch_idx[b], 0, p.cache_batches - 1);
+    return s;
+  }
+};
+
+// Element offset of key row `pos` (a position in the sequence's layout) of
+// one KV head, for K or V (their strides may differ: separate views of one
+// cache). Paged: one block-table read per row, so any page size works and a
+// tile may span pages; the page number is clamped to the pool.
+struct KeyRowAddress {
+  const int32_t* pages;  // this sequence's block-table row, or null
+  int page_size;
+  int num_pages;
+
+  PORTATTN_DECODE_HD int64_t offset(const PortattnTensor4& st, int cache_row, int pos) const {
+    if (pages == nullptr) return cache_row * st.batch_stride + static_cast<int64_t>(pos) * st.row_stride;
+    const int page = clamp_int(pages[pos / page_size], 0, num_pages - 1);
+    return page * st.batch_stride + static_cast<int64_t>(pos % page_size) * st.row_stride;
+  }
+};
+
+// The key stages [begin, end) one split of one query tile covers, and the
+// tile's alignment facts. Packed row r is query r / group; key j is visible
+// to query i when the params.h window rule allows it, diag = seqlen_k - seqlen_q.
+// The stages a tile can see are divided evenly over the splits (in stages of
+// the kernel's key count), so an empty split is possible and yields lse -inf.
+struct KeyRange {
+  int diag;
+  int q_first, q_last;  // queries of the tile's first and last valid rows
+  int begin, end;       // stages of this split
+
+  PORTATTN_DECODE_HD static KeyRange of(const PortattnDecodeParams& p, const Sequence& seq, int row0, int tile_rows,
+                                        int group, int stage_keys, int split) {
+    KeyRange r;
+    const int rows = seq.seqlen_q * group;
+    r.diag = seq.seqlen_k - seq.seqlen_q;
+    r.q_first = row0 / group;
+    r.q_last = min_int(row0 + tile_rows - 1, rows - 1) / group;
+    int lo = 0, hi = seq.seqlen_k;  // [lo, hi): keys some row of the tile may see
+    if (p.window_left >= 0) lo = max_int(0, r.q_first + r.diag - p.window_left);
+    if (p.window_right >= 0) hi = min_int(hi, r.q_last + r.diag + p.window_right + 1);
+    const int first = lo / stage_keys;
+    const int last = hi > lo ? (hi + stage_keys - 1) / stage_keys : first;
+    const int per_split = (last - first + p.num_splits - 1) / p.num_splits;
+    r.begin = min_int(first + split * per_split, last);
+    r.end = min_int(r.begin + per_split, last);
+    return r;
+  }
+
+  // Whether every (row, key) pair of the stage starting at key0 is visible.
+  PORTATTN_DECODE_HD bool all_visible(const PortattnDecodeParams& p, const Sequence& seq, int key0,
+                                      int stage_keys) const {
+    return key0 + stage_keys <= seq.seqlen_k &&
+           (p.window_right < 0 || key0 + stage_keys - 1 <= q_first + diag + p.window_right) &&
+           (p.window_left < 0 || key0 >= q_last + diag - p.window_left);
+  }
+};
+
+}  // namespace decode
+}  // namespace portattn

@@ -1,0 +1,562 @@
+// Split-KV decode on CDNA matrix cores (gfx90a, gfx942): few query rows
+// against many keys, read in place from a contiguous cache, a paged cache or
+// packed (varlen) sequences. Design: Note [portattn decode] in
+// common/params.h; the sequence, page and key-range rules (with every
+// device-read value clamped) are common/decode_sequence.h's.
+//
+// Tile configuration (DecodeTile): a workgroup owns 16 packed query rows
+// (row = query * group + head-in-group) of one (sequence, KV head) and one key
+// split; 4 waves take 16 different keys each of every 64-key stage, so a
+// wave's score tile is one 16x16 MFMA tile and P never leaves registers:
+//   S^T (16 keys x 16 rows)  = K (16 x D) . Q^T (D x 16)     D/16 MFMAs
+//   O^T (D x 16 rows)       += V^T (D x 16) . P^T (16 x 16)   D/16 MFMAs
+// transposed, as in the forward, so the four score registers of a lane are
+// the B operand of the second product (16x16x16 layout in cdna.h).
+//
+// Why 16x16x16 and not the forward's 32x32x8: a decode tile has g * seqlen_q
+// rows (g = 4-8 for common GQA models, seqlen_q = 1), so a 32-row tile would
+// be 75-88% padding and would double the per-lane score and O registers
+// (16 vs 4 score registers, D/2 vs D/4 O registers) for no extra bandwidth;
+// the decode is bound by reading K and V once, and 16 rows is also the CUDA
+// kernel's tile, so the split planner (portattn/decode.py) counts the same
+// tiles for both vendors.
+//
+// No LDS for K and V. The contraction index of Q K^T and the output index of
+// V^T P^T may be permuted freely (the first is summed over, the second only
+// decides which lane stores which column), so each lane loads its MFMA
+// operands straight from global memory with 16-byte reads:
+//   K: lane (m = l % 16, g = l / 16) reads row m of its 16 keys, 16-byte chunk
+//      c at columns 32c + 8g (4 lanes cover 64 contiguous bytes of a row per
+//      read); MFMA step 2c + h uses the chunk's elements 4h..4h+3, and Q is
+//      read into the B operand with the same column mapping.
+//   V: lane (m, g) reads columns [m D/16, (m+1) D/16) of keys 4g..4g+3 (16
+//      lanes cover a whole row per read); O^T tile u's row m is column
+//      m D/16 + u, so at the end a lane owns the D/4 contiguous output
+//      columns [g D/4, (g+1) D/4) of query row m.
+// With kPrefetch the next stage's K/V reads are in flight in registers while
+// this stage computes. LDS only merges the waves' (O, LSE) at the end: waves
+// 1-3 leave LSE-weighted O in LDS (fp32, rows padded by 4 floats), wave 0
+// adds its own and writes out (one split) or the fp32 partials.
+//
+// Budget per variant (16x16x16 MFMAs per wave per 64-key stage; registers per
+// lane; VGPR+AGPR of 512 per SIMD lane, 64 KiB LDS per CU); numbers are data
+// in variants.py (CONFIGS), checked on the compiled code by
+// tests/test_rocm_isa.py:
+//   D    LDS bytes  MFMA/stage  K+V regs per stage  waves/SIMD (LDS allows)  budget
+//   64   13312      8           16 (x2 prefetched)  4 (4)                   <= 128
+//   128  25600      16          32 (x2)             2 (2)                   <= 256
+//   256  50176      32          64 (x2)             1 (1)                   <= 512
+// Measured (VGPR+AGPR total, of which AGPR; gfx90a / gfx942; SGPRs 82-100,
+// no spills, no scratch): 64: 116-117, 0 / 124, 0;  128: 178-180, 0 / 178, 0;
+// 256: 338-339, 82-83 / 349-350, 93-94.
+// The merge buffer sets the occupancy here (K/V need no LDS); at D = 256 a
+// workgroup still keeps 4 waves x 2 stages x 16 KiB of K/V reads in flight.
+#pragma once
+#include <limits.h>
+#include <math.h>
+
+#include "cdna.h"  // first: hip_runtime.h defines __forceinline__ for the common headers
+
+#include "../../common/decode_sequence.h"
+#include "../../common/online_softmax.h"
+#include "../../common/params.h"
+#include "tiles.h"
+
+namespace portattn {
+namespace rocm {
+namespace PORTATTN_ROCM_ARCH_NS {
+
+template <int kHeadDim_, int kStageKeys_, bool kIsBf16_, int kWavesPerSimd_, bool kPrefetch_>
+struct DecodeTile {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStageKeys = kStageKeys_;  // keys per workgroup per step
+  static constexpr bool kIsBf16 = kIsBf16_;
+  static constexpr int kWavesPerSimd = kWavesPerSimd_;
+  static constexpr bool kPrefetch = kPrefetch_;  // next stage's reads in flight while computing
+
+  static constexpr int kWaves = 4;
+  static constexpr int kThreads = kWaves * kWaveSize;
+  static constexpr int kBlockM = kMfma16;                // packed query rows per workgroup
+  static constexpr int kWaveKeys = kStageKeys / kWaves;  // one MFMA tile of keys per wave
+  static constexpr int kDimSteps = kHeadDim / kMfma16;   // MFMA steps of S^T = K Q^T
+  static constexpr int kDimTiles = kHeadDim / kMfma16;   // O^T accumulators per wave
+  static constexpr int kChunks = kHeadDim / 32;          // 16-byte K / Q reads per lane per row
+  static constexpr int kVDims = kHeadDim / kMfma16;      // V columns per lane per key
+  static constexpr int kVWords = kVDims / 2;             // ... as 32-bit words
+  static constexpr int kLaneDims = kHeadDim / 4;         // output columns a lane owns
+  static constexpr int kMergePitch = kHeadDim + kLdsPad;  // fp32 per merge row
+  static constexpr int kLdsBytes = 4 * ((kWaves - 1) * kBlockM * kMergePitch + kWaves * kBlockM);
+  static constexpr int kMfmaPerIter = 2 * kDimSteps;
+
+  static_assert(kWaveKeys == kMfma16, "a wave takes one 16-key MFMA tile per stage");
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "K chunks of 8 columns x 4 lanes, V words per lane");
+  static_assert(kLdsBytes * kWavesPerSimd <= 65536, "the designed occupancy must fit a CU's LDS");
+};
+
+// Where the key reads of one (sequence, KV head) go, with the wave-uniform
+// values in VGPRs (in_vgpr, cdna.h): the per-key address arithmetic needs
+// them every stage, and as SGPRs they would take ~20 of the ~100 a wave has,
+// which the kernel's other uniform values (window, scale, softcap, output
+// addressing) and the unrolled D = 256 loop already nearly fill.
+struct KeySource {
+  const uint16_t* gK;  // head hk of k and v
+  const uint16_t* gV;
+  PortattnTensor4 k_strides, v_strides;  // batch (page) and row strides
+  decode::KeyRowAddress at;
+  int seqlen_k, key_base, cache_row, headdim;
+
+  __device__ __forceinline__ static KeySource of(const PortattnDecodeParams& p, const decode::Sequence& seq, int b,
+                                                 int hk) {
+    auto vgpr64 = [](int64_t x) { return static_cast<int64_t>(in_vgpr(static_cast<uint64_t>(x))); };
+    auto vgpr32 = [](int x) { return static_cast<int>(in_vgpr(static_cast<uint32_t>(x))); };
+    const uint16_t* k = static_cast<const uint16_t*>(p.k) + hk * p.k_strides.head_stride;
+    const uint16_t* v = static_cast<const uint16_t*>(p.v) + hk * p.v_strides.head_stride;
+    KeySource src;
+    src.gK = reinterpret_cast<const uint16_t*>(in_vgpr(reinterpret_cast<uint64_t>(k)));
+    src.gV = reinterpret_cast<const uint16_t*>(in_vgpr(reinterpret_cast<uint64_t>(v)));
+    src.k_strides = PortattnTensor4{vgpr64(p.k_strides.batch_stride), vgpr64(p.k_strides.row_stride), 0};
+    src.v_strides = PortattnTensor4{vgpr64(p.v_strides.batch_stride), vgpr64(p.v_strides.row_stride), 0};
+    const int32_t* pages = p.block_table != nullptr ? p.block_table + b * p.block_table_batch_stride : nullptr;
+    src.at = decode::KeyRowAddress{
+        reinterpret_cast<const int32_t*>(in_vgpr(reinterpret_cast<uint64_t>(pages))), vgpr32(p.page_size),
+        vgpr32(p.num_pages)};
+    src.seqlen_k = vgpr32(seq.seqlen_k);
+    src.key_base = vgpr32(seq.key_base);
+    src.cache_row = vgpr32(seq.cache_row);
+    src.headdim = vgpr32(p.headdim);
+    return src;
+  }
+};
+
+// This lane's share of one wave's 16 keys, read straight into MFMA operand
+// order (see the docblock): K row m's chunks and V's columns of keys 4g..4g+3.
+template <class Tile>
+struct DecodeKV {
+  u32x4 k[Tile::kChunks];
+  uint32_t v[4][Tile::kVWords];
+
+  __device__ __forceinline__ void fetch(const KeySource& src, int key0, int lm, int lg) {
+    const int k_key = key0 + lm;
+    const bool k_valid = k_key < src.seqlen_k;
+    const int64_t k_row = k_valid ? src.at.offset(src.k_strides, src.cache_row, src.key_base + k_key) : 0;
+#pragma unroll
+    for (int c = 0; c < Tile::kChunks; ++c) {
+      const int col = 32 * c + 8 * lg;
+      k[c] = u32x4{0u, 0u, 0u, 0u};
+      if (k_valid && col < src.headdim) k[c] = load<u32x4>(src.gK + k_row + col);
+    }
+    const int v_col = lm * Tile::kVDims;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int key = key0 + 4 * lg + kk;
+      // Zero-filled past the sequence: P is 0 there, but 0 * (stale NaN) is not.
+      const bool valid = key < src.seqlen_k && v_col < src.headdim;
+      const int64_t v_row = valid ? src.at.offset(src.v_strides, src.cache_row, src.key_base + key) : 0;
+      if constexpr (Tile::kVWords % 4 == 0) {
+#pragma unroll
+        for (int w = 0; w < Tile::kVWords; w += 4) {
+          u32x4 words{0u, 0u, 0u, 0u};
+          // headdim is a multiple of 8: a 16-byte piece is wholly inside or outside it.
+          if (valid && v_col + 2 * w < src.headdim) words = load<u32x4>(src.gV + v_row + v_col + 2 * w);
+          v[kk][w] = words.x, v[kk][w + 1] = words.y, v[kk][w + 2] = words.z, v[kk][w + 3] = words.w;
+        }
+      } else {
+        static_assert(Tile::kVWords == 2, "D = 64: one 8-byte piece per key");
+        u32x2 words{0u, 0u};
+        if (valid) words = load<u32x2>(src.gV + v_row + v_col);
+        v[kk][0] = words.x, v[kk][1] = words.y;
+      }
+    }
+  }
+
+  // A operand of S^T's MFMA step s: K[key m][columns of step s].
+  __device__ __forceinline__ u16x4 k_operand(int s) const {
+    const u32x4& chunk = k[s / 2];
+    return s % 2 == 0 ? __builtin_bit_cast(u16x4, u32x2{chunk.x, chunk.y})
+                      : __builtin_bit_cast(u16x4, u32x2{chunk.z, chunk.w});
+  }
+
+  // A operand of O^T tile u: V^T[column m D/16 + u][keys 4g..4g+3].
+  __device__ __forceinline__ u16x4 v_operand(int u) const {
+    const int shift = 16 * (u % 2);
+    return u16x4{static_cast<uint16_t>(v[0][u / 2] >> shift), static_cast<uint16_t>(v[1][u / 2] >> shift),
+                 static_cast<uint16_t>(v[2][u / 2] >> shift), static_cast<uint16_t>(v[3][u / 2] >> shift)};
+  }
+};
+
+template <class Tile>
+__global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
+    decode_kernel(const PortattnDecodeParams p) {
+  using T = Dtype<Tile::kIsBf16>;
+  constexpr int kLaneDims = Tile::kLaneDims;
+  constexpr int kVDims = Tile::kVDims;
+  // Waves 1.. leave their weighted O here; every wave its LSE per row.
+  __shared__ __attribute__((aligned(16))) float sMerge[(Tile::kWaves - 1) * Tile::kBlockM * Tile::kMergePitch];
+  __shared__ float sLse[Tile::kWaves * Tile::kBlockM];
+
+  const int split = blockIdx.x;
+  const int b = blockIdx.z;
+  const int group = p.nheads / p.nheads_k;
+  const int m_tiles = (p.seqlen_q * group + Tile::kBlockM - 1) / Tile::kBlockM;
+  const int hk = blockIdx.y / m_tiles;
+  const int row0 = (blockIdx.y % m_tiles) * Tile::kBlockM;
+
+  const decode::Sequence seq = decode::Sequence::of(p, b);
+  const int rows = seq.seqlen_q * group;
+  if (row0 >= rows) return;  // a shorter varlen sequence: nothing of it here (the combine skips it too)
+  const decode::KeyRange range = decode::KeyRange::of(p, seq, row0, Tile::kBlockM, group, Tile::kStageKeys, split);
+
+  const int wave = threadIdx.x / kWaveSize;
+  const int lane = threadIdx.x % kWaveSize;
+  const int lm = lane % kMfma16;  // this lane's packed row (S^T / O^T column); K: its key row; V: its columns
+  const int lg = lane / kMfma16;  // which 4 of each 16-deep step it supplies
+  const int packed = row0 + lm;
+  const bool row_valid = packed < rows;
+  const int packed_safe = row_valid ? packed : rows - 1;  // padding rows compute a copy, never stored
+  const int i = packed_safe / group;                       // query within the sequence
+  const int h = hk * group + packed_safe % group;
+
+  const int64_t q_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.q_strides.batch_stride;
+  const uint16_t* gQ = static_cast<const uint16_t*>(p.q) + q_batch +
+                       static_cast<int64_t>(seq.q_start + i) * p.q_strides.row_stride + h * p.q_strides.head_stride;
+  u16x4 rQ[Tile::kDimSteps];  // B operand of S^T = K Q^T, same column mapping as K's chunks
+#pragma unroll
+  for (int c = 0; c < Tile::kChunks; ++c) {
+    const int col = 32 * c + 8 * lg;
+    u32x4 chunk{0u, 0u, 0u, 0u};
+    if (row_valid && col < p.headdim) chunk = load<u32x4>(gQ + col);
+    rQ[2 * c] = __builtin_bit_cast(u16x4, u32x2{chunk.x, chunk.y});
+    rQ[2 * c + 1] = __builtin_bit_cast(u16x4, u32x2{chunk.z, chunk.w});
+  }
+
+  const KeySource src = KeySource::of(p, seq, b, hk);
+
+  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
+  const bool use_softcap = p.softcap > 0.f;
+  const bool use_alibi = p.alibi_slopes != nullptr;
+  const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
+  // Key j of this lane's row is visible for lo <= j <= hi.
+  const int aligned_key = i + range.diag;
+  const int key_lo = has_left ? aligned_key - p.window_left : INT_MIN;
+  const int key_hi = min(has_right ? aligned_key + p.window_right : INT_MAX, seq.seqlen_k - 1);
+
+  f32x4 acc_o[Tile::kDimTiles];
+#pragma unroll
+  for (int u = 0; u < Tile::kDimTiles; ++u) acc_o[u] = f32x4{0.f, 0.f, 0.f, 0.f};
+  softmax::RowState<1> state;
+  state.init();
+
+  DecodeKV<Tile> kv;
+  const int wave_key0 = wave * Tile::kWaveKeys;
+  if (Tile::kPrefetch && range.begin < range.end)
+    kv.fetch(src, range.begin * Tile::kStageKeys + wave_key0, lm, lg);
+
+  for (int stage = range.begin; stage < range.end; ++stage) {
+    const int stage_key0 = stage * Tile::kStageKeys;
+    const int key0 = stage_key0 + wave_key0;
+    if (!Tile::kPrefetch) kv.fetch(src, key0, lm, lg);
+    const DecodeKV<Tile> cur = kv;
+    if (Tile::kPrefetch && stage + 1 < range.end) kv.fetch(src, key0 + Tile::kStageKeys, lm, lg);
+
+    f32x4 acc_s{0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < Tile::kDimSteps; ++s) acc_s = T::mfma16(cur.k_operand(s), rQ[s], acc_s);
+
+    // Register r is key j = key0 + 4g + r of row i (scores in log2 units after this).
+    const bool all_visible = range.all_visible(p, seq, stage_key0, Tile::kStageKeys);
+    float rS[1][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int j = key0 + 4 * lg + r;
+      float x = acc_s[r] * p.softmax_scale;
+      if (use_softcap) x = p.softcap * tanhf(x / p.softcap);
+      if (use_alibi) x -= slope * fabsf(static_cast<float>(aligned_key - j));
+      x *= softmax::kLog2e;
+      if (!all_visible && (j < key_lo || j > key_hi)) x = softmax::neg_inf();
+      rS[0][r] = x;
+    }
+
+    float rO[1][Tile::kDimTiles * 4];
+#pragma unroll
+    for (int u = 0; u < Tile::kDimTiles; ++u)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) rO[0][u * 4 + r] = acc_o[u][r];
+    softmax::online_softmax_step<false, 1, 4, Tile::kDimTiles * 4, QuarterWaveReduce>(rS, rO, state, 1.f);
+#pragma unroll
+    for (int u = 0; u < Tile::kDimTiles; ++u)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc_o[u][r] = rO[0][u * 4 + r];
+
+    const u16x4 rP = pack4<Tile::kIsBf16>(rS[0][0], rS[0][1], rS[0][2], rS[0][3]);
+#pragma unroll
+    for (int u = 0; u < Tile::kDimTiles; ++u) acc_o[u] = T::mfma16(cur.v_operand(u), rP, acc_o[u]);
+  }
+
+  // Register r of O^T tile u is column (4g + r) D/16 + u: lane column e = r D/16 + u of [g D/4, (g+1) D/4).
+  float rO[1][kLaneDims];
+#pragma unroll
+  for (int e = 0; e < kLaneDims; ++e) rO[0][e] = acc_o[e % kVDims][e / kVDims];
+  float lse[1];
+  softmax::online_softmax_finalize<1, kLaneDims, QuarterWaveReduce>(rO, state, 1.f, 1.f, lse);
+
+  // ---- merge the waves' (O, LSE): the same LSE-weighted sum the split combine does ----
+  if (lg == 0) sLse[wave * Tile::kBlockM + lm] = lse[0];
+  __syncthreads();
+  float m = softmax::neg_inf();
+#pragma unroll
+  for (int w = 0; w < Tile::kWaves; ++w) m = fmaxf(m, sLse[w * Tile::kBlockM + lm]);
+  float total_lse = softmax::neg_inf();
+  if (m != softmax::neg_inf()) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < Tile::kWaves; ++w) sum += expf(sLse[w * Tile::kBlockM + lm] - m);
+    total_lse = m + logf(sum);
+  }
+  // exp(-inf - finite) = 0 for a wave that saw no visible key.
+  const float weight = total_lse == softmax::neg_inf() ? 0.f : expf(lse[0] - total_lse);
+  if (wave > 0) {
+    float* dst = sMerge + ((wave - 1) * Tile::kBlockM + lm) * Tile::kMergePitch + lg * kLaneDims;
+#pragma unroll
+    for (int e = 0; e < kLaneDims; e += 4)
+      store<f32x4>(dst + e, f32x4{weight * rO[0][e], weight * rO[0][e + 1], weight * rO[0][e + 2],
+                                  weight * rO[0][e + 3]});
+  }
+  __syncthreads();
+  if (wave != 0 || !row_valid) return;
+
+  float out[kLaneDims];
+#pragma unroll
+  for (int e = 0; e < kLaneDims; ++e) out[e] = weight * rO[0][e];
+#pragma unroll
+  for (int w = 1; w < Tile::kWaves; ++w) {
+    const float* src = sMerge + ((w - 1) * Tile::kBlockM + lm) * Tile::kMergePitch + lg * kLaneDims;
+#pragma unroll
+    for (int e = 0; e < kLaneDims; e += 4) {
+      const f32x4 part = load<f32x4>(src + e);
+      out[e] += part.x, out[e + 1] += part.y, out[e + 2] += part.z, out[e + 3] += part.w;
+    }
+  }
+
+  const int col0 = lg * kLaneDims;
+  if (p.num_splits == 1) {
+    const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
+    uint16_t* gO = static_cast<uint16_t*>(p.out) + o_batch +
+                   static_cast<int64_t>(seq.q_start + i) * p.out_strides.row_stride + h * p.out_strides.head_stride;
+#pragma unroll
+    for (int e = 0; e < kLaneDims; e += 4) {
+      // headdim is a multiple of 8: each group of 4 columns is wholly inside or outside it.
+      if (col0 + e < p.headdim)
+        store<u16x4>(gO + col0 + e, pack4<Tile::kIsBf16>(out[e], out[e + 1], out[e + 2], out[e + 3]));
+    }
+    if (lg == 0 && p.lse != nullptr)
+      p.lse[(p.cu_seqlens_q != nullptr ? 0 : b * p.lse_batch_stride) + h * p.lse_head_stride + seq.q_start + i] =
+          total_lse;
+  } else {
+    // Partials are indexed by the query within its sequence, as the combine reads them.
+    const int64_t row_index = ((static_cast<int64_t>(split) * p.batch + b) * p.nheads + h) * p.seqlen_q + i;
+    float* gOp = p.o_partial + row_index * p.headdim;
+#pragma unroll
+    for (int e = 0; e < kLaneDims; e += 4) {
+      if (col0 + e < p.headdim) store<f32x4>(gOp + col0 + e, f32x4{out[e], out[e + 1], out[e + 2], out[e + 3]});
+    }
+    if (lg == 0) p.lse_partial[row_index] = total_lse;
+  }
+}
+
+// ---- split combine ---------------------------------------------------------------
+
+constexpr int kCombineWaves = 4;
+
+__device__ __forceinline__ float wave_max(float x) {
+#pragma unroll
+  for (int mask = kWaveSize / 2; mask > 0; mask /= 2) x = fmaxf(x, __shfl_xor(x, mask));
+  return x;
+}
+
+__device__ __forceinline__ float wave_sum(float x) {
+#pragma unroll
+  for (int mask = kWaveSize / 2; mask > 0; mask /= 2) x += __shfl_xor(x, mask);
+  return x;
+}
+
+// One wave per output row (sequence, head, query): the LSE-weighted sum of the
+// splits' normalised partial outputs. A row no split saw (every partial LSE
+// -inf) gets out = 0 and lse = -inf, the forward kernels' convention. The
+// weights are recomputed per column group from the partial LSEs (cached
+// reads, one exp each) rather than staged in LDS: no barrier, no split limit.
+// Templated on the tile only so every instantiation unit has its own symbol.
+template <class Tile>
+__global__ void PORTATTN_LAUNCH_BOUNDS(kCombineWaves * kWaveSize, 2)
+    decode_combine_kernel(const PortattnDecodeParams p) {
+  const int wave = threadIdx.x / kWaveSize, lane = threadIdx.x % kWaveSize;
+  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.nheads * p.seqlen_q;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWaves + wave;
+  if (row >= rows_total) return;  // whole waves: the shuffles below stay wave-uniform
+  const int qi = static_cast<int>(row % p.seqlen_q);
+  const int head = static_cast<int>((row / p.seqlen_q) % p.nheads);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.nheads));
+  int q_start = 0;
+  if (p.cu_seqlens_q != nullptr) {
+    // The decode kernel's clamping, so both skip the same rows.
+    const decode::Sequence seq = decode::Sequence::of(p, b);
+    if (qi >= seq.seqlen_q) return;
+    q_start = seq.q_start;
+  }
+  const int splits = p.num_splits;
+  float m = softmax::neg_inf();
+  for (int s = lane; s < splits; s += kWaveSize) m = fmaxf(m, p.lse_partial[s * rows_total + row]);
+  m = wave_max(m);
+  float sum = 0.f;
+  if (m != softmax::neg_inf())
+    for (int s = lane; s < splits; s += kWaveSize) sum += expf(p.lse_partial[s * rows_total + row] - m);
+  sum = wave_sum(sum);
+  const float lse = (m == softmax::neg_inf() || sum == 0.f) ? softmax::neg_inf() : m + logf(sum);
+
+  const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
+  uint16_t* gO = static_cast<uint16_t*>(p.out) + o_batch +
+                 static_cast<int64_t>(q_start + qi) * p.out_strides.row_stride + head * p.out_strides.head_stride;
+  for (int col = lane * 4; col < p.headdim; col += kWaveSize * 4) {
+    f32x4 acc{0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < splits; ++s) {
+      const float l = p.lse_partial[s * rows_total + row];
+      if (lse == softmax::neg_inf() || l == softmax::neg_inf()) continue;  // an empty split
+      const float weight = expf(l - lse);
+      acc += weight * load<f32x4>(p.o_partial + (s * rows_total + row) * p.headdim + col);
+    }
+    store<u16x4>(gO + col, pack4<Tile::kIsBf16>(acc.x, acc.y, acc.z, acc.w));
+  }
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[(p.cu_seqlens_q != nullptr ? 0 : b * p.lse_batch_stride) + head * p.lse_head_stride + q_start + qi] = lse;
+}
+
+// ---- append + rotary -------------------------------------------------------------
+
+template <bool kIsBf16>
+struct Rotary {
+  const PortattnAppendParams& p;
+
+  __device__ __forceinline__ float table(const void* base, int64_t index) const {
+    if (p.rotary_dtype == 2) return static_cast<const float*>(base)[index];
+    const uint16_t bits = static_cast<const uint16_t*>(base)[index];
+    return p.rotary_dtype == PORTATTN_BF16 ? Dtype<true>::to_float(bits) : Dtype<false>::to_float(bits);
+  }
+
+  // Column e of row x rotated at position pos (columns past rotary_dim pass through).
+  __device__ __forceinline__ float apply(const uint16_t* x, int e, int pos) const {
+    const float value = Dtype<kIsBf16>::to_float(x[e]);
+    if (e >= p.rotary_dim) return value;
+    pos = decode::clamp_int(pos, 0, p.seqlen_ro - 1);
+    const int half = p.rotary_dim / 2;
+    int pair, partner;
+    bool first;
+    if (p.rotary_interleaved) {  // pairs (0, 1), (2, 3), ...
+      pair = e / 2;
+      first = e % 2 == 0;
+      partner = first ? e + 1 : e - 1;
+    } else {  // GPT-NeoX halves: (i, i + rotary_dim / 2)
+      pair = e % half;
+      first = e < half;
+      partner = first ? e + half : e - half;
+    }
+    const int64_t index = static_cast<int64_t>(pos) * p.rotary_row_stride + pair;
+    const float c = table(p.rotary_cos, index), s = table(p.rotary_sin, index);
+    const float other = Dtype<kIsBf16>::to_float(x[partner]);
+    return first ? value * c - other * s : value * c + other * s;
+  }
+};
+
+// One workgroup per (token, head) row, one lane per column: the new keys /
+// values first (written into the cache at cache_seqlens[b] + i, keys rotated
+// there), then the queries (rotated into q_out). Every lane reads before the
+// barrier and writes after it, so q_out may alias q. Its own launch before
+// the decode keeps one writer per cache element. A null cache_seqlens counts
+// as 0 (the ABI requires it; this only keeps a bad call from faulting).
+template <class Tile>
+__global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kHeadDim, 1) kvcache_append_kernel(const PortattnAppendParams p) {
+  using T = Dtype<Tile::kIsBf16>;
+  const int e = threadIdx.x;
+  const int64_t kv_rows = p.k_new != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_new * p.nheads_k : 0;
+  int64_t row = blockIdx.x;
+  const Rotary<Tile::kIsBf16> rotary{p};
+  bool write = e < p.headdim;
+  if (row < kv_rows) {
+    const int hk = static_cast<int>(row % p.nheads_k);
+    const int i = static_cast<int>((row / p.nheads_k) % p.seqlen_new);
+    const int b = static_cast<int>(row / (static_cast<int64_t>(p.nheads_k) * p.seqlen_new));
+    const int pos = (p.cache_seqlens != nullptr ? p.cache_seqlens[b] : 0) + i;
+    write = write && pos >= 0 && pos < p.kv_capacity;
+    const int safe_pos = write ? pos : 0;
+    int64_t k_off, v_off;
+    if (p.block_table != nullptr) {
+      const decode::KeyRowAddress at{p.block_table + b * p.block_table_batch_stride, p.page_size, p.num_pages};
+      k_off = at.offset(p.k_cache_strides, 0, safe_pos);
+      v_off = at.offset(p.v_cache_strides, 0, safe_pos);
+    } else {
+      const int entry =
+          p.cache_batch_idx != nullptr ? decode::clamp_int(p.cache_batch_idx[b], 0, p.cache_batches - 1) : b;
+      k_off = entry * p.k_cache_strides.batch_stride + static_cast<int64_t>(safe_pos) * p.k_cache_strides.row_stride;
+      v_off = entry * p.v_cache_strides.batch_stride + static_cast<int64_t>(safe_pos) * p.v_cache_strides.row_stride;
+    }
+    const uint16_t* k_src = static_cast<const uint16_t*>(p.k_new) + b * p.k_new_strides.batch_stride +
+                            static_cast<int64_t>(i) * p.k_new_strides.row_stride + hk * p.k_new_strides.head_stride;
+    const uint16_t* v_src = static_cast<const uint16_t*>(p.v_new) + b * p.v_new_strides.batch_stride +
+                            static_cast<int64_t>(i) * p.v_new_strides.row_stride + hk * p.v_new_strides.head_stride;
+    uint16_t k_value = 0, v_value = 0;
+    if (write) {
+      k_value = T::from_float(rotary.apply(k_src, e, pos));
+      v_value = v_src[e];
+    }
+    __syncthreads();  // uniform: reads before writes (see above)
+    if (write) {
+      static_cast<uint16_t*>(p.k_cache)[k_off + hk * p.k_cache_strides.head_stride + e] = k_value;
+      static_cast<uint16_t*>(p.v_cache)[v_off + hk * p.v_cache_strides.head_stride + e] = v_value;
+    }
+    return;
+  }
+  row -= kv_rows;
+  const int h = static_cast<int>(row % p.nheads);
+  const int i = static_cast<int>((row / p.nheads) % p.seqlen_q);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.nheads) * p.seqlen_q));
+  const int pos = (p.cache_seqlens != nullptr ? p.cache_seqlens[b] : 0) + (p.q_position_per_token ? i : 0);
+  const uint16_t* q_src = static_cast<const uint16_t*>(p.q) + b * p.q_strides.batch_stride +
+                          static_cast<int64_t>(i) * p.q_strides.row_stride + h * p.q_strides.head_stride;
+  const uint16_t q_value = write ? T::from_float(rotary.apply(q_src, e, pos)) : 0;
+  __syncthreads();
+  if (write) {
+    static_cast<uint16_t*>(p.q_out)[b * p.q_out_strides.batch_stride +
+                                    static_cast<int64_t>(i) * p.q_out_strides.row_stride +
+                                    h * p.q_out_strides.head_stride + e] = q_value;
+  }
+}
+
+// ---- launches --------------------------------------------------------------------
+
+template <class Tile>
+hipError_t launch_decode(const PortattnDecodeParams& p) {
+  if (p.seqlen_q == 0 || p.batch == 0 || p.nheads == 0) return hipSuccess;
+  const hipStream_t stream = static_cast<hipStream_t>(p.stream);
+  const int group = p.nheads / p.nheads_k;
+  const int m_tiles = (p.seqlen_q * group + Tile::kBlockM - 1) / Tile::kBlockM;
+  const dim3 grid(p.num_splits, p.nheads_k * m_tiles, p.batch);
+  hipLaunchKernelGGL(decode_kernel<Tile>, grid, dim3(Tile::kThreads), 0, stream, p);
+  hipError_t err = hipGetLastError();
+  if (err != hipSuccess || p.num_splits == 1) return err;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.nheads * p.seqlen_q;
+  const dim3 combine_grid(static_cast<unsigned>((rows + kCombineWaves - 1) / kCombineWaves));
+  hipLaunchKernelGGL(decode_combine_kernel<Tile>, combine_grid, dim3(kCombineWaves * kWaveSize), 0, stream, p);
+  return hipGetLastError();
+}
+
+template <class Tile>
+hipError_t launch_kvcache_append(const PortattnAppendParams& p) {
+  const int64_t kv_rows = p.k_new != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_new * p.nheads_k : 0;
+  const int64_t q_rows = p.q != nullptr ? static_cast<int64_t>(p.batch) * p.seqlen_q * p.nheads : 0;
+  if (kv_rows + q_rows == 0) return hipSuccess;
+  hipLaunchKernelGGL(kvcache_append_kernel<Tile>, dim3(static_cast<unsigned>(kv_rows + q_rows)),
+                     dim3(Tile::kHeadDim), 0, static_cast<hipStream_t>(p.stream), p);
+  return hipGetLastError();
+}
+
+}  // namespace PORTATTN_ROCM_ARCH_NS
+}  // namespace rocm
+}  // namespace portattn
