@@ -240,6 +240,25 @@ def greedy(model, ids, mask, steps=6, **kwargs):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
 
 
+def assert_same_greedy_path(tokens_ours, tokens_ref, logits_ref, logits_low):
+    """Greedy decoding follows the reference's tokens, except where the reference itself
+    hesitates: at the first step a row's token differs, the reference's top-2 logit margin
+    must be within 4x the low-precision noise (eager's own error at the prompt step, where
+    every implementation sees the same prefix). A low-precision argmax near a tie may go
+    either way; a real error flips tokens with clear margins."""
+    noise = float((logits_low[:, 0].double() - logits_ref[:, 0].double()).abs().max())
+    for row in range(tokens_ours.shape[0]):
+        differs = (tokens_ours[row] != tokens_ref[row]).nonzero()
+        if len(differs) == 0:
+            continue
+        step = int(differs[0])
+        top2 = logits_ref[row, step].double().topk(2).values
+        margin = float(top2[0] - top2[1])
+        assert margin <= 4 * noise + 1e-6, (
+            f"row {row}, step {step}: token {int(tokens_ours[row, step])} instead of {int(tokens_ref[row, step])} "
+            f"with a reference margin of {margin:.3g} (low-precision noise {noise:.3g})")
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("device,dtype", DEVICE_CASES)
 def test_generate_with_cache_matches_eager(family, device, dtype):
@@ -251,8 +270,8 @@ def test_generate_with_cache_matches_eager(family, device, dtype):
     tokens_ref, logits_ref = greedy(ref, ids, mask)
     tokens_low, logits_low = greedy(eager, ids, mask)
     tokens_ours, logits_ours = greedy(ours, ids, mask)
-    assert torch.equal(tokens_ours, tokens_low)
-    if torch.equal(tokens_low, tokens_ref):  # the same prefixes, so the logits are comparable
+    assert_same_greedy_path(tokens_ours, tokens_ref, logits_ref, logits_low)
+    if torch.equal(tokens_ours, tokens_ref) and torch.equal(tokens_low, tokens_ref):
         assert_error_rule("generate logits", logits_ours, logits_low, logits_ref, 2)
     # The cache was used: after the prompt every call had one query and more keys, and
     # Gemma2's sliding layers (the even ones) got the cache's last keys only (window 4:

@@ -17,7 +17,10 @@ SUPPORTED = ALL_FEATURES
 VERIFIED = {
     # bench/results/gpu_suite.md: forward and backward suites, H100, commit 0a4116c.
     "sm90": frozenset({"forward", "backward", "deterministic_backward", "causal", "window", "softcap",
-                       "alibi", "dropout", "gqa", "varlen"}),
+                       "alibi", "dropout", "gqa", "varlen",
+                       # the decode kernels: tests/gpu/test_cuda_decode.py, H100, 2026-11-24
+                       # (bench/results: gpu_suite run of 56c1cd6, 2676 GPU tests passed)
+                       "decode", "paged_kv"}),
 }
 
 # Shared memory per block that the forward tiles need above 192 (measured from
