@@ -4,14 +4,15 @@
 //
 // Tile configuration (DecodeTileConfig): a CTA owns 16 packed query rows
 // (query x head-in-group) of one (sequence, KV head) and one key split.
-// Each warp takes 16 keys of every stage (kStageKeys = 16 x warps), so the
-// score tile of a warp is one m16n16 block and P never leaves registers.
-//   head dim <= 128: 4 warps, 64 keys per stage;
+// Each warp takes kWarpKeys keys of every stage (kStageKeys = kWarpKeys x warps),
+// so the score tile of a warp is one or two m16n16 blocks and P never leaves registers.
+//   head dim <= 64:  4 warps of 32 keys, 128 keys per stage;
+//   head dim <= 128: 4 warps of 16 keys, 64 keys per stage;
 //   head dim  > 128: 2 warps, 32 keys per stage (O is head_dim / 2 fp32
 //                    registers per thread; 4 warps would also double the
 //                    shared memory of the final merge).
 // Shared memory: kStages stages of K and V (swizzled, ptx::SwizzledTile),
-// each 32 KiB at head dims 128 and 256, three stages in flight: 96 KiB, within
+// each 32 KiB at head dims 64, 128 and 256, three stages in flight: 96 KiB, within
 // the 99 KiB that consumer GPUs (sm86/sm89/sm120) allow per block. Q is read
 // straight into mma A fragments (16 rows, once per CTA), so it needs no
 // shared memory. The decode is bound by HBM bandwidth: what matters is the
@@ -20,7 +21,7 @@
 //
 // Per stage: every thread issues its part of the next K/V stage (cp.async,
 // with a per-row page lookup when paged: any page size works, a stage may
-// span several pages), then each warp computes S = Q K^T over its 16 keys,
+// span several pages), then each warp computes S = Q K^T over its keys,
 // masks only on boundary stages, runs the online-softmax step and O += P V.
 // At the end the warps' (O, LSE) pairs are merged through shared memory,
 // which is the same LSE-weighted sum the split combine does across CTAs.
@@ -44,10 +45,11 @@ struct DecodeTileConfig {
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = 16;  // packed query rows per CTA
-  static constexpr int kWarpKeys = 16;
+  // Keys per warp and stage: 32 at head dim <= 64 so that a stage moves 32 KiB, as at
+  // head dim 128 (the loads' address work and the barriers per byte then match).
+  static constexpr int kWarpKeys = kHeadDim <= 64 ? 32 : 16;
   static constexpr int kStageKeys = kWarps * kWarpKeys;
-  // Small head dims have small stages: keep more of them in flight.
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : 3;
+  static constexpr int kStages = 3;
   using KVTile = ptx::SwizzledTile<kStageKeys, kHeadDim>;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;  // K then V
   // Stage loads: 16-byte chunks, a power-of-two number of lanes per key row.
@@ -147,7 +149,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   constexpr int kStageKeys = Config::kStageKeys;
   constexpr int kStages = Config::kStages;
   constexpr int kOCols = kHeadDim / 4;
-  constexpr int kSCols = 4;  // 16 keys per warp: two n8 tiles, two columns each
+  constexpr int kWarpKeys = Config::kWarpKeys;
+  constexpr int kSCols = kWarpKeys / 4;  // two columns per n8 tile of keys
   constexpr int kRows = 2;   // rows g and g + 8 of the 16-row tile
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -308,9 +311,9 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   const float scale_log2 = params.softmax_scale * softmax::kLog2e;
   const float softmax_scale_log2 = kExtras ? 1.f : scale_log2;
 
-  // ldmatrix lane addresses of this warp's 16 keys (rows 16 w .. 16 w + 15 of a stage).
-  const uint32_t k_frag = KVTile::lane(warp * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-  const uint32_t v_frag = KVTile::lane(warp * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  // ldmatrix lane addresses of this warp's keys (rows kWarpKeys w .. of a stage).
+  const uint32_t k_frag = KVTile::lane(warp * kWarpKeys + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const uint32_t v_frag = KVTile::lane(warp * kWarpKeys + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
   const int col0 = 2 * (lane % 4);
 
 #pragma unroll
@@ -334,12 +337,15 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
       for (int c = 0; c < kSCols; ++c) s[r][c] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      uint32_t b[4];
-      ptx::ldmatrix_x4(b, sK + (k_frag ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(0, kk * 2));
-      mma_m16n16<Elem>(s, 0, 0, qa[kk], b);
+#pragma unroll
+      for (int np = 0; np < kWarpKeys / 16; ++np) {
+        uint32_t b[4];
+        ptx::ldmatrix_x4(b, sK + (k_frag ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(np * 16, kk * 2));
+        mma_m16n16<Elem>(s, 0, np, qa[kk], b);
+      }
     }
 
-    const int key0 = stage * kStageKeys + warp * 16;
+    const int key0 = stage * kStageKeys + warp * kWarpKeys;
     if (kExtras) {
       const float softcap = params.softcap;
       const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
@@ -374,16 +380,19 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
 
     softmax::online_softmax_step_lazy<kRows, kSCols, kOCols, QuadReduce>(s, o, state, softmax_scale_log2);
 
-    uint32_t p[4];
-    p[0] = ptx::ElemTraits<Elem>::pack(s[0][0], s[0][1]);
-    p[1] = ptx::ElemTraits<Elem>::pack(s[1][0], s[1][1]);
-    p[2] = ptx::ElemTraits<Elem>::pack(s[0][2], s[0][3]);
-    p[3] = ptx::ElemTraits<Elem>::pack(s[1][2], s[1][3]);
 #pragma unroll
-    for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-      uint32_t b[4];
-      ptx::ldmatrix_x4_trans(b, sV + (v_frag ^ KVTile::chunk_xor(dp * 2)) + KVTile::fixed(0, dp * 2));
-      mma_m16n16<Elem>(o, 0, dp, p, b);
+    for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
+      uint32_t p[4];
+      p[0] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk], s[0][4 * kk + 1]);
+      p[1] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk], s[1][4 * kk + 1]);
+      p[2] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk + 2], s[0][4 * kk + 3]);
+      p[3] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk + 2], s[1][4 * kk + 3]);
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        uint32_t b[4];
+        ptx::ldmatrix_x4_trans(b, sV + (v_frag ^ KVTile::chunk_xor(dp * 2)) + KVTile::fixed(kk * 16, dp * 2));
+        mma_m16n16<Elem>(o, 0, dp, p, b);
+      }
     }
   }
 
