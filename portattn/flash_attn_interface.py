@@ -38,7 +38,7 @@ from .api import (  # noqa: F401  (re-exported: flash-attn's public names in thi
     flash_attn_with_kvcache,
 )
 from .ops import run_backward, run_forward
-from .rng import rng_state_tensor, seed_offset_from_state
+from .rng import NO_DROPOUT, draw_from_state, rng_state_tensor
 from .validation import (
     check_options,
     check_qkv,
@@ -120,12 +120,12 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dr
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_left, window_right, softcap, alibi_slopes)
     with torch.no_grad():
-        out, lse, seed, offset = run_forward(
+        out, lse, rng = run_forward(
             _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
             cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right, float(softcap),
             float(dropout_p))
     no_probabilities = torch.empty(0, dtype=q.dtype, device=q.device)
-    return out, lse, no_probabilities, rng_state_tensor(seed, offset)
+    return out, lse, no_probabilities, rng_state_tensor(rng)
 
 
 def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -139,7 +139,7 @@ def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seql
     check_same_layout("out", out, "q", q)
     check_softmax_lse(softmax_lse, q, varlen)
     rng_state = check_rng_state(rng_state, float(dropout_p))
-    seed, offset = seed_offset_from_state(rng_state) if rng_state is not None else (0, 0)
+    rng = draw_from_state(rng_state) if rng_state is not None else NO_DROPOUT
     targets = [_grad_target(name, given, like_name, like)
                for name, given, like_name, like in (("dq", dq, "q", q), ("dk", dk, "k", k), ("dv", dv, "v", v))]
     with torch.no_grad():
@@ -147,7 +147,7 @@ def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seql
             _last_dim_contiguous(dout), _last_dim_contiguous(q), _last_dim_contiguous(k),
             _last_dim_contiguous(v), _last_dim_contiguous(out), _lse_for_backends(softmax_lse, q),
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
-            float(softcap), float(dropout_p), seed, offset, bool(deterministic),
+            float(softcap), float(dropout_p), rng, bool(deterministic),
             grads=tuple(written for written, _ in targets))
         for written, given in targets:
             if given is not None:

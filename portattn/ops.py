@@ -17,7 +17,7 @@ import torch
 
 from . import dispatch
 from .decode import prefers_decode, run_decode
-from .rng import draw_philox_seed_offset, rng_state_tensor, seed_offset_from_state
+from .rng import NO_DROPOUT, PhiloxDraw, draw_from_state, draw_philox, rng_state_tensor
 from .validation import check_cu_seqlens_values
 
 # By default no call reads a tensor's values on the host (a device sync, and a CUDA graph
@@ -50,7 +50,8 @@ def run_forward(
     q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale, window_left, window_right, softcap, dropout_p, need_lse=True,
 ):
-    """Returns (out, lse, rng_seed, rng_offset); lse is None when not `need_lse`.
+    """Returns (out, lse, rng): rng is the dropout mask's key (rng.PhiloxDraw); lse is
+    None when not `need_lse`.
 
     This is every call's hot path: each tensor attribute is read once, and an
     inference call that does not ask for the LSE does not allocate it (the
@@ -60,7 +61,7 @@ def run_forward(
     out = torch.empty_like(q)
     lse = _empty_lse(q, varlen) if need_lse else None
     if out.numel() == 0:
-        return out, lse, 0, 0
+        return out, lse, NO_DROPOUT
     if varlen and _DEBUG_CHECKS:
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _no_keys(k, varlen):
@@ -68,7 +69,7 @@ def run_forward(
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
-        return out, lse, 0, 0
+        return out, lse, NO_DROPOUT
     *_, nheads, head_dim = q.shape
     bits = dispatch.feature_bits(
         window_left, window_right, softcap, alibi_slopes is not None, dropout_p,
@@ -84,26 +85,27 @@ def run_forward(
                            window_left=window_left, window_right=window_right, softcap=softcap,
                            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, out=out, lse=lse)
-                return out, lse, 0, 0
+                return out, lse, NO_DROPOUT
     backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
-    seed, offset = draw_philox_seed_offset(device) if dropout_p > 0.0 else (0, 0)
+    rng = draw_philox(device) if dropout_p > 0.0 else NO_DROPOUT
     backend.forward(
         q, k, v, out, lse,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-        rng_seed=seed, rng_offset=offset,
+        rng_seed=rng.seed, rng_offset=rng.offset, **({"rng_state": rng.state} if rng.state is not None else {}),
     )
-    return out, lse, seed, offset
+    return out, lse, rng
 
 
 def run_backward(
     dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    softmax_scale, window_left, window_right, softcap, dropout_p, rng_seed, rng_offset, deterministic,
+    softmax_scale, window_left, window_right, softcap, dropout_p, rng, deterministic,
     grads=None,
 ):
-    """Returns (dq, dk, dv): the given `grads` triple filled in, else new tensors.
+    """Returns (dq, dk, dv): the given `grads` triple filled in, else new tensors. `rng`
+    is the forward's dropout key (rng.PhiloxDraw).
 
     `grads` (flash_attn_interface's low-level backward) must have the shapes and dtype of
     q, k, v and satisfy the backend contract (last dim contiguous; the caller copes with
@@ -130,7 +132,8 @@ def run_backward(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-        rng_seed=rng_seed, rng_offset=rng_offset, deterministic=deterministic,
+        rng_seed=rng.seed, rng_offset=rng.offset, deterministic=deterministic,
+        **({"rng_state": rng.state} if rng.state is not None else {}),
     )
     return dq, dk, dv
 
@@ -141,11 +144,12 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, dropout_p, deterministic):
-        out, lse, seed, offset = run_forward(
+        out, lse, rng = run_forward(
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, window_left, window_right, softcap, dropout_p,
         )
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng.state)
+        seed, offset = rng.seed, rng.offset
         ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
                        softcap, dropout_p, seed, offset, deterministic)
         ctx.mark_non_differentiable(lse)
@@ -157,13 +161,13 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:  # out did not reach the loss
             return (None,) * 14
-        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
         (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
          softcap, dropout_p, seed, offset, deterministic) = ctx.options
         dq, dk, dv = run_backward(
             dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, seed,
-            offset, deterministic,
+            max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+            PhiloxDraw(seed, offset, rng_state), deterministic,
         )
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
@@ -178,12 +182,12 @@ def _fwd_op(
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
     window_right: int, softcap: float, dropout_p: float, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, lse, seed, offset = run_forward(
+    out, lse, rng = run_forward(
         q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, window_left, window_right, softcap, dropout_p,
     )
     # The philox seed/offset travel as a tensor so the compiled graph can save them.
-    return out, lse, rng_state_tensor(seed, offset)
+    return out, lse, rng_state_tensor(rng)
 
 
 @_fwd_op.register_fake
@@ -200,11 +204,10 @@ def _bwd_op(
     softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
     rng_state: torch.Tensor, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seed, offset = seed_offset_from_state(rng_state)
     return run_backward(
         dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset,
-        deterministic,
+        max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+        draw_from_state(rng_state), deterministic,
     )
 
 
@@ -253,5 +256,5 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         return out, lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return AttentionFunction.apply(*args, deterministic)
-    out, lse, _, _ = run_forward(*args, need_lse)
+    out, lse, _ = run_forward(*args, need_lse)
     return out, lse

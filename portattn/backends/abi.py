@@ -15,8 +15,10 @@ raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~10x cheape
 
 def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-             rng_seed, rng_offset) -> tuple:
-    """The `fwd` argument tuple (PORTATTN_FWD_ARGS order). lse may be None (not wanted)."""
+             rng_seed, rng_offset, rng_state=None) -> tuple:
+    """The `fwd` argument tuple (PORTATTN_FWD_ARGS order). lse may be None (not wanted).
+    rng_state: None, or a device int64 [seed, offset] the kernels read instead of
+    rng_seed / rng_offset (dropout under CUDA-graph capture, portattn/rng.py)."""
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         _, seqlen_k, nheads_k, _ = k.shape
@@ -42,7 +44,7 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         DTYPE_CODES[q.dtype], batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
         cu_q, cu_k, 0, softmax_scale, softcap, window_left, window_right,
         alibi, alibi_batch_stride, dropout_p, rng_seed, rng_offset,
-        raw_stream(q.device.index), total_q, total_k,
+        raw_stream(q.device.index), total_q, total_k, 0 if rng_state is None else rng_state.data_ptr(),
     )
 
 
@@ -58,7 +60,8 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
             max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-            alibi_slopes, dropout_p, rng_seed, rng_offset, deterministic, entry=None) -> None:
+            alibi_slopes, dropout_p, rng_seed, rng_offset, deterministic, entry=None,
+            rng_state=None) -> None:
     """One backward call of a compiled module (CUDA or ROCm: same `bwd` signature).
 
     `entry` is another of the module's functions with `bwd`'s arguments and
@@ -71,7 +74,7 @@ def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seq
     """
     args = fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    rng_seed, rng_offset)
+                    rng_seed, rng_offset, rng_state)
     # dout comes from autograd (the user did not choose its layout): copy rather than fail.
     if not _aligned(dout):
         dout = dout.contiguous()

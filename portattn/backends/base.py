@@ -12,7 +12,9 @@ Tensor contract for `forward` / `backward` (see also backends/common/params.h):
   or None in `forward` when the caller does not need it (inference calls skip the allocation).
 - window_left / window_right: -1 = unbounded; causal is window_right == 0.
 - softcap: 0.0 = off. alibi_slopes: None or float32 (H,) / (B, H).
-- dropout_p: 0.0 = off; (rng_seed, rng_offset) select the philox.h mask.
+- dropout_p: 0.0 = off; (rng_seed, rng_offset) select the philox.h mask, or, when the
+  keyword rng_state (a device int64 [seed, offset]) is given, that pair does: it is drawn
+  on the device under CUDA-graph capture (portattn/rng.py) and read by the kernels.
 - backward writes dq, dk, dv (caller-allocated, shapes of q, k, v). For GQA, dk and
   dv are the gradients of the un-expanded k and v (summed over each group).
 """
@@ -54,6 +56,7 @@ class Backend:
         dropout_p: float,
         rng_seed: int,
         rng_offset: int,
+        rng_state: Optional[torch.Tensor] = None,
     ) -> None:
         raise NotImplementedError
 
@@ -82,5 +85,6 @@ class Backend:
         rng_seed: int,
         rng_offset: int,
         deterministic: bool,
+        rng_state: Optional[torch.Tensor] = None,
     ) -> None:
         raise NotImplementedError

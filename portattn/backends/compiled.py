@@ -51,10 +51,10 @@ class CompiledBackend(Backend):
     @on_tensors_device
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                rng_seed, rng_offset) -> None:
+                rng_seed, rng_offset, rng_state=None) -> None:
         self.module.fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-                                  alibi_slopes, dropout_p, rng_seed, rng_offset))
+                                  alibi_slopes, dropout_p, rng_seed, rng_offset, rng_state))
 
     @on_tensors_device
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:

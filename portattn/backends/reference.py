@@ -353,6 +353,13 @@ def _seq_lse(lse: torch.Tensor, rows: Optional[slice]) -> torch.Tensor:
     return lse if rows is None else lse[None, :, rows]
 
 
+def _take_rng_state(options: dict, rng_state) -> None:
+    """A device [seed, offset] pair (dropout drawn under CUDA-graph capture) becomes the two
+    integers the mask functions take; a host read, so this backend is not capturable."""
+    if rng_state is not None:
+        options["rng_seed"], options["rng_offset"] = (int(x) for x in rng_state.tolist())
+
+
 class ReferenceBackend(Backend):
     """Every feature on every device, in PyTorch ops; exact in fp64."""
 
@@ -366,7 +373,8 @@ class ReferenceBackend(Backend):
     # max_seqlen_q/k are not needed: every piece knows its own lengths.
 
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, **options) -> None:
+                max_seqlen_k, rng_state=None, **options) -> None:
+        _take_rng_state(options, rng_state)
         if lse is None:  # the caller does not need it; the algorithm does
             rows = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
             lse = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -379,7 +387,8 @@ class ReferenceBackend(Backend):
             _forward(pb, _seq(out, rows_q), _seq_lse(lse, rows_q))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k, deterministic, **options) -> None:
+                 max_seqlen_q, max_seqlen_k, deterministic, rng_state=None, **options) -> None:
+        _take_rng_state(options, rng_state)
         # Always deterministic: every accumulation is a fixed-order torch reduction.
         if cu_seqlens_q is not None:
             for grad in (dq, dk, dv):

@@ -88,3 +88,52 @@ def test_kvcache_step_replays_in_place():
         torch.cuda.synchronize()
         assert torch.equal(k_cache[0, lengths[0], :, :], k_new[0, 0])
         assert torch.equal(out, step())
+
+
+def test_dropout_under_capture_draws_a_fresh_reproducible_mask_per_replay():
+    """Under capture the dropout key is drawn on the device (portattn/rng.py) and read by the
+    kernels: each replay gets a new mask, the same sequence again after the same
+    torch.cuda.manual_seed, and the kernels' output is the reference's for the key the
+    replay drew (flash_attn_interface returns it as rng_state); the backward reuses it."""
+    from naive import naive_attention
+
+    from portattn.backends.reference import philox_keep_mask
+    from portattn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+
+    dtype, p, batch, heads, seqlen, head_dim = torch.bfloat16, 0.3, 2, 3, 200, 64
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+    dout = torch.randn_like(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scale = head_dim ** -0.5
+
+    def step():
+        out, lse, _, rng_state = _flash_attn_forward(q, k, v, p, scale, True, -1, 0, 0.0, None, False)
+        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, p, scale, True, -1, 0, 0.0, None, False,
+                             rng_state)
+        return out, rng_state
+
+    graph, (out, rng_state) = capture(step)
+    assert rng_state.is_cuda, "under capture the dropout key lives on the device"
+    torch.cuda.manual_seed(1234)
+    outputs, states = [], []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        outputs.append(out.clone())
+        states.append(rng_state.clone())
+        seed, offset = (int(x) for x in rng_state.tolist())
+        bh = torch.arange(batch * heads, device="cuda").reshape(batch, heads)
+        mask = philox_keep_mask(seed, offset, bh, range(seqlen), range(seqlen), p, device="cuda")
+        ref, _ = naive_attention(q, k, v, causal=True, dropout_mask=mask, dropout_p=p)
+        low, _ = naive_attention(q, k, v, causal=True, dropout_mask=mask, dropout_p=p, compute_dtype=dtype)
+        err = (out.double() - ref).abs().max().item()
+        base = (low.double() - ref).abs().max().item()
+        assert err <= 2 * base + 1e-5, f"replayed dropout output: error {err:.3e} vs torch's {base:.3e}"
+        assert not dq.isnan().any() and not dk.isnan().any() and not dv.isnan().any()
+    assert not torch.equal(states[0], states[1]) and not torch.equal(outputs[0], outputs[1]), \
+        "two replays drew the same dropout mask"
+    torch.cuda.manual_seed(1234)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(rng_state, states[0]) and torch.equal(out, outputs[0]), \
+        "the same seed did not reproduce the first replay's mask"

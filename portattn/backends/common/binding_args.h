@@ -44,12 +44,12 @@ T* address(uintptr_t value) {
       uintptr_t cu_seqlens_k, uintptr_t seqused_k, float softmax_scale, float softcap,             \
       int window_left, int window_right, uintptr_t alibi_slopes, int64_t alibi_batch_stride,       \
       float dropout_p, unsigned long long philox_seed, unsigned long long philox_offset,           \
-      uintptr_t stream, int64_t total_q, int64_t total_k
+      uintptr_t stream, int64_t total_q, int64_t total_k, uintptr_t philox_state
 #define PORTATTN_FWD_ARG_NAMES                                                                     \
   q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,               \
       lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,  \
       cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,    \
-      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream, total_q, total_k
+      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream, total_q, total_k, philox_state
 #define PORTATTN_BWD_OWN_ARGS                                                                      \
   uintptr_t dout, pybind11::handle dout_strides, uintptr_t dq, pybind11::handle dq_strides,        \
       uintptr_t dk, pybind11::handle dk_strides, uintptr_t dv, pybind11::handle dv_strides,        \
@@ -93,6 +93,7 @@ inline PortattnFwdParams fwd_params(PORTATTN_FWD_ARGS) {
   p.stream = address<void>(stream);
   p.total_q = total_q;
   p.total_k = total_k;
+  p.philox_state = address<const int64_t>(philox_state);
   return p;
 }
 

@@ -84,6 +84,11 @@ typedef struct PortattnFwdParams {
   // kernels' tensor maps take them as the extent.
   int64_t total_q;
   int64_t total_k;
+
+  // Dropout under CUDA-graph capture: null, or a device int64 pair [seed, offset] that the
+  // kernels read instead of philox_seed / philox_offset above. Drawn on the device for each
+  // call (portattn/rng.py), so every replay of a captured step gets a fresh mask.
+  const int64_t* philox_state;
 } PortattnFwdParams;
 
 typedef struct PortattnBwdParams {

@@ -27,6 +27,18 @@
 
 namespace portattn {
 
+// The call's Philox seed and offset: the pair in device memory when the call carries one
+// (captured in a CUDA graph: params.h philox_state), else the two integers. Read once per
+// thread before the key loop.
+template <class Params>
+PORTATTN_HD uint64_t philox_seed_of(const Params& p) {
+  return p.philox_state != nullptr ? static_cast<uint64_t>(p.philox_state[0]) : p.philox_seed;
+}
+template <class Params>
+PORTATTN_HD uint64_t philox_offset_of(const Params& p) {
+  return p.philox_state != nullptr ? static_cast<uint64_t>(p.philox_state[1]) : p.philox_offset;
+}
+
 struct Philox4 {
   uint32_t x, y, z, w;
 };

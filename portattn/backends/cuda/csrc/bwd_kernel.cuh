@@ -291,6 +291,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
   const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
   const float keep_scale = f.dropout_p > 0.f ? 1.f / (1.f - f.dropout_p) : 1.f;
   const uint32_t threshold = f.dropout_p > 0.f ? dropout_threshold(f.dropout_p) : 0u;
+  const uint64_t philox_seed = kExtras && threshold != 0u ? philox_seed_of(f) : 0;
+  const uint64_t philox_offset = kExtras && threshold != 0u ? philox_offset_of(f) : 0;
 
   const Elem* gK = static_cast<const Elem*>(f.k) + batch * f.k_strides.batch_stride +
                    static_cast<int64_t>(s.k_start) * f.k_strides.row_stride +
@@ -450,7 +452,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
             float dprob = acc_dp[t][e];
             float kept = prob;
             if (kExtras && threshold != 0u) {
-              const Philox4 rnd = dropout_random4(f.philox_seed, f.philox_offset, bh, i, j & ~3);
+              const Philox4 rnd = dropout_random4(philox_seed, philox_offset, bh, i, j & ~3);
               // Selects, not an indexed array: a run-time index would put it in local memory.
               const uint32_t r = (j & 2) ? ((j & 1) ? rnd.w : rnd.z) : ((j & 1) ? rnd.y : rnd.x);
               const bool keep = r >= threshold;

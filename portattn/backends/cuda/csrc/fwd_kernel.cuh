@@ -310,6 +310,7 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
 
       if (kExtras && params.dropout_p > 0.f) {
         const uint32_t threshold = dropout_threshold(params.dropout_p);
+        const uint64_t philox_seed = philox_seed_of(params), philox_offset = philox_offset_of(params);
         const int bh = batch * params.nheads + head;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
           for (int pair = 0; pair < kSCols / 2; ++pair) {
             const int j = n0 + pair * 8 + col0;  // even: j and j + 1 share one Philox call
             const Philox4 rnd =
-                dropout_random4(params.philox_seed, params.philox_offset, bh, i, j & ~3);
+                dropout_random4(philox_seed, philox_offset, bh, i, j & ~3);
             const bool upper = (j & 2) != 0;
             keep |= static_cast<uint32_t>((upper ? rnd.z : rnd.x) >= threshold) << (2 * pair);
             keep |= static_cast<uint32_t>((upper ? rnd.w : rnd.y) >= threshold) << (2 * pair + 1);
