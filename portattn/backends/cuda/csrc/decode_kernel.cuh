@@ -281,22 +281,30 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
       }
       return;
     }
-    // The stage spans pages: every block-table read first (independent loads whose
-    // latencies overlap), then the copies.
-    int page[kSteps], row_in[kSteps];
+    // The stage spans pages: the block-table reads of a group of steps first (independent
+    // loads whose latencies overlap), then their copies. Groups of kLookupGroup keep the
+    // live page numbers few (16 steps at once spilled at head dim 256).
+    constexpr int kLookupGroup = kSteps < 4 ? kSteps : 4;
+    static_assert(kSteps % kLookupGroup == 0, "lookup groups tile the steps");
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
-      const int pos = seq.key_base + (step * kRowsPerStep < rows_left ? key0 + step * kRowsPerStep : 0);
-      page[step] = rows_at.page_of(pos);
-      row_in[step] = rows_at.row_in_page(pos);
-    }
+    for (int group0 = 0; group0 < kSteps; group0 += kLookupGroup) {
+      int page[kLookupGroup], row_in[kLookupGroup];
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
-      const bool valid = load_col_ok && step * kRowsPerStep < rows_left;
-      const int64_t k_off = KeyRowAddress::offset(params.k_strides, page[step], row_in[step]) + load_col;
-      const int64_t v_off = KeyRowAddress::offset(params.v_strides, page[step], row_in[step]) + load_col;
-      ptx::cp_async_16(sK + dst(step), valid ? gK + k_off : gK, valid);
-      ptx::cp_async_16(sV + dst(step), valid ? gV + v_off : gV, valid);
+      for (int i = 0; i < kLookupGroup; ++i) {
+        const int step = group0 + i;
+        const int pos = seq.key_base + (step * kRowsPerStep < rows_left ? key0 + step * kRowsPerStep : 0);
+        page[i] = rows_at.page_of(pos);
+        row_in[i] = rows_at.row_in_page(pos);
+      }
+#pragma unroll
+      for (int i = 0; i < kLookupGroup; ++i) {
+        const int step = group0 + i;
+        const bool valid = load_col_ok && step * kRowsPerStep < rows_left;
+        const int64_t k_off = KeyRowAddress::offset(params.k_strides, page[i], row_in[i]) + load_col;
+        const int64_t v_off = KeyRowAddress::offset(params.v_strides, page[i], row_in[i]) + load_col;
+        ptx::cp_async_16(sK + dst(step), valid ? gK + k_off : gK, valid);
+        ptx::cp_async_16(sV + dst(step), valid ? gV + v_off : gV, valid);
+      }
     }
   };
 
