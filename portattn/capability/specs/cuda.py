@@ -13,9 +13,9 @@ SUPPORTED = ALL_FEATURES
 
 # arch name -> features our GPU suite passed on that hardware.
 # sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_forward.py, 568 passed
-# (bench/results/cuda_forward_tests.md). Backward features join after its suite.
+# (bench/results/runs/2026-11-21-9ba93e8/cuda_forward_tests.md). Backward features join after its suite.
 VERIFIED = {
-    # bench/results/gpu_suite.md: forward and backward suites, H100, commit 0a4116c.
+    # bench/results/runs/2026-11-21-0a4116c/summary.md: forward and backward suites, H100, commit 0a4116c.
     "sm90": frozenset({"forward", "backward", "deterministic_backward", "causal", "window", "softcap",
                        "alibi", "dropout", "gqa", "varlen"}),
 }

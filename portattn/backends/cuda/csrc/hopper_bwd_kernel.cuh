@@ -56,9 +56,9 @@
 // ptxas (nvcc 13.0): 0 spills at 24 / 240 registers for every variant without
 // softcap (the producer spilled at 24 while one warp did both of its jobs, hence
 // the split over two warps). hd128 with softcap spills a few loop-invariant words
-// (4-12 bytes, bench/results/hopper_notes.md), hd64 with softcap none.
-// Measured on an H100 (bench/results/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
-// (hd128) the sm80+ backward; what to try next is in bench/results/hopper_notes.md.
+// (4-12 bytes, docs/hopper_notes.md), hd64 with softcap none.
+// Measured on an H100 (bench/results/runs/2026-11-21-12f5a57/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
+// (hd128) the sm80+ backward; what to try next is in docs/hopper_notes.md.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
