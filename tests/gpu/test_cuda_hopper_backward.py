@@ -18,7 +18,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from cuda_gpu_setup import BACKEND, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
+from cuda_gpu_setup import BACKEND, HOPPER_DTYPES, HOPPER_HEAD_DIMS, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
 
 from portattn.backends.cuda import _C, CudaSm90Backend  # noqa: E402
 from test_cuda_backward import _backward, _check_grads, _forward, _options  # noqa: E402
@@ -27,8 +27,8 @@ from test_cuda_hopper_forward import _median_ms  # noqa: E402
 skip_unless_hopper("hopper_bwd")
 
 HOPPER = CudaSm90Backend()
-DTYPES = [torch.float16, torch.bfloat16]
-HEAD_DIMS = [64, 128]
+DTYPES = HOPPER_DTYPES  # capability/specs/cuda_sm90.py, through tests/gpu/grids.py
+HEAD_DIMS = HOPPER_HEAD_DIMS
 # Non-multiples of the 128-key / 64-query blocks, seqlen_q != seqlen_k both ways.
 SEQLENS = [(1, 1), (77, 77), (128, 128), (300, 300), (1000, 1000), (77, 300), (1000, 300)]
 

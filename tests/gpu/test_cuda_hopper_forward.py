@@ -25,15 +25,15 @@ from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 
-from cuda_gpu_setup import rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
+from cuda_gpu_setup import HOPPER_DTYPES, HOPPER_HEAD_DIMS, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
 
 from portattn.backends.abi import fwd_args  # noqa: E402
 from portattn.backends.cuda import _C  # noqa: E402
 
 skip_unless_hopper("hopper_fwd")
 
-DTYPES = [torch.float16, torch.bfloat16]
-HEAD_DIMS = [64, 128]
+DTYPES = HOPPER_DTYPES  # capability/specs/cuda_sm90.py, through tests/gpu/grids.py
+HEAD_DIMS = HOPPER_HEAD_DIMS
 SEQLENS = [(1, 1), (17, 113), (113, 17), (128, 128), (1000, 1000), (1, 4097), (4097, 1000), (2048, 2048)]
 
 
