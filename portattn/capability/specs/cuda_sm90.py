@@ -44,4 +44,5 @@ SPEC = BackendSpec(
     },
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="build with sm_90 among PORTATTN_CUDA_ARCHS (the default) to include it",
+    implementation="portattn.backends.cuda:CudaSm90Backend",
 )

@@ -1,11 +1,10 @@
 // Hopper (sm_90a) backward attention: TMA tile loads, wgmma, warp specialization.
 //
 // Note [portattn hopper backward]
-// Serves fixed-length batches, fp16/bf16, head dims 64 and 128, any window
-// (causal included, bottom-right), softcap, GQA/MQA, the default (atomic dQ) and
-// the deterministic mode: the calls the Hopper forward serves. ALiBi, dropout and
-// varlen stay on the sm80+ backward (bwd_kernel.cuh); hopper_bwd_entry.cu refuses
-// them with a message. The launch
+// What it serves is declared in capability/specs/cuda_sm90.py (the Hopper
+// forward's calls except varlen, which is `forward_only` there), in the default
+// (atomic dQ) and the deterministic mode. Other calls stay on the sm80+ backward
+// (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
 // sequence, workspace and math are those of Note [portattn cuda backward]:
 // the same preprocess (delta = rowsum(dO * O)) and convert kernels run around
 // this main kernel, and it writes the same fp32 dQ accumulator (and, for GQA in
