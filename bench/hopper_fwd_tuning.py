@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from error_rule import FLOOR, OUT_FACTOR, max_error  # noqa: E402  (tests/error_rule.py)
 from naive import naive_attention  # noqa: E402
 
 import peers  # noqa: E402  (bench/, next to this file)
@@ -64,10 +65,9 @@ def check(schedule: int) -> str:
                 low, _ = naive_attention(q, k, v, compute_dtype=torch.bfloat16, causal=causal)
                 if out.isnan().any() or lse.isnan().any():
                     return f"FAIL NaN at {(batch, sq, sk, heads, head_dim, causal)}"
-                err = (out.double() - ref).abs().max().item()
-                base = (low.double() - ref).abs().max().item()
-                if err > 2 * base + 1e-5:
-                    return f"FAIL err {err:.2e} > 2 x {base:.2e} at {(batch, sq, sk, heads, head_dim, causal)}"
+                err, base = max_error(out, ref), max_error(low, ref)
+                if err > OUT_FACTOR * base + FLOOR:
+                    return f"FAIL err {err:.2e} > {OUT_FACTOR:g} x {base:.2e} at {(batch, sq, sk, heads, head_dim, causal)}"
                 worst = max(worst, err / (base + 1e-12))
     return f"ok (worst err / torch bf16 err = {worst:.2f})"
 
