@@ -1,7 +1,7 @@
 """Attention benchmark: portattn against SDPA (FA2, cuDNN), FlexAttention and flash-attn-4, side by side.
 
   python bench/bench_attention.py [--backward] [--quick] [--seqlens 1024,4096] [--head-dims 128]
-                                  [--impls portattn,sdpa_cudnn,fa4] [--out bench/results] [--dry-run]
+                                  [--impls portattn,sdpa_cudnn,fa4] [--out bench/results/latest] [--dry-run]
 
 1. FA2 paper grid (issue #6): bf16, hidden 2048 (32 heads x 64 or 16 heads x 128),
    batch x seqlen = 16k tokens, seqlen 512..16k, causal and not. Forward TFLOP/s
@@ -133,7 +133,7 @@ def main():
                         help="grid time budget; cells after it are n/a (default %(default)s)")
     parser.add_argument("--rep-ms", type=int, default=80, help="do_bench rep (ms) per cell")
     parser.add_argument("--warmup-ms", type=int, default=20, help="do_bench warmup (ms) per cell")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=peers.LATEST)
     parser.add_argument("--name", default="hopper_bench", help="result file name (without extension)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")

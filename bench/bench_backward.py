@@ -1,6 +1,6 @@
 """Forward+backward benchmark: portattn (default and deterministic) vs SDPA flash and cuDNN.
 
-  python bench/bench_backward.py [--quick] [--impls ...] [--out bench/results]   -> cuda_fwd_bwd.{json,md,png}
+  python bench/bench_backward.py [--quick] [--impls ...] [--out bench/results/latest]   -> cuda_fwd_bwd.{json,md,png}
   python bench/bench_backward.py --determinism                                   -> determinism.{json,md}
   python bench/bench_attention.py --backward   (every peer, forward and forward+backward, in one run)
 
@@ -101,7 +101,7 @@ def main():
     parser.add_argument("--memory-only", action="store_true", help="only the 32k peak-memory case")
     parser.add_argument("--budget-s", type=float, default=300, help="grid time budget (cells after it are n/a)")
     parser.add_argument("--rep-ms", type=int, default=80, help="do_bench rep (ms) per cell")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=peers.LATEST)
     parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
     args = parser.parse_args()
     peers.require_device(args.dry_run)

@@ -1,7 +1,7 @@
 """Decode benchmark: one new query token (or a few) against a KV cache, portattn vs SDPA.
 
   python bench/bench_decode.py [--batches 1,16,64] [--caches 4096,8192,32768] [--head-dims 64,128,256]
-                               [--heads 32/8,32/32] [--short-query] [--out bench/results] [--dry-run]
+                               [--heads 32/8,32/32] [--short-query] [--out bench/results/latest] [--dry-run]
 
 Columns, side by side in one run (bf16):
 - portattn `flash_attn_with_kvcache` on a contiguous cache (batch, cache, Hk, D) with
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import zlib
 
 import torch
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", default="32/8,32/32")
     parser.add_argument("--short-query", action="store_true")
     parser.add_argument("--hbm-tbps", type=float, default=3.35)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=peers.LATEST)
     parser.add_argument("--name", default="decode_bench")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
@@ -225,8 +224,7 @@ def main(argv=None) -> int:
             result["short_query"].append(short_query_point(batch if not args.dry_run else 1, seqlen_q,
                                                            seqlen_k if not args.dry_run else 64, device, ms))
     lines = markdown(result)
-    peers.write_results(result, args.out, args.name, extra_markdown=lines)
-    plot(result, os.path.join(args.out, args.name + ".png"))
+    peers.write_results(result, args.out, args.name, extra_markdown=lines, plot=plot)
     print("\n".join(lines))
     return 0
 

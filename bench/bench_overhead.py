@@ -6,10 +6,9 @@ Each mode runs in its own process, so the first call is really the first:
 The warm per-call times of the two must match: dispatch caches its decision, so
 after the first call a self-checked backend costs nothing extra. Wall time per
 call with no sync inside the loop (the host is the bottleneck at these sizes).
-Writes overhead.json and overhead.md under --out.
+Writes overhead.{json,md} under --out (default bench/results/latest) through peers.write_results.
 """
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -50,14 +49,14 @@ def _child(calls: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "latest"))
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.calls)))
         return
-    import torch
+    import peers
 
     modes = {}
     for mode in ("0", "force"):
@@ -65,17 +64,10 @@ def main():
         done = subprocess.run([sys.executable, __file__, "--child", "--calls", str(args.calls)], env=env,
                               capture_output=True, text=True, check=True)
         modes[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "commit": os.environ.get("PORTATTN_COMMIT", "unknown"), "modes": modes}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "overhead.json"), "w") as handle:
-        json.dump(result, handle, indent=1)
     off, on = modes["0"], modes["force"]
-    lines = ["# Host overhead per call (us, wall time, no sync in the loop, bf16, 16 heads)", "",
-             f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; torch {result['torch']}; "
-             f"backend: {off['backend']}", "",
-             f"First call of a process: {off['first_call_ms']:.1f} ms without the self-check, "
+    result = dict(peers.header(dry_run=False), title="Host overhead per call (us, wall time, no sync in the loop, bf16, 16 heads)",
+                  note=f"backend: {off['backend']}", modes=modes)
+    lines = [f"First call of a process: {off['first_call_ms']:.1f} ms without the self-check, "
              f"{on['first_call_ms']:.1f} ms with it (PORTATTN_SELFCHECK=force).", "",
              "| batch | hd | seqlen | portattn | portattn (self-checked) | SDPA | ratio | causal: portattn | causal: SDPA | causal ratio |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -83,9 +75,7 @@ def main():
         lines.append(f"| {a['batch']} | {a['head_dim']} | {a['seqlen']} | {a['portattn_us']:.1f} | {b['portattn_us']:.1f} | "
                      f"{a['sdpa_us']:.1f} | {a['portattn_us'] / a['sdpa_us']:.2f} | {a['portattn_causal_us']:.1f} | "
                      f"{a['sdpa_causal_us']:.1f} | {a['portattn_causal_us'] / a['sdpa_causal_us']:.2f} |")
-    with open(os.path.join(args.out, "overhead.md"), "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(open(peers.write_results(result, args.out, "overhead", lines)).read())
 
 
 if __name__ == "__main__":

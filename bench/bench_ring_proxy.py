@@ -12,14 +12,12 @@ compares them with one whole-sequence call of the same total work:
 
 overhead per step = (ring time - whole time) / (N x N calls): the fixed cost a ring
 step adds (launch, dispatch, the merge), which communication must hide. Non-causal keeps
-the work of both sides equal. Writes <out>/ring_proxy.{json,md} with device, date and
-commit. `--dry-run` runs tiny shapes on the CPU (any device works) for the plumbing.
+the work of both sides equal. Writes <out>/ring_proxy.{json,md} (default bench/results/latest) through
+peers.write_results, with device, date and commit. `--dry-run` runs tiny shapes on the CPU (any device works) for the plumbing.
 """
 import argparse
 import datetime
-import json
 import os
-import subprocess
 import sys
 import time
 
@@ -28,6 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import peers  # noqa: E402  (bench/, next to this file)
 import portattn  # noqa: E402
 from portattn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward  # noqa: E402
 
@@ -92,32 +91,17 @@ def measure(device, dtype, batch, seqlen, heads, head_dim, ranks_list, backward,
     return rows
 
 
-def _commit():
-    if os.environ.get("PORTATTN_COMMIT"):  # the device copy has no .git
-        return os.environ["PORTATTN_COMMIT"]
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def write_results(result, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "ring_proxy.json"), "w") as handle:
-        json.dump(result, handle, indent=1)
-    lines = [f"# Ring-attention proxy: per-step overhead on one device",
-             "", f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; "
-             f"torch {result['torch']}; dtype {result['dtype']}; batch {result['batch']}, heads "
-             f"{result['heads']}, head dim {result['head_dim']}" + ("; DRY RUN (tiny CPU shapes)" if result["dry_run"] else ""),
-             "", "| seqlen | ranks | pass | whole (ms) | ring (ms) | steps | overhead / step (us) | ring / whole |",
+    result = dict(result, title="Ring-attention proxy: per-step overhead on one device",
+                  note=f"dtype {result['dtype']}; batch {result['batch']}, heads {result['heads']}, head dim "
+                       f"{result['head_dim']}" + ("; DRY RUN (tiny CPU shapes)" if result["dry_run"] else ""))
+    lines = ["| seqlen | ranks | pass | whole (ms) | ring (ms) | steps | overhead / step (us) | ring / whole |",
              "|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['seqlen']} | {row['ranks']} | {'fwd+bwd' if row['backward'] else 'fwd'} | "
                      f"{row['whole_ms']:.3f} | {row['ring_ms']:.3f} | {row['steps']} | "
                      f"{row['overhead_per_step_us']:.1f} | {row['ratio']:.2f} |")
-    with open(os.path.join(out_dir, "ring_proxy.md"), "w") as handle:
-        handle.write("\n".join(lines) + "\n")
+    peers.write_results(result, out_dir, "ring_proxy", lines)
 
 
 def main(argv=None):
@@ -129,7 +113,7 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (plumbing check)")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--out", default=peers.LATEST)
     args = parser.parse_args(argv)
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.bfloat16
@@ -145,7 +129,7 @@ def main(argv=None):
         for backward in (False, True):
             rows += measure(device, dtype, args.batch, seqlen, heads, head_dim, ranks, backward, repeats)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {"device": name, "date": datetime.date.today().isoformat(), "commit": _commit(),
+    result = {"device": name, "date": datetime.date.today().isoformat(), "commit": peers.commit(),
               "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""), "batch": args.batch,
               "heads": heads, "head_dim": head_dim, "dry_run": args.dry_run,
               "backends": portattn.selected_backends(), "rows": rows}

@@ -7,13 +7,12 @@ For each schedule: a correctness check on shapes that exercise many tiles per CT
 empty causal tiles and ragged blocks (the error rule of tests/gpu), then TFLOP/s over
 the issue's grid (bf16, 16k tokens, hidden 2048) next to SDPA cuDNN and flash.
   python bench/hopper_fwd_tuning.py [--schedules 0,1,3,...] [--out DIR]
-Writes <out>/hopper_fwd_tuning.{json,md}.
+Writes <out>/hopper_fwd_tuning.{json,md} through peers.write_results (default --out
+bench/results/latest; a tuning run belongs under bench/results/runs/<date>-<commit>/).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
@@ -24,7 +23,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from error_rule import FLOOR, OUT_FACTOR, max_error  # noqa: E402  (tests/error_rule.py)
 from naive import naive_attention  # noqa: E402
+
+import peers  # noqa: E402  (bench/, next to this file)
 
 from portattn.backends.abi import fwd_args  # noqa: E402
 from portattn.backends.cuda import _C  # noqa: E402
@@ -63,10 +65,9 @@ def check(schedule: int) -> str:
                 low, _ = naive_attention(q, k, v, compute_dtype=torch.bfloat16, causal=causal)
                 if out.isnan().any() or lse.isnan().any():
                     return f"FAIL NaN at {(batch, sq, sk, heads, head_dim, causal)}"
-                err = (out.double() - ref).abs().max().item()
-                base = (low.double() - ref).abs().max().item()
-                if err > 2 * base + 1e-5:
-                    return f"FAIL err {err:.2e} > 2 x {base:.2e} at {(batch, sq, sk, heads, head_dim, causal)}"
+                err, base = max_error(out, ref), max_error(low, ref)
+                if err > OUT_FACTOR * base + FLOOR:
+                    return f"FAIL err {err:.2e} > {OUT_FACTOR:g} x {base:.2e} at {(batch, sq, sk, heads, head_dim, causal)}"
                 worst = max(worst, err / (base + 1e-12))
     return f"ok (worst err / torch bf16 err = {worst:.2f})"
 
@@ -109,7 +110,7 @@ def main():
     parser.add_argument("--schedules", default=",".join(map(str, SCHEDULES)))
     parser.add_argument("--repeats", type=int, default=1, help="time the grid this many times (spread)")
     parser.add_argument("--seqlens", default="1024,4096,16384")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=peers.LATEST)
     args = parser.parse_args()
     schedules = [int(s) for s in args.schedules.split(",")]
     checks = {SCHEDULE_NAMES[s]: check(s) for s in schedules}
@@ -121,15 +122,9 @@ def main():
         for row in time_grid(good, [int(s) for s in args.seqlens.split(",")]):
             rows.append(dict(row, repeat=repeat))
     names = [SCHEDULE_NAMES[s] for s in good]
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": os.environ.get("PORTATTN_COMMIT", "unknown")}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hopper_fwd_tuning.json"), "w") as f:
-        json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
-    lines = [f"# Hopper forward schedules (bf16 TFLOP/s, 16k tokens, hidden 2048)", "",
-             f"device: {meta['device']}; date: {meta['date']}; commit: {meta['commit']}; torch {meta['torch']}", "",
-             "checks: " + "; ".join(f"{k}: {v}" for k, v in checks.items()), "",
+    result = dict(peers.header(dry_run=False), title="Hopper forward schedules (bf16 TFLOP/s, 16k tokens, hidden 2048)",
+                  checks=checks, rows=rows)
+    lines = ["checks: " + "; ".join(f"{k}: {v}" for k, v in checks.items()), "",
              "| hd | seqlen | causal | rep | " + " | ".join(names) + " | cuDNN | flash | best / cuDNN |",
              "|" + "---|" * (len(names) + 7)]
     for row in rows:
@@ -137,10 +132,7 @@ def main():
         lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | {row['repeat']} | "
                      + " | ".join(f"{row[n]:.0f}" for n in names)
                      + f" | {row['cudnn']:.0f} | {row['flash']:.0f} | {best / row['cudnn']:.3f} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "hopper_fwd_tuning.md"), "w") as f:
-        f.write(text)
-    print(text)
+    print(open(peers.write_results(result, args.out, "hopper_fwd_tuning", lines)).read())
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ IMPLS = {impl.name: impl for impl in (
          functools.partial(_portattn_forced, "cuda")),
     Impl("portattn_det", "portattn deterministic", "det", functools.partial(_bind_portattn, True),
          functools.partial(_portattn_forced, None), modes=("fwd_bwd",)),
-    Impl("sm80_kernel", "CudaBackend.forward (direct)", "kern", _bind_sm80_kernel, modes=("fwd",)),
+    Impl("sm80_kernel", "sm80+ kernel (CudaBackend.forward, direct)", "kern", _bind_sm80_kernel, modes=("fwd",)),
     Impl("sdpa_flash", "SDPA flash (FA2)", "fa2", _bind_sdpa, functools.partial(_sdpa_context, "FLASH_ATTENTION")),
     Impl("sdpa_cudnn", "SDPA cuDNN", "cudnn", _bind_sdpa, functools.partial(_sdpa_context, "CUDNN_ATTENTION")),
     Impl("flex", "FlexAttention (compiled)", "flex", _bind_flex),
@@ -537,23 +537,35 @@ def _plot(result, path):
     plt.close(fig)
 
 
-def write_results(result, out_dir: str, name: str, extra_markdown=()) -> str:
-    """<out_dir>/<name>.json, .md (grid tables, then `extra_markdown` lines) and .png; returns the .md path."""
+# The default --out of every benchmark script: the current table per question, which the
+# GPU suite overwrites (bench/results/README.md: dated runs go under bench/results/runs/).
+LATEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "latest")
+
+
+def write_results(result, out_dir: str, name: str, extra_markdown=(), plot=None) -> str:
+    """The one writer of benchmark results; every script in bench/ writes through it.
+
+    <out_dir>/<name>.json: `result` as is. <name>.md: `# title`, one line with device, date,
+    commit, torch and the peers' versions (the same header in every result file), `note`,
+    the grid tables when `result["grid"]` is non-empty, then the `extra_markdown` lines.
+    <name>.png: the grid plot, or `plot(result, path)` when given. Returns the .md path."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name)
     with open(base + ".json", "w") as handle:
         json.dump(result, handle, indent=1)
     versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
     lines = [f"# {result['title']}", "",
-             f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; "
-             f"torch {result['torch']}" + (f"; {versions}" if versions else ""), ""]
+             f"device: {result['device']}; date: {result['date']}; commit: {result.get('commit', 'unknown')}; "
+             f"torch {result.get('torch', torch.__version__)}" + (f"; {versions}" if versions else ""), ""]
     if result.get("note"):
         lines += [result["note"], ""]
-    if result["grid"]:
+    if result.get("grid"):
         lines += _markdown_grid(result)
     lines += list(extra_markdown)
     with open(base + ".md", "w") as handle:
         handle.write("\n".join(lines).rstrip() + "\n")
-    if result["grid"]:
+    if plot is not None:
+        plot(result, base + ".png")
+    elif result.get("grid"):
         _plot(result, base + ".png")
     return base + ".md"

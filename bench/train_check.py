@@ -1,6 +1,6 @@
 """Training check (issue #4): the same small transformer trained with portattn and with SDPA.
 
-    python bench/train_check.py [--steps 300] [--out bench/results]
+    python bench/train_check.py [--steps 300] [--out bench/results/latest]
 
 A 2-layer causal language model (d_model 512, 8 heads of 64, bf16 attention,
 fp32 weights and AdamW) learns a synthetic task with structure: sequences from a
@@ -11,13 +11,12 @@ the same batches in the same order; only the attention call differs
 chosen freely). The curves must agree within run-to-run noise: the report
 gives the mean |difference| of the smoothed curves against the spread of
 SDPA's own curve, and the final losses.
-Writes <out>/train_check.json and train_check.png.
+Writes <out>/train_check.{json,md,png} through peers.write_results.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import math
 import os
@@ -26,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import peers
 import portattn
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQLEN, BATCH = 256, 512, 8, 2, 512, 16
@@ -120,12 +120,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=peers.LATEST)
     parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG from a saved train_check.json")
     args = parser.parse_args()
     if args.replot:
         with open(args.replot) as handle:
-            plot(json.load(handle), args.out)
+            plot(json.load(handle), os.path.join(args.out, "train_check.png"))
         return
     torch.manual_seed(0)
     batches = make_batches(args.steps, "cuda")
@@ -140,9 +140,8 @@ def main():
     # Noise scale: how far SDPA's raw losses sit from their own smoothed curve.
     noise = math.sqrt(sum((a - b) ** 2 for a, b in zip(curves["sdpa"][tail], sdpa_s[tail])) / len(sdpa_s[tail]))
     result = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
+        **peers.header(dry_run=False),
+        "title": "Training check: the same small transformer trained with portattn and with SDPA",
         "config": dict(vocab=VOCAB, d_model=D_MODEL, heads=HEADS, layers=LAYERS, seqlen=SEQLEN,
                        batch=BATCH, steps=args.steps, lr=args.lr),
         "losses": curves,
@@ -151,16 +150,14 @@ def main():
         "sdpa_noise_rms": noise,
         "agree": gap <= noise,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "train_check.json"), "w") as handle:
-        json.dump(result, handle, indent=1)
-    print(f"train_check: first loss sdpa {curves['sdpa'][0]:.4f} portattn {curves['portattn'][0]:.4f}; "
-          f"final (smoothed) sdpa {sdpa_s[-1]:.4f} portattn {ours_s[-1]:.4f}; mean |gap| over the second "
-          f"half {gap:.4f} vs SDPA noise rms {noise:.4f} -> {'agree' if result['agree'] else 'DIFFER'}")
-    plot(result, args.out)
+    summary = (f"train_check: first loss sdpa {curves['sdpa'][0]:.4f} portattn {curves['portattn'][0]:.4f}; "
+               f"final (smoothed) sdpa {sdpa_s[-1]:.4f} portattn {ours_s[-1]:.4f}; mean |gap| over the second "
+               f"half {gap:.4f} vs SDPA noise rms {noise:.4f} -> {'agree' if result['agree'] else 'DIFFER'}")
+    peers.write_results(result, args.out, "train_check", [summary], plot=plot)
+    print(summary)
 
 
-def plot(result, out_dir):
+def plot(result, path):
     curves = result["losses"]
     try:
         import matplotlib
@@ -178,7 +175,7 @@ def plot(result, out_dir):
     ax.set_title(f"train_check: {result['device']} {result['date']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "train_check.png"), dpi=90)
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":

@@ -59,13 +59,7 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """Exact attention. q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
-
-    causal is aligned to the bottom-right of the score matrix; window_size=(left, right)
-    limits each query to keys in [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded).
-    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) with
-    return_attn_probs=True (softmax_lse: float32 (batch, nheads, seqlen_q)).
-    """
+    # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     return _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                        alibi_slopes, deterministic, return_attn_probs)
 
@@ -73,7 +67,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False):
-    """qkv: (batch, seqlen, 3, nheads, headdim). Gradients flow back into qkv."""
+    # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     _check_packed("qkv", qkv, rank=5, count=3)
     return _dense_call(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                        causal, window_size, softcap, alibi_slopes, deterministic,
@@ -83,7 +77,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
-    """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+    # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     _check_packed("kv", kv, rank=5, count=2)
     return _dense_call(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
                        window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
@@ -93,13 +87,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
-    """Packed variable-length sequences. q: (total_q, nheads, headdim); k, v: (total_k, nheads_k,
-    headdim); cu_seqlens_*: int32 (batch + 1,) prefix sums. softmax_lse is (nheads, total_q).
-
-    With block_table (int32 (batch, max_blocks)), k and v are paged caches
-    (num_blocks, page_block_size, nheads_k, headdim) and cu_seqlens_k gives each
-    sequence's key count.
-    """
+    # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     if block_table is not None:
         in_place = _paged_varlen_in_place(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k,
                                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -117,7 +105,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
-    """qkv: (total, 3, nheads, headdim)."""
+    # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     _check_packed("qkv", qkv, rank=4, count=3)
     return _varlen_call(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                         max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -128,7 +116,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                     deterministic=False, return_attn_probs=False):
-    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
+    # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     _check_packed("kv", kv, rank=4, count=2)
     return _varlen_call(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -151,22 +139,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """Attention over a KV cache, appending new keys/values in place first (flash-attn semantics).
-
-    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
-    nheads_k, headdim), or with block_table (int32 (batch, max_blocks)) paged
-    (num_blocks, page_block_size, nheads_k, headdim). k, v (optional): (batch, seqlen_new,
-    nheads_k, headdim), written at positions cache_seqlens[b] onwards. rotary_cos/sin
-    ((seqlen_ro, rotary_dim / 2)) rotate q and the new k first; cache_leftpad marks where
-    each sequence starts in the cache. num_splits: how many CTAs share one sequence's keys
-    (0 = chosen from the shapes and the GPU; an explicit count is honoured up to 128).
-    No gradients (inference API).
-
-    On a GPU with decode kernels the cache is read in place and nothing is read on the
-    host, so the call can be captured in a CUDA graph (Note [portattn decode]); values of
-    cache_seqlens, cache_leftpad, cache_batch_idx and block_table outside the cache are
-    clamped on the device (PORTATTN_DEBUG_CHECKS=1 raises a ValueError instead).
-    """
+    # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     from .kvcache import attend_to_cache
 
     return attend_to_cache(
@@ -174,6 +147,191 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, return_softmax_lse, num_splits, flash_attn_varlen_func,
     )
+
+
+# ---- docstrings -------------------------------------------------------------------------
+# The arguments the attention functions share are described once here and spliced into each
+# function's docstring, so help() shows every function complete and the texts cannot drift.
+
+_SHARED_ARGS = """\
+    dropout_p: float. Probability of dropping an attention weight (0.0 outside training). The
+        mask is a counter-based Philox stream seeded from torch's generator, the same on every
+        backend (`torch.manual_seed` reproduces it).
+    softmax_scale: float. Multiplies Q K^T before the softmax. Default 1 / sqrt(headdim).
+    causal: bool. Causal mask, aligned to the bottom-right corner of the score matrix (see
+        below), as in flash-attn >= 2.1.
+    window_size: (left, right). Sliding-window (local) attention: query i sees key j only when
+        i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 leaves that
+        side unbounded. (-1, -1) is full attention; causal=True is window_size=(-1, 0), and
+        both together intersect.
+    softcap: float. When > 0, scores become softcap * tanh(scores / softcap) before the softmax
+        (Gemma-2 style); 0.0 turns it off.
+    alibi_slopes: float32 tensor (nheads,) or (batch, nheads), or None. Adds
+        -slope * |i + seqlen_k - seqlen_q - j| to the score of query i and key j.
+    deterministic: bool. Backward only: when True, dQ is accumulated in a fixed order, so two
+        runs give bitwise equal gradients (it costs time and fp32 dQ copies; README).
+    return_attn_probs: bool. When True, return (out, softmax_lse, None). The probability matrix
+        itself is never materialised (flash-attn returns it there, for testing only).
+"""
+
+_SEMANTICS = """\
+Causal alignment (bottom-right). With seqlen_q=2 and seqlen_k=5, the causal mask is
+(1 = visible, 0 = masked):
+        1 1 1 1 0
+        1 1 1 1 1
+and with seqlen_q=5 and seqlen_k=2:
+        0 0
+        0 0
+        0 0
+        1 0
+        1 1
+A row that sees no key (the first three above) outputs 0 and gets softmax_lse = -inf.
+
+Grouped-query / multi-query attention: nheads must be a multiple of nheads_k; query head h
+attends to key/value head h // (nheads // nheads_k). With 6 query heads and 2 key/value heads,
+query heads 0, 1, 2 use key/value head 0 and 3, 4, 5 use head 1.
+
+Gradients flow to q, k, v (and through views, to a packed qkv / kv) with autograd;
+torch.compile traces the call as one custom op.
+"""
+
+_DENSE_RETURNS = """\
+Returns:
+    out: (batch, seqlen_q, nheads, headdim), the dtype of q.
+    With return_attn_probs=True: (out, softmax_lse, None); softmax_lse: float32
+        (batch, nheads, seqlen_q), the natural-log sum of exp(scores) per query row.
+"""
+
+_VARLEN_RETURNS = """\
+Returns:
+    out: (total_q, nheads, headdim), the dtype of q.
+    With return_attn_probs=True: (out, softmax_lse, None); softmax_lse: float32
+        (nheads, total_q), the natural-log sum of exp(scores) per query row.
+"""
+
+_VARLEN_ARGS = """\
+    cu_seqlens_q: int32 tensor (batch + 1,): prefix sums of the query lengths, starting at 0;
+        sequence b's queries are rows cu_seqlens_q[b] to cu_seqlens_q[b + 1] - 1.
+    cu_seqlens_k: int32 tensor (batch + 1,): the same for the keys and values.
+    max_seqlen_q, max_seqlen_k: int. The longest query / key sequence. Never read from the
+        tensors on the host (no device sync): wrong values give wrong results, as in
+        flash-attn; PORTATTN_DEBUG_CHECKS=1 checks them and raises a ValueError.
+"""
+
+
+def _doc(summary, args, returns, semantics=_SEMANTICS):
+    return f"{summary}\n\nArguments:\n{args}{_SHARED_ARGS}\n{returns}\n{semantics}"
+
+
+flash_attn_func.__doc__ = _doc(
+    "Exact attention (flash-attn's flash_attn_func): softmax(Q K^T * softmax_scale) V.",
+    """\
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16 (float32 runs on the reference
+        backend).
+    k: (batch, seqlen_k, nheads_k, headdim).
+    v: (batch, seqlen_k, nheads_k, headdim).
+""", _DENSE_RETURNS)
+
+flash_attn_qkvpacked_func.__doc__ = _doc(
+    "Exact self-attention on one packed qkv tensor (flash-attn's flash_attn_qkvpacked_func).\n\n"
+    "Same as flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...); the gradient\n"
+    "is written back into the one qkv tensor.",
+    """\
+    qkv: (batch, seqlen, 3, nheads, headdim), float16 or bfloat16.
+""", _DENSE_RETURNS)
+
+flash_attn_kvpacked_func.__doc__ = _doc(
+    "Exact attention with packed keys and values (flash-attn's flash_attn_kvpacked_func).\n\n"
+    "Same as flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], ...).",
+    """\
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16.
+    kv: (batch, seqlen_k, 2, nheads_k, headdim).
+""", _DENSE_RETURNS)
+
+flash_attn_varlen_func.__doc__ = _doc(
+    "Exact attention over packed variable-length sequences (flash-attn's flash_attn_varlen_func).\n\n"
+    "The batch's sequences are concatenated along the first dimension; a sequence only sees\n"
+    "its own keys. Masks and ALiBi are aligned per sequence (seqlen_q and seqlen_k below are\n"
+    "that sequence's lengths).",
+    """\
+    q: (total_q, nheads, headdim), float16 or bfloat16; total_q = sum of the query lengths.
+    k: (total_k, nheads_k, headdim); or, with block_table, a paged cache
+        (num_blocks, page_block_size, nheads_k, headdim).
+    v: shaped as k.
+""" + _VARLEN_ARGS + """\
+    block_table: int32 tensor (batch, max_blocks_per_sequence), or None. With it, k and v are
+        paged caches: key j of sequence b lives in page block_table[b, j // page_block_size],
+        row j % page_block_size, and cu_seqlens_k gives each sequence's key count. Inference
+        only (no gradients).
+""", _VARLEN_RETURNS)
+
+flash_attn_varlen_qkvpacked_func.__doc__ = _doc(
+    "Exact self-attention over packed variable-length sequences in one qkv tensor\n"
+    "(flash-attn's flash_attn_varlen_qkvpacked_func).",
+    """\
+    qkv: (total, 3, nheads, headdim), float16 or bfloat16.
+    cu_seqlens: int32 tensor (batch + 1,): prefix sums of the sequence lengths, starting at 0.
+    max_seqlen: int. The longest sequence (never read from cu_seqlens on the host).
+""", _VARLEN_RETURNS)
+
+flash_attn_varlen_kvpacked_func.__doc__ = _doc(
+    "Exact attention over packed variable-length sequences with packed keys and values\n"
+    "(flash-attn's flash_attn_varlen_kvpacked_func).",
+    """\
+    q: (total_q, nheads, headdim), float16 or bfloat16.
+    kv: (total_k, 2, nheads_k, headdim).
+""" + _VARLEN_ARGS, _VARLEN_RETURNS)
+
+flash_attn_with_kvcache.__doc__ = f"""\
+Attention of new queries over a KV cache, appending the new keys and values to the cache in
+place first (flash-attn 2's flash_attn_with_kvcache; inference, no gradients).
+
+Arguments:
+    q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16. Usually seqlen_q = 1 (one
+        decode step) or a few tokens (speculative decoding, a chunk of the prompt).
+    k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim); or, with block_table,
+        paged caches (num_blocks, page_block_size, nheads_k, headdim). Updated in place when k
+        and v are given.
+    k, v: (batch, seqlen_new, nheads_k, headdim), or None. New keys and values: new key i of
+        sequence b is written (after rotation, if any) at absolute cache row
+        cache_seqlens[b] + i, and attended to together with the cached ones.
+    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), or None. Rotary embedding of the first
+        rotary_dim features of q and of the new k (the cache holds rotated keys already). New key
+        i is rotated at position cache_seqlens[b] + i (the absolute cache row, left padding
+        included); the queries at cache_seqlens[b], plus their own index i when causal=True or a
+        window is set (each query is then a token of its own), as in flash-attn 2.
+    cache_seqlens: int, or int32 tensor (batch,). How many rows of each sequence's cache are
+        filled before this call (the new keys go right after them).
+    cache_batch_idx: int32 tensor (batch,), or None. Sequence b reads and writes cache entry
+        cache_batch_idx[b] (default: entry b). Not with block_table.
+    cache_leftpad: int32 tensor (batch,), or None. Sequence b's keys start at cache row
+        cache_leftpad[b]: the live keys are rows [cache_leftpad[b], cache_seqlens[b]) followed by
+        the new ones.
+    block_table: int32 tensor (batch, max_blocks_per_sequence), or None. Paged cache: cache row
+        j of sequence b lives in page block_table[b, j // page_block_size], row
+        j % page_block_size.
+    softmax_scale, causal, window_size, softcap, alibi_slopes: as in flash_attn_func, with
+        seqlen_k = the sequence's live keys (from cache_leftpad to cache_seqlens + seqlen_new),
+        so causal aligns the new queries with the newest keys (bottom-right).
+    rotary_interleaved: bool. True: rotate feature pairs (0, 1), (2, 3), ... (GPT-J); False:
+        pairs (i, i + rotary_dim / 2) (GPT-NeoX).
+    num_splits: int. How many thread blocks share one sequence's keys (split-KV). 0 (default)
+        chooses from the shapes and the GPU; an explicit count is honoured up to 128.
+    return_softmax_lse: bool. Also return softmax_lse.
+
+Returns:
+    out: (batch, seqlen_q, nheads, headdim); with return_softmax_lse=True, (out, softmax_lse),
+        softmax_lse float32 (batch, nheads, seqlen_q).
+
+On a GPU backend with decode kernels, the cache is read in place, new keys are appended and
+rotated on the device, and no tensor value is read on the host: a decode step can be captured
+in a CUDA graph and replayed with changing cache_seqlens. Values of cache_seqlens,
+cache_leftpad, cache_batch_idx and block_table that point outside the cache are clamped on the
+device (PORTATTN_DEBUG_CHECKS=1 raises a ValueError naming the argument instead). Elsewhere
+(CPU, float32, the reference backend) the live cache is gathered into a varlen call, which
+reads the lengths on the host.
+
+{_SEMANTICS}"""
 
 
 def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,

@@ -23,14 +23,15 @@ import torch
 
 from .backends.base import Backend
 from .backends.reference import ReferenceBackend
+from .capability import matrix
 from .capability.callspec import FEATURES, CallSpec
 
-# Priority order. Each entry: (name, module, class). The Hopper path goes first: it
-# declares the calls it serves on sm90, and everything else falls through to "cuda".
-_COMPILED = (
-    ("cuda-sm90", "portattn.backends.cuda", "CudaSm90Backend"),
-    ("cuda", "portattn.backends.cuda", "CudaBackend"),
-    ("rocm", "portattn.backends.rocm", "RocmBackend"),
+# Priority order and implementations come from the specs (capability/matrix.DISPATCH_PRIORITY,
+# each spec's `implementation`). Each entry: (name, module, class); the reference backend is
+# constructed directly, last.
+_COMPILED = tuple(
+    (name, *matrix.get_spec(name).implementation.split(":"))
+    for name in matrix.DISPATCH_PRIORITY if name != "reference"
 )
 BACKEND_NAMES = tuple(name for name, _, _ in _COMPILED) + ("reference",)
 

@@ -1,6 +1,7 @@
 """flash-attn's `flash_attn.flash_attn_interface` module, served by portattn.
 
-The public functions are api.py's. The four private ones below are flash-attn 2.8's
+The public functions are api.py's, the same objects (their docstrings, shown by help(), are
+assembled there). The four private ones below are flash-attn 2.8's
 low-level interface, which libraries built on flash-attn call directly (ring attention
 merges the partial results of several calls by their LSE, then runs each backward with
 the *global* out and softmax_lse). Their signatures, keyword names, defaults and return

@@ -115,3 +115,27 @@ def test_ring_proxy_dry_run_writes_json_and_markdown(tmp_path):
         assert row["steps"] == row["ranks"] ** 2 and row["whole_ms"] > 0 and row["ring_ms"] > 0
     table = (tmp_path / "ring_proxy.md").read_text()
     assert "overhead / step" in table and table.count("\n| 64 |") == 4
+
+
+def _markdown_files():
+    yield os.path.join(ROOT, "README.md")
+    for folder in ("docs", os.path.join("bench", "results")):
+        for dirpath, _, names in os.walk(os.path.join(ROOT, folder)):
+            yield from (os.path.join(dirpath, n) for n in names if n.endswith(".md"))
+
+
+def test_result_and_doc_links_resolve():
+    """Every relative markdown link in README, docs/ and bench/results/ names an existing file,
+    and every `bench/results/...` or `docs/...` path cited in the code exists."""
+    import re
+
+    broken = []
+    for path in _markdown_files():
+        text = open(path).read()
+        for target in re.findall(r"\]\(([^)#\s]+)\)", text):
+            if "://" not in target and not os.path.exists(os.path.join(os.path.dirname(path), target)):
+                broken.append(f"{os.path.relpath(path, ROOT)}: {target}")
+    cited = subprocess.run(["git", "grep", "-ohE", r"(bench/results|docs)/[A-Za-z0-9_./-]+\.(md|json|png|txt|log)"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.split()
+    broken += [c for c in set(cited) if "*" not in c and "<" not in c and not os.path.exists(os.path.join(ROOT, c))]
+    assert not broken, broken

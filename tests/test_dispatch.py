@@ -163,3 +163,21 @@ def test_selfcheck_force_checks_verified_backends_and_ignores_the_cache(use_back
     calls = fake.calls
     assert selfcheck.ensure_verified(fake, torch.device("cpu")) != ""
     assert fake.calls > calls  # ran again: force never trusts the cache
+
+
+def test_one_backend_registry_specs_name_their_classes_and_dispatch_follows_the_priority_list():
+    """The specs are the registry: dispatch's order is matrix.DISPATCH_PRIORITY, and each spec's
+    `implementation` is a Backend class whose `name` is the spec's (so the two cannot diverge)."""
+    import importlib
+
+    from portattn.backends.base import Backend
+    from portattn.capability import matrix
+
+    assert sorted(matrix.DISPATCH_PRIORITY) == sorted(matrix.BACKEND_NAMES)
+    assert matrix.DISPATCH_PRIORITY[-1] == "reference"  # serves every call: the last resort
+    assert dispatch.BACKEND_NAMES == matrix.DISPATCH_PRIORITY
+    assert [slot.name for slot in dispatch.DISPATCHER.slots] == list(matrix.DISPATCH_PRIORITY)
+    for spec in matrix.backend_specs():
+        module_name, class_name = spec.implementation.split(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        assert issubclass(cls, Backend) and cls.name == spec.name, spec.implementation

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from error_rule import assert_grads, assert_output
 from naive import naive_attention
 
 from portattn.backends import reference
@@ -319,10 +320,6 @@ def test_non_contiguous_inputs_and_outputs(tiny_chunks):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def _max_error(got, ref):
-    return (got.to(F64) - ref).abs().max().item()
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("features", [{}, dict(causal=True, softcap=2.0, alibi="heads", dropout_p=0.1)],
                          ids=["plain", "mixed"])
@@ -334,7 +331,7 @@ def test_low_precision_error_rule(tiny_chunks, dtype, features):
     assert out.dtype == dtype and lse.dtype == torch.float32
     ref_out, ref_lse = run_naive(q, k, v, **options)
     low_out, _ = run_naive(q, k, v, compute_dtype=dtype, **options)
-    assert _max_error(out, ref_out) <= 2 * _max_error(low_out, ref_out) + 1e-5
+    assert_output(out, ref_out, low_out)
     # lse is fp32 whatever the input dtype: it must be accurate to fp32, not to dtype.
     torch.testing.assert_close(lse.to(F64), ref_lse, rtol=1e-5, atol=1e-5)
 
@@ -343,9 +340,8 @@ def test_low_precision_error_rule(tiny_chunks, dtype, features):
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     low_out, _ = run_naive(*leaves, compute_dtype=dtype, **options)
     low_grads = torch.autograd.grad(low_out, leaves, dout)
-    for got, ref, low in zip(grads, ref_grads, low_grads):
-        assert got.dtype == dtype
-        assert _max_error(got, ref) <= 3 * _max_error(low, ref) + 1e-5
+    assert all(got.dtype == dtype for got in grads)
+    assert_grads(grads, ref_grads, low_grads)
 
 
 def test_fp64_inputs_with_contract_fp32_lse(tiny_chunks):

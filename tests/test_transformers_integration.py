@@ -24,6 +24,8 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from portattn.integrations import transformers as pt_hf  # noqa: E402
 from portattn.integrations import _padding  # noqa: E402
 
+import error_rule  # noqa: E402  (tests/error_rule.py)
+
 F64 = torch.float64
 VOCAB = 96
 CPU_CASES = [("cpu", torch.float32), ("cpu", torch.bfloat16)]
@@ -104,9 +106,8 @@ def assert_error_rule(name, ours, low, ref, factor):
     at rounding level and their ratio is noise.
     """
     assert torch.isfinite(ours).all(), f"{name}: non-finite values"
-    err, base = max_error(ours, ref), max_error(low, ref)
     slack = 1e-5 * max(1.0, ref.abs().max().item())
-    assert err <= factor * base + slack, f"{name}: error {err:.3e} > {factor} x eager's {base:.3e} (+{slack:.1e})"
+    error_rule.assert_within(name, ours, ref, low, factor, floor=slack)
 
 
 def padded_batch(padding_side, device, seqlen=12, lengths=(12, 7, 9), seed=1):

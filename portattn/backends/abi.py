@@ -6,6 +6,8 @@ written once here. It runs on every call: plain attribute reads, no allocation.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}  # PortattnDtype in params.h
@@ -13,10 +15,23 @@ DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}  # PortattnDtype in params.h
 raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~10x cheaper than current_stream()
 
 
+# The compiled `fwd`'s arguments, by name. The field order is PORTATTN_FWD_ARG_NAMES in
+# common/binding_args.h (tests/test_abi.py parses the header and checks they are equal), so
+# nothing here depends on a position: fwd_args fills the fields by keyword, `bwd` takes the
+# same tuple after its own arguments, and callers read or replace fields by name.
+FwdArgs = collections.namedtuple("FwdArgs", (
+    "q", "k", "v", "out", "lse", "q_strides", "k_strides", "v_strides", "out_strides",
+    "lse_batch_stride", "lse_head_stride", "dtype", "batch", "nheads", "nheads_k", "headdim",
+    "seqlen_q", "seqlen_k", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "softmax_scale", "softcap",
+    "window_left", "window_right", "alibi_slopes", "alibi_batch_stride", "dropout_p", "philox_seed",
+    "philox_offset", "stream", "total_q", "total_k", "philox_state",
+))
+
+
 def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-             rng_seed, rng_offset, rng_state=None) -> tuple:
-    """The `fwd` argument tuple (PORTATTN_FWD_ARGS order). lse may be None (not wanted).
+             rng_seed, rng_offset, rng_state=None) -> FwdArgs:
+    """The `fwd` arguments (a FwdArgs, a tuple in PORTATTN_FWD_ARGS order). lse may be None (not wanted).
     rng_state: None, or a device int64 [seed, offset] the kernels read instead of
     rng_seed / rng_offset (dropout under CUDA-graph capture, portattn/rng.py)."""
     if cu_seqlens_q is None:
@@ -38,19 +53,23 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     else:
         alibi = alibi_slopes.data_ptr()
         alibi_batch_stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
-    return (
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-        q.stride(), k.stride(), v.stride(), out.stride(), lse_strides[0], lse_strides[1],
-        DTYPE_CODES[q.dtype], batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
-        cu_q, cu_k, 0, softmax_scale, softcap, window_left, window_right,
-        alibi, alibi_batch_stride, dropout_p, rng_seed, rng_offset,
-        raw_stream(q.device.index), total_q, total_k, 0 if rng_state is None else rng_state.data_ptr(),
+    return FwdArgs(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
+        lse=0 if lse is None else lse.data_ptr(),
+        q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), out_strides=out.stride(),
+        lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1], dtype=DTYPE_CODES[q.dtype],
+        batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=0, softmax_scale=softmax_scale, softcap=softcap,
+        window_left=window_left, window_right=window_right, alibi_slopes=alibi,
+        alibi_batch_stride=alibi_batch_stride, dropout_p=dropout_p, philox_seed=rng_seed,
+        philox_offset=rng_offset, stream=raw_stream(q.device.index), total_q=total_q, total_k=total_k,
+        philox_state=0 if rng_state is None else rng_state.data_ptr(),
     )
 
 
-# (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k) inside fwd_args' tuple
-# (PORTATTN_FWD_ARGS order), the shape bwd_workspace_bytes takes.
-_SHAPE = slice(12, 18)
+def workspace_shape(args: FwdArgs) -> tuple:
+    """The shape arguments of the modules' `bwd_workspace_bytes`, from a call's FwdArgs."""
+    return (args.batch, args.nheads, args.nheads_k, args.headdim, args.seqlen_q, args.seqlen_k)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -79,7 +98,7 @@ def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seq
     if not _aligned(dout):
         dout = dout.contiguous()
     deterministic = bool(deterministic)
-    workspace_bytes = module.bwd_workspace_bytes(*args[_SHAPE], deterministic)
+    workspace_bytes = module.bwd_workspace_bytes(*workspace_shape(args), deterministic)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
     (entry or module.bwd)(dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(),
                           dk.stride(), dv.data_ptr(), dv.stride(), workspace.data_ptr(), workspace_bytes,

@@ -66,6 +66,9 @@ class BackendSpec:
     # Supported in calls without a backward only: feature -> where training calls with it go.
     forward_only: Mapping[str, str] = field(default_factory=dict)
     build_arch_env: str = ""  # the restriction variable naming the built archs
+    # The Backend class that implements this spec, "package.module:ClassName"; dispatch imports it
+    # (in matrix.DISPATCH_PRIORITY order) and tests/test_dispatch.py checks its `name` is this spec's.
+    implementation: str = ""
     fallback_when_unbuilt: str = ""  # e.g. "pip install with nvcc available"
 
     def __post_init__(self):

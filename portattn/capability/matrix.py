@@ -27,7 +27,7 @@ from .callspec import FEATURE_TITLES, FEATURES, CallSpec
 from .declare import ANY_ARCH, COMPILED, NO, VERIFIED, BackendSpec
 from .probe import DeviceInfo
 
-# Table order; dispatch has its own priority order.
+# The one list of backends: specs/<module>.py each, in the order of the README table.
 _SPEC_MODULES = ("reference", "cuda_sm90", "cuda", "rocm")
 
 _VENDOR_TITLE = {"nvidia": "NVIDIA", "amd": "AMD"}
@@ -39,6 +39,11 @@ for _module in _SPEC_MODULES:
     _SPECS[_spec.name] = _spec
 
 BACKEND_NAMES = tuple(_SPECS)
+
+# Dispatch's priority order (first fit wins), by spec name; each spec names its class
+# (`implementation`). The Hopper path goes first: it declares the calls it serves on sm90 and
+# everything else falls through to "cuda"; the reference backend, which serves every call, is last.
+DISPATCH_PRIORITY = ("cuda-sm90", "cuda", "rocm", "reference")
 
 
 def get_spec(backend_name: str) -> BackendSpec:

@@ -14,10 +14,14 @@ if cuda_backend._C is None:
 if not torch.cuda.is_available() or torch.version.hip is not None:
     pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
 
+from grids import CUDA_DTYPES, CUDA_HEAD_DIMS, HOPPER_DTYPES, HOPPER_HEAD_DIMS  # noqa: E402
+
 BACKEND = cuda_backend.CudaBackend()
-DTYPES = [torch.float16, torch.bfloat16]
-# Instantiated head dims plus ones served by a larger variant with a masked tail.
-HEAD_DIMS = [32, 40, 64, 80, 96, 128, 160, 192, 200, 224, 256]
+# From the spec and the variant table (tests/gpu/grids.py): instantiated head dims plus ones
+# served by a larger variant with a masked tail.
+DTYPES = [getattr(torch, name) for name in CUDA_DTYPES]
+HEAD_DIMS = CUDA_HEAD_DIMS
+HOPPER_DTYPES = [getattr(torch, name) for name in HOPPER_DTYPES]  # capability/specs/cuda_sm90.py
 SEQLENS = [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (4097, 1000)]
 
 

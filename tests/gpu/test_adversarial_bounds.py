@@ -23,13 +23,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA/ROCm GPU", allow_module_level=True)
 
-from portattn.backends.abi import fwd_args  # noqa: E402
+from portattn.backends.abi import fwd_args, workspace_shape  # noqa: E402
 
 _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
 BATCH, HEADS, HEADS_K, HEAD_DIM = 3, 4, 2, 64
 TOTAL_Q, TOTAL_K, MAX_Q, MAX_K = 100, 120, 64, 80
 GUARD = 16  # rows of sentinel before and after every output
-_SEQUSED_INDEX = 20  # seqused_k in the PORTATTN_FWD_ARGS tuple (common/binding_args.h)
 
 # name -> (cu_seqlens_q, cu_seqlens_k, seqused_k); None: dense or not given.
 CASES = {
@@ -82,10 +81,9 @@ def _inputs(case):
 
 
 def _args(q, k, v, out, lse, cu_q, cu_k, used, window):
-    args = list(fwd_args(q, k, v, out, lse, cu_q, cu_k, MAX_Q, MAX_K, 1 / math.sqrt(HEAD_DIM), window[0],
-                         window[1], 0.0, None, 0.0, 0, 0))
-    args[_SEQUSED_INDEX] = 0 if used is None else used.data_ptr()
-    return tuple(args)
+    args = fwd_args(q, k, v, out, lse, cu_q, cu_k, MAX_Q, MAX_K, 1 / math.sqrt(HEAD_DIM), window[0],
+                    window[1], 0.0, None, 0.0, 0, 0)
+    return args._replace(seqused_k=0 if used is None else used.data_ptr())
 
 
 def _written_rows(cu, total, max_len):
@@ -127,7 +125,7 @@ def run_case(module, case, window=(-1, -1), backward=True, entry="fwd", determin
     dout = torch.randn_like(q)
     out_c = torch.nan_to_num(out)  # unwritten rows (outside every sequence) read as 0
     bwd_args = _args(q, k, v, out_c, lse, cu_q, cu_k, used, window)
-    workspace_bytes = module.bwd_workspace_bytes(*bwd_args[12:18], deterministic)
+    workspace_bytes = module.bwd_workspace_bytes(*workspace_shape(bwd_args), deterministic)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
     (dq, dk, dv) = (g[1] for g in grads)
     module.bwd(dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(),

@@ -4,9 +4,8 @@
 arguments and workspace. Everything here skips with the reason otherwise, and on
 any GPU but sm_90.
 
-Error rule (DEVELOPERS.md), per gradient, as tests/gpu/test_cuda_backward.py applies it:
-    max|grad - grad64| <= 3 * max|grad_torch_lowp - grad64| + 1e-5
-Gradients are NaN-poisoned before every launch; inputs are fresh random normals; the forward
+Error rule: tests/error_rule.py, per gradient (within 3x PyTorch's own low-precision error of the
+float64 oracle), through tests/gpu/test_cuda_backward.py's `_check_grads`. Gradients are NaN-poisoned before every launch; inputs are fresh random normals; the forward
 is the Hopper one (`_C.hopper_fwd`), so its LSE (windows, softcap) is what the backward reads.
 
 `python tests/gpu/test_cuda_hopper_backward.py` (or pytest -s) also prints the
@@ -19,7 +18,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from cuda_gpu_setup import BACKEND, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
+from cuda_gpu_setup import BACKEND, HOPPER_DTYPES, HOPPER_HEAD_DIMS, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
 
 from portattn.backends.cuda import _C, CudaSm90Backend  # noqa: E402
 from test_cuda_backward import _backward, _check_grads, _forward, _options  # noqa: E402
@@ -28,8 +27,8 @@ from test_cuda_hopper_forward import _median_ms  # noqa: E402
 skip_unless_hopper("hopper_bwd")
 
 HOPPER = CudaSm90Backend()
-DTYPES = [torch.float16, torch.bfloat16]
-HEAD_DIMS = [64, 128]
+DTYPES = HOPPER_DTYPES  # capability/specs/cuda_sm90.py, through tests/gpu/grids.py
+HEAD_DIMS = HOPPER_HEAD_DIMS
 # Non-multiples of the 128-key / 64-query blocks, seqlen_q != seqlen_k both ways.
 SEQLENS = [(1, 1), (77, 77), (128, 128), (300, 300), (1000, 1000), (77, 300), (1000, 300)]
 

@@ -52,10 +52,10 @@ class CudaBackend(CompiledBackend):
 class CudaSm90Backend(CudaBackend):
     """The Hopper path (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
-    Dispatch tries it first on sm90; its declaration (capability/specs/cuda_sm90.py)
-    sends every other call (windows, softcap, ALiBi, dropout, varlen, other head
-    dims) to the sm80+ path above. Both paths write the same out/LSE and take the
-    same backward workspace, so either forward pairs with either backward.
+    What it serves is declared in capability/specs/cuda_sm90.py (dispatch tries it
+    before the sm80+ path, capability/matrix.DISPATCH_PRIORITY); every call it does
+    not declare runs on the sm80+ path above. Both paths write the same out/LSE and
+    take the same backward workspace, so either forward pairs with either backward.
     """
 
     name = "cuda-sm90"

@@ -12,10 +12,10 @@ from ..declare import ALL_FEATURES, BackendSpec, ResourceRule
 SUPPORTED = ALL_FEATURES
 
 # arch name -> features our GPU suite passed on that hardware.
-# sm90 (H100 80GB HBM3, 2026-11-21): tests/gpu/test_cuda_forward.py, 568 passed
-# (bench/results/cuda_forward_tests.md). Backward features join after its suite.
 VERIFIED = {
-    # bench/results/gpu_suite.md: forward and backward suites, H100, commit 0a4116c.
+    # sm90 (H100 80GB HBM3, 2026-11-21): the forward suite (tests/gpu/test_cuda_forward.py, 568 passed,
+    # bench/results/runs/2026-11-21-9ba93e8/cuda_forward_tests.md), then forward and backward suites at
+    # commit 0a4116c (bench/results/runs/2026-11-21-0a4116c/summary.md).
     "sm90": frozenset({"forward", "backward", "deterministic_backward", "causal", "window", "softcap",
                        "alibi", "dropout", "gqa", "varlen",
                        # the decode kernels: tests/gpu/test_cuda_decode.py, H100, 2026-11-24
@@ -56,4 +56,5 @@ SPEC = BackendSpec(
     unsupported_notes={},
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="install with nvcc available (CUDA_HOME) to build it",
+    implementation="portattn.backends.cuda:CudaBackend",
 )

@@ -11,7 +11,7 @@ from ..declare import BackendSpec
 SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa", "window", "softcap",
                        "varlen"})
 
-# sm90 (H100 80GB HBM3, 2026-11-21): integrated GPU run 3 at 76e7159 (bench/results/gpu_suite.md):
+# sm90 (H100 80GB HBM3, 2026-11-21): integrated GPU run 3 at 76e7159 (bench/results/runs/2026-11-21-76e7159/summary.md):
 # tests/gpu/test_cuda_hopper_forward.py (every forward schedule, windows, softcap, varlen,
 # calling the kernel directly; its dispatch test through the public API) and
 # tests/gpu/test_cuda_hopper_backward.py (the backward and its deterministic mode, windows and
@@ -44,4 +44,5 @@ SPEC = BackendSpec(
     },
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="build with sm_90 among PORTATTN_CUDA_ARCHS (the default) to include it",
+    implementation="portattn.backends.cuda:CudaSm90Backend",
 )

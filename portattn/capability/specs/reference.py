@@ -15,4 +15,5 @@ SPEC = BackendSpec(
     head_dim_v_equal=False,
     supported=ALL_FEATURES,
     verified={ANY_ARCH: ALL_FEATURES},
+    implementation="portattn.backends.reference:ReferenceBackend",
 )

@@ -35,4 +35,5 @@ SPEC = BackendSpec(
     unsupported_notes=UNSUPPORTED_NOTES,
     build_arch_env="PORTATTN_HIP_ARCHS",
     fallback_when_unbuilt="install with ROCm (hipcc) available to build it",
+    implementation="portattn.backends.rocm:RocmBackend",
 )

@@ -3,7 +3,7 @@
 // (kBlockN x head_dim) blocks through shared memory.
 //
 // Tile configuration (FwdTileConfig below; registers/spills from ptxas -v are
-// in bench/results/cuda_fwd_notes.md):
+// in docs/cuda_fwd_notes.md):
 //   head dim <= 128: 4 warps, each owning 32 query rows (two m16 tiles), so one
 //     K/V fragment read from shared memory feeds two mma's (shared-memory
 //     bandwidth, not the tensor cores, is the limit with 16 rows per warp).
@@ -12,7 +12,7 @@
 //   head dim > 128: 8 warps of 16 rows: O alone is head_dim / 2 fp32 registers.
 //   The online softmax rescales O lazily (Note [portattn lazy rescale] in
 //   online_softmax.h); with the FMNMX row max and the removed spill it gained
-//   2-5% on the H100 (bench/results/cuda_fwd_notes.md).
+//   2-5% on the H100 (docs/cuda_fwd_notes.md).
 //   Shared memory: Q (kBlockM x D) + K (kBlockN x D) + V (kBlockN x D), bf16/fp16,
 //   XOR-swizzled (ptx.cuh: SwizzledTile): 64 KB at D=128, 128 KB at D=256.
 //
@@ -51,7 +51,7 @@ struct FwdTileConfig {
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;  // m16 tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;
   // Head dim 64 at kBlockN = 64 measured within noise of 128 on the H100
-  // (faster from 2k keys on, slower below; bench/results/cuda_fwd_notes.md).
+  // (faster from 2k keys on, slower below; docs/cuda_fwd_notes.md).
   static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
   static constexpr int kThreads = kWarps * 32;
   // Two CTAs per SM hide each other's barriers; the 8-warp configs need all

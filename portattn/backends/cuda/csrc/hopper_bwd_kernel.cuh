@@ -1,11 +1,10 @@
 // Hopper (sm_90a) backward attention: TMA tile loads, wgmma, warp specialization.
 //
 // Note [portattn hopper backward]
-// Serves fixed-length batches, fp16/bf16, head dims 64 and 128, any window
-// (causal included, bottom-right), softcap, GQA/MQA, the default (atomic dQ) and
-// the deterministic mode: the calls the Hopper forward serves. ALiBi, dropout and
-// varlen stay on the sm80+ backward (bwd_kernel.cuh); hopper_bwd_entry.cu refuses
-// them with a message. The launch
+// What it serves is declared in capability/specs/cuda_sm90.py (the Hopper
+// forward's calls except varlen, which is `forward_only` there), in the default
+// (atomic dQ) and the deterministic mode. Other calls stay on the sm80+ backward
+// (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
 // sequence, workspace and math are those of Note [portattn cuda backward]:
 // the same preprocess (delta = rowsum(dO * O)) and convert kernels run around
 // this main kernel, and it writes the same fp32 dQ accumulator (and, for GQA in
@@ -56,9 +55,9 @@
 // ptxas (nvcc 13.0): 0 spills at 24 / 240 registers for every variant without
 // softcap (the producer spilled at 24 while one warp did both of its jobs, hence
 // the split over two warps). hd128 with softcap spills a few loop-invariant words
-// (4-12 bytes, bench/results/hopper_notes.md), hd64 with softcap none.
-// Measured on an H100 (bench/results/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
-// (hd128) the sm80+ backward; what to try next is in bench/results/hopper_notes.md.
+// (4-12 bytes, docs/hopper_notes.md), hd64 with softcap none.
+// Measured on an H100 (bench/results/runs/2026-11-21-12f5a57/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
+// (hd128) the sm80+ backward; what to try next is in docs/hopper_notes.md.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>

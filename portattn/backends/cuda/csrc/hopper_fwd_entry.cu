@@ -35,8 +35,8 @@ template <int kHeadDim_, typename Elem_, int kMask_, bool kSoftcap_, int kSchedu
 struct HopperFwdVariantKey {};
 
 // The schedules calls run (Note [portattn hopper forward schedule]), chosen
-// from the tuning runs on an H100 (bench/results/hopper_fwd_tuning_run*.md,
-// summary in hopper_notes.md): intra-warpgroup pipelining everywhere (+5-13%
+// from the tuning runs on an H100 (bench/results/runs/*/hopper_fwd_tuning.md,
+// summary in docs/hopper_notes.md): intra-warpgroup pipelining everywhere (+5-13%
 // over the serial loop); non-causal calls persistent (+8-11% at 1k, +1-3% at
 // 4k, within the +-4% run-to-run spread at 16k); causal calls with ping-pong
 // and one CTA per tile (the hardware's dynamic CTA hand-out balances their

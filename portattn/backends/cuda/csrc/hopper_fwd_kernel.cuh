@@ -1,11 +1,9 @@
 // Hopper (sm_90a) forward attention: TMA tile loads, wgmma, warp specialization.
 //
-// The forward of the project's Hopper path (issue #6): fixed-length batches,
-// fp16/bf16, head dims 64 and 128, non-causal or causal (bottom-right), LSE
-// output, GQA/MQA. Everything else (varlen, windows, softcap, ALiBi, dropout,
-// other head dims) is declared unsupported in capability/specs/cuda_sm90.py,
-// so dispatch sends it to the sm80+ kernel (fwd_kernel.cuh); the entry
-// (hopper_fwd_entry.cu) refuses such calls with a message as a second line.
+// The forward of the project's Hopper path (issue #6). What it serves (dtypes,
+// head dims, masks, GQA, varlen) is declared in capability/specs/cuda_sm90.py;
+// dispatch sends every other call to the sm80+ kernel (fwd_kernel.cuh), and the
+// entry (hopper_fwd_entry.cu) refuses such calls with a message as a second line.
 //
 // CTA = 3 warpgroups (384 threads); a tile is (128-row query block, head, batch):
 //   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then

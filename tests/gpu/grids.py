@@ -1,0 +1,59 @@
+"""The GPU test grids and feature coverage, derived from the declarations (no GPU needed to read).
+
+Head dims and dtypes come from the backends' specs (`portattn/capability/specs/`) and the
+CUDA variant table (`portattn/backends/cuda/variants.py`), so a head dim or dtype added
+there is tested without editing a test. COVERAGE names, for every feature a CUDA spec
+declares in `supported`, the GPU tests that exercise it; tests/test_gpu_coverage.py (CPU)
+fails when a declared feature has no entry or an entry names a test that does not exist.
+"""
+from portattn.backends.cuda import variants
+from portattn.capability.specs import cuda, cuda_sm90
+
+
+def _head_dims(spec):
+    """Every head dim a spec admits: the multiples of its step up to its maximum."""
+    return list(range(spec.head_dim_multiple, spec.head_dim_max + 1, spec.head_dim_multiple))
+
+
+# sm80+ path: the instantiated head dims, plus head dims served by the next larger
+# instantiated variant with a masked tail (40 -> 64, 80 -> 96, 200 -> 224).
+PADDED_HEAD_DIMS = (40, 80, 200)
+CUDA_HEAD_DIMS = sorted(set(variants.HEAD_DIMS) | set(PADDED_HEAD_DIMS))
+CUDA_DTYPES = list(cuda.SPEC.dtypes)  # torch dtype names
+
+# Hopper path: every head dim its spec admits (64 and 128).
+HOPPER_HEAD_DIMS = _head_dims(cuda_sm90.SPEC)
+HOPPER_DTYPES = list(cuda_sm90.SPEC.dtypes)
+
+_FWD, _BWD, _DEC = "test_cuda_forward.py", "test_cuda_backward.py", "test_cuda_decode.py"
+_HFWD, _HBWD = "test_cuda_hopper_forward.py", "test_cuda_hopper_backward.py"
+
+# spec name -> feature -> "file::test" entries under tests/gpu/.
+COVERAGE = {
+    "cuda": {
+        "forward": [f"{_FWD}::test_forward_grid"],
+        "backward": [f"{_BWD}::test_backward_grid"],
+        "causal": [f"{_FWD}::test_forward_grid", f"{_BWD}::test_backward_grid"],
+        "window": [f"{_FWD}::test_forward_features", f"{_BWD}::test_backward_features", f"{_DEC}::test_decode_features"],
+        "softcap": [f"{_FWD}::test_forward_features", f"{_BWD}::test_backward_features", f"{_DEC}::test_decode_features"],
+        "alibi": [f"{_FWD}::test_forward_features", f"{_BWD}::test_backward_features", f"{_DEC}::test_decode_features"],
+        "dropout": [f"{_FWD}::test_dropout_matches_reference_mask", f"{_BWD}::test_backward_dropout_matches_reference_mask"],
+        "gqa": [f"{_FWD}::test_forward_features", f"{_BWD}::test_backward_features", f"{_DEC}::test_decode_layouts_and_splits"],
+        "varlen": [f"{_FWD}::test_forward_varlen", f"{_BWD}::test_backward_varlen", f"{_DEC}::test_short_query_varlen"],
+        "paged_kv": [f"{_DEC}::test_decode_layouts_and_splits", f"{_DEC}::test_append_rotary_leftpad"],
+        "decode": [f"{_DEC}::test_decode_layouts_and_splits", f"{_DEC}::test_append_rotary_leftpad",
+                   f"{_DEC}::test_cuda_graph_decode_steps_replay_with_changing_lengths"],
+        "deterministic_backward": [f"{_BWD}::test_backward_features", f"{_BWD}::test_deterministic_is_bitwise_reproducible"],
+    },
+    "cuda-sm90": {
+        "forward": [f"{_HFWD}::test_hopper_forward_grid"],
+        "backward": [f"{_HBWD}::test_hopper_backward_grid"],
+        "causal": [f"{_HFWD}::test_hopper_forward_grid", f"{_HBWD}::test_hopper_backward_grid"],
+        "window": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HBWD}::test_hopper_backward_windows_and_softcap"],
+        "softcap": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HFWD}::test_hopper_forward_softcap_fp16",
+                    f"{_HBWD}::test_hopper_backward_windows_and_softcap", f"{_HBWD}::test_hopper_backward_softcap_fp16"],
+        "gqa": [f"{_HFWD}::test_hopper_forward_gqa_and_strided_views", f"{_HBWD}::test_hopper_backward_grid"],
+        "varlen": [f"{_HFWD}::test_hopper_forward_varlen"],  # forward only (the spec's forward_only)
+        "deterministic_backward": [f"{_HBWD}::test_hopper_backward_grid", f"{_HBWD}::test_hopper_deterministic_is_bitwise_reproducible"],
+    },
+}
