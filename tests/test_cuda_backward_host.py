@@ -95,7 +95,13 @@ def test_deterministic_calls_keep_whole_launches_up_to_4_gib_of_dq_slices(module
 def test_too_small_workspace_is_a_clear_error(module):
     b, s, h, d = 1, 128, 2, 64
     strides = (s * h * d, h * d, d, 1)
-    fwd_args = (256, 256, 256, 256, 256, strides, strides, strides, strides, h * s, s,
-                1, b, h, h, d, s, s, 0, 0, 0, 0.125, 0.0, -1, -1, 0, 0, 0.0, 0, 0, 0, 0, 0)  # ..., stream, total_q, total_k
+    from portattn.backends.abi import FwdArgs
+
+    fwd_args = FwdArgs(q=256, k=256, v=256, out=256, lse=256, q_strides=strides, k_strides=strides,
+                       v_strides=strides, out_strides=strides, lse_batch_stride=h * s, lse_head_stride=s,
+                       dtype=1, batch=b, nheads=h, nheads_k=h, headdim=d, seqlen_q=s, seqlen_k=s,
+                       cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, softmax_scale=0.125, softcap=0.0,
+                       window_left=-1, window_right=-1, alibi_slopes=0, alibi_batch_stride=0, dropout_p=0.0,
+                       philox_seed=0, philox_offset=0, stream=0, total_q=0, total_k=0, philox_state=0)
     with pytest.raises(RuntimeError, match="workspace smaller"):
         module.bwd(256, strides, 256, strides, 256, strides, 256, strides, 0, 0, False, *fwd_args)

@@ -198,6 +198,8 @@ def test_module_features_equal_the_declaration(built):
 
 def _fwd_args(**overrides):
     """A well-formed fwd() argument list (16-byte aligned fake pointers) with overrides."""
+    from portattn.backends.abi import FwdArgs
+
     args = dict(
         q=4096, k=8192, v=12288, out=16384, lse=20480,
         q_strides=(2048, 128, 64, 1), k_strides=(2048, 128, 64, 1), v_strides=(2048, 128, 64, 1),
@@ -205,10 +207,10 @@ def _fwd_args(**overrides):
         nheads=2, nheads_k=2, headdim=64, seqlen_q=16, seqlen_k=16, cu_seqlens_q=0, cu_seqlens_k=0,
         seqused_k=0, softmax_scale=0.125, softcap=0.0, window_left=-1, window_right=-1,
         alibi_slopes=0, alibi_batch_stride=0, dropout_p=0.0, philox_seed=1, philox_offset=0, stream=0,
-        total_q=0, total_k=0,
+        total_q=0, total_k=0, philox_state=0,
     )
     args.update(overrides)
-    return list(args.values())
+    return list(FwdArgs(**args))  # by name: a field missing or misplaced fails here
 
 
 def _decode_args(**overrides):
