@@ -5,14 +5,14 @@
 // the params carry, so no content of those tensors can move a read or a
 // write outside the tensors the call was given.
 //
-// The ROCm decode kernel includes this header. The CUDA decode kernel
-// (cuda/csrc/decode_kernel.cuh) has its own DecodeSequence / KeyRowAddress
-// with the same clamps; tests/test_rocm_emulated.py checks this copy's
-// behaviour on the CPU.
+// Both decode kernels include this header (cuda/csrc/decode_kernel.cuh,
+// rocm/csrc/decode_kernel.h); tests/test_rocm_emulated.py checks it on the CPU
+// and tests/gpu/test_cuda_decode.py on the GPU.
 #pragma once
 #include <stdint.h>
 
 #include "params.h"
+#include "seq_bounds.h"
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define PORTATTN_DECODE_HD __host__ __device__ __forceinline__
@@ -27,29 +27,23 @@ PORTATTN_DECODE_HD int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (
 PORTATTN_DECODE_HD int min_int(int a, int b) { return a < b ? a : b; }
 PORTATTN_DECODE_HD int max_int(int a, int b) { return a > b ? a : b; }
 
-// One sequence's queries and keys.
+// One sequence's queries and keys. Packed (varlen) rows follow common/seq_bounds.h.
 struct Sequence {
   int q_start;    // first packed row of q (varlen), else 0
   int seqlen_q;
   int seqlen_k;   // visible keys
   int key_base;   // position of key 0: leftpad (caches) or packed row (varlen)
-  int cache_row;  // contiguous cache: which batch entry of k (0 for varlen)
+  int cache_row;  // contiguous cache: which batch entry of k (0 for packed keys)
 
   PORTATTN_DECODE_HD static Sequence of(const PortattnDecodeParams& p, int b) {
     Sequence s{0, p.seqlen_q, p.seqlen_k, 0, b};
-    if (p.cu_seqlens_q != nullptr) {
-      const int total = static_cast<int>(p.total_q);
-      const int start = clamp_int(p.cu_seqlens_q[b], 0, total);
-      const int end = clamp_int(p.cu_seqlens_q[b + 1], start, total);
-      s.q_start = start;
-      s.seqlen_q = min_int(end - start, p.seqlen_q);
-    }
-    if (p.cu_seqlens_k != nullptr) {
-      const int total = static_cast<int>(p.total_k);
-      const int start = clamp_int(p.cu_seqlens_k[b], 0, total);
-      const int end = clamp_int(p.cu_seqlens_k[b + 1], start, total);
-      s.key_base = start;
-      s.seqlen_k = end - start;
+    if (p.cu_seqlens_q != nullptr) packed_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, s.q_start, s.seqlen_q);
+    if (p.cu_seqlens_k != nullptr && p.block_table != nullptr) {
+      // Paged varlen (flash_attn_varlen_func with block_table): cu_seqlens_k gives the
+      // lengths; every sequence starts at position 0 of its own pages.
+      s.seqlen_k = clamp_int(p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b], 0, p.kv_capacity);
+    } else if (p.cu_seqlens_k != nullptr) {
+      packed_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, s.key_base, s.seqlen_k);
       s.cache_row = 0;  // packed keys: batch stride 0
     } else if (p.cache_seqlens != nullptr || p.cache_leftpad != nullptr) {
       const int end = clamp_int(p.cache_seqlens != nullptr ? p.cache_seqlens[b] + p.seqlen_new : p.kv_capacity, 0,
@@ -66,19 +60,44 @@ struct Sequence {
   }
 };
 
-// Element offset of key row `pos` (a position in the sequence's layout) of
-// one KV head, for K or V (their strides may differ: separate views of one
-// cache). Paged: one block-table read per row, so any page size works and a
-// tile may span pages; the page number is clamped to the pool.
+PORTATTN_DECODE_HD int log2_if_power_of_two(int x) {
+  if (x <= 0 || (x & (x - 1)) != 0) return -1;
+  int shift = 0;
+  while ((1 << shift) < x) ++shift;
+  return shift;
+}
+
+// Where key row `pos` (a position in the sequence's layout) of one KV head lives: a
+// page (or the contiguous cache's batch entry) and the row within it. K and V share
+// it; their strides may differ (separate views of one cache). Paged: a block-table read
+// per row (or per stage when one page holds it), so any page size works and a tile may
+// span pages; the page number is clamped to the pool.
 struct KeyRowAddress {
   const int32_t* pages;  // this sequence's block-table row, or null
   int page_size;
   int num_pages;
+  int page_shift;  // log2(page_size) when a power of two, else -1 (a division per row)
 
+  PORTATTN_DECODE_HD KeyRowAddress() : pages(nullptr), page_size(1), num_pages(1), page_shift(0) {}
+  PORTATTN_DECODE_HD KeyRowAddress(const int32_t* pages_, int page_size_, int num_pages_)
+      : pages(pages_), page_size(page_size_), num_pages(num_pages_),
+        page_shift(pages_ != nullptr ? log2_if_power_of_two(page_size_) : -1) {}
+
+  // Which block-table slot holds `pos`, and the page it names.
+  PORTATTN_DECODE_HD int page_of_slot(int pos) const {
+    return page_shift >= 0 ? pos >> page_shift : pos / page_size;
+  }
+  PORTATTN_DECODE_HD int page_of(int pos) const { return clamp_int(pages[page_of_slot(pos)], 0, num_pages - 1); }
+  PORTATTN_DECODE_HD int row_in_page(int pos) const {
+    return page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
+  }
+  PORTATTN_DECODE_HD static int64_t offset_of(const PortattnTensor4& st, int page_or_entry, int row) {
+    return page_or_entry * st.batch_stride + static_cast<int64_t>(row) * st.row_stride;
+  }
+  // Element offset of key row `pos`: paged, or row `pos` of batch entry `cache_row`.
   PORTATTN_DECODE_HD int64_t offset(const PortattnTensor4& st, int cache_row, int pos) const {
-    if (pages == nullptr) return cache_row * st.batch_stride + static_cast<int64_t>(pos) * st.row_stride;
-    const int page = clamp_int(pages[pos / page_size], 0, num_pages - 1);
-    return page * st.batch_stride + static_cast<int64_t>(pos % page_size) * st.row_stride;
+    if (pages == nullptr) return offset_of(st, cache_row, pos);
+    return offset_of(st, page_of(pos), row_in_page(pos));
   }
 };
 

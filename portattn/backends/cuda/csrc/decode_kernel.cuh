@@ -32,7 +32,7 @@
 
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
-#include "../../common/seq_bounds.h"
+#include "../../common/decode_sequence.h"
 #include "fwd_kernel.cuh"
 #include "ptx.cuh"
 
@@ -62,68 +62,11 @@ struct DecodeTileConfig {
   static_assert(KVTile::kBytes % 128 == 0, "stage buffers keep the swizzle's 128-byte alignment");
 };
 
-// Where one sequence's queries and keys are, with every device-read value clamped
-// to the tensors' extents (Note [portattn decode]).
-struct DecodeSequence {
-  int q_start;   // first packed row of q (varlen), else 0
-  int seqlen_q;
-  int seqlen_k;  // visible keys
-  int key_base;  // position of key 0: leftpad (caches) or packed row (varlen)
-  int cache_row; // contiguous cache: which batch entry of k
-
-  __device__ __forceinline__ static DecodeSequence of(const PortattnDecodeParams& p, int b) {
-    DecodeSequence s{0, p.seqlen_q, p.seqlen_k, 0, b};
-    // Packed rows follow the one rule of common/seq_bounds.h.
-    if (p.cu_seqlens_q != nullptr) packed_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, s.q_start, s.seqlen_q);
-    if (p.cu_seqlens_k != nullptr && p.block_table != nullptr) {
-      // Paged varlen (flash_attn_varlen_func with block_table): cu_seqlens_k gives
-      // the lengths; every sequence starts at position 0 of its own pages.
-      s.seqlen_k = min(max(p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b], 0), p.kv_capacity);
-    } else if (p.cu_seqlens_k != nullptr) {
-      packed_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, s.key_base, s.seqlen_k);
-    } else if (p.cache_seqlens != nullptr || p.cache_leftpad != nullptr) {
-      int end = p.cache_seqlens != nullptr ? p.cache_seqlens[b] + p.seqlen_new : p.kv_capacity;
-      end = min(max(end, 0), p.kv_capacity);
-      const int start = p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[b], 0), end) : 0;
-      s.key_base = start;
-      s.seqlen_k = end - start;
-    } else {
-      s.seqlen_k = min(p.seqlen_k, p.kv_capacity);
-    }
-    if (p.cache_batch_idx != nullptr) s.cache_row = min(max(p.cache_batch_idx[b], 0), p.cache_batches - 1);
-    return s;
-  }
-};
-
-// Where key row `pos` (a position in the sequence's layout) of one KV head lives:
-// a page (or the contiguous cache's batch entry) and the row within it. K and V
-// share it; their strides may differ (separate views of one cache).
-struct KeyRowAddress {
-  const int32_t* pages;  // this sequence's block-table row, or null
-  int page_size;
-  int page_shift;  // log2(page_size) when a power of two, else -1 (a division per row)
-  int num_pages;
-
-  __device__ __forceinline__ KeyRowAddress(const int32_t* pages_, int page_size_, int num_pages_)
-      : pages(pages_), page_size(page_size_), num_pages(num_pages_) {
-    page_shift = pages_ != nullptr && (page_size_ & (page_size_ - 1)) == 0 ? __ffs(page_size_) - 1 : -1;
-  }
-
-  // Which block-table slot holds `pos`, and the page it names (clamped: a bad
-  // block-table entry cannot leave the cache).
-  __device__ __forceinline__ int page_of_slot(int pos) const {
-    return page_shift >= 0 ? pos >> page_shift : pos / page_size;
-  }
-  __device__ __forceinline__ int page_of(int pos) const {
-    return min(max(pages[page_of_slot(pos)], 0), num_pages - 1);
-  }
-  __device__ __forceinline__ int row_in_page(int pos) const {
-    return page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
-  }
-  __device__ __forceinline__ static int64_t offset(const PortattnTensor4& st, int page_or_entry, int row) {
-    return page_or_entry * st.batch_stride + static_cast<int64_t>(row) * st.row_stride;
-  }
-};
+// Sequences, key rows and key ranges: common/decode_sequence.h (one copy of the rules for
+// both vendors' decode kernels).
+using decode::KeyRange;
+using decode::KeyRowAddress;
+using DecodeSequence = decode::Sequence;
 
 // Programmatic dependent launch (sm90+; decode_launch.cuh sets the launch attribute there):
 // a kernel may be scheduled while the previous one in the stream finishes, and waits for
@@ -172,17 +115,10 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   if (row0 >= rows) return;  // a shorter varlen sequence: nothing of it here (the combine skips it too)
 
   // ---- the key range this CTA covers --------------------------------------------
-  const int diag = seq.seqlen_k - seq.seqlen_q;
+  const KeyRange range = KeyRange::of(params, seq, row0, 16, group, kStageKeys, split);
+  const int diag = range.diag;
   const int wl = params.window_left, wr = params.window_right;
-  const int q_first = row0 / group, q_last = min(row0 + 15, rows - 1) / group;
-  int key_lo = 0, key_hi = seq.seqlen_k;  // [lo, hi): keys some row of the tile may see
-  if (wl >= 0) key_lo = max(0, q_first + diag - wl);
-  if (wr >= 0) key_hi = min(key_hi, q_last + diag + wr + 1);
-  const int stage_begin_all = key_lo / kStageKeys;
-  const int stage_end_all = key_hi > key_lo ? (key_hi + kStageKeys - 1) / kStageKeys : stage_begin_all;
-  const int per_split = (stage_end_all - stage_begin_all + params.num_splits - 1) / params.num_splits;
-  const int stage_begin = min(stage_begin_all + split * per_split, stage_end_all);
-  const int stage_end = min(stage_begin + per_split, stage_end_all);
+  const int stage_begin = range.begin, stage_end = range.end;
 
   // ---- per-thread rows: register row r is tile row g + 8 r -----------------------
   const int g = lane / 4;
@@ -271,8 +207,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
       const int pos = seq.key_base + (rows_left > 0 ? key0 : 0);
       const int page = rows_at.pages != nullptr ? rows_at.page_of(pos) : cache_row;
       const int row = rows_at.pages != nullptr ? rows_at.row_in_page(pos) : pos;
-      const Elem* k_src = gK + KeyRowAddress::offset(params.k_strides, page, row) + load_col;
-      const Elem* v_src = gV + KeyRowAddress::offset(params.v_strides, page, row) + load_col;
+      const Elem* k_src = gK + KeyRowAddress::offset_of(params.k_strides, page, row) + load_col;
+      const Elem* v_src = gV + KeyRowAddress::offset_of(params.v_strides, page, row) + load_col;
 #pragma unroll
       for (int step = 0; step < kSteps; ++step) {
         const bool valid = load_col_ok && step * kRowsPerStep < rows_left;
@@ -300,8 +236,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
       for (int i = 0; i < kLookupGroup; ++i) {
         const int step = group0 + i;
         const bool valid = load_col_ok && step * kRowsPerStep < rows_left;
-        const int64_t k_off = KeyRowAddress::offset(params.k_strides, page[i], row_in[i]) + load_col;
-        const int64_t v_off = KeyRowAddress::offset(params.v_strides, page[i], row_in[i]) + load_col;
+        const int64_t k_off = KeyRowAddress::offset_of(params.k_strides, page[i], row_in[i]) + load_col;
+        const int64_t v_off = KeyRowAddress::offset_of(params.v_strides, page[i], row_in[i]) + load_col;
         ptx::cp_async_16(sK + dst(step), valid ? gK + k_off : gK, valid);
         ptx::cp_async_16(sV + dst(step), valid ? gV + v_off : gV, valid);
       }
@@ -368,10 +304,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
           s[r][c] = x * softmax::kLog2e;
         }
     }
-    const int stage_key0 = stage * kStageKeys;
-    const bool needs_mask = stage_key0 + kStageKeys > seq.seqlen_k ||
-                            (wr >= 0 && stage_key0 + kStageKeys - 1 > q_first + diag + wr) ||
-                            (wl >= 0 && stage_key0 < q_last + diag - wl);
+    const bool needs_mask = !range.all_visible(params, seq, stage * kStageKeys, kStageKeys);
     if (needs_mask) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {

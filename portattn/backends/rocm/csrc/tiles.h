@@ -54,8 +54,8 @@ struct DropoutLane {
       : on(p.dropout_p > 0.f),
         threshold(dropout_threshold(p.dropout_p)),
         scale(p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f),
-        seed(p.dropout_p > 0.f ? in_vgpr(philox_seed_of(p)) : 0),
-        offset(p.dropout_p > 0.f ? in_vgpr(philox_offset_of(p)) : 0),
+        seed(p.dropout_p > 0.f ? in_vgpr(p.philox_seed) : 0),
+        offset(p.dropout_p > 0.f ? in_vgpr(p.philox_offset) : 0),
         bh(b * p.nheads + h) {}
 
   // Keep bits (bit e = key j0 + e) of keys j0..j0+3 of query i, j0 % 4 == 0.
