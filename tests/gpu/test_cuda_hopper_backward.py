@@ -8,10 +8,19 @@ Error rule: tests/error_rule.py, per gradient (within 3x PyTorch's own low-preci
 float64 oracle), through tests/gpu/test_cuda_backward.py's `_check_grads`. Gradients are NaN-poisoned before every launch; inputs are fresh random normals; the forward
 is the Hopper one (`_C.hopper_fwd`), so its LSE (windows, softcap) is what the backward reads.
 
+Backward modes (`mode`): "atomic" and "bulk" are the default (non-deterministic) mode with dQ
+added per element or through shared memory and bulk reductions (PORTATTN_HOPPER_BWD_DQ, switched
+in-process with `_C.hopper_bwd_dq_mode`); "det" is the deterministic mode (always per element).
+
 `python tests/gpu/test_cuda_hopper_backward.py` (or pytest -s) also prints the
 backward's time against the sm80+ backward and forward+backward against SDPA.
 """
 from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,6 +50,20 @@ def _inputs(dtype, head_dim, seqlens, gqa):
             rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype))
 
 
+MODES = ["atomic", "bulk", "det"]
+
+
+@contextlib.contextmanager
+def _dq_path(mode):
+    """Runs the block with mode's dQ path; yields whether the call is deterministic."""
+    before = _C.hopper_bwd_dq_mode()
+    _C.hopper_bwd_dq_mode("bulk" if mode == "bulk" else "atomic")
+    try:
+        yield mode == "det"
+    finally:
+        _C.hopper_bwd_dq_mode(before if before != "invalid" else "atomic")
+
+
 def _hopper_grads(q, k, v, deterministic, window=(-1, -1), softcap=0.0):
     # The Hopper forward's LSE feeds the Hopper backward: the contract between the two is tested.
     options = _options(q, window=window, softcap=softcap)
@@ -50,15 +73,16 @@ def _hopper_grads(q, k, v, deterministic, window=(-1, -1), softcap=0.0):
     return grads, dout, (out, lse, options)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_hopper_backward_grid(dtype, head_dim, seqlens, causal, gqa, deterministic):
+def test_hopper_backward_grid(dtype, head_dim, seqlens, causal, gqa, mode):
     q, k, v = _inputs(dtype, head_dim, seqlens, gqa)
-    grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=(-1, 0 if causal else -1))
+    with _dq_path(mode) as deterministic:
+        grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=(-1, 0 if causal else -1))
     _check_grads(grads, q, k, v, dout, dict(causal=causal))
 
 
@@ -69,25 +93,27 @@ WINDOWS = [(64, 0), (100, 37), (-1, 50), (300, -1), (0, 0)]
 WINDOW_SEQLENS = [(1000, 1000), (300, 777), (777, 300)]
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("softcap", [0.0, 30.0], ids=lambda c: f"softcap{c:g}")
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
 @pytest.mark.parametrize("seqlens", WINDOW_SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_hopper_backward_windows_and_softcap(head_dim, seqlens, window, softcap, gqa, deterministic):
+def test_hopper_backward_windows_and_softcap(head_dim, seqlens, window, softcap, gqa, mode):
     q, k, v = _inputs(torch.bfloat16, head_dim, seqlens, gqa)
-    grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=window, softcap=softcap)
+    with _dq_path(mode) as deterministic:
+        grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=window, softcap=softcap)
     _check_grads(grads, q, k, v, dout, dict(window=window, softcap=softcap))
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 37)], ids=lambda w: f"w{w[0]}_{w[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_hopper_backward_softcap_fp16(head_dim, window, deterministic):
+def test_hopper_backward_softcap_fp16(head_dim, window, mode):
     # A small cap (5) puts most scores on tanh's flat part, where (1 - tanh^2) matters most.
     q, k, v = _inputs(torch.float16, head_dim, (777, 513), 2)
-    grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=window, softcap=5.0)
+    with _dq_path(mode) as deterministic:
+        grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=window, softcap=5.0)
     _check_grads(grads, q, k, v, dout, dict(window=window, softcap=5.0))
 
 
@@ -103,7 +129,8 @@ def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa, window, sof
             assert torch.equal(a, b), f"deterministic {name} differs between runs"
 
 
-def test_hopper_backward_in_head_chunks_matches_the_sm80_backward():
+@pytest.mark.parametrize("mode", ["atomic", "bulk"])
+def test_hopper_backward_in_head_chunks_matches_the_sm80_backward(mode):
     # 32k tokens, 16 query / 8 KV heads: the fp32 dQ scratch passes 128 MiB, so the launch runs in
     # two chunks of KV heads (bwd_workspace_layout). Too long for the float64 oracle: compared with
     # the sm80+ backward on the same inputs, within a few bf16 ulps of the largest gradient (a wrong
@@ -117,7 +144,8 @@ def test_hopper_backward_in_head_chunks_matches_the_sm80_backward():
     options = _options(q, window=(-1, 0))
     out, lse = _forward(BACKEND, q, k, v, options)
     dout = torch.randn_like(out)
-    ours = _backward(HOPPER, dout, q, k, v, out, lse, options)
+    with _dq_path(mode):
+        ours = _backward(HOPPER, dout, q, k, v, out, lse, options)
     sm80 = _backward(BACKEND, dout, q, k, v, out, lse, options)
     for name, a, b in zip(("dq", "dk", "dv"), ours, sm80):
         assert not a.isnan().any(), f"{name} has NaN"
@@ -125,13 +153,43 @@ def test_hopper_backward_in_head_chunks_matches_the_sm80_backward():
         assert (a.float() - b.float()).abs().max().item() <= 4 * 2**-8 * scale, f"{name} differs from sm80+"
 
 
-def test_hopper_backward_strided_views():
+@pytest.mark.parametrize("mode", ["atomic", "bulk"])
+def test_hopper_backward_strided_views(mode):
     # q/k/v as views of one packed (B, S, H + 2 Hk, D) tensor, GQA 2; gradients into strided views.
     batch, seqlen, heads, heads_k, head_dim = 2, 300, 4, 2, 128
     packed = rand(batch, seqlen, heads + 2 * heads_k, head_dim, dtype=torch.bfloat16)
     q, k, v = packed.split([heads, heads_k, heads_k], dim=2)
-    grads, dout, _ = _hopper_grads(q, k, v, False, window=(-1, 0))
+    with _dq_path(mode):
+        grads, dout, _ = _hopper_grads(q, k, v, False, window=(-1, 0))
     _check_grads(grads, q, k, v, dout, dict(causal=True))
+
+
+@pytest.mark.parametrize("value, expected", [("bulk", "bulk"), ("atomic", "atomic"), ("", "atomic"),
+                                             ("bogus", "invalid")])
+def test_hopper_bwd_dq_env_is_read_at_the_first_call(value, expected):
+    # A fresh process per value: the variable is read once. An invalid value fails every Hopper
+    # backward with a message naming the variable; the setter repairs it.
+    code = (
+        "import torch, sys; sys.path.insert(0, 'tests/gpu'); sys.path.insert(0, 'tests')\n"
+        "from portattn.backends.cuda import _C\n"
+        "from test_cuda_hopper_backward import _inputs, _hopper_grads\n"
+        "print('mode', _C.hopper_bwd_dq_mode())\n"
+        "q, k, v = _inputs(torch.bfloat16, 64, (77, 77), 1)\n"
+        "try:\n    _hopper_grads(q, k, v, False)\n    print('ran')\n"
+        "except RuntimeError as error:\n    print('error', error)\n"
+        "_C.hopper_bwd_dq_mode('bulk'); _hopper_grads(q, k, v, False); print('after set', _C.hopper_bwd_dq_mode())\n"
+    )
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = dict(os.environ, PORTATTN_HOPPER_BWD_DQ=value)
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"mode {expected}" in result.stdout
+    if expected == "invalid":
+        assert "PORTATTN_HOPPER_BWD_DQ" in result.stdout and "'bogus'" in result.stdout
+    else:
+        assert "ran" in result.stdout
+    assert "after set bulk" in result.stdout
 
 
 def test_hopper_backward_refuses_what_it_does_not_serve():

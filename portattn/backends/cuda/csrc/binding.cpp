@@ -33,6 +33,8 @@ int portattn_cuda_hopper_num_variants();
 void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype);
 // sm_90a backward (hopper_bwd_entry.cu): same workspace as portattn_cuda_bwd.
 int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* message, int message_len);
+// Tuning: the default mode's dQ path (0 atomic, 1 bulk; other values only read it).
+int portattn_cuda_hopper_bwd_dq_mode(int mode);
 #endif
 }
 
@@ -81,6 +83,17 @@ void bwd(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
 void hopper_bwd(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
   call_bwd_entry(portattn_cuda_hopper_bwd,
                  bwd_params(PORTATTN_BWD_OWN_ARG_NAMES, fwd_params(PORTATTN_FWD_ARG_NAMES)));
+}
+
+// PORTATTN_HOPPER_BWD_DQ at run time (tuning): "" reads, "atomic" or "bulk" sets;
+// returns the path now in effect ("invalid": the variable holds neither name).
+std::string hopper_bwd_dq_mode(const std::string& mode) {
+  int code = -2;
+  if (mode == "atomic") code = 0;
+  else if (mode == "bulk") code = 1;
+  else if (!mode.empty()) throw std::invalid_argument("hopper_bwd_dq_mode: expected 'atomic' or 'bulk', got '" + mode + "'");
+  const int now = portattn_cuda_hopper_bwd_dq_mode(code);
+  return now == 1 ? "bulk" : now == 0 ? "atomic" : "invalid";
 }
 #endif
 
@@ -217,6 +230,9 @@ PYBIND11_MODULE(_C, m) {
 #ifdef PORTATTN_WITH_HOPPER
   m.def("hopper_bwd", &hopper_bwd,
         "sm_90a backward (TMA + wgmma), bwd()'s arguments and workspace (bwd_workspace_bytes)");
+  m.def("hopper_bwd_dq_mode", &hopper_bwd_dq_mode, py::arg("mode") = "",
+        "tuning: the Hopper backward's dQ path in the default mode, 'atomic' or 'bulk' "
+        "(PORTATTN_HOPPER_BWD_DQ); no argument reads it");
 #endif
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes,
         "scratch bytes bwd() needs: (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, "

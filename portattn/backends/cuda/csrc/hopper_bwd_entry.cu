@@ -9,6 +9,11 @@
 // run_bwd_sequence (memset, preprocess, main, convert per chunk of KV heads);
 // only the main kernel is this file's.
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
+#include <mutex>
 
 #include "bwd_launch.cuh"
 #include "hopper_bwd_kernel.cuh"
@@ -20,24 +25,24 @@ namespace {
 
 using HopperBwdFn = cudaError_t (*)(const PortattnBwdParams&);
 
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
 struct HopperBwdSmemOptIn {
   static cuda::SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
-cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap>::state = {0ull};
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
+cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>::state = {0ull};
 
 struct TensorMaps {
   CUtensorMap q, k, v, dout;
 };
 
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
 cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
-  using Traits = HopperBwdTraits<kHeadDim>;
-  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap>;
+  using Traits = HopperBwdTraits<kHeadDim, kBulkDq>;
+  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>;
   const cudaError_t err = cuda::ensure_dynamic_smem(
       reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
-      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap>::state);
+      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>::state);
   if (err != cudaSuccess) return err;
   const PortattnFwdParams& f = args.p.fwd;
   const int n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
@@ -53,14 +58,36 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
 }
 
 // The main kernel of this call's mask (window) with or without softcap.
-template <int kHeadDim, typename Elem, bool kSoftcap>
+template <int kHeadDim, typename Elem, bool kSoftcap, bool kBulkDq>
 cudaError_t launch_masked(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   if (f.window_left < 0 && f.window_right < 0)
-    return launch_main<kHeadDim, Elem, kBwdMaskNone, kSoftcap>(maps, args, stream);
+    return launch_main<kHeadDim, Elem, kBwdMaskNone, kSoftcap, kBulkDq>(maps, args, stream);
   if (f.window_left < 0 && f.window_right == 0)
-    return launch_main<kHeadDim, Elem, kBwdMaskCausal, kSoftcap>(maps, args, stream);
-  return launch_main<kHeadDim, Elem, kBwdMaskLocal, kSoftcap>(maps, args, stream);
+    return launch_main<kHeadDim, Elem, kBwdMaskCausal, kSoftcap, kBulkDq>(maps, args, stream);
+  return launch_main<kHeadDim, Elem, kBwdMaskLocal, kSoftcap, kBulkDq>(maps, args, stream);
+}
+
+// PORTATTN_HOPPER_BWD_DQ (tuning; README): how the default mode adds dQ into
+// its fp32 accumulator. "atomic" (unset, the default): v2 reductions from the
+// consumers' registers; "bulk": Note [portattn hopper bulk dQ]. Read once, at
+// the first call; portattn_cuda_hopper_bwd_dq_mode changes it afterwards (tests
+// and bench/hopper_bwd_ab.py time both in one process). The deterministic mode
+// always uses the atomic path.
+enum HopperBwdDqMode : int { kDqModeAtomic = 0, kDqModeBulk = 1, kDqModeInvalid = -1 };
+constexpr const char* kDqModeEnv = "PORTATTN_HOPPER_BWD_DQ";
+std::atomic<int> g_dq_mode{kDqModeAtomic};
+std::once_flag g_dq_mode_once;
+
+int dq_mode_from_text(const char* text) {
+  if (text == nullptr || *text == '\0' || strcmp(text, "atomic") == 0) return kDqModeAtomic;
+  if (strcmp(text, "bulk") == 0) return kDqModeBulk;
+  return kDqModeInvalid;
+}
+
+int dq_mode() {
+  std::call_once(g_dq_mode_once, [] { g_dq_mode.store(dq_mode_from_text(getenv(kDqModeEnv))); });
+  return g_dq_mode.load();
 }
 
 template <int kHeadDim, typename Elem>
@@ -82,9 +109,14 @@ cudaError_t run(const PortattnBwdParams& params) {
                       Traits::kBlockN);
   if (err != cudaSuccess) return err;
   const bool softcap = f.softcap > 0.f;
-  return cuda::run_bwd_sequence<Elem>(params, [&maps, softcap](const cuda::BwdArgs& args, cudaStream_t stream) {
-    return softcap ? launch_masked<kHeadDim, Elem, true>(maps, args, stream)
-                   : launch_masked<kHeadDim, Elem, false>(maps, args, stream);
+  const bool bulk = params.deterministic == 0 && dq_mode() == kDqModeBulk;
+  return cuda::run_bwd_sequence<Elem>(params, [&maps, softcap, bulk](const cuda::BwdArgs& args,
+                                                                     cudaStream_t stream) {
+    if (bulk)
+      return softcap ? launch_masked<kHeadDim, Elem, true, true>(maps, args, stream)
+                     : launch_masked<kHeadDim, Elem, false, true>(maps, args, stream);
+    return softcap ? launch_masked<kHeadDim, Elem, true, false>(maps, args, stream)
+                   : launch_masked<kHeadDim, Elem, false, false>(maps, args, stream);
   });
 }
 
@@ -121,6 +153,12 @@ extern "C" int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* m
              f.headdim, f.dtype);
     return fail(message, message_len, -1, text);
   }
+  if (dq_mode() == kDqModeInvalid) {
+    char text[200];
+    snprintf(text, sizeof(text), "portattn cuda hopper: %s is '%s'; expected 'atomic' (default) or 'bulk'",
+             kDqModeEnv, getenv(kDqModeEnv) ? getenv(kDqModeEnv) : "");
+    return fail(message, message_len, -1, text);
+  }
   char refusal[200];
   if (refuses(f, refusal, sizeof(refusal), /*varlen_served=*/false))
     return fail(message, message_len, -1, refusal);
@@ -137,4 +175,15 @@ extern "C" int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* m
     return fail(message, message_len, static_cast<int>(err), text);
   }
   return 0;
+}
+
+// The default mode's dQ path (PORTATTN_HOPPER_BWD_DQ; tuning): mode 0 = atomic,
+// 1 = bulk sets it for the calls that follow; any other value only reads it.
+// Returns the mode now in effect (-1: the environment variable holds neither
+// name, and calls fail until a mode is set).
+extern "C" int portattn_cuda_hopper_bwd_dq_mode(int mode) {
+  using namespace portattn::hopper;
+  dq_mode();  // the environment's value first, so a later first read cannot undo the set
+  if (mode == kDqModeAtomic || mode == kDqModeBulk) g_dq_mode.store(mode);
+  return g_dq_mode.load();
 }

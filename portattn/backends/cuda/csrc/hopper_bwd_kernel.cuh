@@ -38,6 +38,8 @@
 //                         transposed (MN-major A, legal for 16-bit types) and
 //                         B = K MN-major, and adds them to the fp32 accumulator
 //                         with v2 reductions (accum_add2, bwd_kernel.cuh).
+//   Bulk variant (kBulkDq, default mode only): instead of those reductions,
+//   Note [portattn hopper bulk dQ] below.
 //   dS^T has two buffers (by step parity): a consumer passes step i + 1's
 //   barrier only after both have waited for their step-i dQ wgmma, so step
 //   i + 2 may overwrite step i's buffer with no second barrier.
@@ -58,6 +60,28 @@
 // (4-12 bytes, docs/hopper_notes.md), hd64 with softcap none.
 // Measured on an H100 (bench/results/runs/2026-11-21-12f5a57/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
 // (hd128) the sm80+ backward; what to try next is in docs/hopper_notes.md.
+//
+// Note [portattn hopper bulk dQ]
+// The alternative dQ path (PORTATTN_HOPPER_BWD_DQ=bulk, hopper_bwd_entry.cu;
+// default mode only, the deterministic mode keeps its v2 reductions into its
+// slice). Why: with per-element `red.global` the consumers' reductions and
+// global loads fill the LSU queue (lg_throttle, long_scoreboard stalls,
+// docs/hopper_notes.md); FA3 stages dQ in shared memory and lets the copy
+// engine add it. Per step (one 64-query block):
+//   consumers  wait empty[b] (not for the first kDqStages steps), write their
+//              64 x kDqCols fp32 fragment into buffer b (rows of kDqPitch =
+//              head dim * 4 + 32 bytes: the v2 stores of a half-warp cover the
+//              32 banks once), fence.proxy.async, `bar.arrive full[b]`.
+//   producer   warp 2 (idle before): `bar.sync full[b]`, then each lane issues
+//              `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`
+//              for rows lane, lane + 32 (only the rows < seqlen_q: the row
+//              after them belongs to the next head), one bulk group per lane,
+//              `cp.async.bulk.wait_group.read 0`, then `bar.arrive empty[b]`
+//              (skipped for the last kDqStages steps, which nobody waits for).
+// The padded rows make the smem copy non-contiguous, hence one copy per row
+// (64 per step, 2 per lane); the global accumulator keeps the layout the
+// convert kernel reads, so nothing else changes. b = step % kDqStages; the
+// named barrier ids and counts are in HopperBwdTraits.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
@@ -73,9 +97,12 @@
 namespace portattn {
 namespace hopper {
 
-template <int kHeadDim_>
+template <int kHeadDim_, bool kBulkDq_ = false>
 struct HopperBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  // dQ into the fp32 accumulator: false = v2 reductions from the consumers'
+  // registers; true = Note [portattn hopper bulk dQ] (default mode only).
+  static constexpr bool kBulkDq = kBulkDq_;
   static constexpr int kBlockN = 128;  // two consumer warpgroups x wgmma M (64 keys)
   // 64 queries keep S^T and dP^T at 32 fp32 each next to the 128 of dK + dV (hd128).
   static constexpr int kBlockM = 64;
@@ -97,7 +124,17 @@ struct HopperBwdTraits {
   static constexpr int kOffQ = 2 * kKVBytes;
   static constexpr int kOffDo = kOffQ + kStages * kQBytes;
   static constexpr int kOffDs = kOffDo + kStages * kQBytes;
-  static constexpr int kOffLse = kOffDs + 2 * kDsBytes;
+  // Bulk dQ staging: 64 fp32 rows of the head dim, each padded by 32 bytes so the
+  // accumulator fragment's v2 stores hit every bank once (the 4 rows of a
+  // half-warp start 32 bytes apart mod 128); rows are reduced one bulk copy each.
+  // Two buffers where they fit (hd64: +36 KiB); hd128 has room for one (two
+  // would need 235,568 B of the 232,448 allowed), written again only after the
+  // previous step's copy has read it.
+  static constexpr int kDqPitch = kHeadDim * 4 + 32;
+  static constexpr int kDqBytes = kBlockM * kDqPitch;
+  static constexpr int kDqStages = !kBulkDq ? 0 : kHeadDim <= 64 ? 2 : 1;
+  static constexpr int kOffDq = kOffDs + 2 * kDsBytes;
+  static constexpr int kOffLse = kOffDq + kDqStages * kDqBytes;
   static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr int kOffBars = kOffDelta + kStages * kBlockM * 4;
   static constexpr int kBarriers = 2 + 2 * kStages;  // K/V full + empty; per stage full + empty
@@ -106,6 +143,13 @@ struct HopperBwdTraits {
   static_assert(kBlockM == kPanel, "dS^T rows are one 128-byte swizzled row of queries");
   static_assert(kDqCols == 32 || kDqCols == 64, "dQ wgmma is instantiated for N = 32 and 64");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared-memory opt-in limit");
+  static_assert(kDqPitch % 128 == 32, "bulk dQ rows must start 32 bytes apart mod 128 (banks)");
+  // Named barriers: 0 __syncthreads, 1 dS^T (consumers); bulk dQ: full[b]
+  // (consumers arrive, the reducing warp waits) and empty[b] (the reverse).
+  static constexpr int kBarDs = 1;
+  static constexpr int kBarDqFull = 2;
+  static constexpr int kBarDqEmpty = kBarDqFull + kDqStages;
+  static constexpr int kDqBarThreads = 128 * kConsumers + 32;  // consumers + the reducing warp
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
                 "register split exceeds the register file");
 };
@@ -155,7 +199,7 @@ __device__ __forceinline__ void accumulate_rs(float (&acc)[2][kHeadDim / 4],
 // choice (hopper_fwd_kernel.cuh: HopperFwdMask) made on the same rule.
 enum HopperBwdMask : int { kBwdMaskNone = 0, kBwdMaskCausal = 1, kBwdMaskLocal = 2 };
 
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
 __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
@@ -163,7 +207,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
                       const __grid_constant__ CUtensorMap tm_do, const cuda::BwdArgs args,
                       const float softcap_scale) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Traits = HopperBwdTraits<kHeadDim>;
+  using Traits = HopperBwdTraits<kHeadDim, kBulkDq>;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
@@ -190,7 +234,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const PortattnBwdParams& p = args.p;
   const PortattnFwdParams& f = p.fwd;
   const int batch = blockIdx.z;
-  const bool det = p.deterministic != 0;
+  const bool det = p.deterministic != 0;  // never with kBulkDq (hopper_bwd_entry.cu)
   const int group = f.nheads / f.nheads_k;
   const cuda::BwdHeads cta_heads = cuda::bwd_heads(args, det, group);
   const int head_k = cta_heads.head_k;
@@ -241,6 +285,43 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     sm90::setmaxnreg_dec<Traits::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    if constexpr (kBulkDq) {
+      if (warp == 2) {
+        // ---- bulk dQ: warp 2 adds each step's staged dQ tile to the accumulator ----
+        // Default mode: this CTA's one key block, the consumers' step sequence.
+        // (Written to fit the 24 registers: pointers stepped, no per-step ws_row.)
+        int m_begin, m_blocks;
+        m_range(blockIdx.x, m_begin, m_blocks);
+        int left = heads * m_blocks;  // steps not yet reduced
+        int b = 0;
+        for (int h = 0; h < heads; ++h) {
+          // This lane's rows of the first query block of head h: lane, lane + 32.
+          float* g_dq = args.dq_accum +
+                        (cuda::ws_row(args, batch, head_first + h, m_begin * kBlockM) + lane) * kHeadDim;
+          int rows = seqlen_q - m_begin * kBlockM - lane;  // this lane's rows left in the head
+          for (int mb = 0; mb < m_blocks; ++mb, --left) {
+            sm90::named_barrier_sync(Traits::kBarDqFull + b, Traits::kDqBarThreads);
+            const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes + lane * Traits::kDqPitch;
+            // Rows at or past seqlen_q belong to the next head: never added.
+#pragma unroll
+            for (int r = 0; r < kBlockM / 32; ++r)
+              if (32 * r < rows)
+                sm90::bulk_reduce_add_f32(g_dq + 32 * r * kHeadDim, s_dq + 32 * r * Traits::kDqPitch,
+                                          kHeadDim * 4);
+            sm90::bulk_commit_group();
+            sm90::bulk_wait_group_read<0>();  // this lane's copies have read the buffer
+            __syncwarp();
+            if (left > Traits::kDqStages)  // the consumers wait only for buffers they reuse
+              sm90::named_barrier_arrive(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
+            b = b + 1 == Traits::kDqStages ? 0 : b + 1;
+            g_dq += kBlockM * kHeadDim;
+            rows -= kBlockM;
+          }
+        }
+        sm90::bulk_wait_group<0>();  // every reduction performed before the CTA retires
+        return;
+      }
+    }
     if (warp > 1 || (warp == 0 && lane > 0)) return;
     if (warp == 0) {
       sm90::prefetch_tensormap(&tm_q);
@@ -428,7 +509,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             cuda::st_shared_b32(s_ds + swizzle128(row, col), ds[kk][e]);
           }
         sm90::fence_proxy_async_smem();
-        sm90::named_barrier_sync(1, 128 * Traits::kConsumers);
+        sm90::named_barrier_sync(Traits::kBarDs, 128 * Traits::kConsumers);
 
         // ---- dQ (64 queries x this consumer's kDqCols) = dS K over all 128 keys ----
         float dq[2][kQCols];
@@ -449,14 +530,33 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
 
-        float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
+        if constexpr (kBulkDq) {
+          // Stage this consumer's columns; warp 2 of the producer reduces the
+          // tile once both consumers arrived (Note [portattn hopper bulk dQ]).
+          const int b = step % Traits::kDqStages;
+          if (step >= Traits::kDqStages)  // the copy of step - kDqStages has read buffer b
+            sm90::named_barrier_sync(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
+          const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes + wg * Traits::kDqCols * 4;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = warp * 16 + g + 8 * r;
-          if (m0 + row >= seqlen_q) continue;
+          for (int r = 0; r < 2; ++r) {
+            const int row = warp * 16 + g + 8 * r;  // rows past seqlen_q are staged, never copied
 #pragma unroll
-          for (int j = 0; j < kQCols / 2; ++j)
-            cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
+            for (int j = 0; j < kQCols / 2; ++j)
+              sm90::st_shared_v2_f32(s_dq + row * Traits::kDqPitch + (8 * j + 2 * q4) * 4, dq[r][2 * j],
+                                     dq[r][2 * j + 1]);
+          }
+          sm90::fence_proxy_async_smem();  // generic writes before the bulk copy's (async-proxy) read
+          sm90::named_barrier_arrive(Traits::kBarDqFull + b, Traits::kDqBarThreads);
+        } else {
+          float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = warp * 16 + g + 8 * r;
+            if (m0 + row >= seqlen_q) continue;
+#pragma unroll
+            for (int j = 0; j < kQCols / 2; ++j)
+              cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
+          }
         }
       }
       if (iters > 0) {
