@@ -228,14 +228,7 @@ __device__ __forceinline__ int tile_of_cta(int round, int num_tiles) {
   return t < num_tiles ? t : num_tiles;
 }
 
-namespace sm90 {
-
-// Signals a named barrier without waiting (named_barrier_sync: hopper_ptx.cuh).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-}  // namespace sm90
+// named_barrier_arrive / named_barrier_sync: hopper_ptx.cuh.
 
 // ---- the kernel ---------------------------------------------------------------------
 
