@@ -4,121 +4,24 @@
 // every call it does not serve (hopper_host.h: refuses; dispatch sends those
 // to the sm80+ entry portattn_cuda_bwd through capability/specs/cuda_sm90.py).
 //
-// The workspace is the sm80+ backward's (bwd_workspace_layout, so Python sizes
-// it with the same bwd_workspace_bytes) and the launch sequence is its
-// run_bwd_sequence (memset, preprocess, main, convert per chunk of KV heads);
-// only the main kernel is this file's.
+// The kernels it runs are the generated "hopper_bwd" family (Note [portattn cuda
+// variants]; launch, workspace and launch sequence: hopper_bwd_launch.cuh), found in
+// kHopperBwdVariants.
 #include <stdio.h>
 
 #include "bwd_launch.cuh"
-#include "hopper_bwd_kernel.cuh"
 #include "hopper_host.h"
-
-namespace portattn {
-namespace hopper {
-namespace {
-
-using HopperBwdFn = cudaError_t (*)(const PortattnBwdParams&);
-
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
-struct HopperBwdSmemOptIn {
-  static cuda::SmemOptInState state;
-};
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
-cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap>::state = {0ull};
-
-struct TensorMaps {
-  CUtensorMap q, k, v, dout;
-};
-
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap>
-cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
-  using Traits = HopperBwdTraits<kHeadDim>;
-  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap>;
-  const cudaError_t err = cuda::ensure_dynamic_smem(
-      reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
-      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap>::state);
-  if (err != cudaSuccess) return err;
-  const PortattnFwdParams& f = args.p.fwd;
-  const int n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const bool det = args.p.deterministic != 0;
-  const dim3 grid(det ? args.splits : n_blocks, det ? args.heads_k : args.heads, f.batch);
-  if (grid.x == 0) return cudaSuccess;
-  // tanhf's argument as the forward computes it (hopper_fwd_entry.cu), so both see
-  // the same value; a kernel parameter, read from the constant bank, holds no register.
-  const float softcap_scale = kSoftcap ? f.softmax_scale / f.softcap : 0.f;
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, args,
-                                                                 softcap_scale);
-  return cudaGetLastError();
-}
-
-// The main kernel of this call's mask (window) with or without softcap.
-template <int kHeadDim, typename Elem, bool kSoftcap>
-cudaError_t launch_masked(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
-  const PortattnFwdParams& f = args.p.fwd;
-  if (f.window_left < 0 && f.window_right < 0)
-    return launch_main<kHeadDim, Elem, kBwdMaskNone, kSoftcap>(maps, args, stream);
-  if (f.window_left < 0 && f.window_right == 0)
-    return launch_main<kHeadDim, Elem, kBwdMaskCausal, kSoftcap>(maps, args, stream);
-  return launch_main<kHeadDim, Elem, kBwdMaskLocal, kSoftcap>(maps, args, stream);
-}
-
-template <int kHeadDim, typename Elem>
-cudaError_t run(const PortattnBwdParams& params) {
-  using Traits = HopperBwdTraits<kHeadDim>;
-  const PortattnFwdParams& f = params.fwd;
-  if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
-  TensorMaps maps;
-  cudaError_t err = encode_bshd(&maps.q, f.q, f.q_strides, f.dtype, f.batch, f.seqlen_q, f.nheads,
-                                kHeadDim, Traits::kBlockM);
-  if (err == cudaSuccess)
-    err = encode_bshd(&maps.dout, params.dout, params.dout_strides, f.dtype, f.batch, f.seqlen_q,
-                      f.nheads, kHeadDim, Traits::kBlockM);
-  if (err == cudaSuccess)
-    err = encode_bshd(&maps.k, f.k, f.k_strides, f.dtype, f.batch, f.seqlen_k, f.nheads_k, kHeadDim,
-                      Traits::kBlockN);
-  if (err == cudaSuccess)
-    err = encode_bshd(&maps.v, f.v, f.v_strides, f.dtype, f.batch, f.seqlen_k, f.nheads_k, kHeadDim,
-                      Traits::kBlockN);
-  if (err != cudaSuccess) return err;
-  const bool softcap = f.softcap > 0.f;
-  return cuda::run_bwd_sequence<Elem>(params, [&maps, softcap](const cuda::BwdArgs& args, cudaStream_t stream) {
-    return softcap ? launch_masked<kHeadDim, Elem, true>(maps, args, stream)
-                   : launch_masked<kHeadDim, Elem, false>(maps, args, stream);
-  });
-}
-
-struct HopperBwdVariant {
-  int head_dim;
-  int dtype;  // PortattnDtype
-  HopperBwdFn run;
-};
-
-// The instantiated (head dim, dtype) pairs, the forward's (hopper_fwd_entry.cu);
-// the mask and softcap are run-time choices inside run().
-constexpr HopperBwdVariant kBwdVariants[] = {
-    {64, PORTATTN_FP16, &run<64, __half>},
-    {64, PORTATTN_BF16, &run<64, __nv_bfloat16>},
-    {128, PORTATTN_FP16, &run<128, __half>},
-    {128, PORTATTN_BF16, &run<128, __nv_bfloat16>},
-};
-
-}  // namespace
-}  // namespace hopper
-}  // namespace portattn
 
 extern "C" int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* message, int message_len) {
   using namespace portattn::hopper;
-  using portattn::cuda::fail;
+  using namespace portattn::cuda;
   const PortattnFwdParams& f = params->fwd;
-  const HopperBwdVariant* variant = nullptr;
-  for (const HopperBwdVariant& v : kBwdVariants)
-    if (v.head_dim == f.headdim && v.dtype == f.dtype) variant = &v;
+  const Variant<BwdFn>* variant = find_exact_variant(kHopperBwdVariants, kNumHopperBwdVariants, f.headdim, f.dtype);
   if (variant == nullptr) {
-    char text[160];
-    snprintf(text, sizeof(text),
-             "portattn cuda hopper: no backward kernel for head_dim %d dtype %d (built: 64, 128; fp16, bf16)",
-             f.headdim, f.dtype);
+    char built[160], text[256];
+    describe_variants(kHopperBwdVariants, kNumHopperBwdVariants, built, sizeof(built));
+    snprintf(text, sizeof(text), "portattn cuda hopper: no backward kernel for head_dim %d dtype %s (built: %s)",
+             f.headdim, dtype_name(f.dtype), built);
     return fail(message, message_len, -1, text);
   }
   char refusal[200];
