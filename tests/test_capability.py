@@ -212,6 +212,20 @@ def test_build_head_dims_served_by_smallest_built_at_least():
     assert len(matrix.check_call("cuda", h100, call(head_dim=264), build)) == 1
 
 
+def test_exact_head_dim_spec_is_served_only_by_its_own_built_head_dim():
+    h100 = probe.fake_device("h100")
+    partial = {"archs": ["sm_90a"], "head_dims": [128], "dtypes": ["bfloat16"]}
+    assert matrix.check_call("cuda-sm90", h100, call("bfloat16", head_dim=128), partial) == []
+    assert matrix.check_call("cuda-sm90", h100, call("bfloat16", head_dim=64), partial) == [
+        "head_dim 64 not built (this build: PORTATTN_HEADDIMS=128; cuda-sm90 serves only the built head dims themselves)"
+    ]
+    # An empty list is a build without any kernel of the backend, not an unrestricted one.
+    empty = {"archs": ["sm_90a"], "head_dims": [], "dtypes": []}
+    (reason,) = matrix.check_call("cuda-sm90", h100, call("bfloat16", head_dim=64), empty)
+    assert reason.startswith("head_dim 64 not built (this build has no cuda-sm90 kernel")
+    assert matrix.check_call("cuda-sm90", h100, call("bfloat16", head_dim=64), {"archs": ["sm_90a"]}) == []
+
+
 def test_build_dtypes():
     build = {"dtypes": ["float16"]}
     reasons = matrix.check_call("cuda", probe.fake_device("a100"), call("bfloat16"), build)

@@ -58,6 +58,9 @@ class BackendSpec:
     dtypes: Tuple[str, ...] = ("float16", "bfloat16")
     head_dim_multiple: int = 8
     head_dim_max: Optional[int] = 256
+    # True: a call's head dim must itself be built (kernels with no masked head-dim tail);
+    # False: the smallest built head dim >= it serves it.
+    head_dims_exact: bool = False
     head_dim_v_equal: bool = True  # v's head dim must equal q/k's
     supported: frozenset = frozenset()  # subset of callspec.FEATURES
     verified: Mapping[str, frozenset] = field(default_factory=dict)  # arch name -> features passed on it

@@ -13,8 +13,10 @@ build contains: {"archs": [...], "head_dims": [...], "dtypes": [...]} and
 optionally "ptx": bool or a list of archs with PTX embedded. Arch entries may
 be spelled "sm80", "sm_80", "80", "8.0", "8.0+PTX", "compute_80" or "gfx942".
 A call's head dim is served by the smallest built head dim >= it (kernels
-mask the rest). An optional "smem_bytes": {feature: {head_dim: bytes}} gives
-the least opt-in shared memory each kernel family needs per built head dim;
+mask the rest), or only by itself where the spec says `head_dims_exact`; an
+empty "head_dims" list means the build has no kernel of that backend. An
+optional "smem_bytes": {feature: {head_dim: bytes}} gives the least opt-in
+shared memory each kernel family needs per built head dim;
 it replaces the declaration's ResourceRules for those features.
 """
 from __future__ import annotations
@@ -200,19 +202,32 @@ def _kib(nbytes: int) -> str:
     return f"{nbytes // 1024} KiB" if nbytes % 1024 == 0 else f"{nbytes} bytes"
 
 
+def _check_built_head_dim(spec: BackendSpec, call: CallSpec, built: Optional[Sequence]) -> List[str]:
+    """The call's head dim against the build's head dims (None: the build does not say)."""
+    need = max(call.head_dim, call.head_dim_v)
+    if built is None or (spec.head_dim_max is not None and need > spec.head_dim_max):
+        return []  # beyond the declared maximum the declaration's reason is enough
+    if not built:
+        return [f"head_dim {need} not built (this build has no {spec.name} kernel: PORTATTN_HEADDIMS / "
+                f"PORTATTN_DTYPES left none of its head dims)"]
+    head_dims = sorted(int(d) for d in built)
+    if spec.head_dims_exact:
+        if need in head_dims:
+            return []
+        rule = f"{spec.name} serves only the built head dims themselves"
+    else:
+        if _served_head_dim(head_dims, need) is not None:
+            return []
+        rule = "a head dim is served by the smallest built one >= it"
+    return [f"head_dim {need} not built (this build: PORTATTN_HEADDIMS={','.join(map(str, head_dims))}; {rule})"]
+
+
 def _check_build(spec: BackendSpec, device: Optional[DeviceInfo], call: CallSpec, build: dict) -> List[str]:
     reasons = []
     dtypes = build.get("dtypes")
     if dtypes and call.dtype in spec.dtypes and call.dtype not in dtypes:
         reasons.append(f"dtype {call.dtype} not built (this build: PORTATTN_DTYPES={','.join(dtypes)})")
-    head_dims = sorted(int(d) for d in build.get("head_dims") or ())
-    need = max(call.head_dim, call.head_dim_v)
-    if head_dims and _served_head_dim(head_dims, need) is None:
-        if spec.head_dim_max is None or need <= spec.head_dim_max:
-            reasons.append(
-                f"head_dim {need} not built (this build: PORTATTN_HEADDIMS={','.join(map(str, head_dims))}; "
-                f"a head dim is served by the smallest built one >= it)"
-            )
+    reasons += _check_built_head_dim(spec, call, build.get("head_dims"))
     archs = build.get("archs")
     if archs and device is not None and device.vendor == spec.vendor and any(r.contains(device.arch) for r in spec.archs):
         if not build_serves_arch(archs, device.arch, build.get("ptx", False)):

@@ -21,7 +21,8 @@ PADDED_HEAD_DIMS = (40, 80, 200)
 CUDA_HEAD_DIMS = sorted(set(variants.HEAD_DIMS) | set(PADDED_HEAD_DIMS))
 CUDA_DTYPES = list(cuda.SPEC.dtypes)  # torch dtype names
 
-# Hopper path: every head dim its spec admits (64 and 128).
+# Hopper path: every head dim its spec admits (variants.HOPPER_HEAD_DIMS; tests/test_cuda_hopper_build.py
+# checks the two agree).
 HOPPER_HEAD_DIMS = _head_dims(cuda_sm90.SPEC)
 HOPPER_DTYPES = list(cuda_sm90.SPEC.dtypes)
 

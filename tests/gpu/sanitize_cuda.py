@@ -159,7 +159,7 @@ def main() -> int:
             q = torch.randn(2, seqlen_q, 4, head_dim, **bf16)
             k, v = (torch.randn(2, seqlen_k, 2, head_dim, **bf16) for _ in range(2))
             failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
-        # Each forward schedule (hopper_fwd_entry.cu): persistent non-causal with several tiles
+        # Each forward schedule (hopper_fwd_launch.cuh): persistent non-causal with several tiles
         # per CTA (7 query blocks x 20 heads x 3 > 132 SMs), causal past 1024 keys (one CTA per
         # tile, ping-pong), and the window + softcap kernels of both directions.
         q = torch.randn(3, 777, 20, 128, **bf16)

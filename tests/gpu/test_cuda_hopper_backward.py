@@ -61,7 +61,7 @@ def _dq_path(mode):
     try:
         yield mode == "det"
     finally:
-        _C.hopper_bwd_dq_mode(before if before != "invalid" else "atomic")
+        _C.hopper_bwd_dq_mode(before if before != "invalid" else "auto")
 
 
 def _hopper_grads(q, k, v, deterministic, window=(-1, -1), softcap=0.0):
@@ -164,7 +164,7 @@ def test_hopper_backward_strided_views(mode):
     _check_grads(grads, q, k, v, dout, dict(causal=True))
 
 
-@pytest.mark.parametrize("value, expected", [("bulk", "bulk"), ("atomic", "atomic"), ("", "atomic"),
+@pytest.mark.parametrize("value, expected", [("bulk", "bulk"), ("atomic", "atomic"), ("", "auto"), ("auto", "auto"),
                                              ("bogus", "invalid")])
 def test_hopper_bwd_dq_env_is_read_at_the_first_call(value, expected):
     # A fresh process per value: the variable is read once. An invalid value fails every Hopper

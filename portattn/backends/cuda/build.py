@@ -23,8 +23,9 @@ CUDA call, so importing the module on a machine without a GPU works.
 
 Restrictions (variants.py): PORTATTN_CUDA_ARCHS, PORTATTN_HEADDIMS,
 PORTATTN_DTYPES; MAX_JOBS caps ninja's parallelism. The sm_90a kernels
-(csrc/hopper_*.cu, sm_90a only; _C.hopper_fwd and _C.hopper_bwd) are built
-when the archs include sm_90; PORTATTN_CUDA_HOPPER=0 leaves them out, =1 forces them.
+(csrc/hopper_*.cu and their generated hopper_* variants, sm_90a only; _C.hopper_fwd
+and _C.hopper_bwd) are built when the archs include sm_90; PORTATTN_CUDA_HOPPER=0
+leaves them out, =1 forces them.
 PORTATTN_PTXAS_VERBOSE=1 prints ptxas register/spill/shared-memory reports; PORTATTN_NVCC_FLAGS adds
 nvcc flags (tuning experiments, e.g. -DPORTATTN_FWD_HD64_BLOCK_N=64).
 """
@@ -116,24 +117,25 @@ def build_library(lib_path: str, build_temp: str, env: Mapping[str, str]) -> Non
     obj_dir = os.path.join(build_temp, "obj")
     os.makedirs(gen_dir, exist_ok=True)
     os.makedirs(obj_dir, exist_ok=True)
-    sources = []
+    generated = []
     for name, text in variants.generated_sources(plan).items():
         path = os.path.join(gen_dir, name)
         _write_if_changed(path, text)
-        sources.append(path)
+        generated.append(path)
     # A plan change must relink even if no object changed (e.g. fewer variants).
     _write_if_changed(os.path.join(gen_dir, "plan.txt"), repr(plan))
-    sources += _hand_written_sources()
+    hopper_generated = [path for path in generated if variants.is_hopper_source(os.path.basename(path))]
+    sources = [path for path in generated if path not in hopper_generated] + _hand_written_sources()
 
     common = ["-O3", "-std=c++17", "-DNDEBUG", "-Xcompiler", "-fPIC", f"-I{_CSRC}", f"-I{_COMMON}"]
     extra = ["-Xptxas=-v"] if env.get("PORTATTN_PTXAS_VERBOSE") == "1" else []
     extra += shlex.split(env.get("PORTATTN_NVCC_FLAGS", ""))
     flags = common + variants.gencode_flags(plan) + extra
     compiles = [(source, flags) for source in sources]
-    # ---- Hopper opt-in (variants.HOPPER_ENV): its own sources and arch only ----
-    if variants.hopper_enabled(env):
+    # ---- Hopper path (variants.HOPPER_ENV): its own sources, generated and hand-written, sm_90a only ----
+    if plan.hopper:
         hopper_flags = common + list(variants.HOPPER_GENCODE) + extra
-        compiles += [(source, hopper_flags) for source in _hopper_sources()]
+        compiles += [(source, hopper_flags) for source in hopper_generated + _hopper_sources()]
     build = ninja_build.NinjaBuild(os.path.join(build_temp, "ninja_lib"))
     objects = []
     for source, flags in compiles:

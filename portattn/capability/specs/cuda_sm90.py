@@ -26,9 +26,11 @@ SPEC = BackendSpec(
     arch_note="Hopper (sm_90a)",
     ptx_forward_compatible=False,
     dtypes=("float16", "bfloat16"),
-    # Exactly 64 and 128: the kernel has no masked head-dim tail.
+    # Exactly the Hopper families' head dims (backends/cuda/variants.HOPPER_HEAD_DIMS; a CPU test
+    # checks the two agree): the kernels have no masked head-dim tail, so each serves its own.
     head_dim_multiple=64,
     head_dim_max=128,
+    head_dims_exact=True,
     supported=SUPPORTED,
     verified=VERIFIED,
     unsupported_notes={

@@ -85,15 +85,17 @@ void hopper_bwd(PORTATTN_BWD_OWN_ARGS, PORTATTN_FWD_ARGS) {
                  bwd_params(PORTATTN_BWD_OWN_ARG_NAMES, fwd_params(PORTATTN_FWD_ARG_NAMES)));
 }
 
-// PORTATTN_HOPPER_BWD_DQ at run time (tuning): "" reads, "atomic" or "bulk" sets;
-// returns the path now in effect ("invalid": the variable holds neither name).
+// PORTATTN_HOPPER_BWD_DQ at run time (tuning): "" reads, "auto", "atomic" or "bulk" sets;
+// returns the mode now in effect ("invalid": the variable holds none of the names).
 std::string hopper_bwd_dq_mode(const std::string& mode) {
   int code = -2;
   if (mode == "atomic") code = 0;
   else if (mode == "bulk") code = 1;
-  else if (!mode.empty()) throw std::invalid_argument("hopper_bwd_dq_mode: expected 'atomic' or 'bulk', got '" + mode + "'");
+  else if (mode == "auto") code = 2;
+  else if (!mode.empty())
+    throw std::invalid_argument("hopper_bwd_dq_mode: expected 'auto', 'atomic' or 'bulk', got '" + mode + "'");
   const int now = portattn_cuda_hopper_bwd_dq_mode(code);
-  return now == 1 ? "bulk" : now == 0 ? "atomic" : "invalid";
+  return now == 2 ? "auto" : now == 1 ? "bulk" : now == 0 ? "atomic" : "invalid";
 }
 #endif
 

@@ -141,7 +141,7 @@ cudaError_t launch_first_fitting(const BwdArgs& args, int smem_optin, cudaStream
 
 // The launch sequence of Note [portattn cuda backward] around a main-kernel
 // launcher `main(args, stream) -> cudaError_t`: shared by run_bwd below and the
-// Hopper backward (hopper_bwd_entry.cu), which differ only in that launch.
+// Hopper backward (hopper_bwd_launch.cuh), which differ only in that launch.
 template <typename Elem, class MainLaunch>
 cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main) {
   const PortattnFwdParams& f = params.fwd;

@@ -8,7 +8,12 @@
 // dim >= the call's (the kernels zero-fill the tail), so nothing here is
 // spelled out by hand. A new kernel family (e.g. the backward pass) adds one
 // entry to variants.FAMILIES and declares its run template + table here.
+// The sm_90a families (variants.HOPPER_FAMILIES) are generated the same way into
+// hopper_* files and `hopper_variants_generated.cu`, compiled for sm_90a only;
+// their entry points look up the exact head dim (find_exact_variant).
 #pragma once
+#include <stdio.h>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -49,6 +54,26 @@ cudaError_t run_decode(const PortattnDecodeParams& params);
 extern const Variant<DecodeFn> kDecodeVariants[];
 extern const int kNumDecodeVariants;
 // ---- end decode family ----
+}  // namespace cuda
+
+namespace hopper {
+// Defined in hopper_fwd_launch.cuh / hopper_bwd_launch.cuh; explicitly instantiated per
+// generated hopper_* TU.
+template <int kHeadDim, typename Elem>
+cudaError_t run_hopper_fwd(const PortattnFwdParams& params);
+template <int kHeadDim, typename Elem>
+cudaError_t run_hopper_bwd(const PortattnBwdParams& params);
+}  // namespace hopper
+
+namespace cuda {
+// ---- Hopper families (sm_90a only; hopper_fwd_launch.cuh, hopper_bwd_launch.cuh) ----
+// Defined only when the build carries the sm_90a path; only the hopper_* entries use them.
+// A plan that leaves no Hopper head dim has count 0 (and one placeholder entry).
+extern const Variant<FwdFn> kHopperFwdVariants[];
+extern const int kNumHopperFwdVariants;
+extern const Variant<BwdFn> kHopperBwdVariants[];
+extern const int kNumHopperBwdVariants;
+// ---- end Hopper families ----
 extern const char* const kBuildArchs;  // e.g. "80;90", as the build was asked for
 extern const char* const kBuildPtx;    // arch of the embedded PTX, e.g. "90" ("" = none)
 
@@ -62,6 +87,28 @@ const Variant<Fn>* find_variant(const Variant<Fn>* table, int count, int head_di
       best = &v;
   }
   return best;
+}
+
+// The built variant of exactly this head dim and dtype, or nullptr: for kernels with
+// no masked head-dim tail (the Hopper ones), which serve their own head dim only.
+template <class Fn>
+const Variant<Fn>* find_exact_variant(const Variant<Fn>* table, int count, int head_dim, int dtype) {
+  for (int i = 0; i < count; ++i)
+    if (table[i].head_dim == head_dim && table[i].dtype == dtype) return &table[i];
+  return nullptr;
+}
+
+inline const char* dtype_name(int dtype) {
+  return dtype == PORTATTN_FP16 ? "fp16" : dtype == PORTATTN_BF16 ? "bf16" : "?";
+}
+
+// What a table holds, for error messages: "hd64 fp16, hd128 bf16", or "none".
+template <class Fn>
+void describe_variants(const Variant<Fn>* table, int count, char* text, int text_len) {
+  int used = snprintf(text, text_len, "%s", count == 0 ? "none" : "");
+  for (int i = 0; i < count && used >= 0 && used < text_len; ++i)
+    used += snprintf(text + used, text_len - used, "%shd%d %s", i == 0 ? "" : ", ", table[i].head_dim,
+                     dtype_name(table[i].dtype));
 }
 
 // Raises a kernel's dynamic shared-memory limit once per device. The device's

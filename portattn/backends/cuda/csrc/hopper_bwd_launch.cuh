@@ -1,0 +1,98 @@
+// The Hopper backward's host side (hopper_bwd_kernel.cuh): the main kernel's launch
+// and `run_hopper_bwd<kHeadDim, Elem>`, the run template of the "hopper_bwd" family
+// (Note [portattn cuda variants]): each generated hopper_bwd_hd<D>_<dtype>.cu
+// instantiates it once; hopper_bwd_entry.cu looks the call up in the generated table.
+//
+// The workspace is the sm80+ backward's (bwd_workspace_layout, so Python sizes
+// it with the same bwd_workspace_bytes) and the launch sequence is its
+// run_bwd_sequence (memset, preprocess, main, convert per chunk of KV heads);
+// only the main kernel is this file's.
+#pragma once
+#include "bwd_launch.cuh"
+#include "hopper_bwd_kernel.cuh"
+#include "hopper_host.h"
+
+namespace portattn {
+namespace hopper {
+
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
+struct HopperBwdSmemOptIn {
+  static cuda::SmemOptInState state;
+};
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
+cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>::state = {0ull};
+
+// Whether the default (non-deterministic) mode adds dQ with bulk reductions at this head
+// dim (Note [portattn hopper bulk dQ]; PORTATTN_HOPPER_BWD_DQ, hopper_bwd_entry.cu).
+bool hopper_bwd_bulk_dq(int head_dim);
+
+struct TensorMaps {
+  CUtensorMap q, k, v, dout;
+};
+
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
+cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
+  using Traits = HopperBwdTraits<kHeadDim, kBulkDq>;
+  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>;
+  const cudaError_t err = cuda::ensure_dynamic_smem(
+      reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
+      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>::state);
+  if (err != cudaSuccess) return err;
+  const PortattnFwdParams& f = args.p.fwd;
+  const int n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const bool det = args.p.deterministic != 0;
+  const dim3 grid(det ? args.splits : n_blocks, det ? args.heads_k : args.heads, f.batch);
+  if (grid.x == 0) return cudaSuccess;
+  // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
+  // the same value; a kernel parameter, read from the constant bank, holds no register.
+  const float softcap_scale = kSoftcap ? f.softmax_scale / f.softcap : 0.f;
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, args,
+                                                                 softcap_scale);
+  return cudaGetLastError();
+}
+
+// The main kernel of this call's mask (window) with or without softcap.
+template <int kHeadDim, typename Elem, bool kSoftcap, bool kBulkDq>
+cudaError_t launch_masked(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
+  const PortattnFwdParams& f = args.p.fwd;
+  if (f.window_left < 0 && f.window_right < 0)
+    return launch_main<kHeadDim, Elem, kBwdMaskNone, kSoftcap, kBulkDq>(maps, args, stream);
+  if (f.window_left < 0 && f.window_right == 0)
+    return launch_main<kHeadDim, Elem, kBwdMaskCausal, kSoftcap, kBulkDq>(maps, args, stream);
+  return launch_main<kHeadDim, Elem, kBwdMaskLocal, kSoftcap, kBulkDq>(maps, args, stream);
+}
+
+// The family's run template: the mask and softcap are run-time choices here.
+template <int kHeadDim, typename Elem>
+cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
+  using Traits = HopperBwdTraits<kHeadDim>;
+  const PortattnFwdParams& f = params.fwd;
+  if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
+  TensorMaps maps;
+  cudaError_t err = encode_bshd(&maps.q, f.q, f.q_strides, f.dtype, f.batch, f.seqlen_q, f.nheads,
+                                kHeadDim, Traits::kBlockM);
+  if (err == cudaSuccess)
+    err = encode_bshd(&maps.dout, params.dout, params.dout_strides, f.dtype, f.batch, f.seqlen_q,
+                      f.nheads, kHeadDim, Traits::kBlockM);
+  if (err == cudaSuccess)
+    err = encode_bshd(&maps.k, f.k, f.k_strides, f.dtype, f.batch, f.seqlen_k, f.nheads_k, kHeadDim,
+                      Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = encode_bshd(&maps.v, f.v, f.v_strides, f.dtype, f.batch, f.seqlen_k, f.nheads_k, kHeadDim,
+                      Traits::kBlockN);
+  if (err != cudaSuccess) return err;
+  const bool softcap = f.softcap > 0.f;
+  // The deterministic mode keeps per-element adds: bulk reductions from one thread are unordered.
+  const bool bulk = params.deterministic == 0 && hopper_bwd_bulk_dq(kHeadDim);
+  return cuda::run_bwd_sequence<Elem>(params, [&maps, softcap, bulk](const cuda::BwdArgs& args,
+                                                                     cudaStream_t stream) {
+    if (bulk)
+      return softcap ? launch_masked<kHeadDim, Elem, true, true>(maps, args, stream)
+                     : launch_masked<kHeadDim, Elem, false, true>(maps, args, stream);
+    return softcap ? launch_masked<kHeadDim, Elem, true, false>(maps, args, stream)
+                   : launch_masked<kHeadDim, Elem, false, false>(maps, args, stream);
+  });
+}
+
+}  // namespace hopper
+}  // namespace portattn

@@ -1,0 +1,188 @@
+// The Hopper forward's host side (hopper_fwd_kernel.cuh): the launch of one
+// kernel instantiation and `run_hopper_fwd<kHeadDim, Elem>`, the run template of the
+// "hopper_fwd" family (Note [portattn cuda variants]): each generated
+// hopper_fwd_hd<D>_<dtype>.cu instantiates it once; hopper_fwd_entry.cu looks the
+// call up in the generated table.
+//
+// Tensor maps and the calls the Hopper path refuses: hopper_host.h.
+#pragma once
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <type_traits>
+
+#include "hopper_fwd_kernel.cuh"
+#include "hopper_host.h"
+#include "variant_table.h"
+
+namespace portattn {
+namespace hopper {
+
+// Its own opt-in flags: the sm80+ kernels' SmemOptIn<hd, Elem, bool> would alias.
+template <class Kernel>
+struct HopperSmemOptIn {
+  static portattn::cuda::SmemOptInState state;
+};
+template <class Kernel>
+portattn::cuda::SmemOptInState HopperSmemOptIn<Kernel>::state = {0ull};
+
+// One kernel's compile-time choices (the type that keys its opt-in flag).
+template <int kHeadDim_, typename Elem_, int kMask_, bool kSoftcap_, int kSchedule_>
+struct HopperFwdVariantKey {};
+
+// The schedules calls run (Note [portattn hopper forward schedule]), chosen
+// from the tuning runs on an H100 (bench/results/runs/*/hopper_fwd_tuning.md,
+// summary in docs/hopper_notes.md): intra-warpgroup pipelining everywhere (+5-13%
+// over the serial loop); non-causal calls persistent (+8-11% at 1k, +1-3% at
+// 4k, within the +-4% run-to-run spread at 16k); causal calls with ping-pong
+// and one CTA per tile (the hardware's dynamic CTA hand-out balances their
+// unequal tiles better than any fixed order measured: persistent lost 8-15%
+// at 4k-16k), except short ones (<= 8 key blocks), where the persistent
+// grid's overlap of one tile's end with the next's start wins (+11% hd64 1k).
+// Sliding windows run like causal calls (their tiles differ in cost near
+// the sequence start). Three stages and the polynomial exp2 measured within
+// noise or slower and are built only in tuning builds.
+constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent;
+constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong;
+constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
+constexpr int kShortCausalMaxSeqlenK = 1024;
+
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, int kSchedule>
+cudaError_t launch(const PortattnFwdParams& params) {
+  using Traits = HopperFwdTraits<kHeadDim, kSchedule>;
+  auto kernel = &hopper_fwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kSchedule>;
+  cudaError_t err = portattn::cuda::ensure_dynamic_smem(
+      reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
+      &HopperSmemOptIn<HopperFwdVariantKey<kHeadDim, Elem, kMask, kSoftcap, kSchedule>>::state);
+  if (err != cudaSuccess) return err;
+  CUtensorMap tm_q, tm_k, tm_v;
+  // Varlen: the packed (total, heads, head_dim) tensors as one "batch" whose rows the
+  // kernel offsets by cu_seqlens; rows past a sequence's end are masked there.
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  const int map_batch = varlen ? 1 : params.batch;
+  const int64_t rows_q = varlen ? params.total_q : params.seqlen_q;
+  const int64_t rows_k = varlen ? params.total_k : params.seqlen_k;
+  if (rows_q > INT32_MAX || rows_k > INT32_MAX) {
+    portattn::cuda::set_error_detail("more than 2^31 rows");
+    return cudaErrorInvalidValue;
+  }
+  err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, map_batch,
+                    static_cast<int>(rows_q), params.nheads, kHeadDim, Traits::kBlockM);
+  if (err == cudaSuccess)
+    err = encode_bshd(&tm_k, params.k, params.k_strides, params.dtype, map_batch,
+                      static_cast<int>(rows_k), params.nheads_k, kHeadDim, Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = encode_bshd(&tm_v, params.v, params.v_strides, params.dtype, map_batch,
+                      static_cast<int>(rows_k), params.nheads_k, kHeadDim, Traits::kBlockN);
+  if (err != cudaSuccess) return err;
+  HopperFwdArgs args;
+  args.out = params.out;
+  args.out_strides = params.out_strides;
+  args.lse = params.lse;
+  args.lse_batch_stride = params.lse_batch_stride;
+  args.lse_head_stride = params.lse_head_stride;
+  args.seqlen_q = params.seqlen_q;
+  args.seqlen_k = params.seqlen_k;
+  args.cu_seqlens_q = params.cu_seqlens_q;
+  args.cu_seqlens_k = params.cu_seqlens_k;
+  args.total_q = rows_q;
+  args.total_k = rows_k;
+  args.nheads = params.nheads;
+  args.heads_per_kv = params.nheads / params.nheads_k;
+  args.num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t tiles = static_cast<int64_t>(args.num_m_blocks) * params.nheads * params.batch;
+  if (tiles > INT32_MAX) {
+    portattn::cuda::set_error_detail("more than 2^31 query tiles");
+    return cudaErrorInvalidValue;
+  }
+  args.num_tiles = static_cast<int>(tiles);
+  {
+    // K + V of one head in bf16/fp16; groups fill about half of an H100's 50 MB L2.
+    const int64_t kv_bytes = 4 * static_cast<int64_t>(params.seqlen_k) * kHeadDim;
+    const int64_t heads_batches = static_cast<int64_t>(params.nheads) * params.batch;
+    const int64_t group = (int64_t(24) << 20) / (kv_bytes > 0 ? kv_bytes : 1);
+    args.group_heads = static_cast<int>(group < 1 ? 1 : (group > heads_batches ? heads_batches : group));
+  }
+  args.window_left = params.window_left;
+  args.window_right = params.window_right;
+  // With softcap the kernel caps the scaled scores itself, so the softmax
+  // works on them in natural units (scale 1).
+  args.scale_log2 = (kSoftcap ? 1.f : params.softmax_scale) * softmax::kLog2e;
+  args.softcap = params.softcap;
+  args.softcap_scale = kSoftcap ? params.softmax_scale / params.softcap : 0.f;
+  int grid = args.num_tiles;
+  if (Traits::kPersistent) {
+    // One CTA per SM (the shared memory admits no second): each walks a
+    // strided share of the tiles.
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    grid = grid < sms ? grid : sms;
+  }
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(
+      tm_q, tm_k, tm_v, args);
+  return cudaGetLastError();
+}
+
+inline int mask_of(const PortattnFwdParams& params) {
+  if (params.window_left < 0 && params.window_right < 0) return kMaskNone;
+  if (params.window_left < 0 && params.window_right == 0) return kMaskCausal;
+  return kMaskLocal;
+}
+
+// The tuning sweep covers the two masks the issue's grid times (none, causal), no softcap.
+template <int kHeadDim, typename Elem, int kSchedule>
+cudaError_t run_schedule(const PortattnFwdParams& params) {
+  return mask_of(params) == kMaskCausal ? launch<kHeadDim, Elem, kMaskCausal, false, kSchedule>(params)
+                                        : launch<kHeadDim, Elem, kMaskNone, false, kSchedule>(params);
+}
+
+template <int kHeadDim, typename Elem, bool kSoftcap>
+cudaError_t run_default(const PortattnFwdParams& params) {
+  switch (mask_of(params)) {
+    case kMaskNone:
+      return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNonCausalSchedule>(params);
+    case kMaskCausal:
+      return params.seqlen_k <= kShortCausalMaxSeqlenK
+                 ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausalSchedule>(params)
+                 : launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kCausalSchedule>(params);
+    default:
+      return launch<kHeadDim, Elem, kMaskLocal, kSoftcap, kCausalSchedule>(params);
+  }
+}
+
+#ifdef PORTATTN_HOPPER_TUNING
+// Tuning builds (PORTATTN_NVCC_FLAGS=-DPORTATTN_HOPPER_TUNING) carry every
+// bf16 schedule below; PORTATTN_HOPPER_FWD_SCHEDULE=<bits> picks one at run
+// time so a single device call can time them side by side.
+template <int kHeadDim, typename Elem, int... kSchedules>
+cudaError_t run_tuning(const PortattnFwdParams& params, int wanted) {
+  cudaError_t result = cudaErrorInvalidValue;
+  bool found = false;
+  ((!found && wanted == kSchedules ? (found = true, result = run_schedule<kHeadDim, Elem, kSchedules>(params)) : result), ...);
+  if (!found) portattn::cuda::set_error_detail("PORTATTN_HOPPER_FWD_SCHEDULE names no built schedule");
+  return result;
+}
+
+// Read on every call (a tuning build only), so one process can switch schedules.
+inline int tuning_schedule() {
+  const char* text = getenv("PORTATTN_HOPPER_FWD_SCHEDULE");
+  return text == nullptr || *text == '\0' ? -1 : atoi(text);
+}
+#endif
+
+// The family's run template: the mask, softcap and schedule are run-time choices here.
+template <int kHeadDim, typename Elem>
+cudaError_t run_hopper_fwd(const PortattnFwdParams& params) {
+  if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
+#ifdef PORTATTN_HOPPER_TUNING
+  if (std::is_same<Elem, __nv_bfloat16>::value && tuning_schedule() >= 0)
+    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 13, 17>(params, tuning_schedule());
+#endif
+  return params.softcap > 0.f ? run_default<kHeadDim, Elem, true>(params)
+                              : run_default<kHeadDim, Elem, false>(params);
+}
+
+}  // namespace hopper
+}  // namespace portattn
