@@ -297,6 +297,10 @@ def _decode_call(module, q, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=
         lse = torch.full((batch, nheads, seqlen_q), float("nan"))
         lse_strides = (lse.stride(0), lse.stride(1))
     nheads_k = k_cache.shape[-2]
+    if cu_k is not None and not seqlen_k:
+        # The call's max_seqlen_k, as portattn/backends/abi.py passes it: packed key counts
+        # are capped at it (common/seq_bounds.h).
+        seqlen_k = int((cu_k[1:] - cu_k[:-1]).max())
     out = torch.full_like(q, float("nan"))
     if block_table is not None:
         num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
