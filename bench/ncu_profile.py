@@ -75,6 +75,12 @@ HEADLINE = (  # (label, metric) in the order printed; absent ones are skipped
     ("tensor pipe, wgmma cycles (% active)", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"),
     ("tensor pipe, mma.sync cycles (% active)", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"),
     ("wgmma instructions", "sm__inst_executed_pipe_tensor_op_gmma.sum"),
+    # The sm80+ backward's suspected limits: shared-memory wavefronts (ldmatrix / st.shared)
+    # against the LSU pipe's peak, and issued instructions in total.
+    ("shared-memory wavefronts (% peak)", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed"),
+    ("shared-memory bank conflicts", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"),
+    ("instructions executed", "smsp__inst_executed.sum"),
+    ("mma.sync instructions", "sm__inst_executed_pipe_tensor_op_hmma.sum"),
     ("grid", "launch__grid_size"),
     ("block", "launch__block_size"),
     ("registers / thread", "launch__registers_per_thread"),

@@ -19,12 +19,12 @@ if [ -z "$NCU" ] || [ ! -x "$NCU" ]; then
   echo "profile: no ncu on this machine (set NCU=/path/to/ncu)" | tee "$OUT/ncu_fwd.txt"
   exit 0
 fi
-SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats"
+SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats"
 # Tensor-pipe use (wgmma and mma.sync are separate pipes on sm90) and the stall breakdown.
 # ncu does not expand wildcards in --metrics, so every stall reason is named; base names
 # without a suffix let ncu collect whichever roll-ups the metric has.
 STALLS="barrier branch_resolving dispatch_stall drain gmma imc_miss lg_throttle long_scoreboard math_pipe_throttle membar mio_throttle misc no_instruction not_selected selected short_scoreboard sleeping tex_throttle wait"
-METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.sum"
+METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__inst_executed_pipe_tensor_op_hmma.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum"
 for reason in $STALLS; do METRICS="$METRICS,smsp__average_warp_latency_issue_stalled_$reason"; done
 
 profile() {  # name mode regex title

@@ -78,9 +78,10 @@ template <typename Elem>
 cudaError_t launch_bwd_preprocess(const BwdArgs& args, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   if (f.seqlen_q == 0) return cudaSuccess;
-  constexpr int kRowsPerBlock = 256 / 32;
-  const dim3 grid((f.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, args.heads, f.batch);
-  bwd_preprocess<Elem><<<grid, 256, 0, stream>>>(args);
+  const int lanes_log2 = bwd_preprocess_lanes_log2(f.headdim);
+  const int rows_per_block = (256 / 32) << (5 - lanes_log2);
+  const dim3 grid((f.seqlen_q + rows_per_block - 1) / rows_per_block, args.heads, f.batch);
+  bwd_preprocess<Elem><<<grid, 256, 0, stream>>>(args, lanes_log2);
   return cudaGetLastError();
 }
 

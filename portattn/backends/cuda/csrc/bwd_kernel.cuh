@@ -77,10 +77,13 @@ struct BwdTileConfig {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kDSplit = kHeadDim > 128 ? 2 : 1;
   static constexpr int kDOut = kHeadDim / kDSplit;  // dK/dV/dQ columns per CTA
-  // dQ is produced in (16 x kDqChunk) tiles, distributed over the warps; 32
-  // columns halve the reloads of the dS fragment when there are enough tiles.
+  // dQ is produced in (kDqRows x kDqChunk) tiles, distributed over the warps: the
+  // largest tile that still gives every warp one. 32 columns halve the reloads of the dS
+  // fragment, 32 rows those of K, and a larger tile has more independent accumulators.
   static constexpr int kDqChunk =
       (kDOut % 32 == 0 && (kBlockM / 16) * (kDOut / 32) >= kWarps) ? 32 : 16;
+  static constexpr int kDqRows =
+      (kBlockM % 32 == 0 && (kBlockM / 32) * (kDOut / kDqChunk) >= kWarps) ? 32 : 16;
 
   using KVTile = ptx::SwizzledTile<kBlockN, kHeadDim>;
   using QTile = ptx::SwizzledTile<kBlockM, kHeadDim>;
@@ -136,20 +139,31 @@ __device__ __forceinline__ BwdHeads bwd_heads(const BwdArgs& args, bool det, int
 
 // ---- 1. preprocess ------------------------------------------------------------
 
-// One warp per query row; lane l covers columns [8l, 8l + 8) (head dim <= 256).
+// 2^lanes_log2 lanes per query row, each covering 8 columns (the smallest power of two
+// that covers the head dim, bwd_preprocess_lanes_log2), so a warp handles 32 / lanes rows:
+// with one row per warp, head dim 16 left 30 lanes idle and this kernel took 1.7x the
+// time of cuDNN's at batch 512, seqlen 300 (bench/results/latest/short_seq.md).
+__host__ __device__ inline int bwd_preprocess_lanes_log2(int headdim) {
+  int log2 = 0;
+  while ((8 << log2) < headdim && log2 < 5) ++log2;
+  return log2;
+}
+
 template <typename Elem>
-__global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args) {
+__global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args, int lanes_log2) {
   const PortattnFwdParams& f = args.p.fwd;
+  const int lanes = 1 << lanes_log2;
   const int lane = threadIdx.x % 32;
-  const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int rows_per_block = (blockDim.x / 32) << (5 - lanes_log2);
+  const int i = blockIdx.x * rows_per_block + static_cast<int>(threadIdx.x) / lanes;
   const int head = args.head0 + blockIdx.y;
   const int batch = blockIdx.z;
   const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
-  if (i >= s.len_q) return;
+  const bool valid = i < s.len_q;  // no early return: every lane takes part in the shuffles
   const int64_t row = s.q_start + i;
   float acc = 0.f;
-  const int col = lane * 8;
-  if (col < f.headdim) {
+  const int col = (lane % lanes) * 8;
+  if (valid && col < f.headdim) {
     const Elem* o = static_cast<const Elem*>(f.out) + batch * f.out_strides.batch_stride +
                     row * f.out_strides.row_stride + head * f.out_strides.head_stride + col;
     const Elem* d = static_cast<const Elem*>(args.p.dout) + batch * args.p.dout_strides.batch_stride +
@@ -161,9 +175,8 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
   }
-#pragma unroll
-  for (int mask = 16; mask > 0; mask /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
-  if (lane == 0) args.delta[ws_row(args, batch, head, i)] = acc;
+  for (int mask = lanes / 2; mask > 0; mask /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
+  if (valid && lane % lanes == 0) args.delta[ws_row(args, batch, head, i)] = acc;
 }
 
 // ---- 2. main kernel -------------------------------------------------------------
@@ -220,18 +233,37 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&lo)[4], c
 
 // acc (16 x kCols) += a (16 x 16) * tile[k0 : k0 + 16, col0 : col0 + kCols], where the
 // shared tile is row-major in k (Q, dO, K as stored): ldmatrix.trans makes it the B operand.
+// `frag` is the lane's part of the address (lane_rows_first below); k0 and col0 are
+// compile-time after unrolling wherever the head dim is unsplit, so each ldmatrix costs
+// at most one LOP3 and an immediate (ptx.cuh, SwizzledTile).
 template <class Tile, int kCols, typename Elem>
 __device__ __forceinline__ void mma_a_tile(float (&acc)[kCols / 8][4], const uint32_t (&a)[4],
-                                           uint32_t tile, int k0, int col0, int lane) {
+                                           uint32_t tile, uint32_t frag, int k0, int col0) {
 #pragma unroll
   for (int dp = 0; dp < kCols / 16; ++dp) {
+    const int chunk = col0 / 8 + dp * 2;
     uint32_t b[4];
-    ptx::ldmatrix_x4_trans(b, tile + Tile::offset(k0 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                  col0 + dp * 16 + (lane / 16) * 8));
+    ptx::ldmatrix_x4_trans(b, tile + ((frag ^ Tile::chunk_xor(chunk)) + Tile::fixed(k0, chunk)));
     ptx::mma_16816<Elem>(acc[2 * dp][0], acc[2 * dp][1], acc[2 * dp][2], acc[2 * dp][3], a, b[0], b[1]);
     ptx::mma_16816<Elem>(acc[2 * dp + 1][0], acc[2 * dp + 1][1], acc[2 * dp + 1][2],
                          acc[2 * dp + 1][3], a, b[2], b[3]);
   }
+}
+
+// Lane parts of the two ldmatrix.x4 address patterns over a 16 x 16 block (row r0 + lane
+// bits, 16-byte chunk c0 + lane bit; ptx.cuh, SwizzledTile::lane):
+//   rows first: matrices (rows 0-7, chunk 0), (rows 8-15, chunk 0), (0-7, 1), (8-15, 1):
+//     the A operand of a row-major tile (K, V for S^T, dP^T), and the B operand of a
+//     tile row-major in k through .trans (mma_a_tile);
+//   chunks first: (rows 0-7, chunk 0), (0-7, 1), (8-15, 0), (8-15, 1): the B operand of a
+//     tile row-major in n (Q, dO for S^T, dP^T), and dS^T through .trans as the A of dQ.
+template <class Tile>
+__device__ __forceinline__ uint32_t lane_rows_first(int lane) {
+  return Tile::lane(lane % 16, lane / 16);
+}
+template <class Tile>
+__device__ __forceinline__ uint32_t lane_chunks_first(int lane) {
+  return Tile::lane((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
 }
 
 // kExtras: softcap, ALiBi or dropout present (their per-element work and
@@ -248,6 +280,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
   constexpr int kThreads = Cfg::kThreads;
   constexpr int kDOut = Cfg::kDOut;
   constexpr int kDqChunk = Cfg::kDqChunk;
+  constexpr int kDqRows = Cfg::kDqRows;
   constexpr int kSTiles = kBlockM / 8;  // n8 tiles of S^T per warp (16 keys x kBlockM queries)
   constexpr int kOTiles = kDOut / 8;    // n8 tiles of the dK/dV rows per warp
   using KVTile = typename Cfg::KVTile;
@@ -271,7 +304,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
   const int q2 = 2 * (lane % 4);  // fragment column pair within an n8 tile
   const int half = blockIdx.z % Cfg::kDSplit;
   const int batch = blockIdx.z / Cfg::kDSplit;
-  const int col_base = half * kDOut;  // first dK/dV/dQ column of this CTA
+  // First dK/dV/dQ column of this CTA; a compile-time 0 when the head dim is not split, so
+  // every shared-memory address below folds to a register and an immediate.
+  const int col_base = Cfg::kDSplit == 1 ? 0 : half * kDOut;
   const bool det = p.deterministic != 0;
   const int group = f.nheads / f.nheads_k;
   const BwdHeads cta_heads = bwd_heads(args, det, group);
@@ -300,6 +335,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
   const Elem* gV = static_cast<const Elem*>(f.v) + batch * f.v_strides.batch_stride +
                    static_cast<int64_t>(s.k_start) * f.v_strides.row_stride +
                    head_k * f.v_strides.head_stride;
+
+  // Lane parts of the shared-memory addresses (lane_rows_first / lane_chunks_first):
+  // computed once, so that each ldmatrix in the unrolled loops costs at most a LOP3.
+  const uint32_t kv_rows = lane_rows_first<KVTile>(lane) + warp * 16 * KVTile::kPanelRowBytes;  // this warp's keys
+  const uint32_t kv_t = lane_rows_first<KVTile>(lane);
+  const uint32_t q_rows = lane_rows_first<QTile>(lane);
+  const uint32_t q_chunks = lane_chunks_first<QTile>(lane);
+  const uint32_t ds_chunks = lane_chunks_first<DsTile>(lane);
+  // dS^T stores: this thread's row (warp * 16 + g) at column halves 0 and 8, plus its
+  // column pair's byte offset (bits below the 16-byte chunk, untouched by the swizzle).
+  const uint32_t ds_store[2] = {DsTile::lane(warp * 16 + g, 0) + q2 * 2, DsTile::lane(warp * 16 + g, 1) + q2 * 2};
 
   const int n_first = blockIdx.x;
   const int n_step = det ? args.splits : n_blocks;  // default: one key block per CTA
@@ -386,22 +432,20 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
         for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const int a_row = warp * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-        const int a_col = kk * 16 + (lane / 16) * 8;
         uint32_t a_k[4], a_v[4];
-        ptx::ldmatrix_x4(a_k, sK + KVTile::offset(a_row, a_col));
-        ptx::ldmatrix_x4(a_v, sV + KVTile::offset(a_row, a_col));
+        const uint32_t a_off = (kv_rows ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(0, kk * 2);
+        ptx::ldmatrix_x4(a_k, sK + a_off);
+        ptx::ldmatrix_x4(a_v, sV + a_off);
+        const uint32_t b_lane = q_chunks ^ QTile::chunk_xor(kk * 2);
 #pragma unroll
         for (int np = 0; np < kBlockM / 16; ++np) {
-          const int b_row = np * 16 + (lane / 16) * 8 + lane % 8;
-          const int b_col = kk * 16 + ((lane / 8) % 2) * 8;
           uint32_t b[4];
-          ptx::ldmatrix_x4(b, sQ + QTile::offset(b_row, b_col));
+          ptx::ldmatrix_x4(b, sQ + (b_lane + QTile::fixed(np * 16, kk * 2)));
           ptx::mma_16816<Elem>(acc_s[2 * np][0], acc_s[2 * np][1], acc_s[2 * np][2],
                                acc_s[2 * np][3], a_k, b[0], b[1]);
           ptx::mma_16816<Elem>(acc_s[2 * np + 1][0], acc_s[2 * np + 1][1], acc_s[2 * np + 1][2],
                                acc_s[2 * np + 1][3], a_k, b[2], b[3]);
-          ptx::ldmatrix_x4(b, sDo + QTile::offset(b_row, b_col));
+          ptx::ldmatrix_x4(b, sDo + (b_lane + QTile::fixed(np * 16, kk * 2)));
           ptx::mma_16816<Elem>(acc_dp[2 * np][0], acc_dp[2 * np][1], acc_dp[2 * np][2],
                                acc_dp[2 * np][3], a_v, b[0], b[1]);
           ptx::mma_16816<Elem>(acc_dp[2 * np + 1][0], acc_dp[2 * np + 1][1],
@@ -471,52 +515,72 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
         uint32_t a[4];
         pack_a<Elem>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
-        mma_a_tile<QTile, kDOut, Elem>(acc_dv, a, sDo, kk * 16, col_base, lane);
+        mma_a_tile<QTile, kDOut, Elem>(acc_dv, a, sDo, q_rows, kk * 16, col_base);
       }
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
         uint32_t a[4];
         pack_a<Elem>(a, acc_dp[2 * kk], acc_dp[2 * kk + 1]);
-        const int row = warp * 16 + g;
-        st_shared_b32(sDs + DsTile::offset(row, kk * 16) + q2 * 2, a[0]);
-        st_shared_b32(sDs + DsTile::offset(row + 8, kk * 16) + q2 * 2, a[1]);
-        st_shared_b32(sDs + DsTile::offset(row, kk * 16 + 8) + q2 * 2, a[2]);
-        st_shared_b32(sDs + DsTile::offset(row + 8, kk * 16 + 8) + q2 * 2, a[3]);
-        mma_a_tile<QTile, kDOut, Elem>(acc_dk, a, sQ, kk * 16, col_base, lane);
+        // a[0..3] = rows (g, g + 8) x column halves (0, 8) of this warp's 16 x 16 block.
+        const uint32_t lo = sDs + ((ds_store[0] ^ DsTile::chunk_xor(kk * 2)) + DsTile::fixed(0, kk * 2));
+        const uint32_t hi = sDs + ((ds_store[1] ^ DsTile::chunk_xor(kk * 2)) + DsTile::fixed(0, kk * 2));
+        st_shared_b32(lo, a[0]);
+        st_shared_b32(lo + 8 * DsTile::kPanelRowBytes, a[1]);
+        st_shared_b32(hi, a[2]);
+        st_shared_b32(hi + 8 * DsTile::kPanelRowBytes, a[3]);
+        mma_a_tile<QTile, kDOut, Elem>(acc_dk, a, sQ, q_rows, kk * 16, col_base);
       }
 
       __syncthreads();  // dS^T complete; every warp is done reading Q and dO of this step
       if (kStages == 1 && it + 1 < iters) load_step(it + 1, 0);
 
-      // ---- dQ += dS K (kBlockM x kDOut, in 16 x kDqChunk tiles over the warps)
-      constexpr int kTilesM = kBlockM / 16;
+      // ---- dQ += dS K (kBlockM x kDOut, in kDqRows x kDqChunk tiles over the warps)
+      // Each warp loads all of a key step's fragments before its MMAs, and a tile has
+      // (kDqRows / 16) x (kDqChunk / 8) independent accumulators, so consecutive MMAs
+      // rarely wait on each other (ncu: "wait" was the second stall reason with 16-row tiles).
+      constexpr int kRowTiles = kDqRows / 16;
+      constexpr int kTilesM = kBlockM / kDqRows;
       constexpr int kTiles = kTilesM * (kDOut / kDqChunk);
       float* gDq = dq_slice + ws_row(args, batch, head, m0) * headdim;
+      // Interior tiles (all rows inside the sequence, the head dim unpadded) add without bounds
+      // tests; the boundary ones test each row and column.
+      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim;
       for (int tile = warp; tile < kTiles; tile += kWarps) {
         const int tm = tile % kTilesM;
         const int col0 = col_base + (tile / kTilesM) * kDqChunk;
-        float acc[kDqChunk / 8][4];
+        float acc[kRowTiles][kDqChunk / 8][4];
 #pragma unroll
-        for (int t = 0; t < kDqChunk / 8; ++t)
+        for (int r = 0; r < kRowTiles; ++r)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+          for (int t = 0; t < kDqChunk / 8; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][t][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          uint32_t a[4];
-          ptx::ldmatrix_x4_trans(a, sDs + DsTile::offset(kk * 16 + (lane / 16) * 8 + lane % 8,
-                                                         tm * 16 + ((lane / 8) % 2) * 8));
-          mma_a_tile<KVTile, kDqChunk, Elem>(acc, a, sK, kk * 16, col0, lane);
+          uint32_t a[kRowTiles][4];
+#pragma unroll
+          for (int r = 0; r < kRowTiles; ++r) {
+            const int chunk = (tm * kRowTiles + r) * 2;  // dS^T columns are query rows
+            ptx::ldmatrix_x4_trans(a[r], sDs + ((ds_chunks ^ DsTile::chunk_xor(chunk)) + DsTile::fixed(kk * 16, chunk)));
+          }
+#pragma unroll
+          for (int r = 0; r < kRowTiles; ++r) mma_a_tile<KVTile, kDqChunk, Elem>(acc[r], a[r], sK, kv_t, kk * 16, col0);
         }
 #pragma unroll
-        for (int t = 0; t < kDqChunk / 8; ++t) {
-          const int col = col0 + t * 8 + q2;
-          if (col < headdim) {
-            const int r0 = tm * 16 + g;
-            if (m0 + r0 < s.len_q) accum_add2(gDq + r0 * headdim + col, acc[t][0], acc[t][1]);
-            if (m0 + r0 + 8 < s.len_q)
-              accum_add2(gDq + (r0 + 8) * headdim + col, acc[t][2], acc[t][3]);
+        for (int r = 0; r < kRowTiles; ++r)
+#pragma unroll
+          for (int t = 0; t < kDqChunk / 8; ++t) {
+            const int col = col0 + t * 8 + q2;
+            const int r0 = (tm * kRowTiles + r) * 16 + g;
+            float* row0 = gDq + r0 * headdim + col;
+            if (dq_interior) {
+              accum_add2(row0, acc[r][t][0], acc[r][t][1]);
+              accum_add2(row0 + 8 * headdim, acc[r][t][2], acc[r][t][3]);
+            } else if (col < headdim) {
+              if (m0 + r0 < s.len_q) accum_add2(row0, acc[r][t][0], acc[r][t][1]);
+              if (m0 + r0 + 8 < s.len_q) accum_add2(row0 + 8 * headdim, acc[r][t][2], acc[r][t][3]);
+            }
           }
-        }
       }
     }
 
