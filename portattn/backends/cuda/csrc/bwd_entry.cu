@@ -67,7 +67,8 @@ BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params) {
   const int64_t dkv =
       ws.dkv_accum ? static_cast<int64_t>(f.batch) * f.seqlen_k * ws.chunk_heads_k * f.headdim * 4 : 0;
   ws.delta = 0;
-  ws.dq = align_up(rows * 4);
+  ws.lse2 = align_up(rows * 4);
+  ws.dq = ws.lse2 + align_up(rows * 4);
   ws.dk = ws.dq + align_up(ws.slices * ws.dq_slice * 4);
   ws.dv = ws.dk + align_up(dkv);
   ws.total = ws.dv + align_up(dkv);

@@ -2,10 +2,11 @@
 //
 // Note [portattn cuda backward]
 // Three launches (bwd_launch.cuh runs them):
-//   1. bwd_preprocess: per query row, delta = rowsum(dO * O) in fp32. (The
-//      saved LSE is read as it is and turned into log2 units when a query
-//      block is loaded; a fully masked row's -inf becomes +inf there, so its
-//      probabilities exp2(s - lse2) are exactly 0, never NaN.)
+//   1. bwd_preprocess: per query row, delta = rowsum(dO * O) in fp32, and the
+//      saved LSE in log2 units (lse2) into the workspace next to it, so the
+//      main kernel stages both with cp.async; a fully masked row's -inf
+//      becomes +inf there, so its probabilities exp2(s - lse2) are exactly 0,
+//      never NaN.
 //   2. bwd_kernel: one CTA per (key block, head, batch[, head-dim half]). K and
 //      V of its key block stay in shared memory; the CTA walks the query blocks
 //      that can see those keys (causal/window ranges skip the rest) and, per
@@ -101,6 +102,7 @@ struct BwdTileConfig {
   static_assert(kBlockN % 16 == 0 && kBlockM % 16 == 0 && kBlockM >= 32, "mma tile multiples");
   static_assert(kDOut % 16 == 0, "dK/dV columns are read by ldmatrix.x4 in 16-column steps");
   static_assert(kStages == 1 || kStages == 2, "one or two Q/dO buffers");
+  static_assert(kBlockM <= kThreads, "one thread per query row stages its LSE and delta");
 };
 
 // Kernel arguments: the C ABI params plus the workspace carve-up of
@@ -111,6 +113,7 @@ struct BwdArgs {
   // [head0 / group, + heads_k). The workspace arrays cover the chunk only.
   int head0, heads, heads_k;
   float* delta;     // (B, heads, Sq_max) rowsum(dO * O)
+  float* lse2;      // (B, heads, Sq_max) the LSE in log2 units, +inf for fully masked rows
   float* dq_accum;  // [slices] x (B, heads, Sq_max, headdim) fp32
   float* dk_accum;  // (B, Sk_max, heads_k, headdim) fp32, GQA default mode only
   float* dv_accum;
@@ -176,7 +179,12 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args, int la
     for (int e = 0; e < 8; ++e) acc += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
   }
   for (int mask = lanes / 2; mask > 0; mask /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, mask);
-  if (valid && lane % lanes == 0) args.delta[ws_row(args, batch, head, i)] = acc;
+  if (valid && lane % lanes == 0) {
+    const int64_t ws = ws_row(args, batch, head, i);
+    args.delta[ws] = acc;
+    const float lse = f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + row];
+    args.lse2[ws] = lse == softmax::neg_inf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
+  }
 }
 
 // ---- 2. main kernel -------------------------------------------------------------
@@ -362,7 +370,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
     const int m_blocks = m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0;
     const int iters = heads * m_blocks;
 
-    // Q/dO/LSE/delta of step `it` (head head_first + it / m_blocks) into `stage`.
+    // Q/dO/LSE/delta of step `it` (head head_first + it / m_blocks) into `stage`, all by
+    // cp.async (rows past the sequence zero-filled: the masked path never reads them). The
+    // LSE comes from the workspace copy in log2 units that bwd_preprocess wrote, next to
+    // delta: with plain loads of the caller's LSE and the conversion here, the warps that
+    // staged these rows waited on global memory at the top of every step (ncu:
+    // long_scoreboard stalls), and a second address computation cost spills.
     auto load_step = [&](int it, int stage) {
       const int head = head_first + it / m_blocks;
       const int m0 = (m_begin + it % m_blocks) * kBlockM;
@@ -378,12 +391,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
       bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffDo + stage * QTile::kBytes,
                                                          gDo, p.dout_strides.row_stride,
                                                          s.len_q - m0, headdim);
-      const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + s.q_start + m0;
-      for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+      const int r = threadIdx.x;  // kBlockM <= kThreads (BwdTileConfig)
+      if (r < kBlockM) {
         const bool valid = m0 + r < s.len_q;
-        const float lse = valid ? gLse[r] : softmax::neg_inf();
-        sLse[stage * kBlockM + r] = lse == softmax::neg_inf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
-        sDelta[stage * kBlockM + r] = valid ? args.delta[ws_row(args, batch, head, m0 + r)] : 0.f;
+        const int64_t ws = ws_row(args, batch, head, m0) + (valid ? r : 0);
+        ptx::cp_async_4(smem + Cfg::kOffLse + (stage * kBlockM + r) * 4, args.lse2 + ws, valid);
+        ptx::cp_async_4(smem + Cfg::kOffDelta + (stage * kBlockM + r) * 4, args.delta + ws, valid);
       }
       ptx::cp_async_commit();
     };
@@ -531,7 +544,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) 
         mma_a_tile<QTile, kDOut, Elem>(acc_dk, a, sQ, q_rows, kk * 16, col_base);
       }
 
-      __syncthreads();  // dS^T complete; every warp is done reading Q and dO of this step
+      __syncthreads();  // dS^T complete; every warp is done reading Q, dO, LSE, delta of this step
       if (kStages == 1 && it + 1 < iters) load_step(it + 1, 0);
 
       // ---- dQ += dS K (kBlockM x kDOut, in kDqRows x kDqChunk tiles over the warps)

@@ -83,7 +83,7 @@ struct BwdConfigsFor<256> {
 // heads. Everything from `dq` on is zeroed before each chunk's main kernel
 // (fp32 accumulators).
 struct BwdWorkspace {
-  int64_t delta, dq, dk, dv, total;
+  int64_t delta, lse2, dq, dk, dv, total;
   int64_t dq_slice;   // elements of one dQ slice
   int slices;         // 1, or the deterministic split count
   bool dkv_accum;     // GQA in the default mode
@@ -155,6 +155,7 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main)
   BwdArgs args;
   args.p = params;
   args.delta = reinterpret_cast<float*>(base + ws.delta);
+  args.lse2 = reinterpret_cast<float*>(base + ws.lse2);
   args.dq_accum = reinterpret_cast<float*>(base + ws.dq);
   args.dk_accum = ws.dkv_accum ? reinterpret_cast<float*>(base + ws.dk) : nullptr;
   args.dv_accum = ws.dkv_accum ? reinterpret_cast<float*>(base + ws.dv) : nullptr;
