@@ -60,19 +60,19 @@ def test_every_head_dim_has_a_backward_shape_for_99_kib_parts(module):
 def test_workspace_default_gqa_and_deterministic(module):
     b, h, hk, d, sq, sk = 2, 8, 2, 64, 1000, 777
     rows = b * h * sq
-    dq = _align(rows * 4) + _align(rows * d * 4)  # delta + one fp32 dQ
+    dq = 2 * _align(rows * 4) + _align(rows * d * 4)  # delta, lse2 + one fp32 dQ
     assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, False) == dq
     dkv = _align(b * sk * hk * d * 4)  # fp32 dK and dV accumulators for the group sums
     assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, False) == dq + 2 * dkv
     # Deterministic: dK/dV stay in registers (a CTA walks its group), dQ has one slice per split.
     splits = min(math.ceil(256 / (b * hk)), math.ceil(sk / 64))
-    assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True) == _align(rows * 4) + _align(splits * rows * d * 4)
+    assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True) == 2 * _align(rows * 4) + _align(splits * rows * d * 4)
 
 
 def test_large_calls_are_chunked_by_kv_heads(module):
     def one_chunk(heads, seqlen, d=128):
         rows = heads * seqlen
-        return _align(rows * 4) + _align(rows * d * 4)
+        return 2 * _align(rows * 4) + _align(rows * d * 4)
 
     # B=1, H=16, S=32k, hd 128: one fp32 dQ would be 256 MiB; two chunks of 8 heads keep 128 MiB.
     assert module.bwd_workspace_bytes(1, 16, 16, 128, 32768, 32768, False) == one_chunk(8, 32768)
@@ -84,7 +84,7 @@ def test_large_calls_are_chunked_by_kv_heads(module):
 def test_deterministic_calls_keep_whole_launches_up_to_4_gib_of_dq_slices(module):
     def layout(heads, seqlen, splits, d=128):
         rows = heads * seqlen
-        return _align(rows * 4) + _align(splits * rows * d * 4)
+        return 2 * _align(rows * 4) + _align(splits * rows * d * 4)
 
     # 16 KV heads -> 16 splits (256 target CTAs); 2 GiB of slices stays one launch of 256 CTAs.
     assert module.bwd_workspace_bytes(1, 16, 16, 128, 16384, 16384, True) == layout(16, 16384, 16)
