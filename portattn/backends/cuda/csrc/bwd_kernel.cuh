@@ -78,6 +78,11 @@ struct BwdTileConfig {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kDSplit = kHeadDim > 128 ? 2 : 1;
   static constexpr int kDOut = kHeadDim / kDSplit;  // dK/dV/dQ columns per CTA
+  // Two CTAs per SM where the accumulators fit in 128 registers per thread (head dim 32:
+  // dK + dV 32, S^T + dP^T 64). At 172 registers one 8-warp CTA per SM left the short
+  // sequences of head dims 16-32 latency-bound (bench/results/latest/short_seq.md). The
+  // extras variant (softcap, ALiBi, dropout) would spill heavily under the cap: it keeps one.
+  static constexpr bool kTwoCtasPerSm = kHeadDim <= 32;
   // dQ is produced in (kDqRows x kDqChunk) tiles, distributed over the warps: the
   // largest tile that still gives every warp one. 32 columns halve the reloads of the dS
   // fragment, 32 rows those of K, and a larger tile has more independent accumulators.
@@ -279,7 +284,7 @@ __device__ __forceinline__ uint32_t lane_chunks_first(int lane) {
 // is a runtime flag (uniform per launch): it changes the grid mapping, not
 // the math, so it costs no extra instantiation.
 template <class Cfg, typename Elem, bool kExtras>
-__global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const BwdArgs args) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras ? 2 : 1) bwd_kernel(const BwdArgs args) {
   constexpr int kHeadDim = Cfg::kHeadDim;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kBlockM = Cfg::kBlockM;
