@@ -78,7 +78,7 @@ def test_large_calls_are_chunked_by_kv_heads(module):
     assert module.bwd_workspace_bytes(1, 16, 16, 128, 32768, 32768, False) == one_chunk(8, 32768)
     # The 16k-token benchmark grid stays in one launch (a half would be under 128 MiB).
     assert module.bwd_workspace_bytes(1, 16, 16, 128, 16384, 16384, False) == one_chunk(16, 16384)
-    assert one_chunk(8, 32768) < 130 * MIB
+    assert one_chunk(8, 32768) < 132 * MIB  # 128 MiB of fp32 dQ plus two 1 MiB row arrays (delta, lse2)
 
 
 def test_deterministic_calls_keep_whole_launches_up_to_4_gib_of_dq_slices(module):
