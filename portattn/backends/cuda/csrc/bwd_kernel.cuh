@@ -82,6 +82,9 @@ struct BwdTileConfig {
   // dK + dV 32, S^T + dP^T 64). At 172 registers one 8-warp CTA per SM left the short
   // sequences of head dims 16-32 latency-bound (bench/results/latest/short_seq.md). The
   // extras variant (softcap, ALiBi, dropout) would spill heavily under the cap: it keeps one.
+  // Its 49 KB of shared memory (+1 KB reserved per CTA) fits twice in the 100 KB of the
+  // smallest sm80+ parts (sm86/sm89/sm120). At hd 64 the cap spilled 524 B and was 4-10%
+  // slower on the H100 (docs/cuda_bwd_notes.md).
   static constexpr bool kTwoCtasPerSm = kHeadDim <= 32;
   // dQ is produced in (kDqRows x kDqChunk) tiles, distributed over the warps: the
   // largest tile that still gives every warp one. 32 columns halve the reloads of the dS
