@@ -129,6 +129,37 @@ def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa, window, sof
             assert torch.equal(a, b), f"deterministic {name} differs between runs"
 
 
+# Issue 11: compute-sanitizer racecheck reports WAR hazards on the backward's LSE/delta ring
+# (bench/results/runs/2026-11-24-794d271/racecheck_hopper_bwd.log: consumer lanes read
+# s_lse/s_delta of a stage, producer warp 1 rewrites that stage kStages query blocks later).
+# The two are ordered by the stage's mbarriers, which racecheck does not model: each consumer
+# warp's lanes __syncwarp, lane 0 arrives on bar_empty (mbarrier.arrive: release, CTA scope),
+# warp 1 waits on it (mbarrier.try_wait: acquire) before its st.shared; the reverse direction
+# (writes before the reads) goes through bar_full the same way. This test is the hardware side
+# of that argument: every 64-row query block gets LSE and delta far from its neighbours' (query
+# rows and dout rows scaled per block), and each CTA cycles its stage ring at least 6 times,
+# so a consumer reading a slot too early (the previous block's values) or too late (the next
+# block's) would be off by factors of e^(LSE difference), hundreds of times the error rule.
+@pytest.mark.parametrize("mode", ["atomic", "bulk", "det"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_lse_delta_ring_is_ordered_by_its_mbarriers(head_dim, mode):
+    block, stages = 64, (4 if head_dim <= 64 else 2)  # HopperBwdTraits: kBlockM, kStages
+    seqlen = block * stages * 6
+    row_scale = torch.tensor([0.25, 3.0, 1.0, 2.0, 0.5, 4.0], device="cuda")
+    per_row = row_scale[(torch.arange(seqlen, device="cuda") // block) % len(row_scale)]
+    for _ in range(3):  # fresh inputs each time
+        q, k, v = _inputs(torch.bfloat16, head_dim, (seqlen, seqlen), 2)
+        q = (q.float() * per_row[None, :, None, None]).to(q.dtype)
+        options = _options(q)
+        with _dq_path(mode) as deterministic:
+            out, lse = _forward(HOPPER, q, k, v, options)
+            dout = torch.randn_like(out) * per_row.flip(0)[None, :, None, None].to(out.dtype)
+            grads = _backward(HOPPER, dout, q, k, v, out, lse, options, deterministic)
+        spread = lse.float().view(-1, seqlen // block, block).mean(-1)
+        assert (spread.max(-1).values - spread.min(-1).values).min() > 1.0, "blocks' LSEs not spread apart"
+        _check_grads(grads, q, k, v, dout, {})
+
+
 @pytest.mark.parametrize("mode", ["atomic", "bulk"])
 def test_hopper_backward_in_head_chunks_matches_the_sm80_backward(mode):
     # 32k tokens, 16 query / 8 KV heads: the fp32 dQ scratch passes 128 MiB, so the launch runs in
