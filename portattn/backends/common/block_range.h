@@ -69,9 +69,11 @@ struct MaskRule {
   }
 
   // The rule itself, for one (query, key) pair.
-  PORTATTN_HD bool visible(int i, int j) const {
-    return i < len_q && j < len_k && (window_left < 0 || j >= i + diag - window_left) &&
-           (window_right < 0 || j <= i + diag + window_right);
+  PORTATTN_HD bool visible(int i, int j) const { return i < len_q && j < len_k && in_window(i, j); }
+
+  // Its window part: key j is inside query i's window (lengths not tested).
+  PORTATTN_HD bool in_window(int i, int j) const {
+    return (window_right < 0 || j <= i + diag + window_right) && (window_left < 0 || j >= i + diag - window_left);
   }
 
   // The keys query i sees (i itself is not tested against len_q), as offsets
@@ -108,21 +110,39 @@ struct MaskRule {
     return r;
   }
 
-  // Blocks of `block` indices that overlap `r` (r.begin >= 0); empty ones start
-  // where r does.
-  PORTATTN_HD static IndexRange blocks_of(IndexRange r, int block) {
-    const int first = r.begin / block;
-    return IndexRange{first, r.end > r.begin ? (r.end + block - 1) / block : first};
-  }
-
-  // The key blocks (of block_n keys) that rows q_first..q_last must visit.
+  // The blocks to visit: those that overlap key_range (query_range), for
+  // q_first < len_q (k_first < len_k): a kernel returns before asking for a
+  // tile without rows (keys). Empty when end <= begin. Both are computed from
+  // the window edges' blocks rather than from the clamped ranges; each form is
+  // the one its kernels were tuned with (ptxas -v: clamping the keys before
+  // dividing made the sm80 forward spill 28 bytes at 255 registers, and the
+  // Hopper backward's producer warps live on 24).
   PORTATTN_HD IndexRange key_blocks(int q_first, int q_last, int block_n) const {
-    return blocks_of(key_range(q_first, q_last), block_n);
+    IndexRange r{0, (len_k + block_n - 1) / block_n};
+    if (window_right >= 0) {
+      const int last_key = q_last + diag + window_right;
+      const int end = last_key < 0 ? 0 : last_key / block_n + 1;
+      r.end = end < r.end ? end : r.end;
+    }
+    if (window_left >= 0) {
+      const int first = (q_first + diag - window_left) / block_n;  // rounds towards 0: clamped here
+      r.begin = first > 0 ? first : 0;
+    }
+    return r;
   }
 
-  // The query blocks (of block_m rows) that see some key of k_first..k_last.
   PORTATTN_HD IndexRange query_blocks(int k_first, int k_last, int block_m) const {
-    return blocks_of(query_range(k_first, k_last), block_m);
+    IndexRange r{0, (len_q + block_m - 1) / block_m};
+    if (window_right >= 0) {
+      const int first = k_first - diag - window_right;
+      r.begin = (first > 0 ? first : 0) / block_m;
+    }
+    if (window_left >= 0) {
+      const int reach = k_last - diag + window_left + block_m;  // one block past the last row's
+      const int end = (reach > 0 ? reach : 0) / block_m;
+      r.end = end < r.end ? end : r.end;
+    }
+    return r;
   }
 
   // Whether every key of k_first..k_last exists and every row of q_first..q_last
