@@ -20,17 +20,15 @@ LENGTHS = [0, 1, 2, 3, 5, 8]
 WINDOWS = [-1, 0, 1, 3]
 BLOCKS = [1, 2, 3, 4]
 PAST_END = 3  # rows / keys past the sequence in every grid
-BASES = [0, 1, 3]
 
 _DRIVER = r"""
 #include <stdio.h>
 #include "block_range.h"
 // stdin: one query a line, "<op> len_q len_k wl wr a b c d"; stdout: its answer, one line.
 //   V i j         -> visible(i, j), in_window(i, j)
-//   K i base      -> keys_of_query(i, base): lo hi
-//   Q j base      -> queries_of_key(j, base): lo hi
-//   R qf ql block -> key_range(qf, ql), key_blocks(qf, ql, block): 4 ints
-//   C kf kl block -> query_range(kf, kl), query_blocks(kf, kl, block): 4 ints
+//   K i           -> keys_of_query(i): lo hi
+//   R qf ql block -> key_range(qf, ql), key_blocks(qf, ql, block), blocks_of(key_range, block): 9 ints
+//   C kf kl block -> the same with query_range, query_blocks
 //   T qf ql kf kl -> tile_fully_visible
 //   M kind        -> of_kind<kind>: window_left window_right
 int main() {
@@ -40,13 +38,15 @@ int main() {
     const portattn::MaskRule rule = portattn::MaskRule::of(len_q, len_k, wl, wr);
     if (op == 'V') {
       printf("%d %d\n", rule.visible(a, b) ? 1 : 0, rule.in_window(a, b) ? 1 : 0);
-    } else if (op == 'K' || op == 'Q') {
-      const portattn::VisibleSpan s = op == 'K' ? rule.keys_of_query(a, b) : rule.queries_of_key(a, b);
+    } else if (op == 'K') {
+      const portattn::VisibleSpan s = rule.keys_of_query(a);
       printf("%d %d\n", s.lo, s.hi);
     } else if (op == 'R' || op == 'C') {
       const portattn::IndexRange r = op == 'R' ? rule.key_range(a, b) : rule.query_range(a, b);
       const portattn::IndexRange k = op == 'R' ? rule.key_blocks(a, b, c) : rule.query_blocks(a, b, c);
-      printf("%d %d %d %d %d %d\n", r.begin, r.end, r.size(), k.begin, k.end, k.size());
+      const portattn::IndexRange o = portattn::MaskRule::blocks_of(r, c);
+      printf("%d %d %d %d %d %d %d %d %d\n", r.begin, r.end, r.size(), k.begin, k.end, k.size(), o.begin, o.end,
+             o.size());
     } else if (op == 'T') {
       printf("%d\n", rule.tile_fully_visible(a, b, c, d) ? 1 : 0);
     } else if (op == 'M') {
@@ -125,18 +125,14 @@ def test_visible_is_the_rule(driver):
         assert window == in_window(q[5], q[6], *q[1:5]), q
 
 
-def test_per_element_spans_are_the_rule(driver):
-    queries = [(op, lq, lk, wl, wr, x, base) for lq, lk, wl, wr in configs() for base in BASES
-               for op, n in (("K", lq), ("Q", lk)) for x in range(n + PAST_END)]
+def test_keys_of_query_are_the_rule(driver):
+    queries = [("K", lq, lk, wl, wr, i) for lq, lk, wl, wr in configs() for i in range(lq + PAST_END)]
     for q, (lo, hi) in zip(queries, _ask(driver, queries)):
-        op, lq, lk, wl, wr, x, base = q
-        if op == "K":  # key base + c for query x (x itself untested): every key that exists
-            expected = [lk > j and in_window(x, j, lq, lk, wl, wr) for j in range(lk + PAST_END)]
-        else:  # query base + c for key x (x itself untested): every query that exists
-            expected = [lq > i and in_window(i, x, lq, lk, wl, wr) for i in range(lq + PAST_END)]
-        got = [lo <= index - base <= hi for index in range(len(expected))]
-        assert got == expected, q
-        assert lo == -(2**31) if (wl if op == "K" else wr) < 0 else True, q  # unbounded side: INT_MIN
+        _, lq, lk, wl, wr, i = q
+        # every key that exists and is in query i's window (i itself untested)
+        expected = [j < lk and in_window(i, j, lq, lk, wl, wr) for j in range(lk + PAST_END)]
+        assert [lo <= j <= hi for j in range(lk + PAST_END)] == expected, q
+        assert wl >= 0 or lo == -(2**31), q  # an unbounded left side is INT_MIN: no test of it survives
 
 
 @pytest.mark.parametrize("op", ["R", "C"])
@@ -144,7 +140,7 @@ def test_ranges_and_blocks_are_what_some_row_sees(driver, op):
     queries = [(op, lq, lk, wl, wr, first, last, block) for lq, lk, wl, wr in configs() for block in BLOCKS
                for first in range((lq if op == "R" else lk) + PAST_END)
                for last in range(first, (lq if op == "R" else lk) + PAST_END)]
-    for q, (begin, end, size, b_begin, b_end, b_size) in zip(queries, _ask(driver, queries)):
+    for q, (begin, end, size, b_begin, b_end, b_size, o_begin, o_end, o_size) in zip(queries, _ask(driver, queries)):
         _, lq, lk, wl, wr, first, last, block = q
         if op == "R":  # keys that exist and some row first..last (rows untested) sees
             seen = {j for j in range(lk) for i in range(first, last + 1) if in_window(i, j, lq, lk, wl, wr)}
@@ -152,9 +148,11 @@ def test_ranges_and_blocks_are_what_some_row_sees(driver, op):
             seen = {i for i in range(lq) for j in range(first, last + 1) if in_window(i, j, lq, lk, wl, wr)}
         expected = interval(seen)
         if expected is None:
-            assert size == 0 and begin >= 0, q
+            assert size == 0 and begin >= 0 and o_size == 0 and o_begin >= 0, q
         else:
             assert (begin, end, size) == (*expected, expected[1] - expected[0]), q
+            expected_blocks = blocks(seen, block)
+            assert (o_begin, o_end, o_size) == (*expected_blocks, expected_blocks[1] - expected_blocks[0]), q
         if first >= (lq if op == "R" else lk):
             continue  # the block helpers ask for a row (key) of the sequence: kernels return before asking without
         if expected is None:

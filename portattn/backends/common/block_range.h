@@ -39,8 +39,7 @@ struct IndexRange {
   PORTATTN_HD int size() const { return end > begin ? end - begin : 0; }
 };
 
-// The ones of one row or key that pass the rule, as offsets from `base`:
-// index base + c passes iff lo <= c <= hi. An unbounded low side is INT_MIN.
+// The keys one query sees: lo <= j <= hi (lo is INT_MIN without a left window).
 struct VisibleSpan {
   int lo, hi;
 };
@@ -76,22 +75,14 @@ struct MaskRule {
     return (window_right < 0 || j <= i + diag + window_right) && (window_left < 0 || j >= i + diag - window_left);
   }
 
-  // The keys query i sees (i itself is not tested against len_q), as offsets
-  // from key `base`.
-  PORTATTN_HD VisibleSpan keys_of_query(int i, int base = 0) const {
-    const int aligned = i + diag - base;
+  // The keys query i sees (i itself is not tested against len_q): key j passes
+  // iff lo <= j <= hi. The ROCm kernels write the same bounds as offsets from
+  // each lane's first key in place (fwd_kernel.h, bwd_kernel.h): through this
+  // helper their compiler spent 1-4 more registers.
+  PORTATTN_HD VisibleSpan keys_of_query(int i) const {
+    const int aligned = i + diag;
     const int hi = window_right >= 0 ? aligned + window_right : INT_MAX;
-    return VisibleSpan{window_left >= 0 ? aligned - window_left : INT_MIN,
-                       hi < len_k - 1 - base ? hi : len_k - 1 - base};
-  }
-
-  // The queries that see key j (j itself is not tested against len_k), as
-  // offsets from query `base`.
-  PORTATTN_HD VisibleSpan queries_of_key(int j, int base = 0) const {
-    const int aligned = j - diag - base;
-    const int hi = window_left >= 0 ? aligned + window_left : INT_MAX;
-    return VisibleSpan{window_right >= 0 ? aligned - window_right : INT_MIN,
-                       hi < len_q - 1 - base ? hi : len_q - 1 - base};
+    return VisibleSpan{window_left >= 0 ? aligned - window_left : INT_MIN, hi < len_k - 1 ? hi : len_k - 1};
   }
 
   // The keys some row of q_first..q_last sees.
@@ -110,13 +101,18 @@ struct MaskRule {
     return r;
   }
 
-  // The blocks to visit: those that overlap key_range (query_range), for
-  // q_first < len_q (k_first < len_k): a kernel returns before asking for a
-  // tile without rows (keys). Empty when end <= begin. Both are computed from
-  // the window edges' blocks rather than from the clamped ranges; each form is
-  // the one its kernels were tuned with (ptxas -v: clamping the keys before
-  // dividing made the sm80 forward spill 28 bytes at 255 registers, and the
-  // Hopper backward's producer warps live on 24).
+  // Blocks of `block` indices that overlap `r` (r.begin >= 0); empty when r is.
+  PORTATTN_HD static IndexRange blocks_of(IndexRange r, int block) {
+    const int first = r.begin / block;
+    return IndexRange{first, r.end > r.begin ? (r.end + block - 1) / block : first};
+  }
+
+  // The same blocks as blocks_of(key_range(...)) and blocks_of(query_range(...))
+  // for q_first < len_q (k_first < len_k; a kernel returns before asking for a
+  // tile without rows or keys), computed from the window edges' blocks: the forms
+  // the CUDA kernels were tuned with (ptxas -v: clamping the keys before dividing
+  // made the sm80 forward spill 28 bytes at 255 registers). The decode kernels'
+  // compilers prefer blocks_of. Empty when end <= begin.
   PORTATTN_HD IndexRange key_blocks(int q_first, int q_last, int block_n) const {
     IndexRange r{0, (len_k + block_n - 1) / block_n};
     if (window_right >= 0) {

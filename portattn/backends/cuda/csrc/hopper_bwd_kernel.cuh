@@ -256,6 +256,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int n_step = det ? args.splits : n_blocks;  // default: one key block per CTA
   // Note [portattn visible keys] in block_range.h.
   const MaskRule rule = MaskRule::of_kind<kMask>(seqlen_q, seqlen_k, f.window_left, f.window_right);
+  const bool right_bound = rule.window_right >= 0, left_bound = rule.window_left >= 0;
   // Query blocks [m_begin, m_begin + m_blocks) see key block n.
   auto m_range = [&](int n_block, int& m_begin, int& m_blocks) {
     const int n0 = n_block * kBlockN;
@@ -437,8 +438,12 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         // its last). Rows past seqlen_q or without any visible key have
         // lse2 = +inf, so their P^T is exactly 0 unmasked.
         const bool edge = !rule.tile_fully_visible(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);
+        // rule.visible without the row test (rows past seqlen_q have lse2 = +inf),
+        // written out on the window flags: through the helper the local-window
+        // kernels took up to 176 more SASS instructions (block_range.h).
         auto visible = [&](int key, int query) {
-          return key < seqlen_k && rule.in_window(query, key);  // rows past seqlen_q: lse2 = +inf
+          return key < seqlen_k && (!right_bound || key <= query + rule.diag + rule.window_right) &&
+                 (!left_bound || key >= query + rule.diag - rule.window_left);
         };
         uint32_t pp[kMSteps][4], ds[kMSteps][4];
         if constexpr (kSoftcap) {

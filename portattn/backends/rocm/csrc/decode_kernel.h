@@ -231,14 +231,12 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
   const KeySource src = KeySource::of(p, seq, b, hk);
 
-  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
   const bool use_softcap = p.softcap > 0.f;
   const bool use_alibi = p.alibi_slopes != nullptr;
   const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
-  // Key j of this lane's row is visible for lo <= j <= hi.
+  // Key j of this lane's row is visible for keys.lo <= j <= keys.hi.
   const int aligned_key = i + range.diag;
-  const int key_lo = has_left ? aligned_key - p.window_left : INT_MIN;
-  const int key_hi = min(has_right ? aligned_key + p.window_right : INT_MAX, seq.seqlen_k - 1);
+  const VisibleSpan keys = seq.rule(p).keys_of_query(i);
 
   f32x4 acc_o[Tile::kDimTiles];
 #pragma unroll
@@ -272,7 +270,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       if (use_softcap) x = p.softcap * tanhf(x / p.softcap);
       if (use_alibi) x -= slope * fabsf(static_cast<float>(aligned_key - j));
       x *= softmax::kLog2e;
-      if (!all_visible && (j < key_lo || j > key_hi)) x = softmax::neg_inf();
+      if (!all_visible && (j < keys.lo || j > keys.hi)) x = softmax::neg_inf();
       rS[0][r] = x;
     }
 
