@@ -67,12 +67,11 @@ struct MaskRule {
               kKind == kMaskKindNone ? -1 : (kKind == kMaskKindCausal ? 0 : window_right));
   }
 
-  // The rule itself, for one (query, key) pair.
-  PORTATTN_HD bool visible(int i, int j) const { return i < len_q && j < len_k && in_window(i, j); }
-
-  // Its window part: key j is inside query i's window (lengths not tested).
-  PORTATTN_HD bool in_window(int i, int j) const {
-    return (window_right < 0 || j <= i + diag + window_right) && (window_left < 0 || j >= i + diag - window_left);
+  // The rule itself, for one (query, key) pair. Bitwise &: with && nvcc kept a
+  // 16-bit bool per element of the sm80 backward (448 more SASS instructions).
+  PORTATTN_HD bool visible(int i, int j) const {
+    return (j < len_k) & (i < len_q) & (window_left < 0 || j >= i + diag - window_left) &
+           (window_right < 0 || j <= i + diag + window_right);
   }
 
   // The keys query i sees (i itself is not tested against len_q): key j passes
@@ -109,10 +108,12 @@ struct MaskRule {
 
   // The same blocks as blocks_of(key_range(...)) and blocks_of(query_range(...))
   // for q_first < len_q (k_first < len_k; a kernel returns before asking for a
-  // tile without rows or keys), computed from the window edges' blocks: the forms
-  // the CUDA kernels were tuned with (ptxas -v: clamping the keys before dividing
-  // made the sm80 forward spill 28 bytes at 255 registers). The decode kernels'
-  // compilers prefer blocks_of. Empty when end <= begin.
+  // tile without rows or keys), computed from the window edges' blocks. Which
+  // form a kernel calls is the one its compiler does best with (ptxas -v, ISA):
+  // key_blocks for the sm80 and Hopper forwards (clamping the keys before
+  // dividing made the sm80 forward spill 28 bytes at 255 registers),
+  // query_blocks for the Hopper backward, blocks_of for the decode kernels and
+  // the sm80 backward. Empty when end <= begin.
   PORTATTN_HD IndexRange key_blocks(int q_first, int q_last, int block_n) const {
     IndexRange r{0, (len_k + block_n - 1) / block_n};
     if (window_right >= 0) {

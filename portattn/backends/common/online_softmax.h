@@ -26,6 +26,8 @@
 #endif
 
 #if !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
+#include <math.h>
+
 #include <cmath>
 #endif
 
@@ -88,21 +90,9 @@ PORTATTN_SOFTMAX_HD float log2_accurate(float x) {
 #endif
 }
 
-PORTATTN_SOFTMAX_HD float exp_accurate(float x) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return expf(x);
-#else
-  return std::exp(x);
-#endif
-}
-
-PORTATTN_SOFTMAX_HD float log_accurate(float x) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return logf(x);
-#else
-  return std::log(x);
-#endif
-}
+// expf / logf: the device libraries' and <math.h>'s alike (not the fast intrinsics).
+PORTATTN_SOFTMAX_HD float exp_accurate(float x) { return expf(x); }
+PORTATTN_SOFTMAX_HD float log_accurate(float x) { return logf(x); }
 
 // fmaxf is one FMNMX on NVIDIA (the ?: form costs a compare and a select).
 PORTATTN_SOFTMAX_HD float max2(float a, float b) {
