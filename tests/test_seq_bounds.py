@@ -5,13 +5,9 @@ pass through unchanged (the header is host/device code; here it is compiled as p
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
-import subprocess
 
 import pytest
-
-_COMMON = os.path.join(os.path.dirname(__file__), "..", "portattn", "backends", "common")
+from host_driver import compile_driver, run_driver
 _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
 OFFSETS = [_INT_MIN, -5, 0, 1, 3, 17, 39, 40, 41, _INT_MAX]
 TOTALS = [0, 5, 40]
@@ -50,24 +46,12 @@ int main() {
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    folder = tmp_path_factory.mktemp("seq_bounds")
-    source = folder / "driver.cpp"
-    source.write_text(_DRIVER)
-    binary = folder / "driver"
-    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", f"-I{_COMMON}", str(source), "-o", str(binary)],
-                   check=True, capture_output=True, text=True)
-    return str(binary)
+    return compile_driver(tmp_path_factory, "seq_bounds", _DRIVER)
 
 
 def _bounds(driver, cases):
     """[(varlen bounds, dense bounds)] of (cu0, cu1, total, max_len, used) cases, used None = no seqused_k."""
-    text = "".join(f"{a} {b} {t} {m} {int(u is not None)} {u or 0}\n" for a, b, t, m, u in cases)
-    done = subprocess.run([driver], input=text, check=True, capture_output=True, text=True)
-    rows = [tuple(map(int, line.split())) for line in done.stdout.splitlines()]
-    assert len(rows) == len(cases)
+    rows = run_driver(driver, [f"{a} {b} {t} {m} {int(u is not None)} {u or 0}" for a, b, t, m, u in cases])
     return [(row[:4], row[4:]) for row in rows]
 
 

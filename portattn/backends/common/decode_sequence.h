@@ -11,6 +11,7 @@
 #pragma once
 #include <stdint.h>
 
+#include "block_range.h"
 #include "params.h"
 #include "seq_bounds.h"
 
@@ -25,7 +26,6 @@ namespace decode {
 
 PORTATTN_DECODE_HD int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 PORTATTN_DECODE_HD int min_int(int a, int b) { return a < b ? a : b; }
-PORTATTN_DECODE_HD int max_int(int a, int b) { return a > b ? a : b; }
 
 // One sequence's queries and keys. Packed (varlen) rows follow common/seq_bounds.h.
 struct Sequence {
@@ -57,6 +57,11 @@ struct Sequence {
     if (p.cu_seqlens_k == nullptr && p.cache_batch_idx != nullptr)
       s.cache_row = clamp_int(p.cache_batch_idx[b], 0, p.cache_batches - 1);
     return s;
+  }
+
+  // Its masking rule (block_range.h).
+  PORTATTN_DECODE_HD MaskRule rule(const PortattnDecodeParams& p) const {
+    return MaskRule::of(seqlen_q, seqlen_k, p.window_left, p.window_right);
   }
 };
 
@@ -102,39 +107,37 @@ struct KeyRowAddress {
 };
 
 // The key stages [begin, end) one split of one query tile covers, and the
-// tile's alignment facts. Packed row r is query r / group; key j is visible
-// to query i when the params.h window rule allows it, diag = seqlen_k - seqlen_q.
-// The stages a tile can see are divided evenly over the splits (in stages of
-// the kernel's key count), so an empty split is possible and yields lse -inf.
+// tile's alignment facts. Packed row r is query r / group; which keys a query
+// sees is Sequence::rule (block_range.h). The stages a tile can see are
+// divided evenly over the splits (in stages of the kernel's key count), so an
+// empty split is possible and yields lse -inf.
 struct KeyRange {
-  int diag;
+  int diag;             // seqlen_k - seqlen_q
   int q_first, q_last;  // queries of the tile's first and last valid rows
   int begin, end;       // stages of this split
 
+  // row0 < seqlen_q * group (the kernels return before asking for a tile without rows).
   PORTATTN_DECODE_HD static KeyRange of(const PortattnDecodeParams& p, const Sequence& seq, int row0, int tile_rows,
                                         int group, int stage_keys, int split) {
     KeyRange r;
     const int rows = seq.seqlen_q * group;
-    r.diag = seq.seqlen_k - seq.seqlen_q;
+    const MaskRule rule = seq.rule(p);
+    r.diag = rule.diag;
     r.q_first = row0 / group;
     r.q_last = min_int(row0 + tile_rows - 1, rows - 1) / group;
-    int lo = 0, hi = seq.seqlen_k;  // [lo, hi): keys some row of the tile may see
-    if (p.window_left >= 0) lo = max_int(0, r.q_first + r.diag - p.window_left);
-    if (p.window_right >= 0) hi = min_int(hi, r.q_last + r.diag + p.window_right + 1);
-    const int first = lo / stage_keys;
-    const int last = hi > lo ? (hi + stage_keys - 1) / stage_keys : first;
-    const int per_split = (last - first + p.num_splits - 1) / p.num_splits;
-    r.begin = min_int(first + split * per_split, last);
-    r.end = min_int(r.begin + per_split, last);
+    const IndexRange stages = MaskRule::blocks_of(rule.key_range(r.q_first, r.q_last), stage_keys);
+    const int per_split = (stages.size() + p.num_splits - 1) / p.num_splits;
+    r.begin = min_int(stages.begin + split * per_split, stages.end);
+    r.end = min_int(r.begin + per_split, stages.end);
     return r;
   }
 
-  // Whether every (row, key) pair of the stage starting at key0 is visible.
+  // Whether every (row, key) pair of the stage starting at key0 is visible. (The
+  // rule is rebuilt from the params here: given the caller's copy instead, the
+  // CUDA decode kernel took 25 more registers, ptxas -v.)
   PORTATTN_DECODE_HD bool all_visible(const PortattnDecodeParams& p, const Sequence& seq, int key0,
                                       int stage_keys) const {
-    return key0 + stage_keys <= seq.seqlen_k &&
-           (p.window_right < 0 || key0 + stage_keys - 1 <= q_first + diag + p.window_right) &&
-           (p.window_left < 0 || key0 >= q_last + diag - p.window_left);
+    return seq.rule(p).tile_fully_visible(q_first, q_last, key0, key0 + stage_keys - 1);
   }
 };
 

@@ -26,6 +26,8 @@
 #endif
 
 #if !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
+#include <math.h>
+
 #include <cmath>
 #endif
 
@@ -87,6 +89,10 @@ PORTATTN_SOFTMAX_HD float log2_accurate(float x) {
   return std::log2(x);
 #endif
 }
+
+// expf / logf: the device libraries' and <math.h>'s alike (not the fast intrinsics).
+PORTATTN_SOFTMAX_HD float exp_accurate(float x) { return expf(x); }
+PORTATTN_SOFTMAX_HD float log_accurate(float x) { return logf(x); }
 
 // fmaxf is one FMNMX on NVIDIA (the ?: form costs a compare and a select).
 PORTATTN_SOFTMAX_HD float max2(float a, float b) {
@@ -253,6 +259,30 @@ PORTATTN_SOFTMAX_HD void online_softmax_finalize(float (&o)[kRows][kOCols], RowS
     for (int c = 0; c < kOCols; ++c) o[r][c] *= factor;
   }
 }
+
+// Note [portattn LSE merge]
+// Results over disjoint key sets, each normalised (O_s) with its natural-log
+// LSE l_s (-inf: the part saw no visible key), merge as
+//     lse = m + log(sum_s exp(l_s - m)),  m = max_s l_s   (-inf when every part is empty)
+//     O   = sum_s exp(l_s - lse) O_s                      (merge_weight)
+// The decode split combines (cuda/csrc/decode_entry.cu, rocm/csrc/decode_kernel.h)
+// merge a row's splits this way: each lane takes parts lane, lane + lanes, ...
+// of lse_parts[s * stride], and LaneReduce (max / sum across those lanes) is
+// the only vendor-specific piece.
+template <class LaneReduce, typename Index>
+PORTATTN_SOFTMAX_HD float merged_lse(const float* lse_parts, Index stride, int parts, int lane, int lanes) {
+  float m = neg_inf();
+  for (int s = lane; s < parts; s += lanes) m = max2(m, lse_parts[s * stride]);
+  m = LaneReduce::max(m);
+  float sum = 0.f;
+  if (m != neg_inf())
+    for (int s = lane; s < parts; s += lanes) sum += exp_accurate(lse_parts[s * stride] - m);
+  sum = LaneReduce::sum(sum);
+  return (m == neg_inf() || sum == 0.f) ? neg_inf() : m + log_accurate(sum);
+}
+
+// The weight of a part of LSE part_lse in the merged O (0 for an empty part).
+PORTATTN_SOFTMAX_HD float merge_weight(float part_lse, float lse) { return exp_accurate(part_lse - lse); }
 
 }  // namespace softmax
 }  // namespace portattn

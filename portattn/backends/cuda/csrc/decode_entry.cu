@@ -32,20 +32,23 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-__device__ __forceinline__ float warp_max(float x) {
+// Max / sum across the 32 lanes of a warp (softmax::merged_lse's LaneReduce).
+struct WarpReduce {
+  static __device__ __forceinline__ float max(float x) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
+    for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+  }
+  static __device__ __forceinline__ float sum(float x) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
+    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+  }
+};
 
 // One block per output row (sequence, head, query): the LSE-weighted sum of the
-// splits' normalised partial outputs. Every warp computes the row's LSE from the
+// splits' normalised partial outputs (Note [portattn LSE merge] in online_softmax.h).
+// Every warp computes the row's LSE from the
 // split LSEs (a few loads per lane), then sums its own share of the splits (warp w
 // takes splits w, w + kCombineWarps, ...) with several loads in flight; the warps'
 // sums meet in shared memory. A row no split saw (every partial LSE -inf) gets
@@ -70,14 +73,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
     q_start = seq.q_start;
   }
   const int splits = p.num_splits;
-  float m = softmax::neg_inf();
-  for (int s = lane; s < splits; s += 32) m = fmaxf(m, p.lse_partial[s * rows_total + row]);
-  m = warp_max(m);
-  float sum = 0.f;
-  if (m != softmax::neg_inf())
-    for (int s = lane; s < splits; s += 32) sum += expf(p.lse_partial[s * rows_total + row] - m);
-  sum = warp_sum(sum);
-  const float lse = (m == softmax::neg_inf() || sum == 0.f) ? softmax::neg_inf() : m + logf(sum);
+  const float lse = softmax::merged_lse<WarpReduce>(p.lse_partial + row, rows_total, splits, lane, 32);
 
   float4 acc[kMaxQuads];
 #pragma unroll
@@ -89,7 +85,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {  // loads of kUnroll splits first, then the sums
         const int s = s0 + u * kCombineWarps;
-        weight[u] = s < splits ? expf(p.lse_partial[s * rows_total + row] - lse) : 0.f;
+        weight[u] = s < splits ? softmax::merge_weight(p.lse_partial[s * rows_total + row], lse) : 0.f;
 #pragma unroll
         for (int j = 0; j < kMaxQuads; ++j) {
           const int col = (j * 32 + lane) * 4;

@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
 
   // ---- the key range this CTA covers --------------------------------------------
   const KeyRange range = KeyRange::of(params, seq, row0, 16, group, kStageKeys, split);
+  const MaskRule rule = seq.rule(params);  // Note [portattn visible keys] (block_range.h)
   const int diag = range.diag;
-  const int wl = params.window_left, wr = params.window_right;
   const int stage_begin = range.begin, stage_end = range.end;
 
   // ---- per-thread rows: register row r is tile row g + 8 r -----------------------
@@ -304,17 +304,14 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
           s[r][c] = x * softmax::kLog2e;
         }
     }
-    const bool needs_mask = !range.all_visible(params, seq, stage * kStageKeys, kStageKeys);
-    if (needs_mask) {
+    if (!range.all_visible(params, seq, stage * kStageKeys, kStageKeys)) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const int i = q_of_row[r];
-        const int lo = wl >= 0 ? i + diag - wl : 0;
-        const int hi = min(seq.seqlen_k - 1, wr >= 0 ? i + diag + wr : seq.seqlen_k - 1);
+        const VisibleSpan keys = rule.keys_of_query(q_of_row[r]);
 #pragma unroll
         for (int c = 0; c < kSCols; ++c) {
           const int j = key0 + (c / 2) * 8 + col0 + (c % 2);
-          if (j < lo || j > hi) s[r][c] = softmax::neg_inf();
+          if (j < keys.lo || j > keys.hi) s[r][c] = softmax::neg_inf();
         }
       }
     }

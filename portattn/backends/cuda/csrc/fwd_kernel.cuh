@@ -35,6 +35,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../../common/block_range.h"
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/philox.h"
@@ -175,15 +176,13 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
   const int m0 = m_block * kBlockM;
   if (m0 >= seqlen_q) return;
 
-  const int diag = seqlen_k - seqlen_q;  // key j is on query i's diagonal when j == i + diag
-  const int wl = params.window_left, wr = params.window_right;
-  int n_block_end = (seqlen_k + kBlockN - 1) / kBlockN;
-  if (wr >= 0) {
-    const int last_key = m0 + kBlockM - 1 + diag + wr;  // the rightmost key any row may see
-    n_block_end = min(n_block_end, last_key < 0 ? 0 : last_key / kBlockN + 1);
-  }
-  int n_block_begin = 0;
-  if (wl >= 0) n_block_begin = max(0, (m0 + diag - wl) / kBlockN);
+  // The whole query block, rows past seqlen_q included (computed, never stored):
+  // Note [portattn visible keys] in block_range.h.
+  const MaskRule rule = MaskRule::of(seq, params.window_left, params.window_right);
+  const int diag = rule.diag;  // key j is on query i's diagonal when j == i + diag
+  const int m_last = m0 + kBlockM - 1;
+  const IndexRange key_blocks = rule.key_blocks(m0, m_last, kBlockN);
+  const int n_block_begin = key_blocks.begin, n_block_end = key_blocks.end;
 
   const int head_k = head / (params.nheads / params.nheads_k);
   const Elem* gQ = static_cast<const Elem*>(params.q) + batch * params.q_strides.batch_stride +
@@ -288,19 +287,14 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
           }
         }
       }
-      const bool needs_mask = n0 + kBlockN > seqlen_k ||
-                              (wr >= 0 && n0 + kBlockN - 1 > m0 + diag + wr) ||
-                              (wl >= 0 && n0 < m0 + kBlockM - 1 + diag - wl);
-      if (needs_mask) {
+      if (!rule.tile_fully_visible(m0, m_last, n0, n0 + kBlockN - 1)) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          const int i = m0 + row_of(r);
-          const int lo = wl >= 0 ? i + diag - wl : 0;
-          const int hi = min(seqlen_k - 1, wr >= 0 ? i + diag + wr : seqlen_k - 1);
+          const VisibleSpan keys = rule.keys_of_query(m0 + row_of(r));
 #pragma unroll
           for (int c = 0; c < kSCols; ++c) {
             const int j = n0 + col_of(c);
-            if (j < lo || j > hi) s[r][c] = softmax::neg_inf();
+            if (j < keys.lo || j > keys.hi) s[r][c] = softmax::neg_inf();
           }
         }
       }

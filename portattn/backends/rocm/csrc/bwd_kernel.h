@@ -225,11 +225,11 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const float lse_log2 = lse_log2_or_inf(p, seq, b, h, i);
   const float rowdot = row_valid ? rowdot_row(bp, b, h)[i] : 0.f;
 
-  const int diag = seq.len_k - seq.len_q;
+  // The keys the block's rows see: Note [portattn visible keys] (block_range.h).
+  const MaskRule rule = MaskRule::of(seq, p.window_left, p.window_right);
+  const int diag = rule.diag;
   const int q_last = min(m0 + Tile::kBlockM, seq.len_q) - 1;
-  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
-  const int j_begin = has_left ? max(0, m0 + diag - p.window_left) : 0;
-  const int j_end = has_right ? min(seq.len_k, q_last + diag + p.window_right + 1) : seq.len_k;
+  const IndexRange keys = rule.key_range(m0, q_last);
 
   const ScoreOptions opt{p.softmax_scale, p.softcap,
                          p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f,
@@ -240,20 +240,19 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
   for (int u = 0; u < Tile::kOutTiles; ++u) acc_dq[u] = f32x16{};
 
-  KeyBlockStream<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, Tile::kPrefetch> kv{gK, gV, p, seq.len_k, j_end};
-  const int n_first = (j_begin / Tile::kBlockN) * Tile::kBlockN;
+  KeyBlockStream<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, Tile::kPrefetch> kv{gK, gV, p, seq.len_k, keys.end};
+  const int n_first = (keys.begin / Tile::kBlockN) * Tile::kBlockN;
   kv.start(n_first);
 
-  for (int n0 = n_first; n0 < j_end; n0 += Tile::kBlockN) {
+  for (int n0 = n_first; n0 < keys.end; n0 += Tile::kBlockN) {
     kv.stage(n0, sK, sKt, sV, nullptr);
 
-    const bool block_visible = n0 + Tile::kBlockN <= seq.len_k &&
-                               (!has_left || n0 >= q_last + diag - p.window_left) &&
-                               (!has_right || n0 + Tile::kBlockN - 1 <= m0 + diag + p.window_right);
+    const bool block_visible = rule.tile_fully_visible(m0, q_last, n0, n0 + Tile::kBlockN - 1);
     const int lane_key0 = n0 + 4 * lh;
     const int rel_diag = i + diag - lane_key0;
-    const int c_lo = has_left ? rel_diag - p.window_left : INT_MIN;
-    const int c_hi = min(has_right ? rel_diag + p.window_right : INT_MAX, seq.len_k - lane_key0 - 1);
+    // rule.keys_of_query(i) as offsets c from lane_key0 (written out: block_range.h says why).
+    const int c_lo = rule.window_left >= 0 ? rel_diag - rule.window_left : INT_MIN;
+    const int c_hi = min(rule.window_right >= 0 ? rel_diag + rule.window_right : INT_MAX, seq.len_k - lane_key0 - 1);
 
     u16x4 rdS[Tile::kKeyTiles * 4];  // dS^T as B operands, 4 keys per register group
 #pragma unroll
@@ -369,19 +368,17 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   uint16_t* const gdK = opaque(head_row(bp.dk, bp.dk_strides, b, seq.k_start + j, hk));
   uint16_t* const gdV = opaque(head_row(bp.dv, bp.dv_strides, b, seq.k_start + j, hk));
 
-  // Query i sees key j when j - diag - wr <= i <= j - diag + wl.
-  const int diag = seq.len_k - seq.len_q;
-  const int k_last = min(n0 + Tile::kBlockN, seq.len_k) - 1;
-  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
-  const int i_begin = has_right ? max(0, n0 - diag - p.window_right) : 0;
-  const int i_end = has_left ? min(seq.len_q, k_last - diag + p.window_left + 1) : seq.len_q;
+  // The queries that see the block's keys: Note [portattn visible keys] (block_range.h).
+  const MaskRule rule = MaskRule::of(seq, p.window_left, p.window_right);
+  const int diag = rule.diag;
+  const IndexRange queries = rule.query_range(n0, min(n0 + Tile::kBlockN, seq.len_k) - 1);
 
   DropoutLane dropout(p, b, hk * group);  // bh is set per query head below
   f32x16 acc_dk[Tile::kOutTiles], acc_dv[Tile::kOutTiles];
 #pragma unroll
   for (int u = 0; u < Tile::kOutTiles; ++u) acc_dk[u] = acc_dv[u] = f32x16{};
 
-  const int m_first = (i_begin / Tile::kBlockQ) * Tile::kBlockQ;
+  const int m_first = (queries.begin / Tile::kBlockQ) * Tile::kBlockQ;
   TileInFlight<Tile::kBlockQ, Tile::kHeadDim, Tile::kThreads> next_q, next_do;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const uint16_t* gQ = head_row(p.q, p.q_strides, b, seq.q_start, h);
@@ -396,9 +393,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     dropout.bh = b * p.nheads + h;
     const float* rowdot = rowdot_row(bp, b, h);
     // Prefetching stays within one query head: its first block is fetched here.
-    if (Tile::kPrefetch && m_first < i_end) fetch(m_first);
+    if (Tile::kPrefetch && m_first < queries.end) fetch(m_first);
 
-    for (int m0 = m_first; m0 < i_end; m0 += Tile::kBlockQ) {
+    for (int m0 = m_first; m0 < queries.end; m0 += Tile::kBlockQ) {
       __syncthreads();
       if (!Tile::kPrefetch) fetch(m0);
       next_q.deposit(sQ, nullptr);
@@ -409,15 +406,16 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
         sRowdot[threadIdx.x] = row < seq.len_q ? rowdot[row] : 0.f;
       }
       __syncthreads();
-      if (Tile::kPrefetch && m0 + Tile::kBlockQ < i_end) fetch(m0 + Tile::kBlockQ);
+      if (Tile::kPrefetch && m0 + Tile::kBlockQ < queries.end) fetch(m0 + Tile::kBlockQ);
 
       // Register r of tile t is query i = m0 + 4lh + c, c = 32t + 8(r/4) + r%4;
       // every test below is c against per-lane bounds (no per-element branches,
       // whose lane masks would cost two SGPRs each).
       const int lane_query0 = m0 + 4 * lh;
       const int rel_diag = lane_query0 + diag - j;  // i + diag - j at c = 0
-      const int c_lo = has_right ? j - diag - p.window_right - lane_query0 : 0;
-      const int c_hi = key_valid ? min(has_left ? j - diag + p.window_left - lane_query0 : INT_MAX,
+      // The queries that see key j (rule.visible), as offsets c from lane_query0.
+      const int c_lo = rule.window_right >= 0 ? j - diag - rule.window_right - lane_query0 : INT_MIN;
+      const int c_hi = key_valid ? min(rule.window_left >= 0 ? j - diag + rule.window_left - lane_query0 : INT_MAX,
                                        seq.len_q - 1 - lane_query0)
                                  : -1;
 

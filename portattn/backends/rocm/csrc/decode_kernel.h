@@ -231,14 +231,12 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
   const KeySource src = KeySource::of(p, seq, b, hk);
 
-  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
   const bool use_softcap = p.softcap > 0.f;
   const bool use_alibi = p.alibi_slopes != nullptr;
   const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
-  // Key j of this lane's row is visible for lo <= j <= hi.
+  // Key j of this lane's row is visible for keys.lo <= j <= keys.hi.
   const int aligned_key = i + range.diag;
-  const int key_lo = has_left ? aligned_key - p.window_left : INT_MIN;
-  const int key_hi = min(has_right ? aligned_key + p.window_right : INT_MAX, seq.seqlen_k - 1);
+  const VisibleSpan keys = seq.rule(p).keys_of_query(i);
 
   f32x4 acc_o[Tile::kDimTiles];
 #pragma unroll
@@ -272,7 +270,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       if (use_softcap) x = p.softcap * tanhf(x / p.softcap);
       if (use_alibi) x -= slope * fabsf(static_cast<float>(aligned_key - j));
       x *= softmax::kLog2e;
-      if (!all_visible && (j < key_lo || j > key_hi)) x = softmax::neg_inf();
+      if (!all_visible && (j < keys.lo || j > keys.hi)) x = softmax::neg_inf();
       rS[0][r] = x;
     }
 
@@ -367,20 +365,23 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
 constexpr int kCombineWaves = 4;
 
-__device__ __forceinline__ float wave_max(float x) {
+// Max / sum across the lanes of a wave (softmax::merged_lse's LaneReduce).
+struct WaveReduce {
+  static __device__ __forceinline__ float max(float x) {
 #pragma unroll
-  for (int mask = kWaveSize / 2; mask > 0; mask /= 2) x = fmaxf(x, __shfl_xor(x, mask));
-  return x;
-}
-
-__device__ __forceinline__ float wave_sum(float x) {
+    for (int mask = kWaveSize / 2; mask > 0; mask /= 2) x = fmaxf(x, __shfl_xor(x, mask));
+    return x;
+  }
+  static __device__ __forceinline__ float sum(float x) {
 #pragma unroll
-  for (int mask = kWaveSize / 2; mask > 0; mask /= 2) x += __shfl_xor(x, mask);
-  return x;
-}
+    for (int mask = kWaveSize / 2; mask > 0; mask /= 2) x += __shfl_xor(x, mask);
+    return x;
+  }
+};
 
 // One wave per output row (sequence, head, query): the LSE-weighted sum of the
-// splits' normalised partial outputs. A row no split saw (every partial LSE
+// splits' normalised partial outputs (Note [portattn LSE merge] in
+// online_softmax.h). A row no split saw (every partial LSE
 // -inf) gets out = 0 and lse = -inf, the forward kernels' convention. The
 // weights are recomputed per column group from the partial LSEs (cached
 // reads, one exp each) rather than staged in LDS: no barrier, no split limit.
@@ -403,14 +404,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(kCombineWaves * kWaveSize, 2)
     q_start = seq.q_start;
   }
   const int splits = p.num_splits;
-  float m = softmax::neg_inf();
-  for (int s = lane; s < splits; s += kWaveSize) m = fmaxf(m, p.lse_partial[s * rows_total + row]);
-  m = wave_max(m);
-  float sum = 0.f;
-  if (m != softmax::neg_inf())
-    for (int s = lane; s < splits; s += kWaveSize) sum += expf(p.lse_partial[s * rows_total + row] - m);
-  sum = wave_sum(sum);
-  const float lse = (m == softmax::neg_inf() || sum == 0.f) ? softmax::neg_inf() : m + logf(sum);
+  const float lse = softmax::merged_lse<WaveReduce>(p.lse_partial + row, rows_total, splits, lane, kWaveSize);
 
   const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
   uint16_t* gO = static_cast<uint16_t*>(p.out) + o_batch +
@@ -420,7 +414,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(kCombineWaves * kWaveSize, 2)
     for (int s = 0; s < splits; ++s) {
       const float l = p.lse_partial[s * rows_total + row];
       if (lse == softmax::neg_inf() || l == softmax::neg_inf()) continue;  // an empty split
-      const float weight = expf(l - lse);
+      const float weight = softmax::merge_weight(l, lse);
       acc += weight * load<f32x4>(p.o_partial + (s * rows_total + row) * p.headdim + col);
     }
     store<u16x4>(gO + col, pack4<Tile::kIsBf16>(acc.x, acc.y, acc.z, acc.w));

@@ -109,12 +109,11 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     }
   }
 
-  // Key j is aligned with query i at j = i + diag (bottom-right alignment).
-  const int diag = seq.len_k - seq.len_q;
+  // The keys the block's rows see: Note [portattn visible keys] (block_range.h).
+  const MaskRule rule = MaskRule::of(seq, p.window_left, p.window_right);
+  const int diag = rule.diag;  // key j is aligned with query i at j = i + diag
   const int q_last = min(m0 + Tile::kBlockM, seq.len_q) - 1;
-  const bool has_left = p.window_left >= 0, has_right = p.window_right >= 0;
-  const int j_begin = has_left ? max(0, m0 + diag - p.window_left) : 0;
-  const int j_end = has_right ? min(seq.len_k, q_last + diag + p.window_right + 1) : seq.len_k;
+  const IndexRange keys = rule.key_range(m0, q_last);
 
   const bool use_softcap = p.softcap > 0.f;
   const bool use_alibi = p.alibi_slopes != nullptr;
@@ -127,11 +126,11 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   softmax::RowState<1> state;
   state.init();
 
-  KeyBlockStream<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, Tile::kPrefetch> kv{gK, gV, p, seq.len_k, j_end};
-  const int n_first = (j_begin / Tile::kBlockN) * Tile::kBlockN;
+  KeyBlockStream<Tile::kBlockN, Tile::kHeadDim, Tile::kThreads, Tile::kPrefetch> kv{gK, gV, p, seq.len_k, keys.end};
+  const int n_first = (keys.begin / Tile::kBlockN) * Tile::kBlockN;
   kv.start(n_first);
 
-  for (int n0 = n_first; n0 < j_end; n0 += Tile::kBlockN) {
+  for (int n0 = n_first; n0 < keys.end; n0 += Tile::kBlockN) {
     kv.stage(n0, sK, nullptr, nullptr, sVt);
 
     f32x16 acc_s[Tile::kKeyTiles];
@@ -146,16 +145,15 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     }
 
     // The mask is skipped when every (valid query, key) pair of the block is visible.
-    const bool block_visible = n0 + Tile::kBlockN <= seq.len_k &&
-                               (!has_left || n0 >= q_last + diag - p.window_left) &&
-                               (!has_right || n0 + Tile::kBlockN - 1 <= m0 + diag + p.window_right);
+    const bool block_visible = rule.tile_fully_visible(m0, q_last, n0, n0 + Tile::kBlockN - 1);
     // Register r of score tile t is key j = n0 + 4lh + c with the small constant
     // c = 32t + 8(r/4) + r%4, so every per-element test below compares c with a
     // per-lane bound (inline constants, no per-element scalar registers).
     const int lane_key0 = n0 + 4 * lh;
     const int rel_diag = i + diag - lane_key0;  // c of the key aligned with query i
-    const int c_lo = has_left ? rel_diag - p.window_left : INT_MIN;
-    const int c_hi = min(has_right ? rel_diag + p.window_right : INT_MAX, seq.len_k - lane_key0 - 1);
+    // rule.keys_of_query(i) as offsets c from lane_key0 (written out: block_range.h says why).
+    const int c_lo = rule.window_left >= 0 ? rel_diag - rule.window_left : INT_MIN;
+    const int c_hi = min(rule.window_right >= 0 ? rel_diag + rule.window_right : INT_MAX, seq.len_k - lane_key0 - 1);
     float rS[1][kScoreCols];  // scores in log2 units, then probabilities
 #pragma unroll
     for (int t = 0; t < Tile::kKeyTiles; ++t) {

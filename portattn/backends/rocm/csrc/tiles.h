@@ -11,6 +11,7 @@
 
 #include "../../common/params.h"
 #include "../../common/philox.h"
+#include "../../common/block_range.h"  // MaskRule: which keys each query sees, block ranges, tile tests
 #include "../../common/seq_bounds.h"  // SeqBounds / seq_bounds: every kernel's clamped sequence bounds
 
 #ifndef PORTATTN_ROCM_ARCH_NS
