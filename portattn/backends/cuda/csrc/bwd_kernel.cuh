@@ -54,6 +54,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../../common/block_range.h"
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/philox.h"
@@ -333,8 +334,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
 
   const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
   const int n_blocks = (s.len_k + kBlockN - 1) / kBlockN;
-  const int diag = s.len_k - s.len_q;
-  const int wl = f.window_left, wr = f.window_right;
+  const MaskRule rule = MaskRule::of(s, f.window_left, f.window_right);  // block_range.h
+  const int diag = rule.diag;
   const int headdim = f.headdim;
 
   const float scale_log2 = f.softmax_scale * softmax::kLog2e;
@@ -370,12 +371,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
   for (int n_block = n_first; n_block < n_blocks; n_block += n_step) {
     const int n0 = n_block * kBlockN;
     const int n_valid = min(kBlockN, s.len_k - n0);
-    // Query rows that can see any key of this block (params.h masking rule).
-    int m_lo = 0, m_hi = s.len_q;
-    if (wr >= 0) m_lo = max(0, n0 - diag - wr);
-    if (wl >= 0) m_hi = min(s.len_q, n0 + n_valid - 1 - diag + wl + 1);
-    const int m_begin = m_lo / kBlockM;
-    const int m_blocks = m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0;
+    // The query blocks that see any key of this block.
+    const IndexRange query_blocks = MaskRule::blocks_of(rule.query_range(n0, n0 + n_valid - 1), kBlockM);
+    const int m_begin = query_blocks.begin;
+    const int m_blocks = query_blocks.size();
     const int iters = heads * m_blocks;
 
     // Q/dO/LSE/delta of step `it` (head head_first + it / m_blocks) into `stage`, all by
@@ -475,9 +474,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
       }
 
       // ---- P^T (dropped, for dV) into acc_s and dS^T into acc_dp -------------
-      const bool needs_mask = n0 + kBlockN > s.len_k || m0 + kBlockM > s.len_q ||
-                              (wl >= 0 && m0 + kBlockM - 1 + diag - wl > n0) ||
-                              (wr >= 0 && n0 + kBlockN - 1 > m0 + diag + wr);
+      const bool needs_mask =
+          m0 + kBlockM > s.len_q || !rule.tile_fully_visible(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);
       const int key0 = n0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
       if (!kExtras && !needs_mask) {
 #pragma unroll
@@ -511,8 +509,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
             if (kExtras) x -= alibi_slope * fabsf(static_cast<float>(i + diag - j));
             bool visible = true;
             if (needs_mask)
-              visible = j < s.len_k && i < s.len_q && (wl < 0 || j >= i + diag - wl) &&
-                        (wr < 0 || j <= i + diag + wr);
+              visible = rule.visible(i, j);
             const float prob = visible ? softmax::exp2_fast(x * softmax::kLog2e - lse2[c]) : 0.f;
             float dprob = acc_dp[t][e];
             float kept = prob;
