@@ -1,9 +1,13 @@
 // Which keys a query sees, which key blocks a query block must visit (and the
 // reverse for the backward), and which tiles need a per-element mask: the
-// masking rule of Note [portattn semantics] (params.h), written once for every
-// kernel (sm80 forward and backward, the Hopper forward and backward, the ROCm
-// forward and backward, both vendors' decode kernels), host and device, CUDA
-// and HIP. tests/test_block_range.py checks it on the CPU against a brute-force
+// masking rule of Note [portattn semantics] (params.h), written once for the
+// sm80 forward and backward, the ROCm forward and backward and both vendors'
+// decode kernels, host and device, CUDA and HIP. The Hopper forward and
+// backward keep their own written-out copy on purpose: ported to these helpers
+// they measured slower on an H100 (forward+backward 7-11% at hd 64 causal,
+// forward 0-5%; bench/results/runs/2026-11-24-c4f0d81/hopper_*_ab_*.md), from
+// code generation, not from the ranges, which are the same (the brute-force
+// test below covers the rule; the Hopper GPU tests cover those kernels). tests/test_block_range.py checks it on the CPU against a brute-force
 // reading of the rule.
 //
 // Note [portattn visible keys]
@@ -110,9 +114,9 @@ struct MaskRule {
   // for q_first < len_q (k_first < len_k; a kernel returns before asking for a
   // tile without rows or keys), computed from the window edges' blocks. Which
   // form a kernel calls is the one its compiler does best with (ptxas -v, ISA):
-  // key_blocks for the sm80 and Hopper forwards (clamping the keys before
-  // dividing made the sm80 forward spill 28 bytes at 255 registers),
-  // query_blocks for the Hopper backward, blocks_of for the decode kernels and
+  // key_blocks for the sm80 forward (clamping the keys before dividing made it
+  // spill 28 bytes at 255 registers; the Hopper forward writes the same form out),
+  // query_blocks for the form the Hopper backward writes out, blocks_of for the decode kernels and
   // the sm80 backward. Empty when end <= begin.
   PORTATTN_HD IndexRange key_blocks(int q_first, int q_last, int block_n) const {
     IndexRange r{0, (len_k + block_n - 1) / block_n};
