@@ -245,6 +245,8 @@ IMPLS = {impl.name: impl for impl in (
          functools.partial(_portattn_forced, "cuda")),
     Impl("portattn_det", "portattn deterministic", "det", functools.partial(_bind_portattn, True),
          functools.partial(_portattn_forced, None), modes=("fwd_bwd",)),
+    Impl("portattn_sm80_det", "portattn sm80+ path deterministic (forced)", "s80det",
+         functools.partial(_bind_portattn, True), functools.partial(_portattn_forced, "cuda"), modes=("fwd_bwd",)),
     Impl("sm80_kernel", "sm80+ kernel (CudaBackend.forward, direct)", "kern", _bind_sm80_kernel, modes=("fwd",)),
     Impl("sdpa_flash", "SDPA flash (FA2)", "fa2", _bind_sdpa, functools.partial(_sdpa_context, "FLASH_ATTENTION")),
     Impl("sdpa_cudnn", "SDPA cuDNN", "cudnn", _bind_sdpa, functools.partial(_sdpa_context, "CUDNN_ATTENTION")),
