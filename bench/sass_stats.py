@@ -21,7 +21,11 @@ import sys
 
 def kernels(lib: str) -> dict:
     tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
-    text = subprocess.run([tool, "-sass", lib], capture_output=True, text=True, check=True).stdout
+    return parse(subprocess.run([tool, "-sass", lib], capture_output=True, text=True, check=True).stdout)
+
+
+def parse(text: str) -> dict:
+    """{kernel name: Counter of opcodes} from cuobjdump -sass text."""
     found, name = {}, None
     for line in text.splitlines():
         head = re.match(r"\s*Function : (\S+)", line)

@@ -64,6 +64,37 @@ def test_determinism_dry_run_reports_the_ratio(tmp_path):
         assert ratio == pytest.approx(det / default, abs=0.02)
 
 
+def test_short_sequence_dry_run_uses_its_own_batch_and_heads(tmp_path):
+    done = _run([sys.executable, "bench/bench_short.py", "--dry-run", "--seqlens", "50,64", "--head-dims", "16",
+                 "--impls", "portattn,sdpa_cudnn", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "short_seq.json") as handle:
+        result = json.load(handle)
+    assert [(r["head_dim"], r["seqlen"], r["causal"]) for r in result["grid"]] == [
+        (16, 50, False), (16, 50, True), (16, 64, False), (16, 64, True)]
+    assert {(r["batch"], r["heads"]) for r in result["grid"]} == {(512, 16)}
+    assert all(r["tflops"]["fwd"]["portattn"] > 0 for r in result["grid"])
+    assert "batch 512, 16 heads" in (tmp_path / "short_seq.md").read_text()
+
+
+def test_sass_opcode_counts_skip_predicates_and_split_kernels():
+    sys.path.insert(0, BENCH)
+    import sass_stats
+
+    text = """
+        Function : _Z3fooPf
+        /*0000*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;   /* 0x000 */
+        /*0010*/              @!P0 HMMA.16816.F32.BF16 R4, R8, R12, R4 ;       /* 0x000 */
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;       /* 0x000 */
+        Function : _Z3barPf
+        /*0000*/               @P1 LDSM.16.M88.4 R4, [R2] ;                   /* 0x000 */
+        /*0010*/                   EXIT ;                                       /* 0x000 */
+    """
+    counts = sass_stats.parse(text)
+    assert counts["_Z3fooPf"] == {"IMAD": 1, "HMMA": 2}
+    assert counts["_Z3barPf"] == {"LDSM": 1, "EXIT": 1}
+
+
 def test_ncu_summary_reads_the_raw_page(tmp_path):
     sys.path.insert(0, BENCH)
     import ncu_profile
