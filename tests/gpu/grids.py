@@ -54,7 +54,7 @@ COVERAGE = {
         "softcap": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HFWD}::test_hopper_forward_softcap_fp16",
                     f"{_HBWD}::test_hopper_backward_windows_and_softcap", f"{_HBWD}::test_hopper_backward_softcap_fp16"],
         "gqa": [f"{_HFWD}::test_hopper_forward_gqa_and_strided_views", f"{_HBWD}::test_hopper_backward_grid"],
-        "varlen": [f"{_HFWD}::test_hopper_forward_varlen"],  # forward only (the spec's forward_only)
+        "varlen": [f"{_HFWD}::test_hopper_forward_varlen", f"{_HBWD}::test_hopper_backward_varlen"],
         "deterministic_backward": [f"{_HBWD}::test_hopper_backward_grid", f"{_HBWD}::test_hopper_deterministic_is_bitwise_reproducible"],
     },
 }

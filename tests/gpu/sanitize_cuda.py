@@ -12,7 +12,7 @@ The cases cover the code paths that index memory differently: sequence tails
 backward splitting it in two halves), GQA and MQA (the backward's fp32 dK/dV
 atomics and its per-KV-head loop), varlen with empty and single-row sequences,
 the extras kernel (softcap + ALiBi + dropout), adversarial cu_seqlens / seqused_k values
-(test_adversarial_bounds.py's cases, sm80+ forward and backward and the sm_90a forward),
+(test_adversarial_bounds.py's cases, sm80+ and sm_90a forward and backward),
 the decode kernels (decode_cases), and the backward's deterministic
 dQ slices (flash-attn's deterministic case whose splits start on key blocks no query
 sees), and the sm_90a forward (each of its schedules, windows and softcap) and
@@ -182,8 +182,9 @@ def main() -> int:
             for window in ((-1, -1), (10, 3)):
                 for deterministic in (False, True):
                     wrong = run_case(cuda_package._C, case, window=window, deterministic=deterministic)
-                    if hopper and CASES[case][2] is None and not deterministic:
-                        wrong += run_case(cuda_package._C, case, window=window, entry="hopper_fwd")
+                    if hopper and CASES[case][2] is None:
+                        wrong += run_case(cuda_package._C, case, window=window, entry="hopper_fwd",
+                                          deterministic=deterministic)
                     if wrong:
                         print(f"sanitize_cuda: adversarial {case} {window}: {wrong}")
                     failures += int(bool(wrong))

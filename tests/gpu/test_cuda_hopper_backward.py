@@ -117,6 +117,63 @@ def test_hopper_backward_softcap_fp16(head_dim, window, mode):
     _check_grads(grads, q, k, v, dout, dict(window=window, softcap=5.0))
 
 
+# Packed sequences (cu_seqlens), as the Hopper forward's varlen tests: empty sequences on either
+# side, single rows, lengths across the 64-query / 128-key block edges, seqlen_q != seqlen_k per
+# sequence, and many sequences (more key blocks than SMs). The kernels load whole blocks by TMA,
+# so a tile's rows past its sequence's end are the next sequence's: a dQ row or dK/dV row of the
+# neighbour written, or its keys/queries not masked, shows up as a wrong gradient there.
+VARLEN_LENGTHS = {
+    "mixed": ([0, 1, 17, 130, 257, 1000, 64], [5, 0, 300, 129, 257, 900, 1]),
+    "many": ([128] * 40 + [77], [128] * 40 + [300]),
+}
+VARLEN_OPTIONS = {
+    "full": dict(),
+    "causal": dict(window=(-1, 0)),
+    "window": dict(window=(100, 37)),
+    "softcap": dict(window=(-1, 0), softcap=30.0),
+}
+
+
+def _varlen_inputs(lengths, head_dim, gqa, dtype=torch.bfloat16):
+    lens_q, lens_k = VARLEN_LENGTHS[lengths]
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    heads = 4
+    q = rand(sum(lens_q), heads, head_dim, dtype=dtype)
+    k, v = (rand(sum(lens_k), heads // gqa, head_dim, dtype=dtype) for _ in range(2))
+    return q, k, v, dict(cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), max_k=max(lens_k))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("options", list(VARLEN_OPTIONS))
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("lengths", list(VARLEN_LENGTHS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_backward_varlen(head_dim, lengths, gqa, options, mode):
+    q, k, v, packed = _varlen_inputs(lengths, head_dim, gqa)
+    feature = VARLEN_OPTIONS[options]
+    opts = _options(q, **feature, **packed)
+    with _dq_path(mode) as deterministic:
+        out, lse = _forward(HOPPER, q, k, v, opts)
+        dout = torch.randn_like(out)
+        grads = _backward(HOPPER, dout, q, k, v, out, lse, opts, deterministic)
+    _check_grads(grads, q, k, v, dout, dict(window=feature.get("window", (-1, -1)),
+                                             softcap=feature.get("softcap", 0.0),
+                                             cu_seqlens_q=packed["cu_q"], cu_seqlens_k=packed["cu_k"]))
+
+
+def test_hopper_backward_varlen_deterministic_is_bitwise_reproducible():
+    q, k, v, packed = _varlen_inputs("mixed", HEAD_DIMS[-1], 2)
+    opts = _options(q, window=(-1, 0), **packed)
+    out, lse = _forward(HOPPER, q, k, v, opts)
+    dout = torch.randn_like(out)
+    first = _backward(HOPPER, dout, q, k, v, out, lse, opts, True)
+    for _ in range(3):
+        again = _backward(HOPPER, dout, q, k, v, out, lse, opts, True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"deterministic varlen {name} differs between runs"
+
+
 @pytest.mark.parametrize("window, softcap", [((-1, 0), 0.0), ((100, 37), 30.0)], ids=["causal", "window_softcap"])
 @pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -239,6 +296,17 @@ def test_dispatch_serves_training_calls_on_the_hopper_path():
     assert portattn.explain(q, k, v, causal=True, deterministic=True).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, window_size=(64, 0), softcap=30.0).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, dropout_p=0.1).chosen == "cuda"  # declared: sm80+ path only
+    # Varlen training (HF's padding-free packing) stays on the Hopper path for both passes.
+    lens = [300, 17, 513]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    packed = [rand(sum(lens), 4, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    assert portattn.explain(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=513, max_seqlen_k=513,
+                            causal=True).chosen == "cuda-sm90"
+    out = portattn.flash_attn_varlen_func(*packed, cu, cu, 513, 513, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _check_grads([x.grad for x in packed], *(x.detach() for x in packed), dout,
+                 dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu))
     out = portattn.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)

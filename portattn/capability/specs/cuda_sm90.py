@@ -1,7 +1,7 @@
 """The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(ALiBi, dropout, other head dims; varlen in training calls) goes to the sm80+ path
+(ALiBi, dropout, seqused_k, other head dims) goes to the sm80+ path
 ("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
@@ -38,11 +38,6 @@ SPEC = BackendSpec(
         "dropout": "runs on the sm80+ path (cuda)",
         "paged_kv": "is read by the sm80+ path's decode kernels (cuda)",
         "decode": "runs on the sm80+ path's decode kernels (cuda)",
-    },
-    # The Hopper forward serves varlen; its backward does not yet, so training
-    # calls with it run both passes on the sm80+ path.
-    forward_only={
-        "varlen": "runs on the sm80+ path (cuda)",
     },
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="build with sm_90 among PORTATTN_CUDA_ARCHS (the default) to include it",

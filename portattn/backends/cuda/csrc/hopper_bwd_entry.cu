@@ -77,7 +77,7 @@ extern "C" int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* m
     return fail(message, message_len, -1, text);
   }
   char refusal[200];
-  if (refuses(f, refusal, sizeof(refusal), /*varlen_served=*/false))
+  if (refuses(f, refusal, sizeof(refusal), /*varlen_served=*/true))
     return fail(message, message_len, -1, refusal);
   if (!portattn::cuda::bwd_operands_aligned(*params))
     return fail(message, message_len, -1,

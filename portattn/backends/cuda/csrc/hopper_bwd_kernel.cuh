@@ -2,8 +2,8 @@
 //
 // Note [portattn hopper backward]
 // What it serves is declared in capability/specs/cuda_sm90.py (the Hopper
-// forward's calls except varlen, which is `forward_only` there), in the default
-// (atomic dQ) and the deterministic mode. Other calls stay on the sm80+ backward
+// forward's calls, varlen included), in the default (atomic or bulk dQ) and the
+// deterministic mode. Other calls stay on the sm80+ backward
 // (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
 // sequence, workspace and math are those of Note [portattn cuda backward]:
 // the same preprocess (delta = rowsum(dO * O)) and convert kernels run around
@@ -240,12 +240,17 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int head_k = cta_heads.head_k;
   const int head_first = cta_heads.head_first;
   const int heads = cta_heads.heads;
-  // Fixed-length batches only: the C entry refuses cu_seqlens and seqused_k
-  // (hopper_host.h: refuses), whatever Python decided, so the bounds are the
-  // host's shape ints and every row lies inside the tensors (seq_bounds.h's rule
-  // for dense calls).
-  const int seqlen_q = f.seqlen_q;
-  const int seqlen_k = f.seqlen_k;
+  // This sequence's rows (seq_bounds.h, clamped to the tensors whatever cu_seqlens
+  // holds). Varlen: the tensor maps see the packed rows as one "batch" (map
+  // coordinate 0) and the sequence starts at row q_start / k_start; rows of a
+  // tile past its sequence's end are the next sequence's (or TMA's zero fill past
+  // the tensor): queries there get lse2 = +inf and delta = 0 (P^T = dS^T = 0, dQ
+  // rows never added), keys there are masked like keys past seqlen_k of a dense
+  // call (P^T = 0, dK/dV rows never stored). seqused_k is refused by the entry.
+  const SeqBounds bounds = seq_bounds(f, batch);
+  const int seqlen_q = bounds.len_q;
+  const int seqlen_k = bounds.len_k;
+  const int tma_batch = f.cu_seqlens_q != nullptr ? 0 : batch;
   const int diag = seqlen_k - seqlen_q;
   const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
   const int n_step = det ? args.splits : n_blocks;  // default: one key block per CTA
@@ -345,9 +350,9 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
         for (int p = 0; p < kPanels; ++p) {
           sm90::tma_load_4d(s_k + p * Traits::kPanelBytesKV, &tm_k, bar_kv_full, p * Traits::kPanel,
-                            n_block * kBlockN, head_k, batch);
+                            bounds.k_start + n_block * kBlockN, head_k, tma_batch);
           sm90::tma_load_4d(s_v + p * Traits::kPanelBytesKV, &tm_v, bar_kv_full, p * Traits::kPanel,
-                            n_block * kBlockN, head_k, batch);
+                            bounds.k_start + n_block * kBlockN, head_k, tma_batch);
         }
       }
       ++kv_round;
@@ -363,20 +368,19 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
           for (int p = 0; p < kPanels; ++p) {
             sm90::tma_load_4d(s_q + p * Traits::kPanelBytesQ, &tm_q, bar_full(stage),
-                              p * Traits::kPanel, m0, head, batch);
+                              p * Traits::kPanel, bounds.q_start + m0, head, tma_batch);
             sm90::tma_load_4d(s_do + p * Traits::kPanelBytesQ, &tm_do, bar_full(stage),
-                              p * Traits::kPanel, m0, head, batch);
+                              p * Traits::kPanel, bounds.q_start + m0, head, tma_batch);
           }
         } else {
-          const float* g_lse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + m0;
-          const float* g_delta = args.delta + cuda::ws_row(args, batch, head, m0);
+          // The preprocess's workspace rows (LSE already in log2 units, +inf for rows
+          // without a visible key): one layout for dense and varlen calls.
+          const int64_t ws = cuda::ws_row(args, batch, head, m0);
 #pragma unroll
           for (int r = lane; r < kBlockM; r += 32) {
             const bool valid = m0 + r < seqlen_q;
-            const float lse = valid ? g_lse[r] : softmax::neg_inf();
-            s_lse[stage * kBlockM + r] =
-                lse == softmax::neg_inf() ? __builtin_huge_valf() : lse * softmax::kLog2e;
-            s_delta[stage * kBlockM + r] = valid ? g_delta[r] : 0.f;
+            s_lse[stage * kBlockM + r] = valid ? args.lse2[ws + r] : __builtin_huge_valf();
+            s_delta[stage * kBlockM + r] = valid ? args.delta[ws + r] : 0.f;
           }
           sm90::mbar_arrive(bar_full(stage));  // releases this lane's LSE/delta writes
         }
@@ -575,9 +579,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
       const int64_t acc_offset = (static_cast<int64_t>(batch) * seqlen_k + n0) * acc_stride +
                                  static_cast<int64_t>(head_k - args.head0 / group) * kHeadDim;
       Elem* g_dk = static_cast<Elem*>(p.dk) + batch * p.dk_strides.batch_stride +
-                   static_cast<int64_t>(n0) * p.dk_strides.row_stride + head_k * p.dk_strides.head_stride;
+                   static_cast<int64_t>(bounds.k_start + n0) * p.dk_strides.row_stride +
+                   head_k * p.dk_strides.head_stride;
       Elem* g_dv = static_cast<Elem*>(p.dv) + batch * p.dv_strides.batch_stride +
-                   static_cast<int64_t>(n0) * p.dv_strides.row_stride + head_k * p.dv_strides.head_stride;
+                   static_cast<int64_t>(bounds.k_start + n0) * p.dv_strides.row_stride +
+                   head_k * p.dv_strides.head_stride;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = key_row + 8 * r;

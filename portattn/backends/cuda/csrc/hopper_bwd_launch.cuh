@@ -68,18 +68,21 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
   using Traits = HopperBwdTraits<kHeadDim>;
   const PortattnFwdParams& f = params.fwd;
   if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
+  MapExtents extents;
+  cudaError_t err = map_extents(f, &extents);
   TensorMaps maps;
-  cudaError_t err = encode_bshd(&maps.q, f.q, f.q_strides, f.dtype, f.batch, f.seqlen_q, f.nheads,
-                                kHeadDim, Traits::kBlockM);
   if (err == cudaSuccess)
-    err = encode_bshd(&maps.dout, params.dout, params.dout_strides, f.dtype, f.batch, f.seqlen_q,
+    err = encode_bshd(&maps.q, f.q, f.q_strides, f.dtype, extents.batch, extents.rows_q, f.nheads, kHeadDim,
+                      Traits::kBlockM);
+  if (err == cudaSuccess)
+    err = encode_bshd(&maps.dout, params.dout, params.dout_strides, f.dtype, extents.batch, extents.rows_q,
                       f.nheads, kHeadDim, Traits::kBlockM);
   if (err == cudaSuccess)
-    err = encode_bshd(&maps.k, f.k, f.k_strides, f.dtype, f.batch, f.seqlen_k, f.nheads_k, kHeadDim,
-                      Traits::kBlockN);
+    err = encode_bshd(&maps.k, f.k, f.k_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
+                      kHeadDim, Traits::kBlockN);
   if (err == cudaSuccess)
-    err = encode_bshd(&maps.v, f.v, f.v_strides, f.dtype, f.batch, f.seqlen_k, f.nheads_k, kHeadDim,
-                      Traits::kBlockN);
+    err = encode_bshd(&maps.v, f.v, f.v_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
+                      kHeadDim, Traits::kBlockN);
   if (err != cudaSuccess) return err;
   const bool softcap = f.softcap > 0.f;
   // The deterministic mode keeps per-element adds: bulk reductions from one thread are unordered.

@@ -56,24 +56,18 @@ cudaError_t launch(const PortattnFwdParams& params) {
       &HopperSmemOptIn<HopperFwdVariantKey<kHeadDim, Elem, kMask, kSoftcap, kSchedule>>::state);
   if (err != cudaSuccess) return err;
   CUtensorMap tm_q, tm_k, tm_v;
-  // Varlen: the packed (total, heads, head_dim) tensors as one "batch" whose rows the
-  // kernel offsets by cu_seqlens; rows past a sequence's end are masked there.
-  const bool varlen = params.cu_seqlens_q != nullptr;
-  const int map_batch = varlen ? 1 : params.batch;
-  const int64_t rows_q = varlen ? params.total_q : params.seqlen_q;
-  const int64_t rows_k = varlen ? params.total_k : params.seqlen_k;
-  if (rows_q > INT32_MAX || rows_k > INT32_MAX) {
-    portattn::cuda::set_error_detail("more than 2^31 rows");
-    return cudaErrorInvalidValue;
-  }
-  err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, map_batch,
-                    static_cast<int>(rows_q), params.nheads, kHeadDim, Traits::kBlockM);
+  // Varlen: rows past a sequence's end are masked in the kernel.
+  MapExtents extents;
+  err = map_extents(params, &extents);
   if (err == cudaSuccess)
-    err = encode_bshd(&tm_k, params.k, params.k_strides, params.dtype, map_batch,
-                      static_cast<int>(rows_k), params.nheads_k, kHeadDim, Traits::kBlockN);
+    err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, extents.batch, extents.rows_q,
+                      params.nheads, kHeadDim, Traits::kBlockM);
   if (err == cudaSuccess)
-    err = encode_bshd(&tm_v, params.v, params.v_strides, params.dtype, map_batch,
-                      static_cast<int>(rows_k), params.nheads_k, kHeadDim, Traits::kBlockN);
+    err = encode_bshd(&tm_k, params.k, params.k_strides, params.dtype, extents.batch, extents.rows_k,
+                      params.nheads_k, kHeadDim, Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = encode_bshd(&tm_v, params.v, params.v_strides, params.dtype, extents.batch, extents.rows_k,
+                      params.nheads_k, kHeadDim, Traits::kBlockN);
   if (err != cudaSuccess) return err;
   HopperFwdArgs args;
   args.out = params.out;
@@ -85,8 +79,8 @@ cudaError_t launch(const PortattnFwdParams& params) {
   args.seqlen_k = params.seqlen_k;
   args.cu_seqlens_q = params.cu_seqlens_q;
   args.cu_seqlens_k = params.cu_seqlens_k;
-  args.total_q = rows_q;
-  args.total_k = rows_k;
+  args.total_q = extents.rows_q;
+  args.total_k = extents.rows_k;
   args.nheads = params.nheads;
   args.heads_per_kv = params.nheads / params.nheads_k;
   args.num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;

@@ -35,6 +35,26 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(cudaError_t* err) {
   return encoder;
 }
 
+// The tensor maps' batch and row extents of a call (forward and backward alike):
+// varlen packs every sequence into one "batch" of all the tensor's rows, and the
+// kernels offset each sequence by its seq_bounds start (map batch coordinate 0).
+struct MapExtents {
+  int batch;
+  int rows_q, rows_k;
+};
+
+inline cudaError_t map_extents(const PortattnFwdParams& p, MapExtents* extents) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int64_t rows_q = varlen ? p.total_q : p.seqlen_q;
+  const int64_t rows_k = varlen ? p.total_k : p.seqlen_k;
+  if (rows_q > INT32_MAX || rows_k > INT32_MAX) {
+    portattn::cuda::set_error_detail("more than 2^31 rows");
+    return cudaErrorInvalidValue;
+  }
+  *extents = MapExtents{varlen ? 1 : p.batch, static_cast<int>(rows_q), static_cast<int>(rows_k)};
+  return cudaSuccess;
+}
+
 // A (batch, seqlen, heads, head_dim) tensor as a 4-d tensor map whose box is
 // one 64-column panel of `box_rows` rows of one (head, batch), 128B-swizzled.
 inline cudaError_t encode_bshd(CUtensorMap* map, const void* data, const PortattnTensor4& strides,
