@@ -77,6 +77,22 @@ def test_short_sequence_dry_run_uses_its_own_batch_and_heads(tmp_path):
     assert "batch 512, 16 heads" in (tmp_path / "short_seq.md").read_text()
 
 
+def test_varlen_dry_run_writes_every_scenario(tmp_path):
+    done = _run([sys.executable, "bench/bench_varlen.py", "--dry-run", "--head-dims", "64", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "varlen.json") as handle:
+        result = json.load(handle)
+    assert [(r["scenario"], r["causal"]) for r in result["rows"]] == [
+        (name, causal) for name in ("equal 16x1k", "equal 4x4k", "mixed 64-4096") for causal in (False, True)]
+    assert all(r["tflops"][mode]["portattn"] > 0 for r in result["rows"] for mode in ("fwd", "fwd_bwd"))
+    sys.path.insert(0, BENCH)
+    import bench_varlen
+
+    lengths = bench_varlen.mixed_lengths()
+    assert sum(lengths) == bench_varlen.TOKENS and min(lengths) >= 64 and max(lengths) <= 4096
+    assert len(set(lengths)) > 3, "the mixed scenario should mix lengths"
+
+
 def test_sass_opcode_counts_skip_predicates_and_split_kernels():
     sys.path.insert(0, BENCH)
     import sass_stats
