@@ -298,8 +298,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         // ---- bulk dQ: warp 2 adds each step's staged dQ tile to the accumulator ----
         // Default mode: this CTA's one key block, the consumers' step sequence.
         // (Written to fit the 24 registers: pointers stepped, no per-step ws_row.)
-        int m_begin, m_blocks;
-        m_range(blockIdx.x, m_begin, m_blocks);
+        // The consumers' steps exactly: none where this CTA's key block lies past the
+        // sequence's keys (varlen: a short sequence in a grid sized by the longest),
+        // else this warp would wait at kBarDqFull for arrivals that never come.
+        int m_begin = 0, m_blocks = 0;
+        if (static_cast<int>(blockIdx.x) < n_blocks) m_range(blockIdx.x, m_begin, m_blocks);
         int left = heads * m_blocks;  // steps not yet reduced
         int b = 0;
         for (int h = 0; h < heads; ++h) {
