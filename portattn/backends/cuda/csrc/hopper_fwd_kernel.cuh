@@ -79,7 +79,7 @@
 //    Registers (nvcc 13.0, -Xptxas -v, bf16; docs/hopper_notes.md "hd256
 //    forward"): kBlockN = 64 has 0 spills in every schedule; 80 has 0 in
 //    the serial loop and, without softcap and window, in the pipelined ones,
-//    but the pipelined loop spills 40-88 bytes with softcap or a sliding
+//    but the pipelined loop spills 8-88 bytes with softcap or a sliding
 //    window, so those calls run the serial loop (schedule_for in
 //    hopper_fwd_launch.cuh). -DPORTATTN_HOPPER_FWD_HD256_BLOCK_N=64 builds
 //    the alternative for an A/B on a GPU.

@@ -50,7 +50,7 @@ constexpr int kShortCausalMaxSeqlenK = 1024;
 // The schedule a (head dim, mask, softcap) kernel runs instead of `wanted`.
 // hd256 (Note [portattn hopper hd256]): O is 128 registers a thread, and the
 // pipelined loop's second S/P pair (S(j) in flight while P(j-1) feeds P V)
-// spills once softcap or a sliding window's mask adds its live values (40-88
+// spills once softcap or a sliding window's mask adds its live values (8-88
 // bytes at kBlockN = 80, nvcc 13.0), so those calls run the serial loop
 // (persistence kept; ping-pong needs the pipelined loop, so it goes too).
 // No-softcap calls without a window keep the measured choices above (0 spills).
