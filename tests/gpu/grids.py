@@ -50,11 +50,13 @@ COVERAGE = {
         "deterministic_backward": [f"{_BWD}::test_backward_features", f"{_BWD}::test_deterministic_is_bitwise_reproducible"],
     },
     "cuda-sm90": {
-        "forward": [f"{_HFWD}::test_hopper_forward_grid"],
+        "forward": [f"{_HFWD}::test_hopper_forward_grid", f"{_HFWD}::test_hopper_forward_every_launched_schedule"],
         "backward": [f"{_HBWD}::test_hopper_backward_grid"],
         "causal": [f"{_HFWD}::test_hopper_forward_grid", f"{_HBWD}::test_hopper_backward_grid"],
-        "window": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HBWD}::test_hopper_backward_windows_and_softcap"],
+        "window": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HFWD}::test_hopper_forward_every_launched_schedule",
+                   f"{_HBWD}::test_hopper_backward_windows_and_softcap"],
         "softcap": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HFWD}::test_hopper_forward_softcap_fp16",
+                    f"{_HFWD}::test_hopper_forward_every_launched_schedule",
                     f"{_HBWD}::test_hopper_backward_windows_and_softcap", f"{_HBWD}::test_hopper_backward_softcap_fp16"],
         "gqa": [f"{_HFWD}::test_hopper_forward_gqa_and_strided_views", f"{_HBWD}::test_hopper_backward_grid"],
         "varlen": [f"{_HFWD}::test_hopper_forward_varlen"],  # forward only (the spec's forward_only)

@@ -167,7 +167,7 @@ struct HopperFwdTraits {
   static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
                                     1024;  // slack to align the tiles to the 1 KiB swizzle atom
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
-  static_assert(kBlockN % 16 == 0 && kBlockN % 8 == 0 && kBlockN <= 256,
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "kBlockN: whole k16 steps of P V, and a wgmma N (multiple of 8, <= 256) for S = Q K^T");
   static_assert(kSmemBytes <= kSmemLimit, "exceeds the sm90 shared-memory opt-in limit");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,

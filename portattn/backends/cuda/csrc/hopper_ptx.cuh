@@ -199,26 +199,6 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
       "+f"(d[0][60]), "+f"(d[0][61]), "+f"(d[1][60]), "+f"(d[1][61]), \
       "+f"(d[0][62]), "+f"(d[0][63]), "+f"(d[1][62]), "+f"(d[1][63])
 
-// D (64 x 128) (+)= A (64 x 16, shared) * B (16 x 128, shared); both K-major
-// (transpose flags 0). scale_d = 0 overwrites D. The asm text of fp16 and
-// bf16 differs only in the type suffix.
-#define PORTATTN_WGMMA_SS_N128(TY)                                                       \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                               \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "              \
-               PORTATTN_WGMMA_D128_REGS ", %64, %65, p, 1, 1, 0, 0;\n}\n"                \
-               : PORTATTN_WGMMA_D128_OPERANDS(d)                                        \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-
-template <typename Elem>
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[2][32], uint64_t desc_a, uint64_t desc_b,
-                                              int scale_d) {
-  if constexpr (std::is_same<Elem, __nv_bfloat16>::value) {
-    PORTATTN_WGMMA_SS_N128("bf16");
-  } else {
-    PORTATTN_WGMMA_SS_N128("f16");
-  }
-}
-
 // D (64 x N) += A (64 x 16 from registers: per warp, the mma.m16n8k16 A
 // fragment of its 16 rows) * B (16 x N, shared, MN-major: transpose-B = 1).
 #define PORTATTN_WGMMA_RS_N64(TY)                                                        \
@@ -278,6 +258,7 @@ struct QuadReduce {
 // instruction's transpose flags: 0 = K-major (Q, K as S = Q K^T reads them),
 // 1 = MN-major (legal for 16-bit types only; the backward's dS^T as A and K
 // as B of dQ = dS K). N = 4 * kCols (32, 64, 80 or 128). scale_d = 0 overwrites D.
+// The forward's S = Q K^T uses it too (N = kBlockN: 128, or 80 at hd256).
 // A, B, S, TA, TB: the operand numbers of desc_a, desc_b, scale_d and the two flags.
 #define PORTATTN_WGMMA_SS(N, TY, REGS, OPERANDS, A, B, S, TA, TB)                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                             \
