@@ -479,3 +479,25 @@ def test_forward_only_features_must_be_declared_supported():
     with pytest.raises(ValueError, match="forward-only features must be declared supported"):
         BackendSpec(name="x", title="x", vendor=None, supported=frozenset({"forward"}),
                     forward_only={"window": "runs elsewhere"})
+
+
+def test_forward_only_head_dims_serve_inference_and_refuse_training_calls():
+    # cuda-sm90's forward has hd256, its backward not: a training call goes whole to the sm80+ path.
+    h100 = fake_device("h100")
+    assert check_call("cuda-sm90", h100, call(head_dim=256, features=("forward", "causal"))) == []
+    training = call(head_dim=256, features=("forward", "backward", "causal"))
+    assert check_call("cuda-sm90", h100, training) == [
+        "head_dim 256 is forward-only on cuda-sm90; with a backward it runs both passes on the sm80+ path (cuda)"]
+    assert check_call("cuda", h100, training) == []
+    assert check_call("cuda-sm90", h100, call(head_dim=128, features=("forward", "backward"))) == []
+    # An explicit head-dim list admits nothing between its entries.
+    assert check_call("cuda-sm90", h100, call(head_dim=192)) == [
+        "head_dim 192 is not one of 64, 128, 256 (cuda-sm90 supports head dims 64, 128, 256 (256 forward only))"]
+
+
+def test_head_dims_must_follow_the_rule_and_forward_only_head_dims_be_admitted():
+    with pytest.raises(ValueError, match="break the rule"):
+        BackendSpec(name="x", title="x", vendor=None, head_dim_multiple=64, head_dim_max=256, head_dims=(64, 96))
+    with pytest.raises(ValueError, match="forward-only head dims must be admitted"):
+        BackendSpec(name="x", title="x", vendor=None, head_dim_multiple=64, head_dim_max=256, head_dims=(64, 128),
+                    forward_only_head_dims={256: "runs elsewhere"})

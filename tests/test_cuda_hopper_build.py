@@ -135,19 +135,46 @@ def _hopper_sources(env):
 
 
 def _expected_units(head_dims, dtypes):
+    """The generated files for a plan restricted to head_dims: each family keeps its own."""
     return sorted(f"{family.name}_hd{d}_{t}.cu" for family in variants.HOPPER_FAMILIES
-                  for d in head_dims for t in dtypes)
+                  for d in head_dims if d in family.head_dims for t in dtypes)
+
+
+def _family(name):
+    (family,) = [f for f in variants.HOPPER_FAMILIES if f.name == name]
+    return family
 
 
 def test_hopper_head_dims_are_the_specs():
     from portattn.capability.specs import cuda_sm90
 
     spec = cuda_sm90.SPEC
-    admitted = tuple(range(spec.head_dim_multiple, spec.head_dim_max + 1, spec.head_dim_multiple))
-    assert admitted == variants.HOPPER_HEAD_DIMS
-    assert set(variants.HOPPER_HEAD_DIMS) <= set(variants.HEAD_DIMS)  # PORTATTN_HEADDIMS can name them
+    admitted = spec.admitted_head_dims()
+    assert admitted == variants.HOPPER_FWD_HEAD_DIMS == _family("hopper_fwd").head_dims
+    # The backward serves the admitted head dims minus the forward-only ones, and nothing else.
+    both_passes = tuple(d for d in admitted if d not in spec.forward_only_head_dims)
+    assert both_passes == variants.HOPPER_BWD_HEAD_DIMS == _family("hopper_bwd").head_dims
+    assert set(variants.HOPPER_FWD_HEAD_DIMS) <= set(variants.HEAD_DIMS)  # PORTATTN_HEADDIMS can name them
     assert spec.head_dims_exact  # no masked head-dim tail: a partial build serves only its own
     assert tuple(variants.DTYPES[d][2] for d in variants.DTYPES) == spec.dtypes
+
+
+def test_hd256_is_a_forward_only_hopper_head_dim():
+    from portattn.capability import matrix, probe
+    from portattn.capability.callspec import CallSpec
+
+    h100 = probe.fake_device("h100")
+    forward = CallSpec("bfloat16", 256, 256, "cuda", frozenset({"forward"}))
+    training = CallSpec("bfloat16", 256, 256, "cuda", frozenset({"forward", "backward"}))
+    built = variants.plan_from_env({}).build_config()["hopper"]
+    assert matrix.check_call("cuda-sm90", h100, forward, built) == []
+    assert matrix.check_call("cuda-sm90", h100, training, built) == [
+        "head_dim 256 is forward-only on cuda-sm90; with a backward it runs both passes on the sm80+ path (cuda)"]
+    assert matrix.check_call("cuda", h100, training) == []  # where it goes instead
+    # 192 is a multiple of 64 below the maximum, but no Hopper kernel has it.
+    hd192 = CallSpec("bfloat16", 192, 192, "cuda", frozenset({"forward"}))
+    assert matrix.check_call("cuda-sm90", h100, hd192) == [
+        "head_dim 192 is not one of 64, 128, 256 (cuda-sm90 supports head dims 64, 128, 256 (256 forward only))"]
 
 
 def test_default_plan_generates_every_hopper_variant_and_its_tables():
@@ -160,12 +187,16 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
     assert "template cudaError_t portattn::hopper::run_hopper_fwd<128, __nv_bfloat16>(" in unit
     assert "portattn::hopper::run_hopper_bwd<64, __half>(\n    const PortattnBwdParams&);" in sources[
         "hopper_bwd_hd64_fp16.cu"]
+    assert "template cudaError_t portattn::hopper::run_hopper_fwd<256, __nv_bfloat16>(" in sources[
+        "hopper_fwd_hd256_bf16.cu"]
+    assert "hopper_bwd_hd256_bf16.cu" not in sources  # the backward has no hd256
     table = sources[variants.HOPPER_TABLE_SOURCE]
     for family in variants.HOPPER_FAMILIES:
-        assert f"const int {family.count} = 4;" in table
-        for d in variants.HOPPER_HEAD_DIMS:
+        assert f"const int {family.count} = {2 * len(family.head_dims)};" in table
+        for d in family.head_dims:
             assert f"{{{d}, PORTATTN_BF16, &{family.run_template}<{d}, __nv_bfloat16>}}" in table
             assert f"{{{d}, PORTATTN_FP16, &{family.run_template}<{d}, __half>}}" in table
+    assert "run_hopper_bwd<256" not in table
     # The sm80+ table stays free of Hopper symbols (it is compiled for every arch).
     assert "hopper" not in variants.generated_sources(variants.plan_from_env({}))["variants_generated.cu"]
 
@@ -174,8 +205,9 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
     "env, head_dims, dtypes",
     [
         ({"PORTATTN_HEADDIMS": "64"}, (64,), ("fp16", "bf16")),
-        ({"PORTATTN_HEADDIMS": "32,128,256"}, (128,), ("fp16", "bf16")),
-        ({"PORTATTN_DTYPES": "bf16"}, (64, 128), ("bf16",)),
+        ({"PORTATTN_HEADDIMS": "32,128,256"}, (128, 256), ("fp16", "bf16")),
+        ({"PORTATTN_HEADDIMS": "256", "PORTATTN_DTYPES": "bf16"}, (256,), ("bf16",)),
+        ({"PORTATTN_DTYPES": "bf16"}, (64, 128, 256), ("bf16",)),
         ({"PORTATTN_HEADDIMS": "128", "PORTATTN_DTYPES": "fp16"}, (128,), ("fp16",)),
     ],
 )
@@ -184,11 +216,12 @@ def test_restrictions_apply_to_the_hopper_families(env, head_dims, dtypes):
     assert sorted(n for n in sources if n != variants.HOPPER_TABLE_SOURCE) == _expected_units(head_dims, dtypes)
     table = sources[variants.HOPPER_TABLE_SOURCE]
     entries = [line for line in table.splitlines() if "&portattn::hopper::" in line]
-    assert len(entries) == 2 * len(head_dims) * len(dtypes)
+    per_family = {f.name: [d for d in head_dims if d in f.head_dims] for f in variants.HOPPER_FAMILIES}
+    assert len(entries) == sum(len(dims) for dims in per_family.values()) * len(dtypes)
     for family in variants.HOPPER_FAMILIES:
-        assert f"const int {family.count} = {len(head_dims) * len(dtypes)};" in table
-    left_out = set(variants.HOPPER_HEAD_DIMS) - set(head_dims)
-    assert not any(f"{{{d}, " in line for d in left_out for line in entries)
+        assert f"const int {family.count} = {len(per_family[family.name]) * len(dtypes)};" in table
+        left_out = set(variants.HOPPER_HEAD_DIMS) - set(per_family[family.name])
+        assert not any(f"{{{d}, " in line for d in left_out for line in entries if family.run_template in line)
     assert variants.plan_from_env(env).build_config()["hopper"] == {
         "archs": ["sm_90a"], "head_dims": list(head_dims), "dtypes": [variants.DTYPES[d][2] for d in dtypes]}
 

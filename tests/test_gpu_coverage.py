@@ -45,4 +45,6 @@ def test_gpu_grids_are_the_declared_head_dims_and_dtypes():
     assert all(d % cuda.SPEC.head_dim_multiple == 0 and d <= cuda.SPEC.head_dim_max for d in grids.CUDA_HEAD_DIMS)
     assert set(grids.PADDED_HEAD_DIMS).isdisjoint(variants.HEAD_DIMS)  # they test the masked tail
     assert grids.CUDA_DTYPES == list(cuda.SPEC.dtypes)
-    assert grids.HOPPER_HEAD_DIMS == list(variants.HOPPER_HEAD_DIMS) and grids.HOPPER_DTYPES == list(cuda_sm90.SPEC.dtypes)
+    assert grids.HOPPER_FWD_HEAD_DIMS == list(variants.HOPPER_FWD_HEAD_DIMS)
+    assert grids.HOPPER_HEAD_DIMS == list(variants.HOPPER_BWD_HEAD_DIMS)  # the backward's grid
+    assert grids.HOPPER_DTYPES == list(cuda_sm90.SPEC.dtypes)

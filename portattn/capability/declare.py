@@ -61,6 +61,11 @@ class BackendSpec:
     # True: a call's head dim must itself be built (kernels with no masked head-dim tail);
     # False: the smallest built head dim >= it serves it.
     head_dims_exact: bool = False
+    # The head dims themselves where they are no run of multiples (e.g. (64, 128, 256)); each
+    # must still be a multiple of head_dim_multiple up to head_dim_max. None: every such multiple.
+    head_dims: Optional[Tuple[int, ...]] = None
+    # Head dims served in calls without a backward only: head dim -> where training calls go.
+    forward_only_head_dims: Mapping[int, str] = field(default_factory=dict)
     head_dim_v_equal: bool = True  # v's head dim must equal q/k's
     supported: frozenset = frozenset()  # subset of callspec.FEATURES
     verified: Mapping[str, frozenset] = field(default_factory=dict)  # arch name -> features passed on it
@@ -81,12 +86,36 @@ class BackendSpec:
         not_supported = set(self.forward_only) - set(self.supported)
         if not_supported:
             raise ValueError(f"{self.name}: forward-only features must be declared supported: {sorted(not_supported)}")
+        if self.head_dims is not None:
+            stray = [d for d in self.head_dims if d % max(self.head_dim_multiple, 1)
+                     or (self.head_dim_max is not None and d > self.head_dim_max)]
+            if stray:
+                raise ValueError(f"{self.name}: head_dims {stray} break the rule '{self.head_dim_rule()}'")
+        admitted = self.admitted_head_dims()
+        if admitted is not None and set(self.forward_only_head_dims) - set(admitted):
+            raise ValueError(f"{self.name}: forward-only head dims must be admitted head dims: "
+                             f"{sorted(set(self.forward_only_head_dims) - set(admitted))}")
         unsupported_verified = {f for fs in self.verified.values() for f in fs} - set(self.supported)
         if unsupported_verified:
             raise ValueError(f"{self.name}: features verified but not declared supported: {sorted(unsupported_verified)}")
 
+    def admitted_head_dims(self) -> Optional[Tuple[int, ...]]:
+        """Every head dim the declaration admits in a forward call (None: no upper bound)."""
+        if self.head_dims is not None:
+            return tuple(sorted(self.head_dims))
+        if self.head_dim_max is None:
+            return None
+        step = max(self.head_dim_multiple, 1)
+        return tuple(range(step, self.head_dim_max + 1, step))
+
     def head_dim_rule(self) -> str:
-        """e.g. "multiples of 8 up to 256"; the same text every message uses."""
+        """e.g. "multiples of 8 up to 256", "head dims 64, 128, 256 (256 forward only)"; the
+        same text every message uses."""
+        if self.head_dims is not None:
+            text = "head dims " + ", ".join(str(d) for d in sorted(self.head_dims))
+            if self.forward_only_head_dims:
+                text += f" ({', '.join(str(d) for d in sorted(self.forward_only_head_dims))} forward only)"
+            return text
         if self.head_dim_max is None and self.head_dim_multiple <= 1:
             return "any head dim"
         parts = []

@@ -138,10 +138,16 @@ def _check_head_dims(spec: BackendSpec, call: CallSpec) -> List[str]:
             reasons.append(f"head_dim_v {call.head_dim_v} != head_dim {call.head_dim} ({spec.name} needs them equal)")
         dims.append(("head_dim_v", call.head_dim_v))
     for label, d in dims:
+        before = len(reasons)
         if spec.head_dim_max is not None and d > spec.head_dim_max:
             reasons.append(f"{label} {d} > {spec.head_dim_max} ({rule})")
         if spec.head_dim_multiple > 1 and d % spec.head_dim_multiple:
             reasons.append(f"{label} {d} is not a multiple of {spec.head_dim_multiple} ({rule})")
+        if len(reasons) == before and spec.head_dims is not None and d not in spec.head_dims:
+            reasons.append(f"{label} {d} is not one of {', '.join(map(str, sorted(spec.head_dims)))} ({rule})")
+        if len(reasons) == before and call.uses("backward") and d in spec.forward_only_head_dims:
+            reasons.append(f"{label} {d} is forward-only on {spec.name}; with a backward it "
+                           f"{spec.forward_only_head_dims[d]}")
     return reasons
 
 

@@ -67,6 +67,11 @@ def _feature_cells(backend: str, archs: Tuple[Optional[str], ...]) -> dict:
 
 def _head_dims(backend: str) -> str:
     spec = get_spec(backend)
+    if spec.head_dims is not None:
+        text = ", ".join(str(d) for d in sorted(spec.head_dims))
+        if spec.forward_only_head_dims:
+            text += f" ({', '.join(str(d) for d in sorted(spec.forward_only_head_dims))}: forward only)"
+        return text
     if spec.head_dim_max is None:
         return "any" if spec.head_dim_multiple <= 1 else f"multiples of {spec.head_dim_multiple}"
     step = max(spec.head_dim_multiple, 1)
@@ -82,6 +87,8 @@ def _footnotes() -> List[str]:
         for feature, note in spec.forward_only.items():
             notes.append(f"- {spec.name}: {FEATURE_TITLES.get(feature, feature)} is forward only; "
                          f"a training call with it {note}.")
+        for head_dim, note in sorted(spec.forward_only_head_dims.items()):
+            notes.append(f"- {spec.name}: head dim {head_dim} is forward only; a training call with it {note}.")
         for rule in spec.resource_rules:
             own = [d for d in devices if d.vendor == spec.vendor and any(r.contains(d.arch) for r in spec.archs)]
             short = [d for d in own if d.smem_per_block_optin < rule.min_smem_optin]

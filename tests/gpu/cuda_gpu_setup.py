@@ -14,7 +14,7 @@ if cuda_backend._C is None:
 if not torch.cuda.is_available() or torch.version.hip is not None:
     pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
 
-from grids import CUDA_DTYPES, CUDA_HEAD_DIMS, HOPPER_DTYPES, HOPPER_HEAD_DIMS  # noqa: E402
+from grids import CUDA_DTYPES, CUDA_HEAD_DIMS, HOPPER_DTYPES, HOPPER_FWD_HEAD_DIMS, HOPPER_HEAD_DIMS  # noqa: E402,F401
 
 BACKEND = cuda_backend.CudaBackend()
 # From the spec and the variant table (tests/gpu/grids.py): instantiated head dims plus ones

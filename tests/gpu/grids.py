@@ -11,8 +11,9 @@ from portattn.capability.specs import cuda, cuda_sm90
 
 
 def _head_dims(spec):
-    """Every head dim a spec admits: the multiples of its step up to its maximum."""
-    return list(range(spec.head_dim_multiple, spec.head_dim_max + 1, spec.head_dim_multiple))
+    """Every head dim a spec admits in a forward call (its head_dims, else the multiples of its
+    step up to its maximum)."""
+    return list(spec.admitted_head_dims())
 
 
 # sm80+ path: the instantiated head dims, plus head dims served by the next larger
@@ -21,9 +22,11 @@ PADDED_HEAD_DIMS = (40, 80, 200)
 CUDA_HEAD_DIMS = sorted(set(variants.HEAD_DIMS) | set(PADDED_HEAD_DIMS))
 CUDA_DTYPES = list(cuda.SPEC.dtypes)  # torch dtype names
 
-# Hopper path: every head dim its spec admits (variants.HOPPER_HEAD_DIMS; tests/test_cuda_hopper_build.py
-# checks the two agree).
-HOPPER_HEAD_DIMS = _head_dims(cuda_sm90.SPEC)
+# Hopper path (variants.HOPPER_FWD_HEAD_DIMS / HOPPER_BWD_HEAD_DIMS; tests/test_cuda_hopper_build.py
+# checks they agree with the spec): the forward grid is every head dim the spec admits; the
+# backward grid (HOPPER_HEAD_DIMS, served by both passes) leaves out its forward-only head dims.
+HOPPER_FWD_HEAD_DIMS = _head_dims(cuda_sm90.SPEC)
+HOPPER_HEAD_DIMS = [d for d in HOPPER_FWD_HEAD_DIMS if d not in cuda_sm90.SPEC.forward_only_head_dims]
 HOPPER_DTYPES = list(cuda_sm90.SPEC.dtypes)
 
 _FWD, _BWD, _DEC = "test_cuda_forward.py", "test_cuda_backward.py", "test_cuda_decode.py"
@@ -47,11 +50,13 @@ COVERAGE = {
         "deterministic_backward": [f"{_BWD}::test_backward_features", f"{_BWD}::test_deterministic_is_bitwise_reproducible"],
     },
     "cuda-sm90": {
-        "forward": [f"{_HFWD}::test_hopper_forward_grid"],
+        "forward": [f"{_HFWD}::test_hopper_forward_grid", f"{_HFWD}::test_hopper_forward_every_launched_schedule"],
         "backward": [f"{_HBWD}::test_hopper_backward_grid"],
         "causal": [f"{_HFWD}::test_hopper_forward_grid", f"{_HBWD}::test_hopper_backward_grid"],
-        "window": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HBWD}::test_hopper_backward_windows_and_softcap"],
+        "window": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HFWD}::test_hopper_forward_every_launched_schedule",
+                   f"{_HBWD}::test_hopper_backward_windows_and_softcap"],
         "softcap": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HFWD}::test_hopper_forward_softcap_fp16",
+                    f"{_HFWD}::test_hopper_forward_every_launched_schedule",
                     f"{_HBWD}::test_hopper_backward_windows_and_softcap", f"{_HBWD}::test_hopper_backward_softcap_fp16"],
         "gqa": [f"{_HFWD}::test_hopper_forward_gqa_and_strided_views", f"{_HBWD}::test_hopper_backward_grid"],
         "varlen": [f"{_HFWD}::test_hopper_forward_varlen", f"{_HBWD}::test_hopper_backward_varlen"],

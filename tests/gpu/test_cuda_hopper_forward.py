@@ -25,7 +25,7 @@ from naive import naive_attention
 
 pytestmark = pytest.mark.gpu
 
-from cuda_gpu_setup import HOPPER_DTYPES, HOPPER_HEAD_DIMS, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
+from cuda_gpu_setup import HOPPER_DTYPES, HOPPER_FWD_HEAD_DIMS, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
 
 from portattn.backends.abi import fwd_args  # noqa: E402
 from portattn.backends.cuda import _C  # noqa: E402
@@ -33,7 +33,7 @@ from portattn.backends.cuda import _C  # noqa: E402
 skip_unless_hopper("hopper_fwd")
 
 DTYPES = HOPPER_DTYPES  # capability/specs/cuda_sm90.py, through tests/gpu/grids.py
-HEAD_DIMS = HOPPER_HEAD_DIMS
+HEAD_DIMS = HOPPER_FWD_HEAD_DIMS  # the forward's: hd256 too (forward only, Note [portattn hopper hd256])
 SEQLENS = [(1, 1), (17, 113), (113, 17), (128, 128), (1000, 1000), (1, 4097), (4097, 1000), (2048, 2048)]
 
 
@@ -174,6 +174,24 @@ def test_hopper_forward_many_tiles_per_cta(head_dim, causal):
     _check(out, lse, q, k, v, causal)
 
 
+# Every kernel run_default (hopper_fwd_launch.cuh) can launch: mask x softcap x the short /
+# long causal split at seqlen_k 1024. At hd256 softcap and windows take the serial loop
+# (schedule_for), the rest the pipelined ones, so each of its schedules runs here.
+@pytest.mark.parametrize("seqlens", [(777, 1000), (1100, 1500)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_every_launched_schedule(head_dim, mask, softcap, seqlens):
+    seqlen_q, seqlen_k = seqlens
+    q = rand(2, seqlen_q, 3, head_dim, dtype=torch.bfloat16)
+    k = rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16)
+    v = rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16)
+    causal, window = mask == "causal", ((200, 77) if mask == "window" else (-1, -1))
+    out, lse = hopper_forward(q, k, v, causal=causal, window=window, softcap=softcap)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, causal, window, softcap)
+
+
 def test_hopper_forward_refuses_what_it_does_not_serve():
     q = rand(1, 64, 2, 64, dtype=torch.bfloat16)
     out = torch.empty_like(q)
@@ -181,9 +199,10 @@ def test_hopper_forward_refuses_what_it_does_not_serve():
     args = list(fwd_args(q, q, q, out, lse, None, None, 0, 0, 0.125, -1, -1, 0.0, None, 0.1, 0, 0))
     with pytest.raises(RuntimeError, match="dropout is served by the sm80"):
         _C.hopper_fwd(*args)
-    q96 = rand(1, 64, 2, 96, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="head_dim 96"):
-        hopper_forward(q96, q96, q96, causal=False)
+    for head_dim in (96, 192):  # 192: a multiple of 64 between built head dims, still refused
+        qd = rand(1, 64, 2, head_dim, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match=f"head_dim {head_dim}"):
+            hopper_forward(qd, qd, qd, causal=False)
 
 
 # ---- timing against SDPA (cuDNN) ------------------------------------------------------
@@ -245,6 +264,35 @@ def test_dispatch_routes_eligible_calls_to_the_hopper_path_and_the_rest_to_sm80(
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
     # Windows and softcap too: the Hopper backward serves them (capability/specs/cuda_sm90.py).
     assert portattn.explain(q, k, v, softcap=5.0).chosen == "cuda-sm90"
+    out = portattn.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_q = q.detach().double().requires_grad_()
+    ref_out = naive_attention(ref_q, k.double(), v.double(), causal=True)[0]
+    ref_out.backward(dout.double())
+    low_q = q.detach().clone().requires_grad_()
+    low_out = naive_attention(low_q, k, v, causal=True, compute_dtype=torch.bfloat16)[0]
+    low_out.backward(dout)
+    assert_output(out, ref_out, low_out)
+    assert_within("dq", q.grad, ref_q.grad, low_q.grad, GRAD_FACTOR)
+
+
+def test_dispatch_serves_hd256_forward_on_hopper_and_hd256_training_on_sm80():
+    import portattn
+
+    q, k, v = (rand(2, 300, 4, 256, dtype=torch.bfloat16) for _ in range(3))
+    assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
+    assert portattn.explain(q, k, v, softcap=5.0, window_size=(64, 0)).chosen == "cuda-sm90"
+    out = portattn.flash_attn_func(q, k, v, causal=True)
+    ref = naive_attention(q.double(), k.double(), v.double(), causal=True)[0]
+    low = naive_attention(q, k, v, causal=True, compute_dtype=torch.bfloat16)[0]
+    assert_output(out, ref, low)
+    # A training call goes whole to the sm80+ path: the Hopper backward has no hd256
+    # (capability/specs/cuda_sm90.py, forward_only_head_dims).
+    q.requires_grad_()
+    explanation = portattn.explain(q, k, v, causal=True)
+    assert explanation.chosen == "cuda"
+    assert any("head_dim 256 is forward-only on cuda-sm90" in r for r in explanation.reasons["cuda-sm90"])
     out = portattn.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, List, Mapping, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 # Instantiated head dims; any multiple of 8 up to the maximum is served by the
 # smallest instantiated one >= it.
@@ -43,6 +43,13 @@ class Family:
     count: str  # its element-count symbol
     fn_type: str  # function-pointer type of the table entries
     params_type: str  # the C ABI struct the run function takes
+    # The head dims this family is instantiated for (None: every head dim of the plan); the
+    # plan's PORTATTN_HEADDIMS restriction still applies on top.
+    head_dims: Optional[Tuple[int, ...]] = None
+
+    def variants_of(self, variants: Sequence["Variant"]) -> List["Variant"]:
+        """The plan's variants this family instantiates."""
+        return [v for v in variants if self.head_dims is None or v.head_dim in self.head_dims]
 
 
 FAMILIES: Tuple[Family, ...] = (
@@ -79,8 +86,9 @@ class BuildPlan:
 
     @property
     def hopper_variants(self) -> List[Variant]:
-        """The Hopper families' variants: the restricted head dims that are HOPPER_HEAD_DIMS
-        (possibly none: the path is then built with empty tables and serves no call)."""
+        """The Hopper forward's variants (a superset of the backward's): the restricted head dims
+        that are HOPPER_HEAD_DIMS (possibly none: the path is then built with empty tables and
+        serves no call). Per family: `Family.variants_of`."""
         if not self.hopper:
             return []
         return [Variant(h, d) for h in self.head_dims if h in HOPPER_HEAD_DIMS for d in self.dtypes]
@@ -98,6 +106,8 @@ class BuildPlan:
             "dtypes": [DTYPES[d][2] for d in self.dtypes],
         }
         if self.hopper:
+            # The forward table's pairs (csrc/binding.cpp reads kHopperFwdVariants); head dims
+            # the backward lacks are the spec's forward_only_head_dims.
             hopper = self.hopper_variants
             config["hopper"] = {
                 "archs": ["sm_90a"],
@@ -204,7 +214,7 @@ def generated_sources(plan: BuildPlan, families: Sequence[Family] = FAMILIES) ->
 def _variant_sources(variants: Sequence[Variant], families: Iterable[Family]) -> dict:
     sources = {}
     for family in families:
-        for variant in variants:
+        for variant in family.variants_of(variants):
             elem = DTYPES[variant.dtype][0]
             sources[variant.source_name(family)] = "\n".join(
                 [
@@ -221,14 +231,15 @@ def _variant_sources(variants: Sequence[Variant], families: Iterable[Family]) ->
 def _table_source(variants: Sequence[Variant], families: Iterable[Family], extra: Sequence[str] = ()) -> str:
     lines = [_GENERATED, '#include "variant_table.h"', "", "namespace portattn {", "namespace cuda {", ""]
     for family in families:
+        own = family.variants_of(variants)
         lines.append(f"const Variant<{family.fn_type}> {family.table}[] = {{")
-        for variant in variants:
+        for variant in own:
             elem, enum, _ = DTYPES[variant.dtype]
             lines.append(f"    {{{variant.head_dim}, {enum}, &{family.run_template}<{variant.head_dim}, {elem}>}},")
-        if not variants:  # C++ has no empty arrays; the count below says there is no entry
+        if not own:  # C++ has no empty arrays; the count below says there is no entry
             lines.append("    {0, -1, nullptr},")
         lines.append("};")
-        lines.append(f"const int {family.count} = {len(variants)};")
+        lines.append(f"const int {family.count} = {len(own)};")
         lines.append("")
     if extra:
         lines += [*extra, ""]
@@ -246,21 +257,26 @@ def _table_source(variants: Sequence[Variant], families: Iterable[Family], extra
 # Dispatch serves it as the "cuda-sm90" backend (capability/specs/cuda_sm90.py).
 # Its families are generated like the sm80+ ones, one file per (family, head dim, dtype)
 # of the plan, restricted by PORTATTN_HEADDIMS / PORTATTN_DTYPES the same way; a head dim
-# outside HOPPER_HEAD_DIMS has no Hopper kernel.
+# outside a family's head dims has no kernel of that family.
 HOPPER_ENV = "PORTATTN_CUDA_HOPPER"
 HOPPER_SOURCE_PREFIX = "hopper_"
 HOPPER_GENCODE: Tuple[str, ...] = ("-gencode=arch=compute_90a,code=sm_90a",)
 HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
-# Exactly these: the Hopper kernels have no masked head-dim tail, so each serves its own
-# head dim only (the spec's head-dim rule says the same; tests/test_cuda_hopper_build.py
-# checks the two agree).
-HOPPER_HEAD_DIMS: Tuple[int, ...] = (64, 128)
+# Exactly these, per family: the Hopper kernels have no masked head-dim tail, so each serves
+# its own head dim only. The forward has hd256 (Note [portattn hopper hd256] in
+# csrc/hopper_fwd_kernel.cuh), the backward not: training at hd256 runs both passes on the
+# sm80+ path. The spec says the same (capability/specs/cuda_sm90.py: head_dims and
+# forward_only_head_dims); tests/test_cuda_hopper_build.py checks the two agree.
+HOPPER_FWD_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
+HOPPER_BWD_HEAD_DIMS: Tuple[int, ...] = (64, 128)
+HOPPER_HEAD_DIMS: Tuple[int, ...] = HOPPER_FWD_HEAD_DIMS  # every head dim with a Hopper kernel
 HOPPER_FAMILIES: Tuple[Family, ...] = (
     Family("hopper_fwd", "hopper_fwd_launch.cuh", "portattn::hopper::run_hopper_fwd", "kHopperFwdVariants",
-           "kNumHopperFwdVariants", "FwdFn", "PortattnFwdParams"),
+           "kNumHopperFwdVariants", "FwdFn", "PortattnFwdParams", HOPPER_FWD_HEAD_DIMS),
     Family("hopper_bwd", "hopper_bwd_launch.cuh", "portattn::hopper::run_hopper_bwd", "kHopperBwdVariants",
-           "kNumHopperBwdVariants", "BwdFn", "PortattnBwdParams"),
+           "kNumHopperBwdVariants", "BwdFn", "PortattnBwdParams", HOPPER_BWD_HEAD_DIMS),
 )
+assert set(HOPPER_BWD_HEAD_DIMS) <= set(HOPPER_FWD_HEAD_DIMS), "build_config()['hopper'] reports the forward's"
 HOPPER_TABLE_SOURCE = "hopper_variants_generated.cu"
 
 

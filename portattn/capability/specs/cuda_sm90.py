@@ -1,7 +1,7 @@
 """The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(ALiBi, dropout, seqused_k, other head dims) goes to the sm80+ path
+(ALiBi, dropout, seqused_k, other head dims; head dim 256 in training calls) goes to the sm80+ path
 ("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
@@ -26,11 +26,17 @@ SPEC = BackendSpec(
     arch_note="Hopper (sm_90a)",
     ptx_forward_compatible=False,
     dtypes=("float16", "bfloat16"),
-    # Exactly the Hopper families' head dims (backends/cuda/variants.HOPPER_HEAD_DIMS; a CPU test
-    # checks the two agree): the kernels have no masked head-dim tail, so each serves its own.
+    # Exactly the Hopper families' head dims (backends/cuda/variants.HOPPER_FWD_HEAD_DIMS and
+    # HOPPER_BWD_HEAD_DIMS; a CPU test checks they agree): the kernels have no masked head-dim
+    # tail, so each serves its own. The forward has hd256 (Note [portattn hopper hd256]), the
+    # backward not: a training call at 256 runs both passes on the sm80+ path.
     head_dim_multiple=64,
-    head_dim_max=128,
+    head_dim_max=256,
     head_dims_exact=True,
+    head_dims=(64, 128, 256),
+    forward_only_head_dims={
+        256: "runs both passes on the sm80+ path (cuda)",
+    },
     supported=SUPPORTED,
     verified=VERIFIED,
     unsupported_notes={

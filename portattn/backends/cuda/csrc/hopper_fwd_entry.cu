@@ -42,8 +42,9 @@ extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* m
   return 0;
 }
 
-// What this build contains, for build_config()["hopper"] (the support matrix's head dims);
-// the backward family is generated from the same plan, so it holds the same pairs.
+// What this build contains, for build_config()["hopper"] (the support matrix's head dims):
+// the forward's pairs. The backward family holds those of them whose head dim is in
+// variants.HOPPER_BWD_HEAD_DIMS (no hd256); the spec's forward_only_head_dims names the rest.
 extern "C" int portattn_cuda_hopper_num_variants() { return portattn::cuda::kNumHopperFwdVariants; }
 
 extern "C" void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype) {

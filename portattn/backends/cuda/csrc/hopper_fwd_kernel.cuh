@@ -5,7 +5,8 @@
 // dispatch sends every other call to the sm80+ kernel (fwd_kernel.cuh), and the
 // entry (hopper_fwd_entry.cu) refuses such calls with a message as a second line.
 //
-// CTA = 3 warpgroups (384 threads); a tile is (128-row query block, head, batch):
+// CTA = 3 warpgroups (384 threads); a tile is (128-row query block, head, batch)
+// and a key block has kBlockN keys (128; 80 at hd256, Note [portattn hopper hd256]):
 //   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then
 //                its K/V blocks into a kStages-deep ring); setmaxnreg drops it
 //                to 24 registers so the consumers can have 240.
@@ -24,7 +25,9 @@
 //                    while the second product is still on the tensor cores,
 //                    and O is rescaled by block j's correction only after it
 //                    lands (online_softmax_step_deferred). Costs a second
-//                    live S/P pair: S 64 + P 32 + O 64 registers at hd128.
+//                    live S/P pair: S 64 + P 32 + O 64 registers at hd128
+//                    (hd256: S 40 + P 20 + O 128; not with softcap or a
+//                    window there, Note [portattn hopper hd256]).
 //   kSchedPingPong   the two consumer warpgroups take turns issuing their
 //                    products (named barriers 1 and 2), so one's softmax runs
 //                    under the other's wgmma by construction rather than by
@@ -52,11 +55,39 @@
 // "128B swizzle" matrix descriptors (make_smem_desc, hopper_ptx.cuh), so no
 // data is rearranged between the copy engine and the tensor cores.
 //
-// Budget (kBlockM = kBlockN = 128):
+// Budget (kBlockM = 128; kBlockN = 128, hd256 80):
 //   hd64:  Q 16 KiB + 4 stages x (K 16 + V 16 KiB) = 144 KiB (+1 KiB alignment, barriers)
 //   hd128: Q 32 KiB + 2 (3) stages x (K 32 + V 32 KiB) = 160 (224) KiB (+1 KiB)
-//   consumer registers per thread: S 64 fp32 + O 32 (hd64) / 64 (hd128) fp32
-//   + P 32 packed + softmax state; 240 allowed after setmaxnreg.
+//   hd256: Q 64 KiB + 2 stages x (K 40 + V 40 KiB) = 224 KiB (+1 KiB)
+//   consumer registers per thread: S 64 fp32 (hd256: 40) + O 32 (hd64) / 64 (hd128)
+//   / 128 (hd256) fp32 + P 32 (hd256: 20) packed + softmax state; 240 allowed after
+//   setmaxnreg. 168 at entry, 0 spills in every kernel a call launches (nvcc 13.0).
+//
+// Note [portattn hopper hd256]
+// Head dim 256 (Gemma) on the same kernel, forward only (the Hopper backward
+// stays at hd64/128; training at hd256 runs both passes on the sm80+ path:
+// capability/specs/cuda_sm90.py, forward_only_head_dims). Decisions:
+//  * kBlockM stays 128 (two consumer warpgroups x 64 rows): Q is 64 KiB.
+//  * kBlockN = 80 (hopper_fwd_block_n). Shared memory: K + V are 80 KiB a
+//    stage, two stages + Q = 224 KiB of the 227 KiB opt-in; no third stage
+//    and no second Q buffer fit (the persistent schedule single-buffers Q).
+//    80 rather than 64: S = Q K^T is an SS wgmma that re-reads its A tile
+//    (Q, 2 KiB per k16 step) from shared memory for every instruction; at
+//    N = 64 that read plus K's equals the tensor core's time for the step at
+//    128 B/clock, at N = 80 it is 10% under it, and the per-block softmax and
+//    O rescale (128 multiplies a thread) are spread over 25% more keys.
+//    Registers (nvcc 13.0, -Xptxas -v, bf16; docs/hopper_notes.md "hd256
+//    forward"): kBlockN = 64 has 0 spills in every schedule; 80 has 0 in
+//    the serial loop and, without softcap and window, in the pipelined ones,
+//    but the pipelined loop spills 8-88 bytes with softcap or a sliding
+//    window, so those calls run the serial loop (schedule_for in
+//    hopper_fwd_launch.cuh). -DPORTATTN_HOPPER_FWD_HD256_BLOCK_N=64 builds
+//    the alternative for an A/B on a GPU.
+//  * S = Q K^T by wgmma m64n80k16 SS (16 k16 steps), O += P V by m64n256k16
+//    RS (5 k16 steps over the 80 keys; B = V MN-major across its 4 panels,
+//    LBO = the 80-row panel stride, 10 KiB). TMA boxes of K/V are 80 rows.
+//  * Everything that depends on the key block (mask columns, key-block
+//    ranges, P packing, the tile order) is written in kBlockN already.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
 #include <cuda_bf16.h>
@@ -88,6 +119,19 @@ enum HopperFwdScheduleBits : int {
   kSchedExp2Poly8 = 32,  // every 8th
 };
 
+// Keys per block, per head dim (Note [portattn hopper hd256]). 128 at hd64 and
+// hd128: S (64 fp32 a thread) + P (32) + O (32 / 64) fit 240 registers with a
+// second S in flight. hd256: O alone is 128 registers a thread and Q 64 KiB of
+// shared memory, so 80 keys (S 40 + P 20 registers; K + V 80 KiB a stage, two
+// stages + Q = 224 KiB). PORTATTN_HOPPER_FWD_HD256_BLOCK_N (a multiple of 16,
+// e.g. 64) overrides it for register/speed experiments.
+#ifndef PORTATTN_HOPPER_FWD_HD256_BLOCK_N
+#define PORTATTN_HOPPER_FWD_HD256_BLOCK_N 80
+#endif
+constexpr int hopper_fwd_block_n(int head_dim) {
+  return head_dim <= 128 ? 128 : PORTATTN_HOPPER_FWD_HD256_BLOCK_N;
+}
+
 template <int kHeadDim, int kSchedule>
 struct HopperFwdTraits {
   static constexpr bool kPipelined = (kSchedule & kSchedPipelined) != 0;
@@ -98,9 +142,12 @@ struct HopperFwdTraits {
       (kSchedule & kSchedExp2Poly4) ? 4 : ((kSchedule & kSchedExp2Poly8) ? 8 : 0);
   static_assert(kPolyEvery == 0 || kPipelined, "the polynomial exp2 is in the pipelined loop only");
   static constexpr int kBlockM = 128;  // two consumer warpgroups x wgmma M (64)
-  static constexpr int kBlockN = 128;  // S is 64 x 128 fp32 per warpgroup: 64 registers a thread
+  // Keys per block (hopper_fwd_block_n): S is 64 x kBlockN fp32 per warpgroup, kBlockN / 2 registers a thread.
+  static constexpr int kBlockN = hopper_fwd_block_n(kHeadDim);
   // hd64 tiles are half the size, so twice the stages fit: deeper prefetch for free.
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : ((kSchedule & kSchedStages3) ? 3 : 2);
+  // kSchedStages3 exists at hd128 only (hd64 has 4 stages; hd256's third would need 288 KiB).
+  static constexpr int kStages =
+      kHeadDim <= 64 ? 4 : ((kHeadDim == 128 && (kSchedule & kSchedStages3)) ? 3 : 2);
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
@@ -120,6 +167,8 @@ struct HopperFwdTraits {
   static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
                                     1024;  // slack to align the tiles to the 1 KiB swizzle atom
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
+                "kBlockN: whole k16 steps of P V, and a wgmma N (multiple of 8, <= 256) for S = Q K^T");
   static_assert(kSmemBytes <= kSmemLimit, "exceeds the sm90 shared-memory opt-in limit");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
                 "register split exceeds the register file");
@@ -364,7 +413,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::make_smem_desc(s_q_wg + (kk / 4) * kPanelBytesQ + offset, 16, 1024);
         const uint64_t desc_k =
             sm90::make_smem_desc(s_k_stage + (kk / 4) * kPanelBytesKV + offset, 16, 1024);
-        sm90::wgmma_ss_n128<Elem>(s, desc_q, desc_k, kk > 0 ? 1 : 0);
+        sm90::wgmma_ss<Elem, 0, 0, kSCols>(s, desc_q, desc_k, kk > 0 ? 1 : 0);  // N = kBlockN
       }
       sm90::wgmma_commit();
     };

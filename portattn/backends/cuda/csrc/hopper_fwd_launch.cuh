@@ -37,15 +37,27 @@ struct HopperFwdVariantKey {};
 // 4k, within the +-4% run-to-run spread at 16k); causal calls with ping-pong
 // and one CTA per tile (the hardware's dynamic CTA hand-out balances their
 // unequal tiles better than any fixed order measured: persistent lost 8-15%
-// at 4k-16k), except short ones (<= 8 key blocks), where the persistent
-// grid's overlap of one tile's end with the next's start wins (+11% hd64 1k).
-// Sliding windows run like causal calls (their tiles differ in cost near
-// the sequence start). Three stages and the polynomial exp2 measured within
-// noise or slower and are built only in tuning builds.
+// at 4k-16k), except short ones (seqlen_k <= 1024: 8 key blocks, 13 at
+// hd256), where the persistent grid's overlap of one tile's end with the
+// next's start wins (+11% hd64 1k). Sliding windows run like causal calls
+// (their tiles differ in cost near the sequence start). Three stages and the
+// polynomial exp2 measured within noise or slower and are built only in
+// tuning builds. hd256 (not yet measured) departs from this: schedule_for.
 constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent;
 constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
 constexpr int kShortCausalMaxSeqlenK = 1024;
+
+// The schedule a (head dim, mask, softcap) kernel runs instead of `wanted`.
+// hd256 (Note [portattn hopper hd256]): O is 128 registers a thread, and the
+// pipelined loop's second S/P pair (S(j) in flight while P(j-1) feeds P V)
+// spills once softcap or a sliding window's mask adds its live values (8-88
+// bytes at kBlockN = 80, nvcc 13.0), so those calls run the serial loop
+// (persistence kept; ping-pong needs the pipelined loop, so it goes too).
+// No-softcap calls without a window keep the measured choices above (0 spills).
+constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
+  return head_dim == 256 && (softcap || mask == kMaskLocal) ? (wanted & kSchedPersistent) : wanted;
+}
 
 template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, int kSchedule>
 cudaError_t launch(const PortattnFwdParams& params) {
@@ -134,15 +146,19 @@ cudaError_t run_schedule(const PortattnFwdParams& params) {
 
 template <int kHeadDim, typename Elem, bool kSoftcap>
 cudaError_t run_default(const PortattnFwdParams& params) {
+  constexpr int kNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule);
+  constexpr int kShortCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule);
+  constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule);
+  constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kCausalSchedule);
   switch (mask_of(params)) {
     case kMaskNone:
-      return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNonCausalSchedule>(params);
+      return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
     case kMaskCausal:
       return params.seqlen_k <= kShortCausalMaxSeqlenK
-                 ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausalSchedule>(params)
-                 : launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kCausalSchedule>(params);
+                 ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params)
+                 : launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kCausal>(params);
     default:
-      return launch<kHeadDim, Elem, kMaskLocal, kSoftcap, kCausalSchedule>(params);
+      return launch<kHeadDim, Elem, kMaskLocal, kSoftcap, kLocal>(params);
   }
 }
 

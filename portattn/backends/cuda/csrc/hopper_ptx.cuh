@@ -164,25 +164,40 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
       "+f"(d[0][28]), "+f"(d[0][29]), "+f"(d[1][28]), "+f"(d[1][29]), \
       "+f"(d[0][30]), "+f"(d[0][31]), "+f"(d[1][30]), "+f"(d[1][31])
 
-// D (64 x 128) (+)= A (64 x 16, shared) * B (16 x 128, shared); both K-major
-// (transpose flags 0). scale_d = 0 overwrites D. The asm text of fp16 and
-// bf16 differs only in the type suffix.
-#define PORTATTN_WGMMA_SS_N128(TY)                                                       \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                               \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "              \
-               PORTATTN_WGMMA_D128_REGS ", %64, %65, p, 1, 1, 0, 0;\n}\n"                \
-               : PORTATTN_WGMMA_D128_OPERANDS(d)                                        \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// N = 80 (40 fp32 a thread: the hd256 forward's S = Q K^T, Note [portattn hopper hd256]) and
+// N = 256 (128 a thread: its O += P V); same fragment, more column chunks.
+#define PORTATTN_WGMMA_D80_REGS "{" PORTATTN_WGMMA_REGS_0_31 "," "%32,%33,%34,%35,%36,%37,%38,%39" "}"
+#define PORTATTN_WGMMA_D80_OPERANDS(d) \
+      PORTATTN_WGMMA_D64_OPERANDS(d), \
+      "+f"(d[0][16]), "+f"(d[0][17]), "+f"(d[1][16]), "+f"(d[1][17]), \
+      "+f"(d[0][18]), "+f"(d[0][19]), "+f"(d[1][18]), "+f"(d[1][19])
 
-template <typename Elem>
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[2][32], uint64_t desc_a, uint64_t desc_b,
-                                              int scale_d) {
-  if constexpr (std::is_same<Elem, __nv_bfloat16>::value) {
-    PORTATTN_WGMMA_SS_N128("bf16");
-  } else {
-    PORTATTN_WGMMA_SS_N128("f16");
-  }
-}
+#define PORTATTN_WGMMA_D256_REGS \
+  "{" PORTATTN_WGMMA_REGS_0_31 "," \
+  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63," \
+  "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
+  "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95," \
+  "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111," \
+  "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127" "}"
+#define PORTATTN_WGMMA_D256_OPERANDS(d) \
+      PORTATTN_WGMMA_D128_OPERANDS(d), \
+      "+f"(d[0][32]), "+f"(d[0][33]), "+f"(d[1][32]), "+f"(d[1][33]), \
+      "+f"(d[0][34]), "+f"(d[0][35]), "+f"(d[1][34]), "+f"(d[1][35]), \
+      "+f"(d[0][36]), "+f"(d[0][37]), "+f"(d[1][36]), "+f"(d[1][37]), \
+      "+f"(d[0][38]), "+f"(d[0][39]), "+f"(d[1][38]), "+f"(d[1][39]), \
+      "+f"(d[0][40]), "+f"(d[0][41]), "+f"(d[1][40]), "+f"(d[1][41]), \
+      "+f"(d[0][42]), "+f"(d[0][43]), "+f"(d[1][42]), "+f"(d[1][43]), \
+      "+f"(d[0][44]), "+f"(d[0][45]), "+f"(d[1][44]), "+f"(d[1][45]), \
+      "+f"(d[0][46]), "+f"(d[0][47]), "+f"(d[1][46]), "+f"(d[1][47]), \
+      "+f"(d[0][48]), "+f"(d[0][49]), "+f"(d[1][48]), "+f"(d[1][49]), \
+      "+f"(d[0][50]), "+f"(d[0][51]), "+f"(d[1][50]), "+f"(d[1][51]), \
+      "+f"(d[0][52]), "+f"(d[0][53]), "+f"(d[1][52]), "+f"(d[1][53]), \
+      "+f"(d[0][54]), "+f"(d[0][55]), "+f"(d[1][54]), "+f"(d[1][55]), \
+      "+f"(d[0][56]), "+f"(d[0][57]), "+f"(d[1][56]), "+f"(d[1][57]), \
+      "+f"(d[0][58]), "+f"(d[0][59]), "+f"(d[1][58]), "+f"(d[1][59]), \
+      "+f"(d[0][60]), "+f"(d[0][61]), "+f"(d[1][60]), "+f"(d[1][61]), \
+      "+f"(d[0][62]), "+f"(d[0][63]), "+f"(d[1][62]), "+f"(d[1][63])
 
 // D (64 x N) += A (64 x 16 from registers: per warp, the mma.m16n8k16 A
 // fragment of its 16 rows) * B (16 x N, shared, MN-major: transpose-B = 1).
@@ -199,15 +214,24 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[2][32], uint64_t desc_a
                : PORTATTN_WGMMA_D128_OPERANDS(d)                                        \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
 
+#define PORTATTN_WGMMA_RS_N256(TY)                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                              \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "              \
+               PORTATTN_WGMMA_D256_REGS ", {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n" \
+               : PORTATTN_WGMMA_D256_OPERANDS(d)                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+
 template <typename Elem, int kCols>
 __device__ __forceinline__ void wgmma_rs(float (&d)[2][kCols], const uint32_t (&a)[4],
                                          uint64_t desc_b) {
   constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
-  static_assert(kCols == 16 || kCols == 32, "wgmma_rs is instantiated for N = 64 and 128");
+  static_assert(kCols == 16 || kCols == 32 || kCols == 64, "wgmma_rs is instantiated for N = 64, 128 and 256");
   if constexpr (kCols == 16) {
     if constexpr (kBf16) { PORTATTN_WGMMA_RS_N64("bf16"); } else { PORTATTN_WGMMA_RS_N64("f16"); }
-  } else {
+  } else if constexpr (kCols == 32) {
     if constexpr (kBf16) { PORTATTN_WGMMA_RS_N128("bf16"); } else { PORTATTN_WGMMA_RS_N128("f16"); }
+  } else {
+    if constexpr (kBf16) { PORTATTN_WGMMA_RS_N256("bf16"); } else { PORTATTN_WGMMA_RS_N256("f16"); }
   }
 }
 
@@ -233,7 +257,8 @@ struct QuadReduce {
 // D (64 x N) (+)= A (64 x 16) * B (16 x N), both from shared memory, with the
 // instruction's transpose flags: 0 = K-major (Q, K as S = Q K^T reads them),
 // 1 = MN-major (legal for 16-bit types only; the backward's dS^T as A and K
-// as B of dQ = dS K). N = 4 * kCols (32, 64 or 128). scale_d = 0 overwrites D.
+// as B of dQ = dS K). N = 4 * kCols (32, 64, 80 or 128). scale_d = 0 overwrites D.
+// The forward's S = Q K^T uses it too (N = kBlockN: 128, or 80 at hd256).
 // A, B, S, TA, TB: the operand numbers of desc_a, desc_b, scale_d and the two flags.
 #define PORTATTN_WGMMA_SS(N, TY, REGS, OPERANDS, A, B, S, TA, TB)                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                             \
@@ -246,7 +271,8 @@ template <typename Elem, int kTransA, int kTransB, int kCols>
 __device__ __forceinline__ void wgmma_ss(float (&d)[2][kCols], uint64_t desc_a, uint64_t desc_b,
                                          int scale_d) {
   constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
-  static_assert(kCols == 8 || kCols == 16 || kCols == 32, "wgmma_ss is instantiated for N = 32, 64, 128");
+  static_assert(kCols == 8 || kCols == 16 || kCols == 20 || kCols == 32,
+                "wgmma_ss is instantiated for N = 32, 64, 80, 128");
   if constexpr (kCols == 8) {
     if constexpr (kBf16) {
       PORTATTN_WGMMA_SS("32", "bf16", PORTATTN_WGMMA_D32_REGS, PORTATTN_WGMMA_D32_OPERANDS, "16", "17", "18", "19", "20");
@@ -258,6 +284,12 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[2][kCols], uint64_t desc_a, 
       PORTATTN_WGMMA_SS("64", "bf16", PORTATTN_WGMMA_D64_REGS, PORTATTN_WGMMA_D64_OPERANDS, "32", "33", "34", "35", "36");
     } else {
       PORTATTN_WGMMA_SS("64", "f16", PORTATTN_WGMMA_D64_REGS, PORTATTN_WGMMA_D64_OPERANDS, "32", "33", "34", "35", "36");
+    }
+  } else if constexpr (kCols == 20) {
+    if constexpr (kBf16) {
+      PORTATTN_WGMMA_SS("80", "bf16", PORTATTN_WGMMA_D80_REGS, PORTATTN_WGMMA_D80_OPERANDS, "40", "41", "42", "43", "44");
+    } else {
+      PORTATTN_WGMMA_SS("80", "f16", PORTATTN_WGMMA_D80_REGS, PORTATTN_WGMMA_D80_OPERANDS, "40", "41", "42", "43", "44");
     }
   } else {
     if constexpr (kBf16) {
