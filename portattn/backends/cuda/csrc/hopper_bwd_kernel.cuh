@@ -248,13 +248,13 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // rows never added), keys there are masked like keys past seqlen_k of a dense
   // call (P^T = 0, dK/dV rows never stored). seqused_k is refused by the entry.
   const SeqBounds bounds = seq_bounds(f, batch);
-  const int seqlen_q = bounds.len_q;
-  const int seqlen_k = bounds.len_k;
+  const int len_q = bounds.len_q;
+  const int len_k = bounds.len_k;
   const int tma_batch = f.cu_seqlens_q != nullptr ? 0 : batch;
-  const int diag = seqlen_k - seqlen_q;
-  const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int diag = len_k - len_q;
+  const int n_blocks = (len_k + kBlockN - 1) / kBlockN;
   const int n_step = det ? args.splits : n_blocks;  // default: one key block per CTA
-  const int m_total = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_total = (len_q + kBlockM - 1) / kBlockM;
   // The masking rule, written out here rather than through common/block_range.h
   // (Note [portattn visible keys]): the port to the helpers measured 7-11% slower
   // forward+backward at hd 64 causal on an H100 (block_range.h says where).
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   auto m_range = [&](int n_block, int& m_begin, int& m_blocks) {
     const int n0 = n_block * kBlockN;
     m_begin = right_bound ? max(0, n0 - diag - wr) / kBlockM : 0;
-    const int m_end = left_bound ? min(m_total, max(0, min(n0 + kBlockN, seqlen_k) - 1 - diag + wl + kBlockM) / kBlockM)
+    const int m_end = left_bound ? min(m_total, max(0, min(n0 + kBlockN, len_k) - 1 - diag + wl + kBlockM) / kBlockM)
                                  : m_total;
     m_blocks = max(m_end - m_begin, 0);
   };
@@ -309,11 +309,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           // This lane's rows of the first query block of head h: lane, lane + 32.
           float* g_dq = args.dq_accum +
                         (cuda::ws_row(args, batch, head_first + h, m_begin * kBlockM) + lane) * kHeadDim;
-          int rows = seqlen_q - m_begin * kBlockM - lane;  // this lane's rows left in the head
+          int rows = len_q - m_begin * kBlockM - lane;  // this lane's rows left in the head
           for (int mb = 0; mb < m_blocks; ++mb, --left) {
             sm90::named_barrier_sync(Traits::kBarDqFull + b, Traits::kDqBarThreads);
             const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes + lane * Traits::kDqPitch;
-            // Rows at or past seqlen_q belong to the next head: never added.
+            // Rows at or past len_q belong to the next head (or sequence): never added.
 #pragma unroll
             for (int r = 0; r < kBlockM / 32; ++r)
               if (32 * r < rows)
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           const int64_t ws = cuda::ws_row(args, batch, head, m0);
 #pragma unroll
           for (int r = lane; r < kBlockM; r += 32) {
-            const bool valid = m0 + r < seqlen_q;
+            const bool valid = m0 + r < len_q;
             s_lse[stage * kBlockM + r] = valid ? args.lse2[ws + r] : __builtin_huge_valf();
             s_delta[stage * kBlockM + r] = valid ? args.delta[ws + r] : 0.f;
           }
@@ -444,14 +444,14 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
 
-        // ---- P^T: masked only on blocks that straddle seqlen_k or a window edge
+        // ---- P^T: masked only on blocks that straddle len_k or a window edge
         // (the right edge is tightest for the block's first query, the left for
-        // its last). Rows past seqlen_q or without any visible key have
+        // its last). Rows past len_q or without any visible key have
         // lse2 = +inf, so their P^T is exactly 0 unmasked.
-        const bool edge = n0 + kBlockN > seqlen_k || (right_bound && n0 + kBlockN - 1 > m0 + diag + wr) ||
+        const bool edge = n0 + kBlockN > len_k || (right_bound && n0 + kBlockN - 1 > m0 + diag + wr) ||
                           (left_bound && n0 < m0 + kBlockM - 1 + diag - wl);
         auto visible = [&](int key, int query) {
-          return key < seqlen_k && (!right_bound || key <= query + diag + wr) &&
+          return key < len_k && (!right_bound || key <= query + diag + wr) &&
                  (!left_bound || key >= query + diag - wl);
         };
         uint32_t pp[kMSteps][4], ds[kMSteps][4];
@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes + wg * Traits::kDqCols * 4;
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int row = warp * 16 + g + 8 * r;  // rows past seqlen_q are staged, never copied
+            const int row = warp * 16 + g + 8 * r;  // rows past len_q are staged, never copied
 #pragma unroll
             for (int j = 0; j < kQCols / 2; ++j)
               sm90::st_shared_v2_f32(s_dq + row * Traits::kDqPitch + (8 * j + 2 * q4) * 4, dq[r][2 * j],
@@ -562,7 +562,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = warp * 16 + g + 8 * r;
-            if (m0 + row >= seqlen_q) continue;
+            if (m0 + row >= len_q) continue;
 #pragma unroll
             for (int j = 0; j < kQCols / 2; ++j)
               cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
@@ -576,10 +576,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
       }
 
       // ---- epilogue: dK (scaled) and dV of this thread's two keys ----
-      const int n_valid = min(kBlockN, seqlen_k - n0);
-      // GQA default mode: fp32 reductions into the (B, Sk, chunk KV heads, D) accumulators.
+      const int n_valid = min(kBlockN, len_k - n0);
+      // GQA default mode: fp32 reductions into the (B, Sk_max, chunk KV heads, D) accumulators
+      // (rows padded to the longest sequence, as the convert kernel reads them).
       const int64_t acc_stride = static_cast<int64_t>(args.heads_k) * kHeadDim;
-      const int64_t acc_offset = (static_cast<int64_t>(batch) * seqlen_k + n0) * acc_stride +
+      const int64_t acc_offset = (static_cast<int64_t>(batch) * f.seqlen_k + n0) * acc_stride +
                                  static_cast<int64_t>(head_k - args.head0 / group) * kHeadDim;
       Elem* g_dk = static_cast<Elem*>(p.dk) + batch * p.dk_strides.batch_stride +
                    static_cast<int64_t>(bounds.k_start + n0) * p.dk_strides.row_stride +
