@@ -12,7 +12,8 @@ bf16, documents of
 Columns: portattn through the public API (the Hopper path on an H100), the sm80+ path forced
 (what varlen training ran before the Hopper backward took varlen), SDPA cuDNN / flash on the
 equal-length batch, FlexAttention (compiled, document block mask), torch's own varlen_attn
-where this torch has it. TFLOP/s count 4 * H * D * sum(L^2) per forward (halved for causal),
+where this torch has it
+(FlashAttention-2's varlen kernel, what SDPA flash runs for dense calls). TFLOP/s count 4 * H * D * sum(L^2) per forward (halved for causal),
 backward 2.5x the forward. Results: <out>/varlen.{json,md,png}.
 """
 from __future__ import annotations
@@ -108,11 +109,17 @@ def _bind_flex():
 
 
 def _bind_torch_varlen():
-    from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10; n/a before
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10 (FlashAttention-2 inside); n/a before
+
+    # 2.10 took is_causal=; 2.11 and later take window_size=(-1, 0) for causal instead.
+    takes_window = "window_size" in inspect.signature(varlen_attn).parameters
 
     def bind(q, k, v, lengths, cu, causal):
         longest = max(lengths)
-        return lambda: varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=causal)
+        mask = (dict(window_size=(-1, 0 if causal else -1)) if takes_window else dict(is_causal=causal))
+        return lambda: varlen_attn(q, k, v, cu, cu, longest, longest, **mask)
     return bind
 
 
@@ -128,7 +135,7 @@ IMPLS = {impl.name: impl for impl in (
     peers.Impl("flex", "FlexAttention (document mask, compiled)", "flex", _bind_flex),
     peers.Impl("torch_varlen", "torch varlen_attn", "tvar", _bind_torch_varlen),
 )}
-RATIO_PEERS = ("sdpa_cudnn", "flex", "portattn_sm80")
+RATIO_PEERS = ("sdpa_cudnn", "torch_varlen", "flex", "portattn_sm80")
 DRY_IMPLS = ("portattn",)  # the CPU has the reference backend only
 
 
@@ -171,7 +178,7 @@ def _load(name):
     return _LOADED[name]
 
 
-def run(head_dims, impls, timer, dry_run, budget_s=math.inf):
+def run(head_dims, impls, timer, dry_run, budget_s=math.inf, modes=tuple(peers.MODES)):
     """Past `budget_s` the remaining cells are n/a (a device call has a hard limit)."""
     start = time.monotonic()
     rows = []
@@ -187,7 +194,7 @@ def run(head_dims, impls, timer, dry_run, budget_s=math.inf):
             for causal in (False, True):
                 row = {"scenario": name, "documents": len(lengths), "head_dim": head_dim, "heads": heads,
                        "causal": causal, "tflops": {}, "ms": {}, "na": {}}
-                for mode in peers.MODES:
+                for mode in modes:
                     work = flops(lengths, heads, head_dim, causal, mode)
                     for impl in impls:
                         if time.monotonic() - start > budget_s:
@@ -211,7 +218,7 @@ def _ratio(row, mode, peer):
 
 def _line(row, impls):
     parts = [f"hd{row['head_dim']} {row['scenario']:>14} {'causal' if row['causal'] else 'full  '}"]
-    for mode in peers.MODES:
+    for mode in [m for m in peers.MODES if m in row["tflops"]]:
         cells = [f"{impl.short} {peers.fmt_num(row['tflops'][mode].get(impl.name))}" for impl in impls]
         ratios = [f"pa/{IMPLS[p].short} {peers.fmt_num(_ratio(row, mode, p), 2)}" for p in RATIO_PEERS
                   if p in row["tflops"][mode]]
@@ -221,7 +228,8 @@ def _line(row, impls):
 
 def markdown(rows, impls) -> list:
     lines = []
-    for mode, title in peers.MODES.items():
+    present = [m for m in peers.MODES if rows and m in rows[0]["tflops"]]
+    for mode, title in ((m, peers.MODES[m]) for m in present):
         shown = [p for p in RATIO_PEERS if any(p == impl.name for impl in impls)]
         lines += [f"## {title}, TFLOP/s (ratio = portattn / peer)", "",
                   "| hd | documents | causal | " + " | ".join([impl.label for impl in impls]
@@ -254,9 +262,12 @@ def plot(result, path):
         return
     rows = result["rows"]
     labels = [f"hd{r['head_dim']}\n{r['scenario']}\n{'causal' if r['causal'] else 'full'}" for r in rows]
-    fig, axes = plt.subplots(len(peers.MODES), 1, figsize=(max(8, 1.1 * len(rows)), 7), squeeze=False)
+    modes = [m for m in peers.MODES if rows and m in rows[0]["tflops"]]
+    if not modes:
+        return
+    fig, axes = plt.subplots(len(modes), 1, figsize=(max(8, 1.1 * len(rows)), 7), squeeze=False)
     width = 0.8 / max(1, len(result["impls"]))
-    for i, mode in enumerate(peers.MODES):
+    for i, mode in enumerate(modes):
         ax = axes[i][0]
         for j, name in enumerate(result["impls"]):
             ys = [r["tflops"][mode].get(name) or 0.0 for r in rows]
@@ -278,6 +289,7 @@ def main(argv=None) -> None:
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--out", default=peers.LATEST)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--modes", default=",".join(peers.MODES), help="fwd, fwd_bwd or both")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="cells after this many seconds are n/a")
     args = parser.parse_args(argv)
     peers.require_device(args.dry_run)
@@ -287,7 +299,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"unknown implementation(s) {unknown}; choose from {', '.join(IMPLS)}")
     impls = [IMPLS[n] for n in names]
     timer = peers.Timer(dry_run=args.dry_run)
-    rows = run(peers.parse_ints(args.head_dims), impls, timer, args.dry_run, args.budget_s)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip() in peers.MODES]
+    rows = run(peers.parse_ints(args.head_dims), impls, timer, args.dry_run, args.budget_s, modes)
     result = dict(peers.header(args.dry_run), title="Packed sequences (varlen), 16k tokens, hidden 2048, bf16",
                   impls=names, rows=rows, lengths={k: v for k, v in scenarios(args.dry_run).items()},
                   note=f"Mixed lengths (seed 0): {mixed_lengths()}.")

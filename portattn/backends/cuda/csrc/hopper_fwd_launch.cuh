@@ -47,6 +47,11 @@ constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent;
 constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
 constexpr int kShortCausalMaxSeqlenK = 1024;
+// Varlen without a mask: tiles cost in proportion to their sequence's keys, so a
+// fixed deal of the tile list (persistent) leaves some CTAs long sequences'
+// tiles and others empty or short ones; one CTA per tile lets the hardware hand
+// tiles out as SMs free up (bench/results: varlen.md).
+constexpr int kVarlenSchedule = kSchedPipelined;
 
 // The schedule a (head dim, mask, softcap) kernel runs instead of `wanted`.
 // hd256 (Note [portattn hopper hd256]): O is 128 registers a thread, and the
@@ -147,12 +152,14 @@ cudaError_t run_schedule(const PortattnFwdParams& params) {
 template <int kHeadDim, typename Elem, bool kSoftcap>
 cudaError_t run_default(const PortattnFwdParams& params) {
   constexpr int kNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule);
+  constexpr int kVarlen = schedule_for(kHeadDim, kMaskNone, kSoftcap, kVarlenSchedule);
   constexpr int kShortCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule);
   constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule);
   constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kCausalSchedule);
   switch (mask_of(params)) {
     case kMaskNone:
-      return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
+      return params.cu_seqlens_q != nullptr ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kVarlen>(params)
+                                            : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
     case kMaskCausal:
       return params.seqlen_k <= kShortCausalMaxSeqlenK
                  ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params)
