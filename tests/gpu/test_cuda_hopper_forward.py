@@ -116,12 +116,14 @@ def test_hopper_forward_windows_and_softcap(head_dim, seqlens, window, softcap):
 VARLEN_LENGTHS = [
     ([0, 1, 17, 130, 257, 1000], [5, 0, 300, 129, 257, 900]),
     ([128] * 40 + [77], [128] * 40 + [300]),
+    # Longest sequence past 1024 keys: the no-mask launch runs one CTA per tile (kVarlenSchedule).
+    ([1500, 0, 3, 700, 1100], [1300, 7, 2000, 5, 1025]),
 ]
 
 
 @pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(100, 37)), dict(softcap=30.0)],
                          ids=["full", "causal", "window", "softcap"])
-@pytest.mark.parametrize("lengths", VARLEN_LENGTHS, ids=["mixed", "many"])
+@pytest.mark.parametrize("lengths", VARLEN_LENGTHS, ids=["mixed", "many", "long"])
 @pytest.mark.parametrize("heads_k", [4, 1])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_forward_varlen(head_dim, heads_k, lengths, options):

@@ -47,10 +47,14 @@ constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent;
 constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
 constexpr int kShortCausalMaxSeqlenK = 1024;
-// Varlen without a mask: tiles cost in proportion to their sequence's keys, so a
-// fixed deal of the tile list (persistent) leaves some CTAs long sequences'
-// tiles and others empty or short ones; one CTA per tile lets the hardware hand
-// tiles out as SMs free up (bench/results: varlen.md).
+// Varlen without a mask, longest sequence over kShortCausalMaxSeqlenK keys: tiles
+// cost in proportion to their sequence's keys, so a fixed deal of the tile list
+// (persistent) leaves some CTAs long sequences' tiles and others empty or short
+// ones; one CTA per tile lets the hardware hand tiles out as SMs free up. A/B in
+// one device call (bench/results/runs/2026-11-24-2641db7/varlen_sched_{A,B}.md, 16k
+// tokens): mixed lengths 64-2795 +21-23% at hd128, +11% at hd64; 4 x 4k +9% / 0%;
+// 16 x 1k (max 1024) -13% at hd64, so sequences up to 1024 keys stay persistent,
+// as dense ones do.
 constexpr int kVarlenSchedule = kSchedPipelined;
 
 // The schedule a (head dim, mask, softcap) kernel runs instead of `wanted`.
@@ -158,8 +162,9 @@ cudaError_t run_default(const PortattnFwdParams& params) {
   constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kCausalSchedule);
   switch (mask_of(params)) {
     case kMaskNone:
-      return params.cu_seqlens_q != nullptr ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kVarlen>(params)
-                                            : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
+      return params.cu_seqlens_q != nullptr && params.seqlen_k > kShortCausalMaxSeqlenK
+                 ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kVarlen>(params)
+                 : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
     case kMaskCausal:
       return params.seqlen_k <= kShortCausalMaxSeqlenK
                  ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params)
