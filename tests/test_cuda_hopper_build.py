@@ -93,6 +93,10 @@ class _FakeModule:
         self.calls.append(("bwd_workspace_bytes", shape_and_deterministic))
         return 256
 
+    def hopper_bwd_workspace_bytes(self, *shape_and_deterministic):
+        self.calls.append(("hopper_bwd_workspace_bytes", shape_and_deterministic))
+        return 512
+
     def bwd(self, *args):
         self.calls.append(("bwd", args))
 
@@ -101,7 +105,7 @@ class _FakeModule:
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_sm90_backend_backward_calls_hopper_bwd_with_the_shared_workspace(monkeypatch, deterministic):
+def test_sm90_backend_backward_calls_hopper_bwd_with_its_own_workspace_size(monkeypatch, deterministic):
     torch = pytest.importorskip("torch")
     from portattn.backends import abi
     from portattn.backends.cuda import CudaSm90Backend
@@ -117,11 +121,11 @@ def test_sm90_backend_backward_calls_hopper_bwd_with_the_shared_workspace(monkey
                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
                      deterministic=deterministic)
     names = [name for name, _ in backend.module.calls]
-    assert names == ["bwd_workspace_bytes", "hopper_bwd"]
+    assert names == ["hopper_bwd_workspace_bytes", "hopper_bwd"]
     size_query, (_, args) = backend.module.calls
     assert size_query[1][-1] is deterministic
     # bwd()'s layout: dout, its strides, dq, dk, dv (+ strides), workspace, its size, deterministic.
-    assert args[0] == dout.data_ptr() and args[9] == 256 and args[10] is deterministic
+    assert args[0] == dout.data_ptr() and args[9] == 512 and args[10] is deterministic
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,11 +125,14 @@ def run_case(module, case, window=(-1, -1), backward=True, entry="fwd", determin
     dout = torch.randn_like(q)
     out_c = torch.nan_to_num(out)  # unwritten rows (outside every sequence) read as 0
     bwd_args = _args(q, k, v, out_c, lse, cu_q, cu_k, used, window)
-    workspace_bytes = module.bwd_workspace_bytes(*workspace_shape(bwd_args), deterministic)
+    # The sm_90a forward's calls take the sm_90a backward (varlen since session 5), the rest `bwd`;
+    # each sizes its own workspace.
+    hopper = entry == "hopper_fwd"
+    size_of = module.hopper_bwd_workspace_bytes if hopper else module.bwd_workspace_bytes
+    workspace_bytes = size_of(*workspace_shape(bwd_args), deterministic)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
     (dq, dk, dv) = (g[1] for g in grads)
-    # The sm_90a forward's calls take the sm_90a backward (varlen since session 5), the rest `bwd`.
-    backward_entry = getattr(module, "hopper_bwd" if entry == "hopper_fwd" else "bwd")
+    backward_entry = module.hopper_bwd if hopper else module.bwd
     backward_entry(dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(),
                dv.data_ptr(), dv.stride(), workspace.data_ptr(), workspace_bytes, deterministic, *bwd_args)
     torch.cuda.synchronize()

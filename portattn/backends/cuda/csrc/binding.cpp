@@ -35,6 +35,7 @@ void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype);
 int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* message, int message_len);
 // Tuning: the default mode's dQ path (0 atomic, 1 bulk; other values only read it).
 int portattn_cuda_hopper_bwd_dq_mode(int mode);
+long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdParams* params);
 #endif
 }
 
@@ -101,8 +102,8 @@ std::string hopper_bwd_dq_mode(const std::string& mode) {
 
 // Bytes of scratch bwd() needs for this shape (the workspace layout depends on
 // nothing else: varlen rows are padded to seqlen_q / seqlen_k, the maxima).
-int64_t bwd_workspace_bytes(int batch, int nheads, int nheads_k, int headdim, int seqlen_q,
-                            int seqlen_k, bool deterministic) {
+PortattnBwdParams workspace_params(int batch, int nheads, int nheads_k, int headdim, int seqlen_q, int seqlen_k,
+                                   bool deterministic) {
   PortattnBwdParams p{};
   p.fwd.batch = batch;
   p.fwd.nheads = nheads;
@@ -111,8 +112,21 @@ int64_t bwd_workspace_bytes(int batch, int nheads, int nheads_k, int headdim, in
   p.fwd.seqlen_q = seqlen_q;
   p.fwd.seqlen_k = seqlen_k;
   p.deterministic = deterministic ? 1 : 0;
+  return p;
+}
+
+int64_t bwd_workspace_bytes(int batch, int nheads, int nheads_k, int headdim, int seqlen_q,
+                            int seqlen_k, bool deterministic) {
+  const PortattnBwdParams p = workspace_params(batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic);
   return portattn_cuda_bwd_workspace_bytes(&p);
 }
+#ifdef PORTATTN_WITH_HOPPER
+int64_t hopper_bwd_workspace_bytes(int batch, int nheads, int nheads_k, int headdim, int seqlen_q,
+                                   int seqlen_k, bool deterministic) {
+  const PortattnBwdParams p = workspace_params(batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic);
+  return portattn_cuda_hopper_bwd_workspace_bytes(&p);
+}
+#endif
 // The support matrix's per-head-dim shared-memory budgets (capability/matrix.py
 // "smem_bytes"): what the smallest backward block shape of each built head dim
 // needs, so a device is judged by the kernels actually built.
@@ -231,7 +245,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("bwd", &bwd, "backward attention over raw pointers (see backends/common/params.h)");
 #ifdef PORTATTN_WITH_HOPPER
   m.def("hopper_bwd", &hopper_bwd,
-        "sm_90a backward (TMA + wgmma), bwd()'s arguments and workspace (bwd_workspace_bytes)");
+        "sm_90a backward (TMA + wgmma), bwd()'s arguments; workspace: hopper_bwd_workspace_bytes");
+  m.def("hopper_bwd_workspace_bytes", &hopper_bwd_workspace_bytes,
+        "scratch bytes hopper_bwd() needs, bwd_workspace_bytes' arguments (its deterministic mode "
+        "orders one dQ accumulator instead of one slice per split)");
   m.def("hopper_bwd_dq_mode", &hopper_bwd_dq_mode, py::arg("mode") = "",
         "tuning: the Hopper backward's dQ path in the default mode, 'atomic' or 'bulk' "
         "(PORTATTN_HOPPER_BWD_DQ); no argument reads it");

@@ -50,15 +50,18 @@ int min_smem(BwdCandidates<Cfgs...>) {
 
 }  // namespace
 
-BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params) {
+BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_dq) {
   const PortattnFwdParams& f = params.fwd;
   BwdWorkspace ws{};
-  ws.slices = params.deterministic ? det_splits(f) : 1;
+  // Ordered dQ (the Hopper deterministic mode) adds into one accumulator in key-block
+  // order; the sm80+ deterministic mode gives each split its own slice.
+  const bool sliced = params.deterministic && !ordered_dq;
+  ws.slices = sliced ? det_splits(f) : 1;
   const int group = f.nheads_k > 0 ? f.nheads / f.nheads_k : 1;
   const int64_t dq_per_kv_head = static_cast<int64_t>(ws.slices) * f.batch * group * f.seqlen_q *
                                  f.headdim * 4;
   ws.chunk_heads_k = f.nheads_k;
-  const int64_t min_chunk_bytes = params.deterministic ? kMinChunkDetDqBytes : kMinChunkDqBytes;
+  const int64_t min_chunk_bytes = sliced ? kMinChunkDetDqBytes : kMinChunkDqBytes;
   while (ws.chunk_heads_k % 2 == 0 && dq_per_kv_head * (ws.chunk_heads_k / 2) >= min_chunk_bytes)
     ws.chunk_heads_k /= 2;
   const int64_t rows = static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group * f.seqlen_q;
@@ -66,9 +69,15 @@ BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params) {
   ws.dkv_accum = !params.deterministic && f.nheads != f.nheads_k;
   const int64_t dkv =
       ws.dkv_accum ? static_cast<int64_t>(f.batch) * f.seqlen_k * ws.chunk_heads_k * f.headdim * 4 : 0;
+  // The ordered mode's counts, one per kDqOrderRows-query block of each head.
+  const int64_t order_counts = params.deterministic && ordered_dq
+                                   ? static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group *
+                                         ((f.seqlen_q + kDqOrderRows - 1) / kDqOrderRows)
+                                   : 0;
   ws.delta = 0;
   ws.lse2 = align_up(rows * 4);
-  ws.dq = ws.lse2 + align_up(rows * 4);
+  ws.dq_order = ws.lse2 + align_up(rows * 4);
+  ws.dq = ws.dq_order + align_up(order_counts * 4);
   ws.dk = ws.dq + align_up(ws.slices * ws.dq_slice * 4);
   ws.dv = ws.dk + align_up(dkv);
   ws.total = ws.dv + align_up(dkv);
@@ -126,7 +135,12 @@ bool bwd_operands_aligned(const PortattnBwdParams& params) {
 using namespace portattn::cuda;
 
 extern "C" long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params) {
-  return bwd_workspace_layout(*params).total;
+  return bwd_workspace_layout(*params, /*ordered_dq=*/false).total;
+}
+
+// The Hopper backward's (its deterministic mode orders dQ: one slice and the counts).
+extern "C" long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdParams* params) {
+  return bwd_workspace_layout(*params, /*ordered_dq=*/true).total;
 }
 
 // Smallest shared-memory budget (bytes) of the backward block shapes for a

@@ -128,6 +128,10 @@ struct BwdArgs {
   float* dv_accum;
   int64_t dq_slice;  // elements per dq_accum slice
   int splits;        // deterministic: grid.x; default: unused
+  // Deterministic mode of the Hopper backward (Note [portattn hopper ordered dQ]):
+  // per (batch, chunk head, 64-query block of Sq_max) the count of key blocks whose
+  // dQ has been added; null for every other launch.
+  int* dq_order;
 };
 
 // Row of the (B, chunk heads, Sq_max) workspace arrays; varlen rows are padded

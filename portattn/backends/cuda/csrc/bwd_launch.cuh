@@ -82,8 +82,12 @@ struct BwdConfigsFor<256> {
 // Byte offsets into PortattnBwdParams::workspace, sized for one chunk of
 // heads. Everything from `dq` on is zeroed before each chunk's main kernel
 // (fp32 accumulators).
+// The deterministic Hopper backward orders its dQ adds per query block of this
+// many rows (its kBlockM; Note [portattn hopper ordered dQ]).
+constexpr int kDqOrderRows = 64;
+
 struct BwdWorkspace {
-  int64_t delta, lse2, dq, dk, dv, total;
+  int64_t delta, lse2, dq_order, dq, dk, dv, total;
   int64_t dq_slice;   // elements of one dQ slice
   int slices;         // 1, or the deterministic split count
   bool dkv_accum;     // GQA in the default mode
@@ -92,7 +96,8 @@ struct BwdWorkspace {
 
 // Defined in bwd_entry.cu (one definition: the size Python allocates and the
 // carve-up the launch uses cannot disagree).
-BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params);
+// ordered_dq: the Hopper backward's layout (Note [portattn hopper ordered dQ]).
+BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_dq);
 // Every tensor of the call (q, k, v, out, dout, dq, dk, dv): 16-byte aligned
 // pointer and strides, as the 16-byte loads and TMA need.
 bool bwd_operands_aligned(const PortattnBwdParams& params);
@@ -142,11 +147,14 @@ cudaError_t launch_first_fitting(const BwdArgs& args, int smem_optin, cudaStream
 // The launch sequence of Note [portattn cuda backward] around a main-kernel
 // launcher `main(args, stream) -> cudaError_t`: shared by run_bwd below and the
 // Hopper backward (hopper_bwd_launch.cuh), which differ only in that launch.
+// `ordered_dq` (the Hopper backward): its layout (bwd_workspace_layout), where the
+// deterministic mode adds into one dQ accumulator in key-block order through the
+// dq_order counts instead of into one slice per split.
 template <typename Elem, class MainLaunch>
-cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main) {
+cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main, bool ordered_dq = false) {
   const PortattnFwdParams& f = params.fwd;
   if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
-  const BwdWorkspace ws = bwd_workspace_layout(params);
+  const BwdWorkspace ws = bwd_workspace_layout(params, ordered_dq);
   if (params.workspace_bytes < ws.total || (ws.total > 0 && params.workspace == nullptr)) {
     set_error_detail("backward workspace smaller than bwd_workspace_bytes() reported");
     return cudaErrorInvalidValue;
@@ -161,13 +169,14 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main)
   args.dv_accum = ws.dkv_accum ? reinterpret_cast<float*>(base + ws.dv) : nullptr;
   args.dq_slice = ws.dq_slice;
   args.splits = ws.slices;
+  args.dq_order = ordered_dq && params.deterministic != 0 ? reinterpret_cast<int*>(base + ws.dq_order) : nullptr;
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int group = f.nheads / f.nheads_k;
   for (int head_k0 = 0; head_k0 < f.nheads_k; head_k0 += ws.chunk_heads_k) {
     args.heads_k = ws.chunk_heads_k < f.nheads_k - head_k0 ? ws.chunk_heads_k : f.nheads_k - head_k0;
     args.heads = args.heads_k * group;
     args.head0 = head_k0 * group;
-    cudaError_t err = cudaMemsetAsync(base + ws.dq, 0, ws.total - ws.dq, stream);
+    cudaError_t err = cudaMemsetAsync(base + ws.dq_order, 0, ws.total - ws.dq_order, stream);
     if (err != cudaSuccess) return err;
     err = launch_bwd_preprocess<Elem>(args, stream);
     if (err != cudaSuccess) return err;

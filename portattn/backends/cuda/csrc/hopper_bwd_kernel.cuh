@@ -150,6 +150,10 @@ struct HopperBwdTraits {
   static constexpr int kBarDqFull = 2;
   static constexpr int kBarDqEmpty = kBarDqFull + kDqStages;
   static constexpr int kDqBarThreads = 128 * kConsumers + 32;  // consumers + the reducing warp
+  // Deterministic mode (never with kBulkDq): the consumers' barrier around the
+  // ordered dQ adds (Note [portattn hopper ordered dQ]).
+  static constexpr int kBarDqOrder = kBarDqEmpty + kDqStages;
+  static_assert(kBlockM == cuda::kDqOrderRows, "dq_order counts are per 64-query block");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
                 "register split exceeds the register file");
 };
@@ -253,7 +257,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int tma_batch = f.cu_seqlens_q != nullptr ? 0 : batch;
   const int diag = len_k - len_q;
   const int n_blocks = (len_k + kBlockN - 1) / kBlockN;
-  const int n_step = det ? args.splits : n_blocks;  // default: one key block per CTA
+  // One key block per CTA in both modes (the grid covers the longest sequence's blocks).
+  const int n_step = static_cast<int>(gridDim.x);
   const int m_total = (len_q + kBlockM - 1) / kBlockM;
   // The masking rule, written out here rather than through common/block_range.h
   // (Note [portattn visible keys]): the port to the helpers measured 7-11% slower
@@ -266,12 +271,15 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // Query blocks [m_begin, m_begin + m_blocks) see key block n: the right bound
   // fixes the first (the first row that reaches the block's first key), the
   // left bound the last (the last row that still reaches its last key).
+  auto m_end_of = [&](int n_block) {  // nondecreasing in n_block
+    const int n0 = n_block * kBlockN;
+    return left_bound ? min(m_total, max(0, min(n0 + kBlockN, len_k) - 1 - diag + wl + kBlockM) / kBlockM)
+                      : m_total;
+  };
   auto m_range = [&](int n_block, int& m_begin, int& m_blocks) {
     const int n0 = n_block * kBlockN;
     m_begin = right_bound ? max(0, n0 - diag - wr) / kBlockM : 0;
-    const int m_end = left_bound ? min(m_total, max(0, min(n0 + kBlockN, len_k) - 1 - diag + wl + kBlockM) / kBlockM)
-                                 : m_total;
-    m_blocks = max(m_end - m_begin, 0);
+    m_blocks = max(m_end_of(n_block) - m_begin, 0);
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -407,7 +415,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     // hardware's XOR applies to the final address as for the k16 steps).
     const uint32_t s_k_dq = s_k + (kHeadDim == 128 ? wg * Traits::kPanelBytesKV : wg * 64);
     const float scale_log2 = f.softmax_scale * softmax::kLog2e;
-    float* const dq_slice = args.dq_accum + (det ? blockIdx.x * args.dq_slice : 0);
+    // One dQ accumulator in both modes: the deterministic mode orders its adds
+    // (Note [portattn hopper ordered dQ]) instead of adding into per-split slices.
+    float* const dq_slice = args.dq_accum;
+    const int m_blocks_max = (f.seqlen_q + kBlockM - 1) / kBlockM;  // rows of dq_order per head
     const bool gqa_atomic = !det && group > 1;
 
     int step = 0;
@@ -559,6 +570,25 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           sm90::named_barrier_arrive(Traits::kBarDqFull + b, Traits::kDqBarThreads);
         } else {
           float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
+          int* order = nullptr;
+          if (det) {
+            // This key block's turn for query block m0: after every key block before it
+            // that reaches the query block has added (their count), before any after it.
+            order = args.dq_order + (static_cast<int64_t>(batch) * args.heads + head - args.head0) * m_blocks_max +
+                    m0 / kBlockM;
+            if (wg == 0 && tid == 0) {
+              const int m_block = m0 / kBlockM;
+              // The first key block reaching m_block: m_end_of is nondecreasing and this
+              // block reaches it, so a search over [0, n_block] finds it (0 without a left bound).
+              int lo = 0, hi = n_block;
+              while (left_bound && lo < hi) {
+                const int mid = (lo + hi) / 2;
+                if (m_end_of(mid) > m_block) hi = mid; else lo = mid + 1;
+              }
+              sm90::wait_count_equals(order, n_block - lo);
+            }
+            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
+          }
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = warp * 16 + g + 8 * r;
@@ -566,6 +596,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
             for (int j = 0; j < kQCols / 2; ++j)
               cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
+          }
+          if (det) {
+            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
+            if (wg == 0 && tid == 0) sm90::count_up_release(order);
           }
         }
       }

@@ -3,10 +3,11 @@
 // (Note [portattn cuda variants]): each generated hopper_bwd_hd<D>_<dtype>.cu
 // instantiates it once; hopper_bwd_entry.cu looks the call up in the generated table.
 //
-// The workspace is the sm80+ backward's (bwd_workspace_layout, so Python sizes
-// it with the same bwd_workspace_bytes) and the launch sequence is its
-// run_bwd_sequence (memset, preprocess, main, convert per chunk of KV heads);
-// only the main kernel is this file's.
+// The workspace is laid out by the sm80+ backward's bwd_workspace_layout with
+// ordered_dq (Python sizes it with hopper_bwd_workspace_bytes: the deterministic
+// mode keeps one dQ accumulator and its dq_order counts instead of slices) and the
+// launch sequence is its run_bwd_sequence (memset, preprocess, main, convert per
+// chunk of KV heads); only the main kernel is this file's.
 #pragma once
 #include "bwd_launch.cuh"
 #include "hopper_bwd_kernel.cuh"
@@ -41,7 +42,11 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   const PortattnFwdParams& f = args.p.fwd;
   const int n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const bool det = args.p.deterministic != 0;
-  const dim3 grid(det ? args.splits : n_blocks, det ? args.heads_k : args.heads, f.batch);
+  // Deterministic: per (key block, KV head), walking the group's query heads, so dK/dV
+  // sum in registers; dQ adds ordered by key block (Note [portattn hopper ordered dQ]).
+  // The dependences point to lower blockIdx.x of the same (y, z), which the hardware
+  // starts first, so a waiting CTA's predecessors are running or done.
+  const dim3 grid(n_blocks, det ? args.heads_k : args.heads, f.batch);
   if (grid.x == 0) return cudaSuccess;
   // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
   // the same value; a kernel parameter, read from the constant bank, holds no register.
@@ -87,14 +92,16 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
   const bool softcap = f.softcap > 0.f;
   // The deterministic mode keeps per-element adds: bulk reductions from one thread are unordered.
   const bool bulk = params.deterministic == 0 && hopper_bwd_bulk_dq(kHeadDim);
-  return cuda::run_bwd_sequence<Elem>(params, [&maps, softcap, bulk](const cuda::BwdArgs& args,
-                                                                     cudaStream_t stream) {
-    if (bulk)
-      return softcap ? launch_masked<kHeadDim, Elem, true, true>(maps, args, stream)
-                     : launch_masked<kHeadDim, Elem, false, true>(maps, args, stream);
-    return softcap ? launch_masked<kHeadDim, Elem, true, false>(maps, args, stream)
-                   : launch_masked<kHeadDim, Elem, false, false>(maps, args, stream);
-  });
+  return cuda::run_bwd_sequence<Elem>(
+      params,
+      [&maps, softcap, bulk](const cuda::BwdArgs& args, cudaStream_t stream) {
+        if (bulk)
+          return softcap ? launch_masked<kHeadDim, Elem, true, true>(maps, args, stream)
+                         : launch_masked<kHeadDim, Elem, false, true>(maps, args, stream);
+        return softcap ? launch_masked<kHeadDim, Elem, true, false>(maps, args, stream)
+                       : launch_masked<kHeadDim, Elem, false, false>(maps, args, stream);
+      },
+      /*ordered_dq=*/true);
 }
 
 }  // namespace hopper

@@ -326,6 +326,24 @@ __device__ __forceinline__ void pack_a_fragment(uint32_t (&a)[kSteps][4], const 
 }
 
 // Barrier over a subset of the CTA's warps (id 0 is __syncthreads').
+// A count in global memory that orders work between CTAs (Note [portattn hopper
+// ordered dQ]): one thread waits for it to reach `value` (acquire, GPU scope; the
+// caller then releases its CTA's other threads by a barrier), and one thread
+// moves it on once the CTA's writes are done (after a barrier: fence.acq_rel
+// makes every write ordered before it by that barrier visible first, as a
+// release of the whole CTA's work).
+__device__ __forceinline__ void wait_count_equals(const int* count, int value) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(count) : "memory");
+  } while (seen != value);
+}
+
+__device__ __forceinline__ void count_up_release(int* count) {
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(count) : "memory");
+}
+
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
