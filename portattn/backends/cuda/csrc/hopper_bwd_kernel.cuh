@@ -11,7 +11,7 @@
 // the default mode, the same dK/dV accumulators), so only the main kernel differs.
 //
 // CTA = 3 warpgroups (384 threads), one CTA per (128-key block, head, batch)
-// (deterministic: per (split, KV head, batch), walking key blocks s, s + splits, ...):
+// (deterministic: per (128-key block, KV head, batch), walking the group's query heads):
 //   warpgroup 0  producer (setmaxnreg 24). Warp 0 lane 0 issues the TMA
 //                copies (K and V of the key block once into their own buffers,
 //                then Q and dO of each query block into a kStages-deep ring);
@@ -45,8 +45,7 @@
 //   i + 2 may overwrite step i's buffer with no second barrier.
 //   Epilogue: dK * softmax_scale and dV straight from registers (4-byte
 //   stores), or fp32 reductions into the GQA accumulators.
-// Determinism: as the sm80 kernel, each dQ element of a slice is added by the
-// same thread of the same CTA every time (same-address order is program order).
+// Determinism: Note [portattn hopper ordered dQ] below.
 //
 // Shared memory (kBlockN = 128, kBlockM = 64; every tile in 64-column panels
 // of 128-byte swizzled rows, Note [portattn wgmma descriptors]):
@@ -63,8 +62,8 @@
 //
 // Note [portattn hopper bulk dQ]
 // The alternative dQ path (PORTATTN_HOPPER_BWD_DQ=bulk, hopper_bwd_entry.cu;
-// default mode only, the deterministic mode keeps its v2 reductions into its
-// slice). Why: with per-element `red.global` the consumers' reductions and
+// default mode only, the deterministic mode keeps its v2 reductions, ordered
+// per query block). Why: with per-element `red.global` the consumers' reductions and
 // global loads fill the LSU queue (lg_throttle, long_scoreboard stalls,
 // docs/hopper_notes.md); FA3 stages dQ in shared memory and lets the copy
 // engine add it. Per step (one 64-query block):
@@ -82,6 +81,34 @@
 // (64 per step, 2 per lane); the global accumulator keeps the layout the
 // convert kernel reads, so nothing else changes. b = step % kDqStages; the
 // named barrier ids and counts are in HopperBwdTraits.
+//
+// Note [portattn hopper ordered dQ]
+// The deterministic mode. dK/dV: a CTA owns one key block of one KV head and
+// walks the group's query heads itself, so they sum in registers in a fixed
+// order. dQ: every key block reaching a query block adds into the same fp32
+// rows, so the order of those adds is fixed instead: per (batch, head, 64-query
+// block) a count in the workspace (BwdArgs::dq_order, zeroed per chunk) says how
+// many key blocks have added, and key block n adds only when the count equals
+// the number of key blocks after n that reach the query block (the adds go from
+// the last key block down). One thread of the consumers waits for that value
+// (ld.acquire), `bar.sync kBarDqOrder` releases the other 255, all add (v2
+// reductions), a second bar.sync, and one thread moves the count on
+// (fence.acq_rel + red), so the next block sees every add. The rank needs the
+// last key block reaching the query block: m_begin_of is nondecreasing, so a
+// binary search over [n, n_blocks) on the same lambda the loops use finds it
+// (no second copy of the masking rule to drift).
+// Why descending: with a right bound (causal, windows) key block n starts at
+// query block m_begin(n), later than block n - 1 did; adds in ascending order
+// would hold block n until blocks 0..n-1 had swept up to m_begin(n), a wavefront
+// that ran causal calls at 2.1-2.4x the default's backward time on an H100
+// (runs/2026-11-24-e588a72). In descending order the later blocks, which start
+// further down, are always ahead. CTA n_blocks - 1 - blockIdx.x takes key block
+// n, so the blocks a CTA waits for belong to lower blockIdx.x of the same
+// (head, batch), which the hardware starts first: a waiting CTA's predecessors
+// are running or done, never queued behind it (the deadlock this order avoids).
+// Before, each split added into its own fp32 copy of dQ (the sm80+ scheme): ~2
+// GiB of slices at 16k tokens whose reductions missed the L2 (1.55-1.78x the
+// default's forward+backward time).
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
@@ -271,16 +298,22 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // Query blocks [m_begin, m_begin + m_blocks) see key block n: the right bound
   // fixes the first (the first row that reaches the block's first key), the
   // left bound the last (the last row that still reaches its last key).
-  auto m_end_of = [&](int n_block) {  // nondecreasing in n_block
+  // Both ends are nondecreasing in n_block.
+  auto m_begin_of = [&](int n_block) { return right_bound ? max(0, n_block * kBlockN - diag - wr) / kBlockM : 0; };
+  auto m_end_of = [&](int n_block) {
     const int n0 = n_block * kBlockN;
     return left_bound ? min(m_total, max(0, min(n0 + kBlockN, len_k) - 1 - diag + wl + kBlockM) / kBlockM)
                       : m_total;
   };
   auto m_range = [&](int n_block, int& m_begin, int& m_blocks) {
-    const int n0 = n_block * kBlockN;
-    m_begin = right_bound ? max(0, n0 - diag - wr) / kBlockM : 0;
+    m_begin = m_begin_of(n_block);
     m_blocks = max(m_end_of(n_block) - m_begin, 0);
   };
+  // This CTA's (first) key block. Deterministic: the last first, as its dQ adds go
+  // in descending key-block order (Note [portattn hopper ordered dQ]), so the CTAs
+  // a block waits for have lower blockIdx.x, which the hardware starts earlier.
+  const int n_first = det ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
+                          : static_cast<int>(blockIdx.x);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -310,7 +343,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         // sequence's keys (varlen: a short sequence in a grid sized by the longest),
         // else this warp would wait at kBarDqFull for arrivals that never come.
         int m_begin = 0, m_blocks = 0;
-        if (static_cast<int>(blockIdx.x) < n_blocks) m_range(blockIdx.x, m_begin, m_blocks);
+        if (n_first < n_blocks) m_range(n_first, m_begin, m_blocks);
         int left = heads * m_blocks;  // steps not yet reduced
         int b = 0;
         for (int h = 0; h < heads; ++h) {
@@ -350,7 +383,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     }
     int step = 0;  // Q/dO ring position, continued across key blocks
     uint32_t kv_round = 0;
-    for (int n_block = blockIdx.x; n_block < n_blocks; n_block += n_step) {
+    for (int n_block = n_first; n_block < n_blocks; n_block += n_step) {
       int m_begin, m_blocks;
       m_range(n_block, m_begin, m_blocks);
       const int iters = heads * m_blocks;
@@ -423,7 +456,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 
     int step = 0;
     uint32_t kv_round = 0;
-    for (int n_block = blockIdx.x; n_block < n_blocks; n_block += n_step) {
+    for (int n_block = n_first; n_block < n_blocks; n_block += n_step) {
       const int n0 = n_block * kBlockN;
       int m_begin, m_blocks;
       m_range(n_block, m_begin, m_blocks);
@@ -572,20 +605,21 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
           int* order = nullptr;
           if (det) {
-            // This key block's turn for query block m0: after every key block before it
-            // that reaches the query block has added (their count), before any after it.
+            // This key block's turn for query block m0: after every later key block that
+            // reaches the query block has added (their count), before any earlier one.
             order = args.dq_order + (static_cast<int64_t>(batch) * args.heads + head - args.head0) * m_blocks_max +
                     m0 / kBlockM;
             if (wg == 0 && tid == 0) {
               const int m_block = m0 / kBlockM;
-              // The first key block reaching m_block: m_end_of is nondecreasing and this
-              // block reaches it, so a search over [0, n_block] finds it (0 without a left bound).
-              int lo = 0, hi = n_block;
-              while (left_bound && lo < hi) {
-                const int mid = (lo + hi) / 2;
-                if (m_end_of(mid) > m_block) hi = mid; else lo = mid + 1;
+              // The last key block reaching m_block: m_begin_of is nondecreasing and this
+              // block reaches it, so a search over [n_block, n_blocks) finds it (the last
+              // block without a right bound); every block between the two reaches it too.
+              int lo = n_block, hi = n_blocks - 1;
+              while (right_bound && lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (m_begin_of(mid) <= m_block) lo = mid; else hi = mid - 1;
               }
-              sm90::wait_count_equals(order, n_block - lo);
+              sm90::wait_count_equals(order, (right_bound ? lo : n_blocks - 1) - n_block);
             }
             sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
           }
