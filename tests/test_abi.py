@@ -12,9 +12,13 @@ HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 def _macro_names(macro):
+    """The names a *_ARG_NAMES macro expands to, the groups it names (PORTATTN_TENSOR_ARG_NAMES, ...) expanded."""
     text = open(HEADER).read().replace("\\\n", " ")
     body = re.search(rf"#define {macro}\s+(.*)", text).group(1)
-    return tuple(name.strip() for name in body.split(","))
+    names = []
+    for name in (name.strip() for name in body.split(",")):
+        names.extend(_macro_names(name) if name.startswith("PORTATTN_") else [name])
+    return tuple(names)
 
 
 def test_fwd_args_fields_are_the_headers_argument_names_in_order():

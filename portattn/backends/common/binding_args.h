@@ -35,31 +35,31 @@ T* address(uintptr_t value) {
   return reinterpret_cast<T*>(value);
 }
 
-// The forward call's arguments; bwd() takes PORTATTN_BWD_OWN_ARGS first, then these.
-#define PORTATTN_FWD_ARGS                                                                          \
+// Note [portattn binding argument lists]
+// fwd and decode take the same leading arguments (the tensors, their strides and
+// shapes: PORTATTN_TENSOR_ARGS) and the same score modifiers further on
+// (PORTATTN_SCORE_ARGS), in the same places of both lists; each group is spelled
+// once here, with the one filler that copies it into either params struct, so
+// the two lists and their fillers cannot drift apart. Every list has a *_NAMES
+// twin so an entry point forwards its arguments without spelling them again.
+#define PORTATTN_TENSOR_ARGS                                                                       \
   uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, pybind11::handle q_strides, \
       pybind11::handle k_strides, pybind11::handle v_strides, pybind11::handle out_strides,        \
       int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads,         \
       int nheads_k, int headdim, int seqlen_q, int seqlen_k, uintptr_t cu_seqlens_q,               \
-      uintptr_t cu_seqlens_k, uintptr_t seqused_k, float softmax_scale, float softcap,             \
-      int window_left, int window_right, uintptr_t alibi_slopes, int64_t alibi_batch_stride,       \
-      float dropout_p, unsigned long long philox_seed, unsigned long long philox_offset,           \
-      uintptr_t stream, int64_t total_q, int64_t total_k, uintptr_t philox_state
-#define PORTATTN_FWD_ARG_NAMES                                                                     \
+      uintptr_t cu_seqlens_k
+#define PORTATTN_TENSOR_ARG_NAMES                                                                  \
   q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,               \
       lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,  \
-      cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,    \
-      alibi_batch_stride, dropout_p, philox_seed, philox_offset, stream, total_q, total_k, philox_state
-#define PORTATTN_BWD_OWN_ARGS                                                                      \
-  uintptr_t dout, pybind11::handle dout_strides, uintptr_t dq, pybind11::handle dq_strides,        \
-      uintptr_t dk, pybind11::handle dk_strides, uintptr_t dv, pybind11::handle dv_strides,        \
-      uintptr_t workspace, int64_t workspace_bytes, bool deterministic
-#define PORTATTN_BWD_OWN_ARG_NAMES                                                                 \
-  dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides, workspace, workspace_bytes,  \
-      deterministic
+      cu_seqlens_k
+#define PORTATTN_SCORE_ARGS                                                                        \
+  float softmax_scale, float softcap, int window_left, int window_right, uintptr_t alibi_slopes,   \
+      int64_t alibi_batch_stride
+#define PORTATTN_SCORE_ARG_NAMES \
+  softmax_scale, softcap, window_left, window_right, alibi_slopes, alibi_batch_stride
 
-inline PortattnFwdParams fwd_params(PORTATTN_FWD_ARGS) {
-  PortattnFwdParams p{};
+template <class Params>
+inline void set_tensor_args(Params& p, PORTATTN_TENSOR_ARGS) {
   p.q = address<const void>(q);
   p.k = address<const void>(k);
   p.v = address<const void>(v);
@@ -80,13 +80,39 @@ inline PortattnFwdParams fwd_params(PORTATTN_FWD_ARGS) {
   p.seqlen_k = seqlen_k;
   p.cu_seqlens_q = address<const int32_t>(cu_seqlens_q);
   p.cu_seqlens_k = address<const int32_t>(cu_seqlens_k);
-  p.seqused_k = address<const int32_t>(seqused_k);
+}
+
+template <class Params>
+inline void set_score_args(Params& p, PORTATTN_SCORE_ARGS) {
   p.softmax_scale = softmax_scale;
   p.softcap = softcap;
   p.window_left = window_left;
   p.window_right = window_right;
   p.alibi_slopes = address<const float>(alibi_slopes);
   p.alibi_batch_stride = alibi_batch_stride;
+}
+
+// The forward call's arguments; bwd() takes PORTATTN_BWD_OWN_ARGS first, then these.
+#define PORTATTN_FWD_ARGS                                                                          \
+  PORTATTN_TENSOR_ARGS, uintptr_t seqused_k, PORTATTN_SCORE_ARGS, float dropout_p,                 \
+      unsigned long long philox_seed, unsigned long long philox_offset, uintptr_t stream,          \
+      int64_t total_q, int64_t total_k, uintptr_t philox_state
+#define PORTATTN_FWD_ARG_NAMES                                                                     \
+  PORTATTN_TENSOR_ARG_NAMES, seqused_k, PORTATTN_SCORE_ARG_NAMES, dropout_p, philox_seed,          \
+      philox_offset, stream, total_q, total_k, philox_state
+#define PORTATTN_BWD_OWN_ARGS                                                                      \
+  uintptr_t dout, pybind11::handle dout_strides, uintptr_t dq, pybind11::handle dq_strides,        \
+      uintptr_t dk, pybind11::handle dk_strides, uintptr_t dv, pybind11::handle dv_strides,        \
+      uintptr_t workspace, int64_t workspace_bytes, bool deterministic
+#define PORTATTN_BWD_OWN_ARG_NAMES                                                                 \
+  dout, dout_strides, dq, dq_strides, dk, dk_strides, dv, dv_strides, workspace, workspace_bytes,  \
+      deterministic
+
+inline PortattnFwdParams fwd_params(PORTATTN_FWD_ARGS) {
+  PortattnFwdParams p{};
+  set_tensor_args(p, PORTATTN_TENSOR_ARG_NAMES);
+  p.seqused_k = address<const int32_t>(seqused_k);
+  set_score_args(p, PORTATTN_SCORE_ARG_NAMES);
   p.dropout_p = dropout_p;
   p.philox_seed = philox_seed;
   p.philox_offset = philox_offset;
@@ -115,47 +141,21 @@ inline PortattnBwdParams bwd_params(PORTATTN_BWD_OWN_ARGS, const PortattnFwdPara
 }
 
 // ---- decode (Note [portattn decode] in params.h) ----
-// decode(q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,
-//        lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
-//        cu_seqlens_q, cu_seqlens_k, cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx,
-//        block_table, block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,
-//        total_q, total_k, softmax_scale, softcap, window_left, window_right, alibi_slopes,
-//        alibi_batch_stride, num_splits, o_partial, lse_partial, stream)
 // Built in one place on the Python side: portattn/backends/abi.py decode_args().
 #define PORTATTN_DECODE_ARGS                                                                       \
-  uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, pybind11::handle q_strides, \
-      pybind11::handle k_strides, pybind11::handle v_strides, pybind11::handle out_strides,        \
-      int64_t lse_batch_stride, int64_t lse_head_stride, int dtype, int batch, int nheads,         \
-      int nheads_k, int headdim, int seqlen_q, int seqlen_k, uintptr_t cu_seqlens_q,               \
-      uintptr_t cu_seqlens_k, uintptr_t cache_seqlens, int seqlen_new, uintptr_t cache_leftpad,    \
+  PORTATTN_TENSOR_ARGS, uintptr_t cache_seqlens, int seqlen_new, uintptr_t cache_leftpad,          \
       uintptr_t cache_batch_idx, uintptr_t block_table, int64_t block_table_batch_stride,          \
       int page_size, int num_pages, int cache_batches, int kv_capacity, int64_t total_q,           \
-      int64_t total_k, float softmax_scale, float softcap, int window_left, int window_right,      \
-      uintptr_t alibi_slopes, int64_t alibi_batch_stride, int num_splits, uintptr_t o_partial,     \
+      int64_t total_k, PORTATTN_SCORE_ARGS, int num_splits, uintptr_t o_partial,                   \
       uintptr_t lse_partial, uintptr_t stream
+#define PORTATTN_DECODE_ARG_NAMES                                                                  \
+  PORTATTN_TENSOR_ARG_NAMES, cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx,            \
+      block_table, block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,     \
+      total_q, total_k, PORTATTN_SCORE_ARG_NAMES, num_splits, o_partial, lse_partial, stream
 
 inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
   PortattnDecodeParams p{};
-  p.q = address<const void>(q);
-  p.k = address<const void>(k);
-  p.v = address<const void>(v);
-  p.out = address<void>(out);
-  p.lse = address<float>(lse);
-  p.q_strides = tensor4(q_strides);
-  p.k_strides = tensor4(k_strides);
-  p.v_strides = tensor4(v_strides);
-  p.out_strides = tensor4(out_strides);
-  p.lse_batch_stride = lse_batch_stride;
-  p.lse_head_stride = lse_head_stride;
-  p.dtype = dtype;
-  p.batch = batch;
-  p.nheads = nheads;
-  p.nheads_k = nheads_k;
-  p.headdim = headdim;
-  p.seqlen_q = seqlen_q;
-  p.seqlen_k = seqlen_k;
-  p.cu_seqlens_q = address<const int32_t>(cu_seqlens_q);
-  p.cu_seqlens_k = address<const int32_t>(cu_seqlens_k);
+  set_tensor_args(p, PORTATTN_TENSOR_ARG_NAMES);
   p.cache_seqlens = address<const int32_t>(cache_seqlens);
   p.seqlen_new = seqlen_new;
   p.cache_leftpad = address<const int32_t>(cache_leftpad);
@@ -168,12 +168,7 @@ inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
   p.kv_capacity = kv_capacity;
   p.total_q = total_q;
   p.total_k = total_k;
-  p.softmax_scale = softmax_scale;
-  p.softcap = softcap;
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.alibi_slopes = address<const float>(alibi_slopes);
-  p.alibi_batch_stride = alibi_batch_stride;
+  set_score_args(p, PORTATTN_SCORE_ARG_NAMES);
   p.num_splits = num_splits;
   p.o_partial = address<float>(o_partial);
   p.lse_partial = address<float>(lse_partial);
@@ -198,6 +193,12 @@ inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
       int kv_capacity, uintptr_t rotary_cos, uintptr_t rotary_sin, int64_t rotary_row_stride,      \
       int rotary_dtype, int rotary_dim, int seqlen_ro, bool rotary_interleaved,                    \
       bool q_position_per_token, uintptr_t stream
+#define PORTATTN_APPEND_ARG_NAMES                                                                  \
+  k_new, v_new, k_new_strides, v_new_strides, k_cache, v_cache, k_cache_strides, v_cache_strides,  \
+      q, q_out, q_strides, q_out_strides, dtype, batch, seqlen_new, seqlen_q, nheads, nheads_k,    \
+      headdim, cache_seqlens, cache_batch_idx, block_table, block_table_batch_stride, page_size,   \
+      num_pages, cache_batches, kv_capacity, rotary_cos, rotary_sin, rotary_row_stride,            \
+      rotary_dtype, rotary_dim, seqlen_ro, rotary_interleaved, q_position_per_token, stream
 
 inline PortattnAppendParams append_params(PORTATTN_APPEND_ARGS) {
   PortattnAppendParams p{};

@@ -26,6 +26,7 @@ namespace decode {
 
 PORTATTN_DECODE_HD int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 PORTATTN_DECODE_HD int min_int(int a, int b) { return a < b ? a : b; }
+PORTATTN_DECODE_HD int max_int(int a, int b) { return a > b ? a : b; }
 
 // One sequence's queries and keys. Packed (varlen) rows follow common/seq_bounds.h.
 struct Sequence {
@@ -138,6 +139,55 @@ struct KeyRange {
   PORTATTN_DECODE_HD bool all_visible(const PortattnDecodeParams& p, const Sequence& seq, int key0,
                                       int stage_keys) const {
     return seq.rule(p).tile_fully_visible(q_first, q_last, key0, key0 + stage_keys - 1);
+  }
+};
+
+// Where query qi of sequence b and head `head` leaves its result: its row of out and
+// its LSE (packed (varlen) out and lse have no batch stride), or with several splits
+// its row of the fp32 partials. Shared because four writers must agree on these
+// places (each vendor's decode kernel with one split, and its split combine) and
+// the combine finds a partial again by inverting partial_row (PartialRow::of).
+struct OutputRow {
+  int b, head;
+  int q_start;  // the sequence's first packed row of q (varlen), else 0
+  int qi;       // query within the sequence
+
+  PORTATTN_DECODE_HD int64_t out_offset(const PortattnDecodeParams& p) const {
+    const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
+    return o_batch + static_cast<int64_t>(q_start + qi) * p.out_strides.row_stride +
+           static_cast<int64_t>(head) * p.out_strides.head_stride;
+  }
+  PORTATTN_DECODE_HD int64_t lse_offset(const PortattnDecodeParams& p) const {
+    return (p.cu_seqlens_q != nullptr ? 0 : b * p.lse_batch_stride) + head * p.lse_head_stride + q_start + qi;
+  }
+  // Row of o_partial / lse_partial: indexed by the query within its sequence, so
+  // the combine needs no sequence lengths to find it.
+  PORTATTN_DECODE_HD int64_t partial_row(const PortattnDecodeParams& p, int split) const {
+    return ((static_cast<int64_t>(split) * p.batch + b) * p.nheads + head) * p.seqlen_q + qi;
+  }
+};
+
+// What a split combine owns: split 0's partial row `row` (OutputRow::partial_row,
+// inverted) as an output row. in_sequence is false for a query past the end of a
+// packed sequence shorter than seqlen_q: the decode kernel wrote nothing there (it
+// clamps with the same Sequence::of), so the combine skips it too.
+struct PartialRow {
+  OutputRow out;
+  bool in_sequence;
+
+  PORTATTN_DECODE_HD static PartialRow of(const PortattnDecodeParams& p, int64_t row) {
+    PartialRow r;
+    r.out.qi = static_cast<int>(row % p.seqlen_q);
+    r.out.head = static_cast<int>((row / p.seqlen_q) % p.nheads);
+    r.out.b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.nheads));
+    r.out.q_start = 0;
+    r.in_sequence = true;
+    if (p.cu_seqlens_q != nullptr) {
+      const Sequence seq = Sequence::of(p, r.out.b);
+      r.in_sequence = r.out.qi < seq.seqlen_q;
+      r.out.q_start = seq.q_start;
+    }
+    return r;
   }
 };
 

@@ -142,25 +142,13 @@ py::dict smem_budgets(const py::list& head_dims) {
 // ---- decode ----
 void decode(PORTATTN_DECODE_ARGS) {
   char message[512];
-  const PortattnDecodeParams p = portattn::binding::decode_params(
-      q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, lse_batch_stride,
-      lse_head_stride, dtype, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, cu_seqlens_q,
-      cu_seqlens_k, cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx, block_table,
-      block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
-      softmax_scale, softcap, window_left, window_right, alibi_slopes, alibi_batch_stride,
-      num_splits, o_partial, lse_partial, stream);
+  const PortattnDecodeParams p = portattn::binding::decode_params(PORTATTN_DECODE_ARG_NAMES);
   check(portattn_cuda_decode(&p, message, sizeof(message)), message);
 }
 
 void kvcache_append(PORTATTN_APPEND_ARGS) {
   char message[512];
-  const PortattnAppendParams p = portattn::binding::append_params(
-      k_new, v_new, k_new_strides, v_new_strides, k_cache, v_cache, k_cache_strides,
-      v_cache_strides, q, q_out, q_strides, q_out_strides, dtype, batch, seqlen_new, seqlen_q,
-      nheads, nheads_k, headdim, cache_seqlens, cache_batch_idx, block_table,
-      block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity, rotary_cos,
-      rotary_sin, rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro, rotary_interleaved,
-      q_position_per_token, stream);
+  const PortattnAppendParams p = portattn::binding::append_params(PORTATTN_APPEND_ARG_NAMES);
   check(portattn_cuda_kvcache_append(&p, message, sizeof(message)), message);
 }
 

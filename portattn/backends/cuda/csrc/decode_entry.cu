@@ -5,6 +5,7 @@
 
 #include <mutex>
 
+#include "../../common/rotary.h"
 #include "decode_launch.cuh"
 #include "variant_table.h"
 
@@ -62,16 +63,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t rows_total = static_cast<int64_t>(p.batch) * p.nheads * p.seqlen_q;
   const int64_t row = blockIdx.x;
-  const int qi = static_cast<int>(row % p.seqlen_q);
-  const int head = static_cast<int>((row / p.seqlen_q) % p.nheads);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.nheads));
-  int q_start = 0;
-  if (p.cu_seqlens_q != nullptr) {
-    // The decode kernel's clamping (DecodeSequence), so both skip the same rows.
-    const DecodeSequence seq = DecodeSequence::of(p, b);
-    if (qi >= seq.seqlen_q) return;  // uniform over the block
-    q_start = seq.q_start;
-  }
+  const decode::PartialRow partial = decode::PartialRow::of(p, row);
+  if (!partial.in_sequence) return;  // uniform over the block
   const int splits = p.num_splits;
   const float lse = softmax::merged_lse<WarpReduce>(p.lse_partial + row, rows_total, splits, lane, 32);
 
@@ -109,9 +102,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
   for (int j = 0; j < kMaxQuads; ++j) sums[warp][j * 32 + lane] = acc[j];
   __syncthreads();
   if (warp != 0) return;
-  const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
-  Elem* out = static_cast<Elem*>(p.out) + o_batch + static_cast<int64_t>(q_start + qi) * p.out_strides.row_stride +
-              static_cast<int64_t>(head) * p.out_strides.head_stride;
+  Elem* out = static_cast<Elem*>(p.out) + partial.out.out_offset(p);
 #pragma unroll
   for (int j = 0; j < kMaxQuads; ++j) {
     const int col = (j * 32 + lane) * 4;
@@ -130,45 +121,24 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
     packed.y = ptx::ElemTraits<Elem>::pack(total.z, total.w);
     *reinterpret_cast<uint2*>(out + col) = packed;
   }
-  if (lane == 0 && p.lse != nullptr)
-    p.lse[(p.cu_seqlens_q != nullptr ? 0 : b * p.lse_batch_stride) + head * p.lse_head_stride + q_start + qi] = lse;
+  if (lane == 0 && p.lse != nullptr) p.lse[partial.out.lse_offset(p)] = lse;
 }
 
 // ---- append + rotary -------------------------------------------------------------
 
-template <typename Elem>
-struct Rotary {
-  const PortattnAppendParams& p;
-
-  __device__ __forceinline__ float table(const void* base, int64_t index) const {
-    if (p.rotary_dtype == 2) return static_cast<const float*>(base)[index];
-    if (p.rotary_dtype == PORTATTN_BF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
-    return __half2float(static_cast<const __half*>(base)[index]);
-  }
-
-  // Element e of row x rotated at position pos (elements past rotary_dim pass through).
-  __device__ __forceinline__ float apply(const Elem* x, int e, int pos) const {
-    const float value = to_float(x[e]);
-    if (e >= p.rotary_dim) return value;
-    pos = min(max(pos, 0), p.seqlen_ro - 1);
-    const int half = p.rotary_dim / 2;
-    int pair, partner;
-    bool first;
-    if (p.rotary_interleaved) {  // pairs (0, 1), (2, 3), ...
-      pair = e / 2;
-      first = (e % 2) == 0;
-      partner = first ? e + 1 : e - 1;
-    } else {  // GPT-NeoX halves: (i, i + rotary_dim / 2)
-      pair = e % half;
-      first = e < half;
-      partner = first ? e + half : e - half;
-    }
-    const int64_t index = static_cast<int64_t>(pos) * p.rotary_row_stride + pair;
-    const float c = table(p.rotary_cos, index), s = table(p.rotary_sin, index);
-    const float other = to_float(x[partner]);
-    return first ? value * c - other * s : value * c + other * s;
-  }
+// The vendor part of rotary::Rotary (common/rotary.h): CUDA's 16-bit -> float conversions.
+template <typename Elem_>
+struct CudaRotaryFloats {
+  using Elem = Elem_;
+  using Bf16 = __nv_bfloat16;
+  using Fp16 = __half;
+  static __device__ __forceinline__ float of_elem(Elem x) { return to_float(x); }
+  static __device__ __forceinline__ float of_bf16(Bf16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ float of_fp16(Fp16 x) { return __half2float(x); }
 };
+
+template <typename Elem>
+using Rotary = rotary::Rotary<CudaRotaryFloats<Elem>>;
 
 // One block per (token, head) row, one thread per element: rows of the new
 // keys/values first (written into the cache), then the query rows (rotated

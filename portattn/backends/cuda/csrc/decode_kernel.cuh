@@ -380,22 +380,16 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
         for (int e = 0; e < 4; ++e) acc[e] += weight * src[col + e];
       }
     }
-    const int qi = packed / group;
-    const int head = head_k * group + packed % group;
+    const decode::OutputRow at{batch, head_k * group + packed % group, seq.q_start, packed / group};
     if (single) {
-      const int64_t o_batch = params.cu_seqlens_q != nullptr ? 0 : batch * params.out_strides.batch_stride;
-      Elem* dst = gO + o_batch + static_cast<int64_t>(seq.q_start + qi) * params.out_strides.row_stride +
-                  static_cast<int64_t>(head) * params.out_strides.head_stride + col;
+      Elem* dst = gO + at.out_offset(params) + col;
       uint2 packed_out;
       packed_out.x = ptx::ElemTraits<Elem>::pack(acc[0], acc[1]);
       packed_out.y = ptx::ElemTraits<Elem>::pack(acc[2], acc[3]);
       *reinterpret_cast<uint2*>(dst) = packed_out;
-      if (col == 0 && params.lse != nullptr)
-        params.lse[(params.cu_seqlens_q != nullptr ? 0 : batch * params.lse_batch_stride) +
-                   head * params.lse_head_stride + seq.q_start + qi] = total_lse;
+      if (col == 0 && params.lse != nullptr) params.lse[at.lse_offset(params)] = total_lse;
     } else {
-      const int64_t row_index =
-          ((static_cast<int64_t>(split) * params.batch + batch) * params.nheads + head) * params.seqlen_q + qi;
+      const int64_t row_index = at.partial_row(params, split);
       *reinterpret_cast<float4*>(params.o_partial + row_index * params.headdim + col) =
           make_float4(acc[0], acc[1], acc[2], acc[3]);
       if (col == 0) params.lse_partial[row_index] = total_lse;

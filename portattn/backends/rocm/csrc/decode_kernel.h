@@ -60,6 +60,7 @@
 #include "../../common/decode_sequence.h"
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
+#include "../../common/rotary.h"
 #include "tiles.h"
 
 namespace portattn {
@@ -336,22 +337,18 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   }
 
   const int col0 = lg * kLaneDims;
+  const decode::OutputRow at{b, h, seq.q_start, i};
   if (p.num_splits == 1) {
-    const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
-    uint16_t* gO = static_cast<uint16_t*>(p.out) + o_batch +
-                   static_cast<int64_t>(seq.q_start + i) * p.out_strides.row_stride + h * p.out_strides.head_stride;
+    uint16_t* gO = static_cast<uint16_t*>(p.out) + at.out_offset(p);
 #pragma unroll
     for (int e = 0; e < kLaneDims; e += 4) {
       // headdim is a multiple of 8: each group of 4 columns is wholly inside or outside it.
       if (col0 + e < p.headdim)
         store<u16x4>(gO + col0 + e, pack4<Tile::kIsBf16>(out[e], out[e + 1], out[e + 2], out[e + 3]));
     }
-    if (lg == 0 && p.lse != nullptr)
-      p.lse[(p.cu_seqlens_q != nullptr ? 0 : b * p.lse_batch_stride) + h * p.lse_head_stride + seq.q_start + i] =
-          total_lse;
+    if (lg == 0 && p.lse != nullptr) p.lse[at.lse_offset(p)] = total_lse;
   } else {
-    // Partials are indexed by the query within its sequence, as the combine reads them.
-    const int64_t row_index = ((static_cast<int64_t>(split) * p.batch + b) * p.nheads + h) * p.seqlen_q + i;
+    const int64_t row_index = at.partial_row(p, split);
     float* gOp = p.o_partial + row_index * p.headdim;
 #pragma unroll
     for (int e = 0; e < kLaneDims; e += 4) {
@@ -393,22 +390,12 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(kCombineWaves * kWaveSize, 2)
   const int64_t rows_total = static_cast<int64_t>(p.batch) * p.nheads * p.seqlen_q;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWaves + wave;
   if (row >= rows_total) return;  // whole waves: the shuffles below stay wave-uniform
-  const int qi = static_cast<int>(row % p.seqlen_q);
-  const int head = static_cast<int>((row / p.seqlen_q) % p.nheads);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.nheads));
-  int q_start = 0;
-  if (p.cu_seqlens_q != nullptr) {
-    // The decode kernel's clamping, so both skip the same rows.
-    const decode::Sequence seq = decode::Sequence::of(p, b);
-    if (qi >= seq.seqlen_q) return;
-    q_start = seq.q_start;
-  }
+  const decode::PartialRow partial = decode::PartialRow::of(p, row);
+  if (!partial.in_sequence) return;
   const int splits = p.num_splits;
   const float lse = softmax::merged_lse<WaveReduce>(p.lse_partial + row, rows_total, splits, lane, kWaveSize);
 
-  const int64_t o_batch = p.cu_seqlens_q != nullptr ? 0 : b * p.out_strides.batch_stride;
-  uint16_t* gO = static_cast<uint16_t*>(p.out) + o_batch +
-                 static_cast<int64_t>(q_start + qi) * p.out_strides.row_stride + head * p.out_strides.head_stride;
+  uint16_t* gO = static_cast<uint16_t*>(p.out) + partial.out.out_offset(p);
   for (int col = lane * 4; col < p.headdim; col += kWaveSize * 4) {
     f32x4 acc{0.f, 0.f, 0.f, 0.f};
     for (int s = 0; s < splits; ++s) {
@@ -419,45 +406,24 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(kCombineWaves * kWaveSize, 2)
     }
     store<u16x4>(gO + col, pack4<Tile::kIsBf16>(acc.x, acc.y, acc.z, acc.w));
   }
-  if (lane == 0 && p.lse != nullptr)
-    p.lse[(p.cu_seqlens_q != nullptr ? 0 : b * p.lse_batch_stride) + head * p.lse_head_stride + q_start + qi] = lse;
+  if (lane == 0 && p.lse != nullptr) p.lse[partial.out.lse_offset(p)] = lse;
 }
 
 // ---- append + rotary -------------------------------------------------------------
 
+// The vendor part of rotary::Rotary (common/rotary.h): rows and tables as 16-bit words.
 template <bool kIsBf16>
-struct Rotary {
-  const PortattnAppendParams& p;
-
-  __device__ __forceinline__ float table(const void* base, int64_t index) const {
-    if (p.rotary_dtype == 2) return static_cast<const float*>(base)[index];
-    const uint16_t bits = static_cast<const uint16_t*>(base)[index];
-    return p.rotary_dtype == PORTATTN_BF16 ? Dtype<true>::to_float(bits) : Dtype<false>::to_float(bits);
-  }
-
-  // Column e of row x rotated at position pos (columns past rotary_dim pass through).
-  __device__ __forceinline__ float apply(const uint16_t* x, int e, int pos) const {
-    const float value = Dtype<kIsBf16>::to_float(x[e]);
-    if (e >= p.rotary_dim) return value;
-    pos = decode::clamp_int(pos, 0, p.seqlen_ro - 1);
-    const int half = p.rotary_dim / 2;
-    int pair, partner;
-    bool first;
-    if (p.rotary_interleaved) {  // pairs (0, 1), (2, 3), ...
-      pair = e / 2;
-      first = e % 2 == 0;
-      partner = first ? e + 1 : e - 1;
-    } else {  // GPT-NeoX halves: (i, i + rotary_dim / 2)
-      pair = e % half;
-      first = e < half;
-      partner = first ? e + half : e - half;
-    }
-    const int64_t index = static_cast<int64_t>(pos) * p.rotary_row_stride + pair;
-    const float c = table(p.rotary_cos, index), s = table(p.rotary_sin, index);
-    const float other = Dtype<kIsBf16>::to_float(x[partner]);
-    return first ? value * c - other * s : value * c + other * s;
-  }
+struct RocmRotaryFloats {
+  using Elem = uint16_t;
+  using Bf16 = uint16_t;
+  using Fp16 = uint16_t;
+  static __device__ __forceinline__ float of_elem(uint16_t bits) { return Dtype<kIsBf16>::to_float(bits); }
+  static __device__ __forceinline__ float of_bf16(uint16_t bits) { return Dtype<true>::to_float(bits); }
+  static __device__ __forceinline__ float of_fp16(uint16_t bits) { return Dtype<false>::to_float(bits); }
 };
+
+template <bool kIsBf16>
+using Rotary = rotary::Rotary<RocmRotaryFloats<kIsBf16>>;
 
 // One workgroup per (token, head) row, one lane per column: the new keys /
 // values first (written into the cache at cache_seqlens[b] + i, keys rotated
