@@ -230,7 +230,10 @@ __device__ __forceinline__ void accumulate_rs(float (&acc)[2][kHeadDim / 4],
 // choice (hopper_fwd_kernel.cuh: HopperFwdMask) made on the same rule.
 enum HopperBwdMask : int { kBwdMaskNone = 0, kBwdMaskCausal = 1, kBwdMaskLocal = 2 };
 
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
+// kOrderedDq: the deterministic mode's dQ adds (Note [portattn hopper ordered dQ]),
+// a separate instantiation so the default mode's add loop stays as it was (a
+// run-time branch around it cost the hd64 atomic-dQ backward ~25% on an H100).
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
 __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
@@ -266,6 +269,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const PortattnFwdParams& f = p.fwd;
   const int batch = blockIdx.z;
   const bool det = p.deterministic != 0;  // never with kBulkDq (hopper_bwd_entry.cu)
+  static_assert(!(kBulkDq && kOrderedDq), "the deterministic mode adds dQ per element");
   const int group = f.nheads / f.nheads_k;
   const cuda::BwdHeads cta_heads = cuda::bwd_heads(args, det, group);
   const int head_k = cta_heads.head_k;
@@ -312,8 +316,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // This CTA's (first) key block. Deterministic: the last first, as its dQ adds go
   // in descending key-block order (Note [portattn hopper ordered dQ]), so the CTAs
   // a block waits for have lower blockIdx.x, which the hardware starts earlier.
-  const int n_first = det ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
-                          : static_cast<int>(blockIdx.x);
+  const int n_first = kOrderedDq ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
+                                 : static_cast<int>(blockIdx.x);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -604,7 +608,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         } else {
           float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
           int* order = nullptr;
-          if (det) {
+          if constexpr (kOrderedDq) {
             // This key block's turn for query block m0: after every later key block that
             // reaches the query block has added (their count), before any earlier one.
             order = args.dq_order + (static_cast<int64_t>(batch) * args.heads + head - args.head0) * m_blocks_max +
@@ -631,7 +635,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             for (int j = 0; j < kQCols / 2; ++j)
               cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
           }
-          if (det) {
+          if constexpr (kOrderedDq) {
             sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
             if (wg == 0 && tid == 0) sm90::count_up_release(order);
           }

@@ -16,12 +16,12 @@
 namespace portattn {
 namespace hopper {
 
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
 struct HopperBwdSmemOptIn {
   static cuda::SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
-cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>::state = {0ull};
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
+cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq>::state = {0ull};
 
 // Whether the default (non-deterministic) mode adds dQ with bulk reductions at this head
 // dim (Note [portattn hopper bulk dQ]; PORTATTN_HOPPER_BWD_DQ, hopper_bwd_entry.cu).
@@ -31,13 +31,13 @@ struct TensorMaps {
   CUtensorMap q, k, v, dout;
 };
 
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
 cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
   using Traits = HopperBwdTraits<kHeadDim, kBulkDq>;
-  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>;
+  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq>;
   const cudaError_t err = cuda::ensure_dynamic_smem(
       reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
-      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq>::state);
+      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq>::state);
   if (err != cudaSuccess) return err;
   const PortattnFwdParams& f = args.p.fwd;
   const int n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
@@ -57,14 +57,14 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
 }
 
 // The main kernel of this call's mask (window) with or without softcap.
-template <int kHeadDim, typename Elem, bool kSoftcap, bool kBulkDq>
+template <int kHeadDim, typename Elem, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
 cudaError_t launch_masked(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   if (f.window_left < 0 && f.window_right < 0)
-    return launch_main<kHeadDim, Elem, kBwdMaskNone, kSoftcap, kBulkDq>(maps, args, stream);
+    return launch_main<kHeadDim, Elem, kBwdMaskNone, kSoftcap, kBulkDq, kOrderedDq>(maps, args, stream);
   if (f.window_left < 0 && f.window_right == 0)
-    return launch_main<kHeadDim, Elem, kBwdMaskCausal, kSoftcap, kBulkDq>(maps, args, stream);
-  return launch_main<kHeadDim, Elem, kBwdMaskLocal, kSoftcap, kBulkDq>(maps, args, stream);
+    return launch_main<kHeadDim, Elem, kBwdMaskCausal, kSoftcap, kBulkDq, kOrderedDq>(maps, args, stream);
+  return launch_main<kHeadDim, Elem, kBwdMaskLocal, kSoftcap, kBulkDq, kOrderedDq>(maps, args, stream);
 }
 
 // The family's run template: the mask and softcap are run-time choices here.
@@ -90,16 +90,21 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
                       kHeadDim, Traits::kBlockN);
   if (err != cudaSuccess) return err;
   const bool softcap = f.softcap > 0.f;
-  // The deterministic mode keeps per-element adds: bulk reductions from one thread are unordered.
-  const bool bulk = params.deterministic == 0 && hopper_bwd_bulk_dq(kHeadDim);
+  // The deterministic mode keeps per-element adds, ordered by key block (Note [portattn
+  // hopper ordered dQ]): bulk reductions from one thread are unordered.
+  const bool det = params.deterministic != 0;
+  const bool bulk = !det && hopper_bwd_bulk_dq(kHeadDim);
   return cuda::run_bwd_sequence<Elem>(
       params,
-      [&maps, softcap, bulk](const cuda::BwdArgs& args, cudaStream_t stream) {
+      [&maps, softcap, bulk, det](const cuda::BwdArgs& args, cudaStream_t stream) {
+        if (det)
+          return softcap ? launch_masked<kHeadDim, Elem, true, false, true>(maps, args, stream)
+                         : launch_masked<kHeadDim, Elem, false, false, true>(maps, args, stream);
         if (bulk)
-          return softcap ? launch_masked<kHeadDim, Elem, true, true>(maps, args, stream)
-                         : launch_masked<kHeadDim, Elem, false, true>(maps, args, stream);
-        return softcap ? launch_masked<kHeadDim, Elem, true, false>(maps, args, stream)
-                       : launch_masked<kHeadDim, Elem, false, false>(maps, args, stream);
+          return softcap ? launch_masked<kHeadDim, Elem, true, true, false>(maps, args, stream)
+                         : launch_masked<kHeadDim, Elem, false, true, false>(maps, args, stream);
+        return softcap ? launch_masked<kHeadDim, Elem, true, false, false>(maps, args, stream)
+                       : launch_masked<kHeadDim, Elem, false, false, false>(maps, args, stream);
       },
       /*ordered_dq=*/true);
 }
