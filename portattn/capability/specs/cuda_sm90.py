@@ -16,6 +16,9 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # calling the kernel directly; its dispatch test through the public API) and
 # tests/gpu/test_cuda_hopper_backward.py (the backward and its deterministic mode, windows and
 # softcap), 1917 GPU tests passed in all; compute-sanitizer memcheck and synccheck clean.
+# Session 5 (2026-11-24), integrated run at 654f44a (bench/results/runs/2026-11-24-7b49e7e/summary.md): 3181 GPU
+# tests passed, the hd256 forward (every launched schedule) and the varlen backward included; memcheck and
+# synccheck clean.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
