@@ -146,19 +146,8 @@ def measure(impl, mode, bound_inputs, lengths, causal, timer, work, salt):
     q, k, v, cu, dout = bound_inputs
     try:
         with impl.context():
-            if mode == "fwd":
-                q, k, v = q.detach(), k.detach(), v.detach()
-            call = bind(q, k, v, lengths, cu, causal)
-            if mode == "fwd":
-                def step():
-                    with torch.no_grad():
-                        return call()
-            else:
-                def step():
-                    return torch.autograd.grad(call(), (q, k, v), dout)
-            step()
-            timer.sync()
-            return timer.ms(step, work, salt), None
+            return peers.time_call(lambda q, k, v: bind(q, k, v, lengths, cu, causal), mode, (q, k, v, dout),
+                                   timer, work, salt), None
     except Exception as error:  # one refusing peer is an n/a cell, never the end of the run
         if not timer.dry_run:
             with contextlib.suppress(Exception):

@@ -331,6 +331,26 @@ def chosen_backend(q, causal: bool, backward: bool) -> str:
         return f"? ({_reason(error)})"
 
 
+def time_call(make_call, mode: str, tensors, timer: Timer, work: float, salt: str) -> float:
+    """Median ms of one step: `make_call(q, k, v)` run under no_grad (fwd, on inputs that need no
+    grad: peers specialise on it) or with autograd.grad of q, k, v (fwd_bwd), after one warm-up
+    call (compiles, self-checks)."""
+    q, k, v, dout = tensors
+    if mode == "fwd":
+        q, k, v = q.detach(), k.detach(), v.detach()
+    call = make_call(q, k, v)
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                return call()
+    else:
+        def step():
+            return torch.autograd.grad(call(), (q, k, v), dout)
+    step()
+    timer.sync()
+    return timer.ms(step, work, salt)
+
+
 def measure(impl: Impl, mode: str, point: Point, tensors, timer: Timer):
     """(ms, None) or (None, why): one warm-up call (compiles, self-checks), then the timer."""
     bind, why = load_impl(impl.name)
@@ -339,19 +359,8 @@ def measure(impl: Impl, mode: str, point: Point, tensors, timer: Timer):
     q, k, v, dout = tensors
     try:
         with impl.context():
-            if mode == "fwd":  # inference: inputs that need no grad (peers specialise on it)
-                q, k, v = q.detach(), k.detach(), v.detach()
-            call = bind(q, k, v, point.causal)
-            if mode == "fwd":
-                def step():
-                    with torch.no_grad():
-                        return call()
-            else:
-                def step():
-                    return torch.autograd.grad(call(), (q, k, v), dout)
-            step()
-            timer.sync()
-            return timer.ms(step, point.flops(mode), f"{impl.name}/{mode}/{point}"), None
+            return time_call(lambda q, k, v: bind(q, k, v, point.causal), mode, (q, k, v, dout), timer,
+                             point.flops(mode), f"{impl.name}/{mode}/{point}"), None
     except Exception as error:  # a refusal or failure of one cell must not end the run
         if not timer.dry_run:
             with contextlib.suppress(Exception):
