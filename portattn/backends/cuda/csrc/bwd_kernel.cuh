@@ -134,6 +134,11 @@ struct BwdArgs {
   int* dq_order;
 };
 
+// The deterministic Hopper backward orders its dQ adds per query block of this
+// many rows (its kBlockM; Note [portattn hopper ordered dQ]): BwdArgs::dq_order
+// holds one count per such block.
+constexpr int kDqOrderRows = 64;
+
 // Row of the (B, chunk heads, Sq_max) workspace arrays; varlen rows are padded
 // to the longest sequence, so the layout needs nothing but the params (and
 // seq_bounds caps every sequence at Sq_max, so no row reaches its neighbour's).

@@ -82,10 +82,6 @@ struct BwdConfigsFor<256> {
 // Byte offsets into PortattnBwdParams::workspace, sized for one chunk of
 // heads. Everything from `dq` on is zeroed before each chunk's main kernel
 // (fp32 accumulators).
-// The deterministic Hopper backward orders its dQ adds per query block of this
-// many rows (its kBlockM; Note [portattn hopper ordered dQ]).
-constexpr int kDqOrderRows = 64;
-
 struct BwdWorkspace {
   int64_t delta, lse2, dq_order, dq, dk, dv, total;
   int64_t dq_slice;   // elements of one dQ slice

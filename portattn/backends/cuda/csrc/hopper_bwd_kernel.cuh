@@ -316,8 +316,14 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // This CTA's (first) key block. Deterministic: the last first, as its dQ adds go
   // in descending key-block order (Note [portattn hopper ordered dQ]), so the CTAs
   // a block waits for have lower blockIdx.x, which the hardware starts earlier.
-  const int n_first = kOrderedDq ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
-                                 : static_cast<int>(blockIdx.x);
+  // Recomputed from the special registers at each use: held in a register from here
+  // on, it grew the hd64 causal kernel by ~200 instructions of predicate shuffling
+  // (P2R/LOP3 in cuobjdump's SASS), the largest difference to 1f09d2a's kernel,
+  // which measured 7-10% faster at hd64 causal (runs/2026-11-24-7b49e7e/ab_old_*).
+  auto n_first = [] {
+    return kOrderedDq ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
+                      : static_cast<int>(blockIdx.x);
+  };
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -347,7 +353,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         // sequence's keys (varlen: a short sequence in a grid sized by the longest),
         // else this warp would wait at kBarDqFull for arrivals that never come.
         int m_begin = 0, m_blocks = 0;
-        if (n_first < n_blocks) m_range(n_first, m_begin, m_blocks);
+        if (n_first() < n_blocks) m_range(n_first(), m_begin, m_blocks);
         int left = heads * m_blocks;  // steps not yet reduced
         int b = 0;
         for (int h = 0; h < heads; ++h) {
@@ -387,7 +393,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     }
     int step = 0;  // Q/dO ring position, continued across key blocks
     uint32_t kv_round = 0;
-    for (int n_block = n_first; n_block < n_blocks; n_block += n_step) {
+    for (int n_block = n_first(); n_block < n_blocks; n_block += n_step) {
       int m_begin, m_blocks;
       m_range(n_block, m_begin, m_blocks);
       const int iters = heads * m_blocks;
@@ -460,7 +466,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 
     int step = 0;
     uint32_t kv_round = 0;
-    for (int n_block = n_first; n_block < n_blocks; n_block += n_step) {
+    for (int n_block = n_first(); n_block < n_blocks; n_block += n_step) {
       const int n0 = n_block * kBlockN;
       int m_begin, m_blocks;
       m_range(n_block, m_begin, m_blocks);
