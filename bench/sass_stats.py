@@ -9,6 +9,11 @@ For each kernel whose mangled name matches every REGEX: its instruction count pe
 (the first word of each SASS line, predicates and modifiers dropped), the total, and the
 ratio of other instructions to tensor-core MMAs (HMMA), the number the backward's
 issue-efficiency work moves. Static counts: unrolled loop bodies count once per copy.
+
+Where the CUDA install has no cuobjdump (the dev machine's nvcc 13 has none), PyPI's
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels carry both binaries (`pip download
+--no-deps`, unzip, put their bin/ on PATH): enough to compare two builds' SASS without a GPU,
+as session 5 did to find the hd64 causal backward's regression (docs/hopper_notes.md).
 """
 from __future__ import annotations
 
