@@ -69,6 +69,25 @@ def test_workspace_default_gqa_and_deterministic(module):
     assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True) == 2 * _align(rows * 4) + _align(splits * rows * d * 4)
 
 
+def test_hopper_layout_orders_dq_instead_of_slicing_it(module):
+    # bwd_workspace_bytes(..., ordered_dq=True): the Hopper backward's layout (Note [portattn hopper
+    # ordered dQ]). The default mode is the same as bwd()'s; the deterministic mode keeps one fp32 dQ
+    # plus one int32 count per 64-query block of each head, where bwd() keeps one dQ per split.
+    b, h, hk, d, sq, sk = 2, 8, 2, 64, 1000, 777
+    rows = b * h * sq
+    for gqa_heads in (h, hk):
+        assert (module.bwd_workspace_bytes(b, h, gqa_heads, d, sq, sk, False, ordered_dq=True)
+                == module.bwd_workspace_bytes(b, h, gqa_heads, d, sq, sk, False))
+    counts = b * h * math.ceil(sq / 64)
+    ordered = 2 * _align(rows * 4) + _align(counts * 4) + _align(rows * d * 4)
+    assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True, ordered_dq=True) == ordered
+    assert ordered < module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True)  # no per-split slices
+    # Ordered calls chunk like the default mode (128 MiB of dQ per chunk), not like the slices (4 GiB).
+    rows32k = 8 * 32768
+    assert module.bwd_workspace_bytes(1, 16, 16, 128, 32768, 32768, True, ordered_dq=True) == (
+        2 * _align(rows32k * 4) + _align(8 * 512 * 4) + _align(rows32k * 128 * 4))
+
+
 def test_large_calls_are_chunked_by_kv_heads(module):
     def one_chunk(heads, seqlen, d=128):
         rows = heads * seqlen

@@ -89,13 +89,9 @@ class _FakeModule:
     def __init__(self):
         self.calls = []
 
-    def bwd_workspace_bytes(self, *shape_and_deterministic):
-        self.calls.append(("bwd_workspace_bytes", shape_and_deterministic))
-        return 256
-
-    def hopper_bwd_workspace_bytes(self, *shape_and_deterministic):
-        self.calls.append(("hopper_bwd_workspace_bytes", shape_and_deterministic))
-        return 512
+    def bwd_workspace_bytes(self, *shape_and_deterministic, ordered_dq=False):
+        self.calls.append(("bwd_workspace_bytes", shape_and_deterministic + (("ordered_dq", ordered_dq),)))
+        return 512 if ordered_dq else 256
 
     def bwd(self, *args):
         self.calls.append(("bwd", args))
@@ -121,9 +117,9 @@ def test_sm90_backend_backward_calls_hopper_bwd_with_its_own_workspace_size(monk
                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
                      deterministic=deterministic)
     names = [name for name, _ in backend.module.calls]
-    assert names == ["hopper_bwd_workspace_bytes", "hopper_bwd"]
+    assert names == ["bwd_workspace_bytes", "hopper_bwd"]
     size_query, (_, args) = backend.module.calls
-    assert size_query[1][-1] is deterministic
+    assert size_query[1][-2:] == (deterministic, ("ordered_dq", True))  # the Hopper layout
     # bwd()'s layout: dout, its strides, dq, dk, dv (+ strides), workspace, its size, deterministic.
     assert args[0] == dout.data_ptr() and args[9] == 512 and args[10] is deterministic
 

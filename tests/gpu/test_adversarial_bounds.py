@@ -128,8 +128,7 @@ def run_case(module, case, window=(-1, -1), backward=True, entry="fwd", determin
     # The sm_90a forward's calls take the sm_90a backward (varlen since session 5), the rest `bwd`;
     # each sizes its own workspace.
     hopper = entry == "hopper_fwd"
-    size_of = module.hopper_bwd_workspace_bytes if hopper else module.bwd_workspace_bytes
-    workspace_bytes = size_of(*workspace_shape(bwd_args), deterministic)
+    workspace_bytes = module.bwd_workspace_bytes(*workspace_shape(bwd_args), deterministic, ordered_dq=hopper)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
     (dq, dk, dv) = (g[1] for g in grads)
     backward_entry = module.hopper_bwd if hopper else module.bwd

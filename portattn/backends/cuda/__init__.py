@@ -79,5 +79,5 @@ class CudaSm90Backend(CudaBackend):
 
     @on_tensors_device
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
-        run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, entry=self.module.hopper_bwd,
-                workspace_bytes_entry=self.module.hopper_bwd_workspace_bytes, **options)
+        run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, entry=self.module.hopper_bwd, ordered_dq=True,
+                **options)

@@ -35,8 +35,9 @@ void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype);
 int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* message, int message_len);
 // Tuning: the default mode's dQ path (0 atomic, 1 bulk; other values only read it).
 int portattn_cuda_hopper_bwd_dq_mode(int mode);
-long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdParams* params);
 #endif
+// bwd_entry.cu, every build: the Hopper backward's workspace layout (ordered deterministic dQ).
+long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdParams* params);
 }
 
 namespace py = pybind11;
@@ -115,18 +116,14 @@ PortattnBwdParams workspace_params(int batch, int nheads, int nheads_k, int head
   return p;
 }
 
+// ordered_dq: the layout of hopper_bwd (its deterministic mode keeps one dQ accumulator
+// and per-query-block counts instead of one slice per split); a plain function of the
+// shape in every build, so the CPU tests check it too.
 int64_t bwd_workspace_bytes(int batch, int nheads, int nheads_k, int headdim, int seqlen_q,
-                            int seqlen_k, bool deterministic) {
+                            int seqlen_k, bool deterministic, bool ordered_dq) {
   const PortattnBwdParams p = workspace_params(batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic);
-  return portattn_cuda_bwd_workspace_bytes(&p);
+  return ordered_dq ? portattn_cuda_hopper_bwd_workspace_bytes(&p) : portattn_cuda_bwd_workspace_bytes(&p);
 }
-#ifdef PORTATTN_WITH_HOPPER
-int64_t hopper_bwd_workspace_bytes(int batch, int nheads, int nheads_k, int headdim, int seqlen_q,
-                                   int seqlen_k, bool deterministic) {
-  const PortattnBwdParams p = workspace_params(batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic);
-  return portattn_cuda_hopper_bwd_workspace_bytes(&p);
-}
-#endif
 // The support matrix's per-head-dim shared-memory budgets (capability/matrix.py
 // "smem_bytes"): what the smallest backward block shape of each built head dim
 // needs, so a device is judged by the kernels actually built.
@@ -233,17 +230,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("bwd", &bwd, "backward attention over raw pointers (see backends/common/params.h)");
 #ifdef PORTATTN_WITH_HOPPER
   m.def("hopper_bwd", &hopper_bwd,
-        "sm_90a backward (TMA + wgmma), bwd()'s arguments; workspace: hopper_bwd_workspace_bytes");
-  m.def("hopper_bwd_workspace_bytes", &hopper_bwd_workspace_bytes,
-        "scratch bytes hopper_bwd() needs, bwd_workspace_bytes' arguments (its deterministic mode "
-        "orders one dQ accumulator instead of one slice per split)");
+        "sm_90a backward (TMA + wgmma), bwd()'s arguments; workspace: bwd_workspace_bytes(..., ordered_dq=True)");
   m.def("hopper_bwd_dq_mode", &hopper_bwd_dq_mode, py::arg("mode") = "",
         "tuning: the Hopper backward's dQ path in the default mode, 'atomic' or 'bulk' "
         "(PORTATTN_HOPPER_BWD_DQ); no argument reads it");
 #endif
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes,
         "scratch bytes bwd() needs: (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, "
-        "deterministic)");
+        "deterministic); ordered_dq=True: what hopper_bwd() needs",
+        py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("headdim"), py::arg("seqlen_q"),
+        py::arg("seqlen_k"), py::arg("deterministic"), py::arg("ordered_dq") = false);
   m.def("bwd_smem_bytes", &portattn_cuda_bwd_smem_bytes,
         "smallest shared memory (bytes) of the backward block shapes for an instantiated head dim");
   // ---- end backward bindings ----

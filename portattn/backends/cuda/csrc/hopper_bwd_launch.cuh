@@ -4,7 +4,7 @@
 // instantiates it once; hopper_bwd_entry.cu looks the call up in the generated table.
 //
 // The workspace is laid out by the sm80+ backward's bwd_workspace_layout with
-// ordered_dq (Python sizes it with hopper_bwd_workspace_bytes: the deterministic
+// ordered_dq (Python sizes it with bwd_workspace_bytes(..., ordered_dq=True): the deterministic
 // mode keeps one dQ accumulator and its dq_order counts instead of slices) and the
 // launch sequence is its run_bwd_sequence (memset, preprocess, main, convert per
 // chunk of KV heads); only the main kernel is this file's.
