@@ -97,15 +97,20 @@ def test_hopper_forward_gqa_and_strided_views(head_dim):
 WINDOWS = [(64, 0), (100, 37), (-1, 50), (300, -1), (0, 0)]
 
 
+def _three_head_inputs(seqlens, head_dim):
+    """Fresh bf16 q, k, v: batch 2, 3 heads, (seqlen_q, seqlen_k) = seqlens."""
+    seqlen_q, seqlen_k = seqlens
+    return (rand(2, seqlen_q, 3, head_dim, dtype=torch.bfloat16),
+            rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16),
+            rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
 @pytest.mark.parametrize("seqlens", [(1000, 1000), (300, 777), (777, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_forward_windows_and_softcap(head_dim, seqlens, window, softcap):
-    seqlen_q, seqlen_k = seqlens
-    q = rand(2, seqlen_q, 3, head_dim, dtype=torch.bfloat16)
-    k = rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16)
-    v = rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16)
+    q, k, v = _three_head_inputs(seqlens, head_dim)
     out, lse = hopper_forward(q, k, v, causal=False, window=window, softcap=softcap)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, False, window, softcap)
@@ -184,10 +189,7 @@ def test_hopper_forward_many_tiles_per_cta(head_dim, causal):
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_forward_every_launched_schedule(head_dim, mask, softcap, seqlens):
-    seqlen_q, seqlen_k = seqlens
-    q = rand(2, seqlen_q, 3, head_dim, dtype=torch.bfloat16)
-    k = rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16)
-    v = rand(2, seqlen_k, 3, head_dim, dtype=torch.bfloat16)
+    q, k, v = _three_head_inputs(seqlens, head_dim)
     causal, window = mask == "causal", ((200, 77) if mask == "window" else (-1, -1))
     out, lse = hopper_forward(q, k, v, causal=causal, window=window, softcap=softcap)
     torch.cuda.synchronize()
