@@ -132,7 +132,18 @@ struct BwdArgs {
   // per (batch, chunk head, 64-query block of Sq_max) the count of key blocks whose
   // dQ has been added; null for every other launch.
   int* dq_order;
+  // The Hopper backward's bulk dQ adds (Note [portattn hopper bulk dQ]): dq_accum's
+  // rows hold their 16-byte chunks swizzled (dq_chunk_swizzle); false everywhere else.
+  bool dq_swizzled;
 };
+
+// Byte offset in a dQ accumulator row of the byte at `byte` (a multiple of 8 here)
+// when the row's 16-byte chunks are stored swizzled by the row's index in its
+// sequence: chunk c at c ^ (row & 7). Rows are a multiple of 128 bytes, so the 8
+// rows of one fragment store land on 8 different 16-byte bank groups.
+__host__ __device__ __forceinline__ int dq_chunk_swizzle(int row, int byte) {
+  return ((byte >> 4) ^ (row & 7)) << 4 | (byte & 15);
+}
 
 // The deterministic Hopper backward orders its dQ adds per query block of this
 // many rows (its kBlockM; Note [portattn hopper ordered dQ]): BwdArgs::dq_order
@@ -678,13 +689,16 @@ __global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int sl
   const int i = static_cast<int>(rest / args.heads);
   const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
   if (i >= s.len_q) return;
-  const float* src = args.dq_accum + ws_row(args, batch, head, i) * f.headdim + chunk * 8;
+  const float* src = args.dq_accum + ws_row(args, batch, head, i) * f.headdim;
+  // This thread's two 16-byte chunks (swizzled in the Hopper bulk mode).
+  const int lo_at = (args.dq_swizzled ? dq_chunk_swizzle(i, chunk * 32) : chunk * 32) / 4;
+  const int hi_at = (args.dq_swizzled ? dq_chunk_swizzle(i, chunk * 32 + 16) : chunk * 32 + 16) / 4;
   float acc[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
   for (int slice = 0; slice < slices; ++slice) {
-    const float4 lo = *reinterpret_cast<const float4*>(src + slice * args.dq_slice);
-    const float4 hi = *reinterpret_cast<const float4*>(src + slice * args.dq_slice + 4);
+    const float4 lo = *reinterpret_cast<const float4*>(src + slice * args.dq_slice + lo_at);
+    const float4 hi = *reinterpret_cast<const float4*>(src + slice * args.dq_slice + hi_at);
     acc[0] += lo.x, acc[1] += lo.y, acc[2] += lo.z, acc[3] += lo.w;
     acc[4] += hi.x, acc[5] += hi.y, acc[6] += hi.z, acc[7] += hi.w;
   }

@@ -146,8 +146,11 @@ cudaError_t launch_first_fitting(const BwdArgs& args, int smem_optin, cudaStream
 // `ordered_dq` (the Hopper backward): its layout (bwd_workspace_layout), where the
 // deterministic mode adds into one dQ accumulator in key-block order through the
 // dq_order counts instead of into one slice per split.
+// `dq_swizzled`: the main kernel adds dQ in the swizzled row layout of its bulk mode
+// (Note [portattn hopper bulk dQ]), which the convert kernel then reads.
 template <typename Elem, class MainLaunch>
-cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main, bool ordered_dq = false) {
+cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main, bool ordered_dq = false,
+                             bool dq_swizzled = false) {
   const PortattnFwdParams& f = params.fwd;
   if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
   const BwdWorkspace ws = bwd_workspace_layout(params, ordered_dq);
@@ -166,6 +169,7 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main,
   args.dq_slice = ws.dq_slice;
   args.splits = ws.slices;
   args.dq_order = ordered_dq && params.deterministic != 0 ? reinterpret_cast<int*>(base + ws.dq_order) : nullptr;
+  args.dq_swizzled = dq_swizzled;
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int group = f.nheads / f.nheads_k;
   for (int head_k0 = 0; head_k0 < f.nheads_k; head_k0 += ws.chunk_heads_k) {

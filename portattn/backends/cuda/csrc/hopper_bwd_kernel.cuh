@@ -68,19 +68,27 @@
 // docs/hopper_notes.md); FA3 stages dQ in shared memory and lets the copy
 // engine add it. Per step (one 64-query block):
 //   consumers  wait empty[b] (not for the first kDqStages steps), write their
-//              64 x kDqCols fp32 fragment into buffer b (rows of kDqPitch =
-//              head dim * 4 + 32 bytes: the v2 stores of a half-warp cover the
-//              32 banks once), fence.proxy.async, `bar.arrive full[b]`.
-//   producer   warp 2 (idle before): `bar.sync full[b]`, then each lane issues
+//              64 x kDqCols fp32 fragment into buffer b, fence.proxy.async,
+//              `bar.arrive full[b]`.
+//   producer   warp 2 (idle before): `bar.sync full[b]`, then lane 0 issues one
 //              `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`
-//              for rows lane, lane + 32 (only the rows < seqlen_q: the row
-//              after them belongs to the next head), one bulk group per lane,
-//              `cp.async.bulk.wait_group.read 0`, then `bar.arrive empty[b]`
-//              (skipped for the last kDqStages steps, which nobody waits for).
-// The padded rows make the smem copy non-contiguous, hence one copy per row
-// (64 per step, 2 per lane); the global accumulator keeps the layout the
-// convert kernel reads, so nothing else changes. b = step % kDqStages; the
-// named barrier ids and counts are in HopperBwdTraits.
+//              for the tile's rows below len_q (the rows after them belong to
+//              the sequence's padding or the next head), commits, waits
+//              `cp.async.bulk.wait_group.read 0`, and the warp arrives on
+//              empty[b] (skipped for the last kDqStages steps, which nobody
+//              waits for).
+// One copy per step needs the staging buffer to hold the rows exactly as the
+// global accumulator does: contiguous 64 x head dim fp32, no padding. A row is
+// head dim * 4 bytes (a multiple of 128), so a plain layout would put the 8
+// rows of one v2 store instruction on the same banks (8-way conflicts); instead
+// both the staging buffer and the accumulator (bulk mode only) keep each row's
+// 16-byte chunk c at chunk c ^ (row & 7) (cuda::dq_chunk_swizzle, bwd_kernel.cuh),
+// which spreads those rows over all 32 banks, and the convert kernel reads it
+// back (BwdArgs::dq_swizzled). Measured before, with rows padded by 32 bytes
+// and one copy per row: 64 copies a step, and at hd128 room for one buffer only;
+// the consumers waited for it at 13% of the kernel's stall samples (ncu, session 6,
+// docs/hopper_notes.md). b = step % kDqStages; the named barrier ids and counts
+// are in HopperBwdTraits.
 //
 // Note [portattn hopper ordered dQ]
 // The deterministic mode. dK/dV: a CTA owns one key block of one KV head and
@@ -151,15 +159,13 @@ struct HopperBwdTraits {
   static constexpr int kOffQ = 2 * kKVBytes;
   static constexpr int kOffDo = kOffQ + kStages * kQBytes;
   static constexpr int kOffDs = kOffDo + kStages * kQBytes;
-  // Bulk dQ staging: 64 fp32 rows of the head dim, each padded by 32 bytes so the
-  // accumulator fragment's v2 stores hit every bank once (the 4 rows of a
-  // half-warp start 32 bytes apart mod 128); rows are reduced one bulk copy each.
-  // Two buffers where they fit (hd64: +36 KiB); hd128 has room for one (two
-  // would need 235,568 B of the 232,448 allowed), written again only after the
-  // previous step's copy has read it.
-  static constexpr int kDqPitch = kHeadDim * 4 + 32;
+  // Bulk dQ staging: the 64 x head dim fp32 tile exactly as the accumulator holds
+  // those rows (unpadded, 16-byte chunks swizzled by row, dq_chunk_swizzle), so one
+  // bulk copy adds a step's tile. Two buffers: a step's copy reads its buffer while
+  // the next step fills the other.
+  static constexpr int kDqPitch = kHeadDim * 4;
   static constexpr int kDqBytes = kBlockM * kDqPitch;
-  static constexpr int kDqStages = !kBulkDq ? 0 : kHeadDim <= 64 ? 2 : 1;
+  static constexpr int kDqStages = kBulkDq ? 2 : 0;
   static constexpr int kOffDq = kOffDs + 2 * kDsBytes;
   static constexpr int kOffLse = kOffDq + kDqStages * kDqBytes;
   static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
@@ -170,7 +176,7 @@ struct HopperBwdTraits {
   static_assert(kBlockM == kPanel, "dS^T rows are one 128-byte swizzled row of queries");
   static_assert(kDqCols == 32 || kDqCols == 64, "dQ wgmma is instantiated for N = 32 and 64");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared-memory opt-in limit");
-  static_assert(kDqPitch % 128 == 32, "bulk dQ rows must start 32 bytes apart mod 128 (banks)");
+  static_assert(kDqPitch % 128 == 0, "the bulk dQ swizzle assumes rows that start on the same bank");
   // Named barriers: 0 __syncthreads, 1 dS^T (consumers); bulk dQ: full[b]
   // (consumers arrive, the reducing warp waits) and empty[b] (the reverse).
   static constexpr int kBarDs = 1;
@@ -357,21 +363,18 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         int left = heads * m_blocks;  // steps not yet reduced
         int b = 0;
         for (int h = 0; h < heads; ++h) {
-          // This lane's rows of the first query block of head h: lane, lane + 32.
-          float* g_dq = args.dq_accum +
-                        (cuda::ws_row(args, batch, head_first + h, m_begin * kBlockM) + lane) * kHeadDim;
-          int rows = len_q - m_begin * kBlockM - lane;  // this lane's rows left in the head
+          // The first query block of head h, and its rows left in the sequence.
+          float* g_dq = args.dq_accum + cuda::ws_row(args, batch, head_first + h, m_begin * kBlockM) * kHeadDim;
+          int rows = len_q - m_begin * kBlockM;
           for (int mb = 0; mb < m_blocks; ++mb, --left) {
             sm90::named_barrier_sync(Traits::kBarDqFull + b, Traits::kDqBarThreads);
-            const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes + lane * Traits::kDqPitch;
-            // Rows at or past len_q belong to the next head (or sequence): never added.
-#pragma unroll
-            for (int r = 0; r < kBlockM / 32; ++r)
-              if (32 * r < rows)
-                sm90::bulk_reduce_add_f32(g_dq + 32 * r * kHeadDim, s_dq + 32 * r * Traits::kDqPitch,
-                                          kHeadDim * 4);
-            sm90::bulk_commit_group();
-            sm90::bulk_wait_group_read<0>();  // this lane's copies have read the buffer
+            if (lane == 0) {
+              // Rows at or past len_q belong to the padding or the next head: never added.
+              const uint32_t bytes = static_cast<uint32_t>(min(rows, kBlockM)) * Traits::kDqPitch;
+              sm90::bulk_reduce_add_f32(g_dq, base + Traits::kOffDq + b * Traits::kDqBytes, bytes);
+              sm90::bulk_commit_group();
+              sm90::bulk_wait_group_read<0>();  // the copy has read the buffer
+            }
             __syncwarp();
             if (left > Traits::kDqStages)  // the consumers wait only for buffers they reuse
               sm90::named_barrier_arrive(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
@@ -600,14 +603,15 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           const int b = step % Traits::kDqStages;
           if (step >= Traits::kDqStages)  // the copy of step - kDqStages has read buffer b
             sm90::named_barrier_sync(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
-          const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes + wg * Traits::kDqCols * 4;
+          const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes;
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = warp * 16 + g + 8 * r;  // rows past len_q are staged, never copied
 #pragma unroll
             for (int j = 0; j < kQCols / 2; ++j)
-              sm90::st_shared_v2_f32(s_dq + row * Traits::kDqPitch + (8 * j + 2 * q4) * 4, dq[r][2 * j],
-                                     dq[r][2 * j + 1]);
+              sm90::st_shared_v2_f32(s_dq + row * Traits::kDqPitch +
+                                         cuda::dq_chunk_swizzle(row, (wg * Traits::kDqCols + 8 * j + 2 * q4) * 4),
+                                     dq[r][2 * j], dq[r][2 * j + 1]);
           }
           sm90::fence_proxy_async_smem();  // generic writes before the bulk copy's (async-proxy) read
           sm90::named_barrier_arrive(Traits::kBarDqFull + b, Traits::kDqBarThreads);

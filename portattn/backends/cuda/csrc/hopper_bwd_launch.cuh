@@ -106,7 +106,7 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
         return softcap ? launch_masked<kHeadDim, Elem, true, false, false>(maps, args, stream)
                        : launch_masked<kHeadDim, Elem, false, false, false>(maps, args, stream);
       },
-      /*ordered_dq=*/true);
+      /*ordered_dq=*/true, /*dq_swizzled=*/bulk);
 }
 
 }  // namespace hopper
