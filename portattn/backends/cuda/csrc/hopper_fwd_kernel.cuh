@@ -117,6 +117,7 @@ enum HopperFwdScheduleBits : int {
   kSchedStages3 = 8,
   kSchedExp2Poly4 = 16,  // every 4th exponential on the FMA pipe (Note [portattn polynomial exp2])
   kSchedExp2Poly8 = 32,  // every 8th
+  kSchedThreeConsumers = 64,  // hd64: 192-row tiles, three consumer warpgroups (Note [portattn hopper hd64 192 rows])
 };
 
 // Keys per block, per head dim (Note [portattn hopper hd256]). 128 at hd64 and
@@ -141,18 +142,24 @@ struct HopperFwdTraits {
   static constexpr int kPolyEvery =
       (kSchedule & kSchedExp2Poly4) ? 4 : ((kSchedule & kSchedExp2Poly8) ? 8 : 0);
   static_assert(kPolyEvery == 0 || kPipelined, "the polynomial exp2 is in the pipelined loop only");
-  static constexpr int kBlockM = 128;  // two consumer warpgroups x wgmma M (64)
+  static constexpr bool kThreeConsumers = (kSchedule & kSchedThreeConsumers) != 0;
+  static_assert(!kThreeConsumers || kHeadDim == 64,
+                "three consumer warpgroups fit the register file at head dim 64 only (O is 32 fp32 a thread)");
+  // Consumer warpgroups, each owning 64 query rows (the M of one wgmma).
+  static constexpr int kConsumers = kThreeConsumers ? 3 : 2;
+  static constexpr int kBlockM = 64 * kConsumers;
   // Keys per block (hopper_fwd_block_n): S is 64 x kBlockN fp32 per warpgroup, kBlockN / 2 registers a thread.
   static constexpr int kBlockN = hopper_fwd_block_n(kHeadDim);
   // hd64 tiles are half the size, so twice the stages fit: deeper prefetch for free.
   // kSchedStages3 exists at hd128 only (hd64 has 4 stages; hd256's third would need 288 KiB).
   static constexpr int kStages =
       kHeadDim <= 64 ? 4 : ((kHeadDim == 128 && (kSchedule & kSchedStages3)) ? 3 : 2);
-  static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
+  // setmaxnreg values (multiples of 8) whose sum fits the SM's 65536 registers:
+  // two consumers 128 x 24 + 256 x 240 = 64512; three 128 x 24 + 384 x 160 = 64512
+  // (168 would need 67584). The producer's one thread needs few either way.
   static constexpr int kProducerRegs = 24;
-  // 128 x 24 + 256 x 240 = 64512 <= 65536 registers of the SM.
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kConsumerRegs = kThreeConsumers ? 160 : 240;
   static constexpr int kPanel = 64;  // elements per 128-byte swizzled row
   static constexpr int kPanels = kHeadDim / kPanel;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -387,16 +394,22 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     uint32_t s_q_wg = s_q + wg * 64 * 128;
 
     // Ping-pong (Note [portattn hopper forward schedule]): warpgroup wg waits
-    // on barrier 1 + wg before issuing products and then opens the other's.
-    // Per non-empty tile each warpgroup has n + 1 issue phases; the second
-    // warpgroup opens the first's barrier once up front and skips its own
-    // last opening, so every barrier phase gets exactly 256 threads.
+    // on barrier 1 + wg before issuing products and then opens the next
+    // one's, round robin (0 -> 1 -> 0, or 0 -> 1 -> 2 -> 0 with three
+    // consumers). Per non-empty tile each warpgroup has n + 1 issue phases;
+    // the last warpgroup opens the first's barrier once up front and skips
+    // its own last opening, so every barrier phase gets exactly 256 threads
+    // (the waiting warpgroup and the one before it).
+    constexpr int kLastWg = Traits::kConsumers - 1;
     auto turn_wait = [&]() {
       if constexpr (Traits::kPingPong) sm90::named_barrier_sync(1 + wg, 256);
     };
     auto turn_pass = [&](bool last_phase) {
       if constexpr (Traits::kPingPong) {
-        if (!(last_phase && wg == 1)) sm90::named_barrier_arrive(2 - wg, 256);
+        // (2 - wg written out for two: the same value, but the two-consumer
+        // kernels' SASS stays what was measured.)
+        const int next = Traits::kConsumers == 2 ? 2 - wg : (wg == kLastWg ? 1 : 2 + wg);
+        if (!(last_phase && wg == kLastWg)) sm90::named_barrier_arrive(next, 256);
       }
     };
     // Lane 0 of each warp hands a buffer back once the whole warp is past it.
@@ -490,7 +503,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
         s_q_wg = s_q + qb * Traits::kQBytes + wg * 64 * 128;
         sm90::mbar_wait(bar_q_full(qb), (q_uses / kQBuffers) & 1);
         if constexpr (Traits::kPipelined) {
-          if (Traits::kPingPong && wg == 1) sm90::named_barrier_arrive(1, 256);
+          if (Traits::kPingPong && wg == kLastWg) sm90::named_barrier_arrive(1, 256);
           float s[2][kSCols];
           uint32_t p[kBlockN / 16][4];
           float correction[2];
