@@ -100,25 +100,14 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/seq_bounds.h"
+#include "hopper_fwd_schedule.h"
 #include "hopper_ptx.cuh"
 #include "ptx.cuh"
 
 namespace portattn {
 namespace hopper {
 
-// Which keys a query sees (Note [portattn semantics] in params.h). kMaskCausal
-// is window (-1, 0); kMaskLocal any other window with a bound.
-enum HopperFwdMask : int { kMaskNone = 0, kMaskCausal = 1, kMaskLocal = 2 };
-
-enum HopperFwdScheduleBits : int {
-  kSchedPipelined = 1,
-  kSchedPingPong = 2,
-  kSchedPersistent = 4,
-  kSchedStages3 = 8,
-  kSchedExp2Poly4 = 16,  // every 4th exponential on the FMA pipe (Note [portattn polynomial exp2])
-  kSchedExp2Poly8 = 32,  // every 8th
-  kSchedThreeConsumers = 64,  // hd64: 192-row tiles, three consumer warpgroups (Note [portattn hopper hd64 192 rows])
-};
+// The mask kinds and schedule bits (HopperFwdMask, HopperFwdScheduleBits): hopper_fwd_schedule.h.
 
 // Keys per block, per head dim (Note [portattn hopper hd256]). 128 at hd64 and
 // hd128: S (64 fp32 a thread) + P (32) + O (32 / 64) fit 240 registers with a
