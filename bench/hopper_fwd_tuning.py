@@ -67,9 +67,16 @@ CHECK_SHAPES = [  # batch, seqlen_q, seqlen_k, heads
     (2, 193, 385, 3)]
 
 
-def _run(q, k, v, out, lse, causal):
-    _C.hopper_fwd(*fwd_args(q, k, v, out, lse, None, None, 0, 0, 1.0 / math.sqrt(q.shape[-1]), -1,
-                            0 if causal else -1, 0.0, None, 0.0, 0, 0))
+# Timed cases: (window_left, window_right, softcap). "softcap" and "window" (--cases) run only
+# with default and +<bits> (a single schedule serves no-mask and causal calls without softcap),
+# and SDPA has no softcap or window kernel to compare with.
+CASES = {"full": (-1, -1, 0.0), "causal": (-1, 0, 0.0), "softcap": (-1, -1, 30.0), "window": (1024, 0, 0.0)}
+
+
+def _run(q, k, v, out, lse, causal, case="full"):
+    left, right, softcap = CASES["causal" if causal else case]
+    _C.hopper_fwd(*fwd_args(q, k, v, out, lse, None, None, 0, 0, 1.0 / math.sqrt(q.shape[-1]), left,
+                            right, softcap, None, 0.0, 0, 0))
 
 
 def check(schedule: str, head_dims) -> str:
@@ -97,11 +104,25 @@ def check(schedule: str, head_dims) -> str:
     return f"ok (worst err / torch bf16 err = {worst:.2f})"
 
 
-def _tflops(ms, batch, heads, seqlen, head_dim, causal):
-    return 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1) / ms / 1e9
+def _visible_pairs(seqlen, case):
+    """(query, key) pairs a case computes, for TFLOP/s: causal counts half the square, as the
+    issue's grid does; a window counts the keys each row sees."""
+    left, right, _ = CASES[case]
+    if left < 0 and right < 0:
+        return seqlen * seqlen
+    if left < 0 and right == 0:
+        return seqlen * seqlen / 2
+    rows = torch.arange(seqlen, dtype=torch.int64)
+    hi = (rows + right).clamp(max=seqlen - 1) if right >= 0 else torch.full_like(rows, seqlen - 1)
+    lo = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
+    return int((hi - lo + 1).clamp(min=0).sum())
 
 
-def time_grid(schedules, seqlens, head_dims):
+def _tflops(ms, batch, heads, seqlen, head_dim, case):
+    return 4 * batch * heads * _visible_pairs(seqlen, case) * head_dim / ms / 1e9
+
+
+def time_grid(schedules, seqlens, head_dims, cases):
     rows = []
     for head_dim in head_dims:
         heads = 2048 // head_dim
@@ -113,19 +134,24 @@ def time_grid(schedules, seqlens, head_dims):
             out = torch.empty_like(q)
             lse = torch.empty(batch, heads, seqlen, device="cuda")
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            for causal in (False, True):
-                row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal}
+            for case in cases:
+                causal, sdpa = case == "causal", case in ("full", "causal")
+                row = {"head_dim": head_dim, "seqlen": seqlen, "case": case}
                 for schedule in here:
+                    if not sdpa and schedule != "default" and not schedule.startswith("+"):
+                        continue
                     _set_schedule(schedule)
-                    ms = do_bench(lambda: _run(q, k, v, out, lse, causal), warmup=25, rep=100,
+                    ms = do_bench(lambda: _run(q, k, v, out, lse, causal, case), warmup=25, rep=100,
                                   return_mode="median")
-                    row[schedule_name(schedule)] = _tflops(ms, batch, heads, seqlen, head_dim, causal)
+                    row[schedule_name(schedule)] = _tflops(ms, batch, heads, seqlen, head_dim, case)
                 _set_schedule("default")
                 for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                    if not sdpa:
+                        continue
                     with sdpa_kernel(backend):
                         ms = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
                                       warmup=25, rep=100, return_mode="median")
-                    row[name] = _tflops(ms, batch, heads, seqlen, head_dim, causal)
+                    row[name] = _tflops(ms, batch, heads, seqlen, head_dim, case)
                 rows.append(row)
                 print({key: (round(val, 1) if isinstance(val, float) else val) for key, val in row.items()},
                       flush=True)
@@ -139,6 +165,7 @@ def main():
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--repeats", type=int, default=1, help="time the grid this many times (spread)")
     parser.add_argument("--seqlens", default="1024,4096,16384")
+    parser.add_argument("--cases", default="full,causal", help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--out", default=peers.LATEST)
     args = parser.parse_args()
     head_dims = [int(d) for d in args.head_dims.split(",")]
@@ -156,20 +183,24 @@ def main():
     good = [s for s in schedules if checks[schedule_name(s)].startswith("ok")]
     rows = []
     for repeat in range(args.repeats):
-        for row in time_grid(good, [int(s) for s in args.seqlens.split(",")], head_dims):
+        for row in time_grid(good, [int(s) for s in args.seqlens.split(",")], head_dims, args.cases.split(",")):
             rows.append(dict(row, repeat=repeat))
     names = [schedule_name(s) for s in good]
     result = dict(peers.header(dry_run=False), title="Hopper forward schedules (bf16 TFLOP/s, 16k tokens, hidden 2048)",
                   checks=checks, rows=rows)
     lines = ["checks: " + "; ".join(f"{k}: {v}" for k, v in checks.items()), "",
-             "| hd | seqlen | causal | rep | " + " | ".join(names) + " | cuDNN | flash | best / cuDNN | best / default |",
+             "| hd | seqlen | case | rep | " + " | ".join(names) + " | cuDNN | flash | best / cuDNN | best / default |",
              "|" + "---|" * (len(names) + 8)]
+
+    def cell(row, key):
+        return f"{row[key]:.0f}" if key in row else "-"
+
     for row in rows:
-        here = [n for n in names if n in row]
-        best = max(row[n] for n in here)
-        lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | {row['repeat']} | "
-                     + " | ".join(f"{row[n]:.0f}" if n in row else "-" for n in names)
-                     + f" | {row['cudnn']:.0f} | {row['flash']:.0f} | {best / row['cudnn']:.3f}"
+        best = max(row[n] for n in names if n in row)
+        lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['case']} | {row['repeat']} | "
+                     + " | ".join(cell(row, n) for n in names)
+                     + f" | {cell(row, 'cudnn')} | {cell(row, 'flash')}"
+                     + (f" | {best / row['cudnn']:.3f}" if "cudnn" in row else " | -")
                      + (f" | {best / row['default']:.3f} |" if "default" in row else " | - |"))
     print(open(peers.write_results(result, args.out, "hopper_fwd_tuning", lines)).read())
 
