@@ -6,10 +6,12 @@
 // entry (hopper_fwd_entry.cu) refuses such calls with a message as a second line.
 //
 // CTA = 3 warpgroups (384 threads); a tile is (128-row query block, head, batch)
-// and a key block has kBlockN keys (128; 80 at hd256, Note [portattn hopper hd256]):
+// and a key block has kBlockN keys (128; 80 at hd256, Note [portattn hopper hd256]).
+// (kSchedThreeConsumers: 4 warpgroups, 512 threads, 192-row tiles at hd64,
+// Note [portattn hopper hd64 192 rows].)
 //   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then
 //                its K/V blocks into a kStages-deep ring); setmaxnreg drops it
-//                to 24 registers so the consumers can have 240.
+//                to 24 registers so the consumers can have 240 (160 with three).
 //   warpgroups 1, 2  consumers: 64 query rows each (the M of one wgmma). Per
 //                key block: S = Q K^T (wgmma, both operands in shared memory),
 //                mask, online softmax (backends/common/online_softmax.h), P to
@@ -41,6 +43,12 @@
 //   kSchedExp2Poly4/8  every 4th / 8th exponential of the softmax computed
 //                    by a polynomial on the FMA pipe instead of the MUFU unit
 //                    (Note [portattn polynomial exp2]).
+//   kSchedThreeConsumers  hd64 only: three consumer warpgroups, 192-row
+//                    query tiles (Note [portattn hopper hd64 192 rows]).
+//                    Combines with every bit above that fits 160 registers;
+//                    with ping-pong the three take turns round robin.
+// The bits, the head dims that admit them and the tuning builds' lists are
+// data in hopper_fwd_schedule.h.
 // K and V have separate "empty" barriers: K's stage is handed back as soon
 // as S = Q K^T has completed, V's after P V, so the next K load starts a
 // softmax earlier.
@@ -57,6 +65,7 @@
 //
 // Budget (kBlockM = 128; kBlockN = 128, hd256 80):
 //   hd64:  Q 16 KiB + 4 stages x (K 16 + V 16 KiB) = 144 KiB (+1 KiB alignment, barriers)
+//          (three consumers: Q 24 KiB, 152 KiB; Note [portattn hopper hd64 192 rows])
 //   hd128: Q 32 KiB + 2 (3) stages x (K 32 + V 32 KiB) = 160 (224) KiB (+1 KiB)
 //   hd256: Q 64 KiB + 2 stages x (K 40 + V 40 KiB) = 224 KiB (+1 KiB)
 //   consumer registers per thread: S 64 fp32 (hd256: 40) + O 32 (hd64) / 64 (hd128)
@@ -88,6 +97,50 @@
 //    LBO = the 80-row panel stride, 10 KiB). TMA boxes of K/V are 80 rows.
 //  * Everything that depends on the key block (mask columns, key-block
 //    ranges, P packing, the tile order) is written in kBlockN already.
+//
+// Note [portattn hopper hd64 192 rows]
+// kSchedThreeConsumers: the hd64 forward with three consumer warpgroups, as
+// FlashAttention-3 runs head dim 64. Why: at hd64 the softmax costs as much
+// per key as at hd128 while the matrix products cost half, and ncu of the
+// two-consumer kernel (runs/2026-11-21-76e7159/ncu_fwd_hd64.txt) showed the
+// consumer warps stalled on fixed-latency dependencies (1.40 cycles per
+// issue) with two consumer warps per scheduler: a third warpgroup gives each
+// scheduler a third independent instruction stream, and each K/V byte
+// loaded serves 192 query rows instead of 128.
+//  * Shape: kBlockM = 192 (3 x 64 rows), kBlockN = 128, 512 threads; the
+//    producer is unchanged (its Q box is 192 rows). Everything that depends
+//    on the query tile is written in Traits::kBlockM / kConsumers already:
+//    the Q box and its expect_tx bytes, ceil(seqlen_q / 192) tiles per head,
+//    causal / window key-block ranges and the blocks that need masking,
+//    rows past seqlen_q (not written), varlen tiles, the persistent tile
+//    list, the empty-barrier counts (one arrival per consumer warp) and the
+//    ping-pong ring (named barriers 1-3, round robin).
+//  * Registers: 128 x 24 + 384 x 160 = 64512 of 65536 (setmaxnreg values are
+//    multiples of 8; 168 would need 67584); 128 at entry (launch bounds).
+//    The consumers hold S 64 + P 32 + O 32 fp32 a thread in the pipelined
+//    loop, which leaves 32 registers for the rest. nvcc 13.0, -Xptxas -v,
+//    bf16 and fp16, spill stores:
+//      pipelined (65, 67, 69, 71), no mask or causal, no softcap: 0 bytes
+//      pipelined with softcap: 80-100 B; with a window: 120-148 B (a
+//        consumer would need ~184 registers: 176 still spills 28 B)
+//      serial loop (64, 68), every mask, softcap or not: 0 spills
+//    (producer at 32 or 40 registers instead of 24: the same spills.) So
+//    schedule_for (hopper_fwd_launch.cuh) runs softcap and window calls of
+//    this shape on the serial loop, as it does at hd256.
+//  * Shared memory: Q 24 KiB (x2 in the persistent schedule) + 4 stages x
+//    (K 16 + V 16 KiB) = 152 (176) KiB + 1 KiB alignment + barriers:
+//    156,816 / 181,408 bytes; one CTA per SM either way.
+//  * Built in tuning builds only, and not yet the default:
+//    kDefaultAddedBits (hopper_fwd_launch.cuh) is the one-line switch;
+//    PORTATTN_HOPPER_FWD_SCHEDULE=+64 runs what it would launch.
+//  * Prediction (before any GPU run; docs/hopper_notes.md "Session 6"):
+//    hd64 bf16 at 16k tokens, non-causal +4-10% from 2k (more warps to hide
+//    the exp2 / max latency; tensor pipe 51% active leaves room), 0 to -10%
+//    at 512-1k (192-row tiles waste 11% of a 512- or 1024-row sequence, and
+//    a tile's unoverlapped prologue and epilogue are longer); causal +2-6%
+//    from 4k, worse at <= 1k (a 192-row tile crosses the diagonal in 2-3 key
+//    blocks, so more masked work). Softcap / window calls on the serial loop:
+//    within +-10% of today's pipelined two-consumer kernels.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
 #include <cuda_bf16.h>

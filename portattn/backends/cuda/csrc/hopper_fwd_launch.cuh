@@ -75,7 +75,7 @@ constexpr int kDefaultAddedBits = 0;
 //   hd256 (Note [portattn hopper hd256]): O is 128 registers a thread of 240;
 //     8-88 bytes at kBlockN = 80.
 //   three consumers at hd64 (Note [portattn hopper hd64 192 rows]): S 64 +
-//     P 32 + O 32 of 160 registers; 68-144 bytes.
+//     P 32 + O 32 of 160 registers; 80-148 bytes.
 // Calls without softcap and window keep the measured choices above (0 spills).
 constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
   const int bits = admitted_bits(head_dim, wanted);
