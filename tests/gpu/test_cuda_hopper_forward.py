@@ -32,6 +32,27 @@ from portattn.backends.cuda import _C  # noqa: E402
 
 skip_unless_hopper("hopper_fwd")
 
+# A tuning build (PORTATTN_NVCC_FLAGS=-DPORTATTN_HOPPER_TUNING) reports, per head dim, what
+# PORTATTN_HOPPER_FWD_SCHEDULE accepts (csrc/hopper_fwd_schedule.h). Each "+<bits>" there is the
+# default choices with <bits> added (every mask, softcap, varlen, both dtypes: what a change of
+# kDefaultAddedBits in hopper_fwd_launch.cuh would launch), and every test below with a head_dim
+# parameter runs again with it at the head dims that admit it (ids "added<bits>", e.g. added64:
+# three consumer warpgroups, 192-row tiles, at hd64). Other builds report none: one run each.
+TUNING = _C.build_config()["hopper"].get("fwd_tuning", {})
+ADDITIONS = sorted({value for values in TUNING.values() for value in values if isinstance(value, str)})
+
+
+@pytest.fixture(autouse=True, params=["defaults"] + ADDITIONS,
+                ids=lambda p: p if p == "defaults" else "added" + p[1:])
+def forward_schedule(request, monkeypatch):
+    if request.param != "defaults":
+        callspec = getattr(request.node, "callspec", None)
+        head_dim = callspec.params.get("head_dim") if callspec is not None else None
+        if request.param not in TUNING.get(head_dim, []):
+            pytest.skip(f"PORTATTN_HOPPER_FWD_SCHEDULE={request.param} adds nothing at head dim {head_dim}")
+        monkeypatch.setenv("PORTATTN_HOPPER_FWD_SCHEDULE", request.param)
+    return request.param
+
 DTYPES = HOPPER_DTYPES  # capability/specs/cuda_sm90.py, through tests/gpu/grids.py
 HEAD_DIMS = HOPPER_FWD_HEAD_DIMS  # the forward's: hd256 too (forward only, Note [portattn hopper hd256])
 SEQLENS = [(1, 1), (17, 113), (113, 17), (128, 128), (1000, 1000), (1, 4097), (4097, 1000), (2048, 2048)]
@@ -179,6 +200,34 @@ def test_hopper_forward_many_tiles_per_cta(head_dim, causal):
     out, lse = hopper_forward(q, k, v, causal=causal)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, causal)
+
+
+# Query tiles are 128 rows, or 192 with three consumer warpgroups (hd64, kSchedThreeConsumers):
+# lengths one short of, at and one past a tile, the diagonal crossing key blocks at other
+# offsets, the first causal tiles empty (seqlen_q > seqlen_k), a window with softcap.
+@pytest.mark.parametrize("mask", ["none", "causal", "window_softcap"])
+@pytest.mark.parametrize("seqlens", [(191, 191), (192, 320), (193, 100), (385, 1000), (1000, 385)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_tile_edges(head_dim, seqlens, mask):
+    q, k, v = _three_head_inputs(seqlens, head_dim)
+    causal = mask == "causal"
+    window, softcap = ((150, 20), 30.0) if mask == "window_softcap" else ((-1, -1), 0.0)
+    out, lse = hopper_forward(q, k, v, causal=causal, window=window, softcap=softcap)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, causal, window, softcap)
+
+
+@pytest.mark.skipif(not TUNING, reason="not a tuning build (-DPORTATTN_HOPPER_TUNING)")
+@pytest.mark.parametrize("value, detail", [("+12345", "names no schedule"), ("12345", "names no schedule"),
+                                           ("5", "no-mask and causal calls without softcap only")])
+def test_tuning_build_refuses_what_it_did_not_build(monkeypatch, value, detail):
+    # The schedule variable is read on every call: a value it does not know fails the call
+    # instead of running the defaults, so the added-schedule runs above cannot pass vacuously.
+    monkeypatch.setenv("PORTATTN_HOPPER_FWD_SCHEDULE", value)
+    q = rand(1, 64, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=detail):
+        hopper_forward(q, q, q, causal=False, softcap=5.0 if value == "5" else 0.0)
 
 
 # Every kernel run_default (hopper_fwd_launch.cuh) can launch: mask x softcap x the short /

@@ -31,6 +31,7 @@ void portattn_cuda_decode_tile(int head_dim, int* stage_keys, int* threads, int*
 int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message, int message_len);
 int portattn_cuda_hopper_num_variants();
 void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype);
+int portattn_cuda_hopper_fwd_tuning(int head_dim, int added, int* out, int capacity);
 // sm_90a backward (hopper_bwd_entry.cu): same workspace as portattn_cuda_bwd.
 int portattn_cuda_hopper_bwd(const PortattnBwdParams* params, char* message, int message_len);
 // Tuning: the default mode's dQ path (0 atomic, 1 bulk; other values only read it).
@@ -210,6 +211,24 @@ py::dict build_config() {
   hopper["archs"] = hopper_archs;
   hopper["head_dims"] = hopper_head_dims;
   hopper["dtypes"] = hopper_dtypes;
+  // Tuning builds only (hopper_fwd_schedule.h): {head dim: values of PORTATTN_HOPPER_FWD_SCHEDULE},
+  // the single schedules as ints, the additions to the defaults as "+<bits>" strings.
+  py::dict tuning;
+  for (py::handle hd : hopper_head_dims) {
+    py::list values;
+    for (int added = 0; added < 2; ++added) {
+      int bits[64];
+      const int count = portattn_cuda_hopper_fwd_tuning(hd.cast<int>(), added, bits, 64);
+      for (int i = 0; i < count && i < 64; ++i) {
+        if (added)
+          values.append(py::str("+" + std::to_string(bits[i])));
+        else
+          values.append(py::int_(bits[i]));
+      }
+    }
+    if (py::len(values) > 0) tuning[hd] = values;
+  }
+  if (py::len(tuning) > 0) hopper["fwd_tuning"] = tuning;
   config["hopper"] = hopper;
 #endif
   return config;

@@ -13,6 +13,7 @@
 // Tensor maps and the calls it refuses: hopper_host.h.
 #include <stdio.h>
 
+#include "hopper_fwd_schedule.h"
 #include "hopper_host.h"
 #include "variant_table.h"
 
@@ -50,4 +51,35 @@ extern "C" int portattn_cuda_hopper_num_variants() { return portattn::cuda::kNum
 extern "C" void portattn_cuda_hopper_variant(int index, int* head_dim, int* dtype) {
   *head_dim = portattn::cuda::kHopperFwdVariants[index].head_dim;
   *dtype = portattn::cuda::kHopperFwdVariants[index].dtype;
+}
+
+// Tuning builds (-DPORTATTN_HOPPER_TUNING, hopper_fwd_schedule.h): the values
+// PORTATTN_HOPPER_FWD_SCHEDULE accepts at `head_dim`, written to `out` (at most
+// `capacity`); returns how many. `added` = 0: the single schedules (<bits>),
+// 1: the additions to the defaults (+<bits>). 0 in every other build, and for
+// a head dim this build has no kernel for.
+extern "C" int portattn_cuda_hopper_fwd_tuning(int head_dim, int added, int* out, int capacity) {
+  int count = 0;
+#ifdef PORTATTN_HOPPER_TUNING
+  bool built = false;
+  for (int i = 0; i < portattn::cuda::kNumHopperFwdVariants; ++i)
+    built = built || portattn::cuda::kHopperFwdVariants[i].head_dim == head_dim;
+  if (!built) return 0;
+  const int* list = added ? portattn::hopper::kTuningAdditions : portattn::hopper::kTuningSchedules;
+  const int size = added ? portattn::hopper::kNumTuningAdditions : portattn::hopper::kNumTuningSchedules;
+  for (int i = 0; i < size; ++i) {
+    // An addition applies at every head dim (run_default drops what is not
+    // admitted), but it adds nothing where no bit of it is admitted.
+    const int bits = list[i];
+    if (portattn::hopper::admitted_bits(head_dim, bits) != bits) continue;
+    if (count < capacity) out[count] = bits;
+    ++count;
+  }
+#else
+  (void)head_dim;
+  (void)added;
+  (void)out;
+  (void)capacity;
+#endif
+  return count;
 }

@@ -6,10 +6,12 @@
 // entry (hopper_fwd_entry.cu) refuses such calls with a message as a second line.
 //
 // CTA = 3 warpgroups (384 threads); a tile is (128-row query block, head, batch)
-// and a key block has kBlockN keys (128; 80 at hd256, Note [portattn hopper hd256]):
+// and a key block has kBlockN keys (128; 80 at hd256, Note [portattn hopper hd256]).
+// (kSchedThreeConsumers: 4 warpgroups, 512 threads, 192-row tiles at hd64,
+// Note [portattn hopper hd64 192 rows].)
 //   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then
 //                its K/V blocks into a kStages-deep ring); setmaxnreg drops it
-//                to 24 registers so the consumers can have 240.
+//                to 24 registers so the consumers can have 240 (160 with three).
 //   warpgroups 1, 2  consumers: 64 query rows each (the M of one wgmma). Per
 //                key block: S = Q K^T (wgmma, both operands in shared memory),
 //                mask, online softmax (backends/common/online_softmax.h), P to
@@ -41,6 +43,12 @@
 //   kSchedExp2Poly4/8  every 4th / 8th exponential of the softmax computed
 //                    by a polynomial on the FMA pipe instead of the MUFU unit
 //                    (Note [portattn polynomial exp2]).
+//   kSchedThreeConsumers  hd64 only: three consumer warpgroups, 192-row
+//                    query tiles (Note [portattn hopper hd64 192 rows]).
+//                    Combines with every bit above that fits 160 registers;
+//                    with ping-pong the three take turns round robin.
+// The bits, the head dims that admit them and the tuning builds' lists are
+// data in hopper_fwd_schedule.h.
 // K and V have separate "empty" barriers: K's stage is handed back as soon
 // as S = Q K^T has completed, V's after P V, so the next K load starts a
 // softmax earlier.
@@ -57,6 +65,7 @@
 //
 // Budget (kBlockM = 128; kBlockN = 128, hd256 80):
 //   hd64:  Q 16 KiB + 4 stages x (K 16 + V 16 KiB) = 144 KiB (+1 KiB alignment, barriers)
+//          (three consumers: Q 24 KiB, 152 KiB; Note [portattn hopper hd64 192 rows])
 //   hd128: Q 32 KiB + 2 (3) stages x (K 32 + V 32 KiB) = 160 (224) KiB (+1 KiB)
 //   hd256: Q 64 KiB + 2 stages x (K 40 + V 40 KiB) = 224 KiB (+1 KiB)
 //   consumer registers per thread: S 64 fp32 (hd256: 40) + O 32 (hd64) / 64 (hd128)
@@ -88,6 +97,50 @@
 //    LBO = the 80-row panel stride, 10 KiB). TMA boxes of K/V are 80 rows.
 //  * Everything that depends on the key block (mask columns, key-block
 //    ranges, P packing, the tile order) is written in kBlockN already.
+//
+// Note [portattn hopper hd64 192 rows]
+// kSchedThreeConsumers: the hd64 forward with three consumer warpgroups, as
+// FlashAttention-3 runs head dim 64. Why: at hd64 the softmax costs as much
+// per key as at hd128 while the matrix products cost half, and ncu of the
+// two-consumer kernel (runs/2026-11-21-76e7159/ncu_fwd_hd64.txt) showed the
+// consumer warps stalled on fixed-latency dependencies (1.40 cycles per
+// issue) with two consumer warps per scheduler: a third warpgroup gives each
+// scheduler a third independent instruction stream, and each K/V byte
+// loaded serves 192 query rows instead of 128.
+//  * Shape: kBlockM = 192 (3 x 64 rows), kBlockN = 128, 512 threads; the
+//    producer is unchanged (its Q box is 192 rows). Everything that depends
+//    on the query tile is written in Traits::kBlockM / kConsumers already:
+//    the Q box and its expect_tx bytes, ceil(seqlen_q / 192) tiles per head,
+//    causal / window key-block ranges and the blocks that need masking,
+//    rows past seqlen_q (not written), varlen tiles, the persistent tile
+//    list, the empty-barrier counts (one arrival per consumer warp) and the
+//    ping-pong ring (named barriers 1-3, round robin).
+//  * Registers: 128 x 24 + 384 x 160 = 64512 of 65536 (setmaxnreg values are
+//    multiples of 8; 168 would need 67584); 128 at entry (launch bounds).
+//    The consumers hold S 64 + P 32 + O 32 fp32 a thread in the pipelined
+//    loop, which leaves 32 registers for the rest. nvcc 13.0, -Xptxas -v,
+//    bf16 and fp16, spill stores:
+//      pipelined (65, 67, 69, 71), no mask or causal, no softcap: 0 bytes
+//      pipelined with softcap: 80-100 B; with a window: 120-148 B (a
+//        consumer would need ~184 registers: 176 still spills 28 B)
+//      serial loop (64, 68), every mask, softcap or not: 0 spills
+//    (producer at 32 or 40 registers instead of 24: the same spills.) So
+//    schedule_for (hopper_fwd_launch.cuh) runs softcap and window calls of
+//    this shape on the serial loop, as it does at hd256.
+//  * Shared memory: Q 24 KiB (x2 in the persistent schedule) + 4 stages x
+//    (K 16 + V 16 KiB) = 152 (176) KiB + 1 KiB alignment + barriers:
+//    156,816 / 181,408 bytes; one CTA per SM either way.
+//  * Built in tuning builds only, and not yet the default:
+//    kDefaultAddedBits (hopper_fwd_launch.cuh) is the one-line switch;
+//    PORTATTN_HOPPER_FWD_SCHEDULE=+64 runs what it would launch.
+//  * Prediction (before any GPU run; docs/hopper_notes.md "Session 6"):
+//    hd64 bf16 at 16k tokens, non-causal +4-10% from 2k (more warps to hide
+//    the exp2 / max latency; tensor pipe 51% active leaves room), 0 to -10%
+//    at 512-1k (192-row tiles waste 11% of a 512- or 1024-row sequence, and
+//    a tile's unoverlapped prologue and epilogue are longer); causal +2-6%
+//    from 4k, worse at <= 1k (a 192-row tile crosses the diagonal in 2-3 key
+//    blocks, so more masked work). Softcap / window calls on the serial loop:
+//    within +-10% of today's pipelined two-consumer kernels.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
 #include <cuda_bf16.h>
@@ -100,24 +153,14 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/seq_bounds.h"
+#include "hopper_fwd_schedule.h"
 #include "hopper_ptx.cuh"
 #include "ptx.cuh"
 
 namespace portattn {
 namespace hopper {
 
-// Which keys a query sees (Note [portattn semantics] in params.h). kMaskCausal
-// is window (-1, 0); kMaskLocal any other window with a bound.
-enum HopperFwdMask : int { kMaskNone = 0, kMaskCausal = 1, kMaskLocal = 2 };
-
-enum HopperFwdScheduleBits : int {
-  kSchedPipelined = 1,
-  kSchedPingPong = 2,
-  kSchedPersistent = 4,
-  kSchedStages3 = 8,
-  kSchedExp2Poly4 = 16,  // every 4th exponential on the FMA pipe (Note [portattn polynomial exp2])
-  kSchedExp2Poly8 = 32,  // every 8th
-};
+// The mask kinds and schedule bits (HopperFwdMask, HopperFwdScheduleBits): hopper_fwd_schedule.h.
 
 // Keys per block, per head dim (Note [portattn hopper hd256]). 128 at hd64 and
 // hd128: S (64 fp32 a thread) + P (32) + O (32 / 64) fit 240 registers with a
@@ -141,18 +184,24 @@ struct HopperFwdTraits {
   static constexpr int kPolyEvery =
       (kSchedule & kSchedExp2Poly4) ? 4 : ((kSchedule & kSchedExp2Poly8) ? 8 : 0);
   static_assert(kPolyEvery == 0 || kPipelined, "the polynomial exp2 is in the pipelined loop only");
-  static constexpr int kBlockM = 128;  // two consumer warpgroups x wgmma M (64)
+  static constexpr bool kThreeConsumers = (kSchedule & kSchedThreeConsumers) != 0;
+  static_assert(!kThreeConsumers || kHeadDim == 64,
+                "three consumer warpgroups fit the register file at head dim 64 only (O is 32 fp32 a thread)");
+  // Consumer warpgroups, each owning 64 query rows (the M of one wgmma).
+  static constexpr int kConsumers = kThreeConsumers ? 3 : 2;
+  static constexpr int kBlockM = 64 * kConsumers;
   // Keys per block (hopper_fwd_block_n): S is 64 x kBlockN fp32 per warpgroup, kBlockN / 2 registers a thread.
   static constexpr int kBlockN = hopper_fwd_block_n(kHeadDim);
   // hd64 tiles are half the size, so twice the stages fit: deeper prefetch for free.
   // kSchedStages3 exists at hd128 only (hd64 has 4 stages; hd256's third would need 288 KiB).
   static constexpr int kStages =
       kHeadDim <= 64 ? 4 : ((kHeadDim == 128 && (kSchedule & kSchedStages3)) ? 3 : 2);
-  static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
+  // setmaxnreg values (multiples of 8) whose sum fits the SM's 65536 registers:
+  // two consumers 128 x 24 + 256 x 240 = 64512; three 128 x 24 + 384 x 160 = 64512
+  // (168 would need 67584). The producer's one thread needs few either way.
   static constexpr int kProducerRegs = 24;
-  // 128 x 24 + 256 x 240 = 64512 <= 65536 registers of the SM.
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kConsumerRegs = kThreeConsumers ? 160 : 240;
   static constexpr int kPanel = 64;  // elements per 128-byte swizzled row
   static constexpr int kPanels = kHeadDim / kPanel;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -387,16 +436,22 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     uint32_t s_q_wg = s_q + wg * 64 * 128;
 
     // Ping-pong (Note [portattn hopper forward schedule]): warpgroup wg waits
-    // on barrier 1 + wg before issuing products and then opens the other's.
-    // Per non-empty tile each warpgroup has n + 1 issue phases; the second
-    // warpgroup opens the first's barrier once up front and skips its own
-    // last opening, so every barrier phase gets exactly 256 threads.
+    // on barrier 1 + wg before issuing products and then opens the next
+    // one's, round robin (0 -> 1 -> 0, or 0 -> 1 -> 2 -> 0 with three
+    // consumers). Per non-empty tile each warpgroup has n + 1 issue phases;
+    // the last warpgroup opens the first's barrier once up front and skips
+    // its own last opening, so every barrier phase gets exactly 256 threads
+    // (the waiting warpgroup and the one before it).
+    constexpr int kLastWg = Traits::kConsumers - 1;
     auto turn_wait = [&]() {
       if constexpr (Traits::kPingPong) sm90::named_barrier_sync(1 + wg, 256);
     };
     auto turn_pass = [&](bool last_phase) {
       if constexpr (Traits::kPingPong) {
-        if (!(last_phase && wg == 1)) sm90::named_barrier_arrive(2 - wg, 256);
+        // (2 - wg written out for two: the same value, but the two-consumer
+        // kernels' SASS stays what was measured.)
+        const int next = Traits::kConsumers == 2 ? 2 - wg : (wg == kLastWg ? 1 : 2 + wg);
+        if (!(last_phase && wg == kLastWg)) sm90::named_barrier_arrive(next, 256);
       }
     };
     // Lane 0 of each warp hands a buffer back once the whole warp is past it.
@@ -490,7 +545,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
         s_q_wg = s_q + qb * Traits::kQBytes + wg * 64 * 128;
         sm90::mbar_wait(bar_q_full(qb), (q_uses / kQBuffers) & 1);
         if constexpr (Traits::kPipelined) {
-          if (Traits::kPingPong && wg == 1) sm90::named_barrier_arrive(1, 256);
+          if (Traits::kPingPong && wg == kLastWg) sm90::named_barrier_arrive(1, 256);
           float s[2][kSCols];
           uint32_t p[kBlockN / 16][4];
           float correction[2];

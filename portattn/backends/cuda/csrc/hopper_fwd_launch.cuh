@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "hopper_fwd_kernel.cuh"
 #include "hopper_host.h"
@@ -57,15 +58,29 @@ constexpr int kShortCausalMaxSeqlenK = 1024;
 // as dense ones do.
 constexpr int kVarlenSchedule = kSchedPipelined;
 
+// Bits added to every schedule above at the head dims that admit them
+// (admitted_bits, hopper_fwd_schedule.h). 0: the three-consumer hd64 shape
+// (kSchedThreeConsumers, Note [portattn hopper hd64 192 rows]) is built only
+// in tuning builds until a GPU A/B (the `+64` column of
+// bench/hopper_fwd_tuning.py against `default`) says it wins. Adopting it is
+// this one line: kDefaultAddedBits = kSchedThreeConsumers.
+constexpr int kDefaultAddedBits = 0;
+
 // The schedule a (head dim, mask, softcap) kernel runs instead of `wanted`.
-// hd256 (Note [portattn hopper hd256]): O is 128 registers a thread, and the
-// pipelined loop's second S/P pair (S(j) in flight while P(j-1) feeds P V)
-// spills once softcap or a sliding window's mask adds its live values (8-88
-// bytes at kBlockN = 80, nvcc 13.0), so those calls run the serial loop
-// (persistence kept; ping-pong needs the pipelined loop, so it goes too).
-// No-softcap calls without a window keep the measured choices above (0 spills).
+// The pipelined loop's second S/P pair (S(j) in flight while P(j-1) feeds
+// P V) spills once softcap or a sliding window's mask adds its live values
+// where the consumers have the fewest registers to spare, so those calls run
+// the serial loop (persistence kept; ping-pong needs the pipelined loop, so
+// it goes too; nvcc 13.0, -Xptxas -v):
+//   hd256 (Note [portattn hopper hd256]): O is 128 registers a thread of 240;
+//     8-88 bytes at kBlockN = 80.
+//   three consumers at hd64 (Note [portattn hopper hd64 192 rows]): S 64 +
+//     P 32 + O 32 of 160 registers; 80-148 bytes.
+// Calls without softcap and window keep the measured choices above (0 spills).
 constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
-  return head_dim == 256 && (softcap || mask == kMaskLocal) ? (wanted & kSchedPersistent) : wanted;
+  const int bits = admitted_bits(head_dim, wanted);
+  const bool tight = head_dim == 256 || (bits & kSchedThreeConsumers) != 0;
+  return tight && (softcap || mask == kMaskLocal) ? (bits & (kSchedPersistent | kSchedThreeConsumers)) : bits;
 }
 
 template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, int kSchedule>
@@ -146,20 +161,29 @@ inline int mask_of(const PortattnFwdParams& params) {
   return kMaskLocal;
 }
 
-// The tuning sweep covers the two masks the issue's grid times (none, causal), no softcap.
+// The tuning sweep covers the two masks the issue's grid times (none, causal),
+// no softcap, and refuses the rest rather than drop their mask or cap.
 template <int kHeadDim, typename Elem, int kSchedule>
 cudaError_t run_schedule(const PortattnFwdParams& params) {
+  if (mask_of(params) == kMaskLocal || params.softcap > 0.f) {
+    portattn::cuda::set_error_detail(
+        "PORTATTN_HOPPER_FWD_SCHEDULE=<bits> runs no-mask and causal calls without softcap only "
+        "(+<bits>: the defaults with <bits> added, every call)");
+    return cudaErrorInvalidValue;
+  }
   return mask_of(params) == kMaskCausal ? launch<kHeadDim, Elem, kMaskCausal, false, kSchedule>(params)
                                         : launch<kHeadDim, Elem, kMaskNone, false, kSchedule>(params);
 }
 
-template <int kHeadDim, typename Elem, bool kSoftcap>
+// kAdded: bits added to every choice where the head dim admits them
+// (kDefaultAddedBits; tuning builds also run it with other additions).
+template <int kHeadDim, typename Elem, bool kSoftcap, int kAdded = kDefaultAddedBits>
 cudaError_t run_default(const PortattnFwdParams& params) {
-  constexpr int kNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule);
-  constexpr int kVarlen = schedule_for(kHeadDim, kMaskNone, kSoftcap, kVarlenSchedule);
-  constexpr int kShortCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule);
-  constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule);
-  constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kCausalSchedule);
+  constexpr int kNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule | kAdded);
+  constexpr int kVarlen = schedule_for(kHeadDim, kMaskNone, kSoftcap, kVarlenSchedule | kAdded);
+  constexpr int kShortCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule | kAdded);
+  constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kAdded);
+  constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kCausalSchedule | kAdded);
   switch (mask_of(params)) {
     case kMaskNone:
       return params.cu_seqlens_q != nullptr && params.seqlen_k > kShortCausalMaxSeqlenK
@@ -175,22 +199,53 @@ cudaError_t run_default(const PortattnFwdParams& params) {
 }
 
 #ifdef PORTATTN_HOPPER_TUNING
-// Tuning builds (PORTATTN_NVCC_FLAGS=-DPORTATTN_HOPPER_TUNING) carry every
-// bf16 schedule below; PORTATTN_HOPPER_FWD_SCHEDULE=<bits> picks one at run
-// time so a single device call can time them side by side.
-template <int kHeadDim, typename Elem, int... kSchedules>
-cudaError_t run_tuning(const PortattnFwdParams& params, int wanted) {
-  cudaError_t result = cudaErrorInvalidValue;
-  bool found = false;
-  ((!found && wanted == kSchedules ? (found = true, result = run_schedule<kHeadDim, Elem, kSchedules>(params)) : result), ...);
-  if (!found) portattn::cuda::set_error_detail("PORTATTN_HOPPER_FWD_SCHEDULE names no built schedule");
-  return result;
-}
+// Tuning builds (PORTATTN_NVCC_FLAGS=-DPORTATTN_HOPPER_TUNING) carry the
+// schedules of kTuningSchedules (bf16, no mask or causal, no softcap) and the
+// defaults with each of kTuningAdditions added (every mask, softcap, both
+// dtypes); PORTATTN_HOPPER_FWD_SCHEDULE=<bits> or +<bits> picks one at run
+// time (hopper_fwd_schedule.h) so a single device call can time them side by
+// side, and the GPU tests can run the defaults a change would make.
+struct TuningChoice {
+  int bits;    // -1: none (run the defaults)
+  bool added;  // "+<bits>": run_default with <bits> added
+};
 
 // Read on every call (a tuning build only), so one process can switch schedules.
-inline int tuning_schedule() {
+inline TuningChoice tuning_choice() {
   const char* text = getenv("PORTATTN_HOPPER_FWD_SCHEDULE");
-  return text == nullptr || *text == '\0' ? -1 : atoi(text);
+  if (text == nullptr || *text == '\0') return TuningChoice{-1, false};
+  if (*text == '+') return TuningChoice{atoi(text + 1), true};
+  return TuningChoice{atoi(text), false};
+}
+
+// Runs kBits when it is `wanted` and admitted at kHeadDim (a schedule the
+// head dim cannot take is not instantiated there); false when it is not wanted.
+template <int kHeadDim, typename Elem, bool kAdded, int kBits>
+bool run_if_wanted(const PortattnFwdParams& params, int wanted, cudaError_t* result) {
+  if constexpr (kAdded) {
+    if (wanted != kBits) return false;
+    *result = params.softcap > 0.f ? run_default<kHeadDim, Elem, true, kBits>(params)
+                                   : run_default<kHeadDim, Elem, false, kBits>(params);
+    return true;
+  } else if constexpr (admitted_bits(kHeadDim, kBits) == kBits) {
+    if (wanted != kBits) return false;
+    *result = run_schedule<kHeadDim, Elem, kBits>(params);
+    return true;
+  }
+  return false;
+}
+
+template <int kHeadDim, typename Elem, bool kAdded, size_t... I>
+cudaError_t run_tuning(const PortattnFwdParams& params, int wanted, std::index_sequence<I...>) {
+  constexpr const int* kList = kAdded ? kTuningAdditions : kTuningSchedules;
+  cudaError_t result = cudaErrorInvalidValue;
+  if (!(run_if_wanted<kHeadDim, Elem, kAdded, kList[I]>(params, wanted, &result) || ...)) {
+    char text[160];
+    snprintf(text, sizeof(text), "PORTATTN_HOPPER_FWD_SCHEDULE=%s%d names no schedule this build has at head dim %d",
+             kAdded ? "+" : "", wanted, kHeadDim);
+    portattn::cuda::set_error_detail(text);
+  }
+  return result;
 }
 #endif
 
@@ -199,8 +254,13 @@ template <int kHeadDim, typename Elem>
 cudaError_t run_hopper_fwd(const PortattnFwdParams& params) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
 #ifdef PORTATTN_HOPPER_TUNING
-  if (std::is_same<Elem, __nv_bfloat16>::value && tuning_schedule() >= 0)
-    return run_tuning<kHeadDim, Elem, 0, 1, 3, 5, 7, 13, 17>(params, tuning_schedule());
+  const TuningChoice choice = tuning_choice();
+  if (choice.bits >= 0 && choice.added)
+    return run_tuning<kHeadDim, Elem, true>(params, choice.bits, std::make_index_sequence<kNumTuningAdditions>());
+  if constexpr (std::is_same<Elem, __nv_bfloat16>::value) {  // (fp16: not even instantiated)
+    if (choice.bits >= 0)
+      return run_tuning<kHeadDim, Elem, false>(params, choice.bits, std::make_index_sequence<kNumTuningSchedules>());
+  }
 #endif
   return params.softcap > 0.f ? run_default<kHeadDim, Elem, true>(params)
                               : run_default<kHeadDim, Elem, false>(params);

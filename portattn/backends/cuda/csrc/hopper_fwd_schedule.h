@@ -1,0 +1,46 @@
+// The Hopper forward's compile-time choices as data: the mask kinds, the
+// schedule bits (Note [portattn hopper forward schedule] in
+// hopper_fwd_kernel.cuh says what each bit does), which head dims admit a bit,
+// and the schedules a tuning build carries. Host and device code alike read
+// it: the kernel and its launch (hopper_fwd_launch.cuh), and the entry
+// (hopper_fwd_entry.cu), which reports the tuning lists to Python
+// (build_config()["hopper"]["fwd_tuning"]) so tests and benchmarks never
+// repeat them.
+#pragma once
+
+namespace portattn {
+namespace hopper {
+
+// Which keys a query sees (Note [portattn semantics] in params.h). kMaskCausal
+// is window (-1, 0); kMaskLocal any other window with a bound.
+enum HopperFwdMask : int { kMaskNone = 0, kMaskCausal = 1, kMaskLocal = 2 };
+
+enum HopperFwdScheduleBits : int {
+  kSchedPipelined = 1,
+  kSchedPingPong = 2,
+  kSchedPersistent = 4,
+  kSchedStages3 = 8,
+  kSchedExp2Poly4 = 16,  // every 4th exponential on the FMA pipe (Note [portattn polynomial exp2])
+  kSchedExp2Poly8 = 32,  // every 8th
+  kSchedThreeConsumers = 64,  // 192-row tiles, three consumer warpgroups (Note [portattn hopper hd64 192 rows])
+};
+
+// The bits of `bits` a head dim's kernels can take: three consumer warpgroups
+// fit the register file at head dim 64 only (HopperFwdTraits asserts it).
+constexpr int admitted_bits(int head_dim, int bits) {
+  return head_dim == 64 ? bits : bits & ~kSchedThreeConsumers;
+}
+
+// Tuning builds (-DPORTATTN_HOPPER_TUNING, hopper_fwd_launch.cuh):
+// PORTATTN_HOPPER_FWD_SCHEDULE=<bits> runs one of these (bf16, no mask or
+// causal, no softcap) at the head dims that admit it;
+// PORTATTN_HOPPER_FWD_SCHEDULE=+<bits> runs the default choices (run_default:
+// every mask, softcap, varlen, both dtypes) with one of the additions below
+// added where admitted, which is what a change of the defaults would launch.
+constexpr int kTuningSchedules[] = {0, 1, 3, 5, 7, 13, 17, 64, 65, 67, 68, 69, 71};
+constexpr int kTuningAdditions[] = {kSchedThreeConsumers};
+constexpr int kNumTuningSchedules = sizeof(kTuningSchedules) / sizeof(kTuningSchedules[0]);
+constexpr int kNumTuningAdditions = sizeof(kTuningAdditions) / sizeof(kTuningAdditions[0]);
+
+}  // namespace hopper
+}  // namespace portattn
