@@ -44,8 +44,22 @@ struct HopperFwdVariantKey {};
 // (their tiles differ in cost near the sequence start). Three stages and the
 // polynomial exp2 measured within noise or slower and are built only in
 // tuning builds. hd256 (not yet measured) departs from this: schedule_for.
-constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent;
-constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong;
+//
+// Three consumer warpgroups (192-row tiles, hd64 only: admitted_bits drops the bit
+// at the other head dims; Note [portattn hopper hd64 192 rows]) where the A/B in
+// one device call measured them ahead (bench/results/runs/2026-11-24-fwd3-*/
+// hopper_fwd_tuning.md, 16k tokens, bf16): non-causal +3% at 512, equal at 1k,
+// +7-14% from 2k; causal over 1k keys +3-11%; softcap (serial loop) +0.5-9%. Only
+// past 1k queries (kShortCausalMaxSeqlenK): not for causal calls up to 1k keys (-4
+// to -8%: a 192-row tile wastes more of a short causal sequence) nor short
+// non-causal ones (equal at 1k; unmeasured below 512, where a 192-row tile covers
+// a 200-row sequence with 384 rows against 256); not for sliding windows (-8 to
+// -15% on the serial loop the 160 registers leave them) nor varlen over 1k keys
+// (not measured).
+constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent | kSchedThreeConsumers;
+constexpr int kShortNonCausalSchedule = kSchedPipelined | kSchedPersistent;
+constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedThreeConsumers;
+constexpr int kWindowSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
 constexpr int kShortCausalMaxSeqlenK = 1024;
 // Varlen without a mask, longest sequence over kShortCausalMaxSeqlenK keys: tiles
@@ -59,11 +73,9 @@ constexpr int kShortCausalMaxSeqlenK = 1024;
 constexpr int kVarlenSchedule = kSchedPipelined;
 
 // Bits added to every schedule above at the head dims that admit them
-// (admitted_bits, hopper_fwd_schedule.h). 0: the three-consumer hd64 shape
-// (kSchedThreeConsumers, Note [portattn hopper hd64 192 rows]) is built only
-// in tuning builds until a GPU A/B (the `+64` column of
-// bench/hopper_fwd_tuning.py against `default`) says it wins. Adopting it is
-// this one line: kDefaultAddedBits = kSchedThreeConsumers.
+// (admitted_bits, hopper_fwd_schedule.h); tuning builds' `+<bits>` adds others
+// (bench/hopper_fwd_tuning.py times `+64`, three consumers everywhere, against
+// `default`, the choices above).
 constexpr int kDefaultAddedBits = 0;
 
 // The schedule a (head dim, mask, softcap) kernel runs instead of `wanted`.
@@ -180,15 +192,17 @@ cudaError_t run_schedule(const PortattnFwdParams& params) {
 template <int kHeadDim, typename Elem, bool kSoftcap, int kAdded = kDefaultAddedBits>
 cudaError_t run_default(const PortattnFwdParams& params) {
   constexpr int kNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule | kAdded);
+  constexpr int kShortNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kShortNonCausalSchedule | kAdded);
   constexpr int kVarlen = schedule_for(kHeadDim, kMaskNone, kSoftcap, kVarlenSchedule | kAdded);
   constexpr int kShortCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule | kAdded);
   constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kAdded);
-  constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kCausalSchedule | kAdded);
+  constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kWindowSchedule | kAdded);
   switch (mask_of(params)) {
     case kMaskNone:
-      return params.cu_seqlens_q != nullptr && params.seqlen_k > kShortCausalMaxSeqlenK
-                 ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kVarlen>(params)
-                 : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
+      if (params.cu_seqlens_q != nullptr && params.seqlen_k > kShortCausalMaxSeqlenK)
+        return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kVarlen>(params);
+      return params.seqlen_q > kShortCausalMaxSeqlenK ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params)
+                                                      : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kShortNone>(params);
     case kMaskCausal:
       return params.seqlen_k <= kShortCausalMaxSeqlenK
                  ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params)
