@@ -498,14 +498,6 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         sm90::mbar_wait(bar_full(stage), parity);
         product_ss<kHeadDim, Elem>(s, s_k_wg, s_q);
         product_ss<kHeadDim, Elem>(dp, s_v_wg, s_do);
-        // This thread's LSE values (columns 8i + 2q4 + {0, 1}), read from shared memory
-        // before the wait: after it (the wait is a compiler barrier) their latency sat
-        // between S^T landing and the first exponential (ncu: the softmax's first FFMA
-        // stalled on them, short scoreboard, ~5% of the samples at hd64).
-        float2 lse_v[kSCols / 2];
-#pragma unroll
-        for (int i = 0; i < kSCols / 2; ++i) lse_v[i] = *reinterpret_cast<const float2*>(lse2 + 8 * i + 2 * q4);
-        auto lse_of = [&](int c) { return (c & 1) ? lse_v[c / 2].y : lse_v[c / 2].x; };
         sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
 
@@ -537,7 +529,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
               for (int h = 0; h < 2; ++h) {
                 const int col = (c / 2) * 8 + 2 * q4 + h;
                 const float t = s[r][c + h];
-                prob[h] = softmax::exp2_fast(f.softcap * t * softmax::kLog2e - lse_of(c + h));
+                prob[h] = softmax::exp2_fast(f.softcap * t * softmax::kLog2e - lse2[col]);
                 if (edge && !visible(n0 + key_row + 8 * r, m0 + col)) prob[h] = 0.f;
                 s[r][c + h] = prob[h] * (1.f - t * t);
               }
@@ -547,7 +539,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
           for (int c = 0; c < kSCols; ++c) {
             const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
-            const float l = lse_of(c);
+            const float l = lse2[col];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
@@ -560,16 +552,12 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 
         // ---- dV += P^T dO (runs while dS^T is computed) ----
         accumulate_rs<kHeadDim, Elem>(dv, pp, s_do);
-        // delta likewise, before the wait for dP^T.
-        float2 delta_v[kSCols / 2];
-#pragma unroll
-        for (int i = 0; i < kSCols / 2; ++i) delta_v[i] = *reinterpret_cast<const float2*>(delta + 8 * i + 2 * q4);
         sm90::wgmma_wait<1>();  // dP^T complete; dV may still run
         sm90::fence_operands(dp);
 
 #pragma unroll
         for (int c = 0; c < kSCols; ++c) {
-          const float d = (c & 1) ? delta_v[c / 2].y : delta_v[c / 2].x;
+          const float d = delta[(c / 2) * 8 + 2 * q4 + (c % 2)];
 #pragma unroll
           for (int r = 0; r < 2; ++r) dp[r][c] = s[r][c] * (dp[r][c] - d);
         }
