@@ -50,16 +50,18 @@ def _inputs(dtype, head_dim, seqlens, gqa):
             rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype))
 
 
-MODES = ["atomic", "bulk", "det"]
+# det: deterministic with per-element ordered adds; det_bulk: deterministic with ordered
+# bulk adds (the default; Note [portattn hopper ordered dQ]).
+MODES = ["atomic", "bulk", "det", "det_bulk"]
 
 
 @contextlib.contextmanager
 def _dq_path(mode):
     """Runs the block with mode's dQ path; yields whether the call is deterministic."""
     before = _C.hopper_bwd_dq_mode()
-    _C.hopper_bwd_dq_mode("bulk" if mode == "bulk" else "atomic")
+    _C.hopper_bwd_dq_mode("bulk" if mode in ("bulk", "det_bulk") else "atomic")
     try:
-        yield mode == "det"
+        yield mode.startswith("det")
     finally:
         _C.hopper_bwd_dq_mode(before if before != "invalid" else "auto")
 
@@ -162,26 +164,30 @@ def test_hopper_backward_varlen(head_dim, lengths, gqa, options, mode):
                                              cu_seqlens_q=packed["cu_q"], cu_seqlens_k=packed["cu_k"]))
 
 
-def test_hopper_backward_varlen_deterministic_is_bitwise_reproducible():
+@pytest.mark.parametrize("mode", ["det", "det_bulk"])
+def test_hopper_backward_varlen_deterministic_is_bitwise_reproducible(mode):
     q, k, v, packed = _varlen_inputs("mixed", HEAD_DIMS[-1], 2)
     opts = _options(q, window=(-1, 0), **packed)
-    out, lse = _forward(HOPPER, q, k, v, opts)
-    dout = torch.randn_like(out)
-    first = _backward(HOPPER, dout, q, k, v, out, lse, opts, True)
-    for _ in range(3):
-        again = _backward(HOPPER, dout, q, k, v, out, lse, opts, True)
+    with _dq_path(mode):
+        out, lse = _forward(HOPPER, q, k, v, opts)
+        dout = torch.randn_like(out)
+        first = _backward(HOPPER, dout, q, k, v, out, lse, opts, True)
+        repeats = [_backward(HOPPER, dout, q, k, v, out, lse, opts, True) for _ in range(3)]
+    for again in repeats:
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"deterministic varlen {name} differs between runs"
 
 
+@pytest.mark.parametrize("mode", ["det", "det_bulk"])
 @pytest.mark.parametrize("window, softcap", [((-1, 0), 0.0), ((100, 37), 30.0)], ids=["causal", "window_softcap"])
 @pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa, window, softcap):
+def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa, window, softcap, mode):
     q, k, v = _inputs(torch.bfloat16, head_dim, (1000, 1000), gqa)
-    first, dout, (out, lse, options) = _hopper_grads(q, k, v, True, window=window, softcap=softcap)
-    for _ in range(3):
-        again = _backward(HOPPER, dout, q, k, v, out, lse, options, True)
+    with _dq_path(mode):
+        first, dout, (out, lse, options) = _hopper_grads(q, k, v, True, window=window, softcap=softcap)
+        repeats = [_backward(HOPPER, dout, q, k, v, out, lse, options, True) for _ in range(3)]
+    for again in repeats:
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"deterministic {name} differs between runs"
 
@@ -197,7 +203,7 @@ def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa, window, sof
 # rows and dout rows scaled per block), and each CTA cycles its stage ring at least 6 times,
 # so a consumer reading a slot too early (the previous block's values) or too late (the next
 # block's) would be off by factors of e^(LSE difference), hundreds of times the error rule.
-@pytest.mark.parametrize("mode", ["atomic", "bulk", "det"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_lse_delta_ring_is_ordered_by_its_mbarriers(head_dim, mode):
     block, stages = 64, (4 if head_dim <= 64 else 2)  # HopperBwdTraits: kBlockM, kStages

@@ -38,7 +38,7 @@
 //                         transposed (MN-major A, legal for 16-bit types) and
 //                         B = K MN-major, and adds them to the fp32 accumulator
 //                         with v2 reductions (accum_add2, bwd_kernel.cuh).
-//   Bulk variant (kBulkDq, default mode only): instead of those reductions,
+//   Bulk variant (kBulkDq): instead of those reductions,
 //   Note [portattn hopper bulk dQ] below.
 //   dS^T has two buffers (by step parity): a consumer passes step i + 1's
 //   barrier only after both have waited for their step-i dQ wgmma, so step
@@ -62,8 +62,8 @@
 //
 // Note [portattn hopper bulk dQ]
 // The alternative dQ path (PORTATTN_HOPPER_BWD_DQ=bulk, hopper_bwd_entry.cu;
-// default mode only, the deterministic mode keeps its v2 reductions, ordered
-// per query block). Why: with per-element `red.global` the consumers' reductions and
+// in the deterministic mode ordered per query block, Note [portattn hopper
+// ordered dQ]). Why: with per-element `red.global` the consumers' reductions and
 // global loads fill the LSU queue (lg_throttle, long_scoreboard stalls,
 // docs/hopper_notes.md); FA3 stages dQ in shared memory and lets the copy
 // engine add it. Per step (one 64-query block):
@@ -101,7 +101,14 @@
 // the last key block down). One thread of the consumers waits for that value
 // (ld.acquire), `bar.sync kBarDqOrder` releases the other 255, all add (v2
 // reductions), a second bar.sync, and one thread moves the count on
-// (fence.acq_rel + red), so the next block sees every add. The rank needs the
+// (fence.acq_rel + red), so the next block sees every add. With bulk dQ (the
+// default, Note [portattn hopper bulk dQ]) the consumers stage the tile as in the
+// default mode and write its turn (count address and value) next to it; warp 2
+// waits for the count, issues the one bulk reduction, waits for it to be
+// performed (not only read), and moves the count on, with fence.proxy.async.global
+// on both sides because the adds are async-proxy and the counts generic-proxy
+// accesses. So the consumers wait for their turn only when both staging buffers
+// are still queued. The rank needs the
 // last key block reaching the query block: m_begin_of is nondecreasing, so a
 // binary search over [n, n_blocks) on the same lambda the loops use finds it
 // (no second copy of the masking rule to drift).
@@ -136,7 +143,7 @@ template <int kHeadDim_, bool kBulkDq_ = false>
 struct HopperBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   // dQ into the fp32 accumulator: false = v2 reductions from the consumers'
-  // registers; true = Note [portattn hopper bulk dQ] (default mode only).
+  // registers; true = Note [portattn hopper bulk dQ].
   static constexpr bool kBulkDq = kBulkDq_;
   static constexpr int kBlockN = 128;  // two consumer warpgroups x wgmma M (64 keys)
   // 64 queries keep S^T and dP^T at 32 fp32 each next to the 128 of dK + dV (hd128).
@@ -171,7 +178,12 @@ struct HopperBwdTraits {
   static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr int kOffBars = kOffDelta + kStages * kBlockM * 4;
   static constexpr int kBarriers = 2 + 2 * kStages;  // K/V full + empty; per stage full + empty
-  static constexpr int kSmemBytes = kOffBars + 8 * kBarriers + 1024;  // + alignment to the 1 KiB atom
+  // Bulk dQ in the deterministic mode: per staging buffer, the tile's turn (the
+  // dq_order count to wait for, and the count's address), handed from the consumers
+  // to the reducing warp (Note [portattn hopper ordered dQ]).
+  static constexpr int kOffDqTurn = kOffBars + 8 * kBarriers;
+  static constexpr int kDqTurnBytes = 16;
+  static constexpr int kSmemBytes = kOffDqTurn + kDqStages * kDqTurnBytes + 1024;  // + alignment to the 1 KiB atom
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
   static_assert(kBlockM == kPanel, "dS^T rows are one 128-byte swizzled row of queries");
   static_assert(kDqCols == 32 || kDqCols == 64, "dQ wgmma is instantiated for N = 32 and 64");
@@ -183,7 +195,7 @@ struct HopperBwdTraits {
   static constexpr int kBarDqFull = 2;
   static constexpr int kBarDqEmpty = kBarDqFull + kDqStages;
   static constexpr int kDqBarThreads = 128 * kConsumers + 32;  // consumers + the reducing warp
-  // Deterministic mode (never with kBulkDq): the consumers' barrier around the
+  // Deterministic mode with per-element adds: the consumers' barrier around the
   // ordered dQ adds (Note [portattn hopper ordered dQ]).
   static constexpr int kBarDqOrder = kBarDqEmpty + kDqStages;
   static_assert(kBlockM == cuda::kDqOrderRows, "dq_order counts are per 64-query block");
@@ -274,8 +286,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const PortattnBwdParams& p = args.p;
   const PortattnFwdParams& f = p.fwd;
   const int batch = blockIdx.z;
-  const bool det = p.deterministic != 0;  // never with kBulkDq (hopper_bwd_entry.cu)
-  static_assert(!(kBulkDq && kOrderedDq), "the deterministic mode adds dQ per element");
+  const bool det = p.deterministic != 0;
   const int group = f.nheads / f.nheads_k;
   const cuda::BwdHeads cta_heads = cuda::bwd_heads(args, det, group);
   const int head_k = cta_heads.head_k;
@@ -371,9 +382,23 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             if (lane == 0) {
               // Rows at or past len_q belong to the padding or the next head: never added.
               const uint32_t bytes = static_cast<uint32_t>(min(rows, kBlockM)) * Traits::kDqPitch;
-              sm90::bulk_reduce_add_f32(g_dq, base + Traits::kOffDq + b * Traits::kDqBytes, bytes);
-              sm90::bulk_commit_group();
-              sm90::bulk_wait_group_read<0>();  // the copy has read the buffer
+              if constexpr (kOrderedDq) {
+                // Deterministic: this tile's turn (the consumers wrote it with the tile),
+                // the add, its completion, then the turn passed on.
+                const uint8_t* turn = base_ptr + Traits::kOffDqTurn + b * Traits::kDqTurnBytes;
+                int* const order = *reinterpret_cast<int* const*>(turn);
+                sm90::wait_count_equals(order, *reinterpret_cast<const int*>(turn + 8));
+                sm90::fence_proxy_async_global();  // the adds before ours, then ours (async proxy)
+                sm90::bulk_reduce_add_f32(g_dq, base + Traits::kOffDq + b * Traits::kDqBytes, bytes);
+                sm90::bulk_commit_group();
+                sm90::bulk_wait_group<0>();  // performed, not only read
+                sm90::fence_proxy_async_global();
+                sm90::count_up_release(order);
+              } else {
+                sm90::bulk_reduce_add_f32(g_dq, base + Traits::kOffDq + b * Traits::kDqBytes, bytes);
+                sm90::bulk_commit_group();
+                sm90::bulk_wait_group_read<0>();  // the copy has read the buffer
+              }
             }
             __syncwarp();
             if (left > Traits::kDqStages)  // the consumers wait only for buffers they reuse
@@ -597,12 +622,38 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
 
+        // Deterministic mode: this key block's turn for query block m0, after every
+        // later key block that reaches the query block has added (their count), before
+        // any earlier one. The last key block reaching m_block: m_begin_of is
+        // nondecreasing and this block reaches it, so a search over [n_block, n_blocks)
+        // finds it (the last block without a right bound); every block between the two
+        // reaches it too.
+        auto dq_turn = [&]() {
+          const int m_block = m0 / kBlockM;
+          int lo = n_block, hi = n_blocks - 1;
+          while (right_bound && lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (m_begin_of(mid) <= m_block) lo = mid; else hi = mid - 1;
+          }
+          return (right_bound ? lo : n_blocks - 1) - n_block;
+        };
+        auto dq_order_count = [&]() {
+          return args.dq_order + (static_cast<int64_t>(batch) * args.heads + head - args.head0) * m_blocks_max +
+                 m0 / kBlockM;
+        };
         if constexpr (kBulkDq) {
           // Stage this consumer's columns; warp 2 of the producer reduces the
           // tile once both consumers arrived (Note [portattn hopper bulk dQ]).
           const int b = step % Traits::kDqStages;
           if (step >= Traits::kDqStages)  // the copy of step - kDqStages has read buffer b
             sm90::named_barrier_sync(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
+          if constexpr (kOrderedDq) {
+            if (wg == 0 && tid == 0) {
+              uint8_t* turn = base_ptr + Traits::kOffDqTurn + b * Traits::kDqTurnBytes;
+              *reinterpret_cast<int**>(turn) = dq_order_count();
+              *reinterpret_cast<int*>(turn + 8) = dq_turn();
+            }
+          }
           const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes;
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
@@ -619,22 +670,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
           int* order = nullptr;
           if constexpr (kOrderedDq) {
-            // This key block's turn for query block m0: after every later key block that
-            // reaches the query block has added (their count), before any earlier one.
-            order = args.dq_order + (static_cast<int64_t>(batch) * args.heads + head - args.head0) * m_blocks_max +
-                    m0 / kBlockM;
-            if (wg == 0 && tid == 0) {
-              const int m_block = m0 / kBlockM;
-              // The last key block reaching m_block: m_begin_of is nondecreasing and this
-              // block reaches it, so a search over [n_block, n_blocks) finds it (the last
-              // block without a right bound); every block between the two reaches it too.
-              int lo = n_block, hi = n_blocks - 1;
-              while (right_bound && lo < hi) {
-                const int mid = (lo + hi + 1) / 2;
-                if (m_begin_of(mid) <= m_block) lo = mid; else hi = mid - 1;
-              }
-              sm90::wait_count_equals(order, (right_bound ? lo : n_blocks - 1) - n_block);
-            }
+            order = dq_order_count();
+            if (wg == 0 && tid == 0) sm90::wait_count_equals(order, dq_turn());
             sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
           }
 #pragma unroll

@@ -90,13 +90,16 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
                       kHeadDim, Traits::kBlockN);
   if (err != cudaSuccess) return err;
   const bool softcap = f.softcap > 0.f;
-  // The deterministic mode keeps per-element adds, ordered by key block (Note [portattn
-  // hopper ordered dQ]): bulk reductions from one thread are unordered.
+  // Both modes take the bulk or per-element adds as PORTATTN_HOPPER_BWD_DQ says; the
+  // deterministic one orders either by key block (Note [portattn hopper ordered dQ]).
   const bool det = params.deterministic != 0;
-  const bool bulk = !det && hopper_bwd_bulk_dq(kHeadDim);
+  const bool bulk = hopper_bwd_bulk_dq(kHeadDim);
   return cuda::run_bwd_sequence<Elem>(
       params,
       [&maps, softcap, bulk, det](const cuda::BwdArgs& args, cudaStream_t stream) {
+        if (det && bulk)
+          return softcap ? launch_masked<kHeadDim, Elem, true, true, true>(maps, args, stream)
+                         : launch_masked<kHeadDim, Elem, false, true, true>(maps, args, stream);
         if (det)
           return softcap ? launch_masked<kHeadDim, Elem, true, false, true>(maps, args, stream)
                          : launch_masked<kHeadDim, Elem, false, false, true>(maps, args, stream);

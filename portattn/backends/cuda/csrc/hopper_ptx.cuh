@@ -388,6 +388,13 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The same between generic-proxy and async-proxy accesses of global memory: the
+// deterministic bulk dQ adds (bulk reductions, async proxy) and the dq_order counts
+// (generic ld.acquire / red) that order them (Note [portattn hopper ordered dQ]).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 }  // namespace sm90
 
 }  // namespace hopper
