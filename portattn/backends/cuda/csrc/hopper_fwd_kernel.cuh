@@ -130,17 +130,16 @@
 //  * Shared memory: Q 24 KiB (x2 in the persistent schedule) + 4 stages x
 //    (K 16 + V 16 KiB) = 152 (176) KiB + 1 KiB alignment + barriers:
 //    156,816 / 181,408 bytes; one CTA per SM either way.
-//  * Built in tuning builds only, and not yet the default:
-//    kDefaultAddedBits (hopper_fwd_launch.cuh) is the one-line switch;
-//    PORTATTN_HOPPER_FWD_SCHEDULE=+64 runs what it would launch.
-//  * Prediction (before any GPU run; docs/hopper_notes.md "Session 6"):
-//    hd64 bf16 at 16k tokens, non-causal +4-10% from 2k (more warps to hide
-//    the exp2 / max latency; tensor pipe 51% active leaves room), 0 to -10%
-//    at 512-1k (192-row tiles waste 11% of a 512- or 1024-row sequence, and
-//    a tile's unoverlapped prologue and epilogue are longer); causal +2-6%
-//    from 4k, worse at <= 1k (a 192-row tile crosses the diagonal in 2-3 key
-//    blocks, so more masked work). Softcap / window calls on the serial loop:
-//    within +-10% of today's pipelined two-consumer kernels.
+//  * The default (hopper_fwd_launch.cuh) for no-mask calls past 1k queries and
+//    causal calls past 1k keys, as measured on an H100 (docs/hopper_notes.md
+//    "Session 6": +7-19% non-causal from 2k, +3-11% causal from 2k; short
+//    causal calls -4 to -8% and windows on the serial loop -8 to -15%, so
+//    those keep two consumers). Tuning builds run other choices:
+//    PORTATTN_HOPPER_FWD_SCHEDULE=<bits> or +64 (the bit everywhere).
+//  * Prediction (before any GPU run): non-causal +4-10% from 2k, 0 to -10% at
+//    512-1k (192-row tiles waste 11% of a 512- or 1024-row sequence); causal
+//    +2-6% from 4k, worse at <= 1k; softcap / window on the serial loop within
+//    +-10%. Long sequences beat it; windows lost more.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
 #include <cuda_bf16.h>

@@ -47,7 +47,7 @@ struct HopperFwdVariantKey {};
 //
 // Three consumer warpgroups (192-row tiles, hd64 only: admitted_bits drops the bit
 // at the other head dims; Note [portattn hopper hd64 192 rows]) where the A/B in
-// one device call measured them ahead (bench/results/runs/2026-11-24-fwd3-*/
+// one device call measured them ahead (bench/results/runs/2026-11-24-e744ac3/
 // hopper_fwd_tuning.md, 16k tokens, bf16): non-causal +3% at 512, equal at 1k,
 // +7-14% from 2k; causal over 1k keys +3-11%; softcap (serial loop) +0.5-9%. Only
 // past 1k queries (kShortCausalMaxSeqlenK): not for causal calls up to 1k keys (-4
