@@ -164,47 +164,6 @@ def test_hopper_backward_varlen(head_dim, lengths, gqa, options, mode):
                                              cu_seqlens_q=packed["cu_q"], cu_seqlens_k=packed["cu_k"]))
 
 
-# Several key blocks per CTA (hopper_bwd_launch.cuh: key_blocks_per_cta): the default mode's
-# CTAs walk key blocks blockIdx.x, + gridDim.x, ... once the grid keeps >= 1024 CTAs, so these
-# shapes (query heads x batch = 256, 8-9 key blocks: 4-5 CTAs along x) take two blocks a CTA, one
-# of them alone where the count is odd; the small shapes above never do. Varlen: 8 sequences up
-# to 1100 keys (9 blocks), short ones whose second block is past their keys.
-WALK_CASES = {
-    "full": dict(seqlens=(1024, 1024), options=dict()),
-    "causal": dict(seqlens=(1000, 1100), options=dict(window=(-1, 0))),
-    "window_softcap": dict(seqlens=(1100, 1000), options=dict(window=(100, 37), softcap=30.0)),
-    "varlen_causal": dict(lengths=([1024, 1100, 0, 700, 1100, 64, 1000, 900], [1100, 1024, 5, 700, 1000, 300, 1000, 129]),
-                          options=dict(window=(-1, 0))),
-}
-
-
-@pytest.mark.parametrize("mode", ["atomic", "bulk"])
-@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
-@pytest.mark.parametrize("case", list(WALK_CASES))
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_hopper_backward_walks_several_key_blocks_per_cta(head_dim, case, gqa, mode):
-    spec, heads = WALK_CASES[case], 32
-    if "lengths" in spec:
-        lens_q, lens_k = spec["lengths"]
-        packed = dict(cu_q=torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32),
-                      cu_k=torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32),
-                      max_q=max(lens_q), max_k=max(lens_k))
-        q = rand(sum(lens_q), heads, head_dim, dtype=torch.bfloat16)
-        k, v = (rand(sum(lens_k), heads // gqa, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    else:
-        (seqlen_q, seqlen_k), packed = spec["seqlens"], {}
-        q = rand(8, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
-        k, v = (rand(8, seqlen_k, heads // gqa, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    opts = _options(q, **spec["options"], **packed)
-    with _dq_path(mode):
-        out, lse = _forward(HOPPER, q, k, v, opts)
-        dout = torch.randn_like(out)
-        grads = _backward(HOPPER, dout, q, k, v, out, lse, opts, False)
-    ranges = dict(cu_seqlens_q=packed["cu_q"], cu_seqlens_k=packed["cu_k"]) if packed else {}
-    _check_grads(grads, q, k, v, dout, dict(window=spec["options"].get("window", (-1, -1)),
-                                           softcap=spec["options"].get("softcap", 0.0), **ranges))
-
-
 @pytest.mark.parametrize("mode", ["det", "det_bulk"])
 def test_hopper_backward_varlen_deterministic_is_bitwise_reproducible(mode):
     q, k, v, packed = _varlen_inputs("mixed", HEAD_DIMS[-1], 2)

@@ -305,10 +305,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int tma_batch = f.cu_seqlens_q != nullptr ? 0 : batch;
   const int diag = len_k - len_q;
   const int n_blocks = (len_k + kBlockN - 1) / kBlockN;
-  // CTA blockIdx.x takes key blocks n_first(), + gridDim.x, ...: one in the deterministic
-  // mode, up to kBwdKeyBlocksPerCta in the default one (hopper_bwd_launch.cuh), whose
-  // producer loads the next block's K and V while the consumers store the last one's
-  // dK and dV. The grid covers the longest sequence's blocks.
+  // One key block per CTA in both modes (the grid covers the longest sequence's blocks).
   const int n_step = static_cast<int>(gridDim.x);
   const int m_total = (len_q + kBlockM - 1) / kBlockM;
   // The masking rule, written out here rather than through common/block_range.h
@@ -367,21 +364,15 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     if constexpr (kBulkDq) {
       if (warp == 2) {
         // ---- bulk dQ: warp 2 adds each step's staged dQ tile to the accumulator ----
-        // The consumers' step sequence over this CTA's key blocks, exactly: none for a
-        // key block past the sequence's keys (varlen: a short sequence in a grid sized
-        // by the longest), else this warp would wait at kBarDqFull for arrivals that
-        // never come. (Written to fit the 24 registers: pointers stepped, no per-step
-        // ws_row.)
-        int left = 0;  // steps not yet reduced
-        for (int n_block = n_first(); n_block < n_blocks; n_block += n_step) {
-          int m_begin, m_blocks;
-          m_range(n_block, m_begin, m_blocks);
-          left += heads * m_blocks;
-        }
+        // Default mode: this CTA's one key block, the consumers' step sequence.
+        // (Written to fit the 24 registers: pointers stepped, no per-step ws_row.)
+        // The consumers' steps exactly: none where this CTA's key block lies past the
+        // sequence's keys (varlen: a short sequence in a grid sized by the longest),
+        // else this warp would wait at kBarDqFull for arrivals that never come.
+        int m_begin = 0, m_blocks = 0;
+        if (n_first() < n_blocks) m_range(n_first(), m_begin, m_blocks);
+        int left = heads * m_blocks;  // steps not yet reduced
         int b = 0;
-        for (int n_block = n_first(); n_block < n_blocks; n_block += n_step) {
-        int m_begin, m_blocks;
-        m_range(n_block, m_begin, m_blocks);
         for (int h = 0; h < heads; ++h) {
           // The first query block of head h, and its rows left in the sequence.
           float* g_dq = args.dq_accum + cuda::ws_row(args, batch, head_first + h, m_begin * kBlockM) * kHeadDim;
@@ -416,7 +407,6 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             g_dq += kBlockM * kHeadDim;
             rows -= kBlockM;
           }
-        }
         }
         sm90::bulk_wait_group<0>();  // every reduction performed before the CTA retires
         return;

@@ -27,24 +27,6 @@ cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq
 // dim (Note [portattn hopper bulk dQ]; PORTATTN_HOPPER_BWD_DQ, hopper_bwd_entry.cu).
 bool hopper_bwd_bulk_dq(int head_dim);
 
-// Key blocks a default-mode CTA walks (blockIdx.x, + gridDim.x, ...): with more than
-// one, its producer loads the next block's K, V and first Q/dO tiles while the
-// consumers finish the last block's steps and store its dK/dV, so short calls stop
-// paying every CTA's prologue and epilogue unoverlapped. Only where the grid keeps
-// kMinCtas CTAs (several waves on an H100's 132 SMs) and each CTA gets a fair share;
-// the deterministic mode keeps one block a CTA (its ordered dQ adds assume it).
-#ifndef PORTATTN_HOPPER_BWD_KEY_BLOCKS_PER_CTA
-#define PORTATTN_HOPPER_BWD_KEY_BLOCKS_PER_CTA 2
-#endif
-constexpr int kBwdKeyBlocksPerCta = PORTATTN_HOPPER_BWD_KEY_BLOCKS_PER_CTA;
-inline int key_blocks_per_cta(int n_blocks, int64_t heads_batch) {
-  constexpr int64_t kMinCtas = 1024;
-  const int per_cta = kBwdKeyBlocksPerCta;
-  const bool fits = per_cta > 1 && n_blocks >= 2 * per_cta &&
-                    (n_blocks + per_cta - 1) / per_cta * heads_batch >= kMinCtas;
-  return fits ? per_cta : 1;
-}
-
 struct TensorMaps {
   CUtensorMap q, k, v, dout;
 };
@@ -64,9 +46,7 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   // sum in registers; dQ adds ordered by key block (Note [portattn hopper ordered dQ]).
   // The dependences point to lower blockIdx.x of the same (y, z), which the hardware
   // starts first, so a waiting CTA's predecessors are running or done.
-  const int64_t heads_batch = static_cast<int64_t>(det ? args.heads_k : args.heads) * f.batch;
-  const int per_cta = det ? 1 : key_blocks_per_cta(n_blocks, heads_batch);
-  const dim3 grid((n_blocks + per_cta - 1) / per_cta, det ? args.heads_k : args.heads, f.batch);
+  const dim3 grid(n_blocks, det ? args.heads_k : args.heads, f.batch);
   if (grid.x == 0) return cudaSuccess;
   // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
   // the same value; a kernel parameter, read from the constant bank, holds no register.
