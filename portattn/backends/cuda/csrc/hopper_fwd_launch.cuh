@@ -54,8 +54,8 @@ struct HopperFwdVariantKey {};
 // to -8%: a 192-row tile wastes more of a short causal sequence) nor short
 // non-causal ones (equal at 1k; unmeasured below 512, where a 192-row tile covers
 // a 200-row sequence with 384 rows against 256); not for sliding windows (-8 to
-// -15% on the serial loop the 160 registers leave them) nor varlen over 1k keys
-// (not measured).
+// -15% on the serial loop the 160 registers leave them). Varlen without a mask over
+// 1k keys: kVarlenSchedule below.
 constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent | kSchedThreeConsumers;
 constexpr int kShortNonCausalSchedule = kSchedPipelined | kSchedPersistent;
 constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedThreeConsumers;
@@ -69,8 +69,10 @@ constexpr int kShortCausalMaxSeqlenK = 1024;
 // one device call (bench/results/runs/2026-11-24-2641db7/varlen_sched_{A,B}.md, 16k
 // tokens): mixed lengths 64-2795 +21-23% at hd128, +11% at hd64; 4 x 4k +9% / 0%;
 // 16 x 1k (max 1024) -13% at hd64, so sequences up to 1024 keys stay persistent,
-// as dense ones do.
-constexpr int kVarlenSchedule = kSchedPipelined;
+// as dense ones do. Three consumers at hd64 (session 6, A/B in one device call,
+// bench/results/runs/2026-11-24-e2a3c50/varlen_three_consumers.md): mixed lengths
+// +12%, 4 x 4k +4%.
+constexpr int kVarlenSchedule = kSchedPipelined | kSchedThreeConsumers;
 
 // Bits added to every schedule above at the head dims that admit them
 // (admitted_bits, hopper_fwd_schedule.h); tuning builds' `+<bits>` adds others
