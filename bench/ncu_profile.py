@@ -18,13 +18,17 @@ import re
 import sys
 
 # PORTATTN_NCU_HEAD_DIM=64 profiles the hd64 shape of the same grid (hidden 2048: 32 heads).
+# PORTATTN_NCU_SEQLEN=512 (and PORTATTN_NCU_CAUSAL=1) profiles a shorter point of the grid: the batch
+# keeps the 16k tokens (batch = 16384 / seqlen), as bench_attention.py's grid does.
 _HEAD_DIM = int(os.environ.get("PORTATTN_NCU_HEAD_DIM", "128"))
-CASE = dict(batch=1, heads=2048 // _HEAD_DIM, seqlen=16384, head_dim=_HEAD_DIM, causal=False)
+_SEQLEN = int(os.environ.get("PORTATTN_NCU_SEQLEN", "16384"))
+CASE = dict(batch=max(1, 16384 // _SEQLEN), heads=2048 // _HEAD_DIM, seqlen=_SEQLEN, head_dim=_HEAD_DIM,
+            causal=os.environ.get("PORTATTN_NCU_CAUSAL", "0") == "1")
 
 
 def case_flops(mode: str) -> float:
     forward = 4 * CASE["batch"] * CASE["heads"] * CASE["seqlen"] ** 2 * CASE["head_dim"] / (2 if CASE["causal"] else 1)
-    return forward if mode == "fwd" else 2.5 * forward
+    return forward if mode.startswith("fwd") else 2.5 * forward
 
 
 def run_case(mode: str) -> None:
@@ -41,6 +45,21 @@ def run_case(mode: str) -> None:
     def forward():
         return portattn.flash_attn_func(q, k, v, causal=CASE["causal"])
 
+    if mode == "fwd_cudnn":
+        # The peer a user compares with on an H100: SDPA's cuDNN kernel on the same case, in SDPA's
+        # (batch, heads, seqlen, head_dim) layout, so the profiled range holds that one kernel.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=CASE["causal"])
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=CASE["causal"])
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+        print(f"ncu_profile case {mode}: {CASE}, SDPA cuDNN", flush=True)
+        return
     if mode == "fwd":
         with torch.no_grad():
             forward()
@@ -150,11 +169,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     case = sub.add_parser("case", help="run the profiled program")
-    case.add_argument("mode", choices=("fwd", "bwd", "bwd_sm80"))
+    case.add_argument("mode", choices=("fwd", "fwd_cudnn", "bwd", "bwd_sm80"))
     summary = sub.add_parser("summarize", help="print a short summary of ncu's raw csv page")
     summary.add_argument("raw_csv")
     summary.add_argument("--title", default="kernel")
-    summary.add_argument("--mode", choices=("fwd", "bwd", "bwd_sm80"), default="fwd",
+    summary.add_argument("--mode", choices=("fwd", "fwd_cudnn", "bwd", "bwd_sm80"), default="fwd",
                          help="which case's FLOPs turn the duration into TFLOP/s")
     args = parser.parse_args()
     if args.command == "case":
