@@ -4,6 +4,9 @@
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_cuda.py
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck python tests/gpu/sanitize_cuda.py
 
+(initcheck on every kernel, never with --kernel-name: writes by kernels it does not
+instrument are invisible to it, so reads of that memory would be reported.)
+
 (initcheck without torch's caching allocator: each workspace is then a fresh cudaMalloc
 that the tool tracks as unwritten; a recycled block would count as written.)
 

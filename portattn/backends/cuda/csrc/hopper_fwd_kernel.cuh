@@ -140,6 +140,24 @@
 //    512-1k (192-row tiles waste 11% of a 512- or 1024-row sequence); causal
 //    +2-6% from 4k, worse at <= 1k; softcap / window on the serial loop within
 //    +-10%. Long sequences beat it; windows lost more.
+//
+// Note [portattn hopper O store]
+// The epilogue writes O through shared memory: each consumer warpgroup stores
+// its 64 x kHeadDim tile (bf16/fp16) into a staging buffer in the 128B-swizzled
+// panel layout of the loads, then one thread issues a TMA store per panel.
+// Why: ncu of the seqlen-512 forward (bench/results/runs/2026-11-24-aa70286/
+// ncu_fwd_*.tgz) had ~11% of warp samples at the top of the tile loop on long
+// scoreboard: the next tile's first instructions rewrite registers that the
+// last tile's 32 (hd128) 4-byte global stores a thread still read. Shared
+// stores drain in a few cycles, the copy engine writes whole lines, and rows
+// and columns past the tensor's end are clipped by the map. Costs: kOBytes of
+// shared memory (16-32 KiB; it fits beside two Q buffers at hd128: 225 KiB in
+// all), two named barriers per tile per warpgroup (buffer free, buffer
+// written), and the issuing thread waits for its previous store to have read
+// the buffer, one tile later. Not at hd256 or with three stages (no room), not
+// with three consumer warpgroups (their 160 registers spilled 8-40 B with it), and
+// not for a varlen tile whose rows run past its sequence (the packed map would
+// write the next sequence's rows): those take the direct stores.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
 #include <cuda_bf16.h>
@@ -169,6 +187,11 @@ namespace hopper {
 // e.g. 64) overrides it for register/speed experiments.
 #ifndef PORTATTN_HOPPER_FWD_HD256_BLOCK_N
 #define PORTATTN_HOPPER_FWD_HD256_BLOCK_N 80
+#endif
+// PORTATTN_HOPPER_FWD_TMA_STORE=0 builds the direct-store epilogue everywhere (A/B
+// against Note [portattn hopper O store]).
+#ifndef PORTATTN_HOPPER_FWD_TMA_STORE
+#define PORTATTN_HOPPER_FWD_TMA_STORE 1
 #endif
 constexpr int hopper_fwd_block_n(int head_dim) {
   return head_dim <= 128 ? 128 : PORTATTN_HOPPER_FWD_HD256_BLOCK_N;
@@ -212,8 +235,15 @@ struct HopperFwdTraits {
       kPersistent && 2 * kQBytes + 2 * kStages * kKVBytes + 8 * (4 + 4 * kStages) + 1024 <= kSmemLimit ? 2 : 1;
   // Per Q buffer: full, empty; then per stage: K full, V full, K empty, V empty.
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
-  static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
-                                    1024;  // slack to align the tiles to the 1 KiB swizzle atom
+  static constexpr int kMainSmemBytes = kQBuffers * kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
+                                        1024;  // slack to align the tiles to the 1 KiB swizzle atom
+  // The output tile staged for TMA stores (Note [portattn hopper O store]) where it fits
+  // beside the rest: hd64 and hd128 (also with two Q buffers), not hd256 or three stages;
+  // nor with three consumers, whose 160 registers it made spill (8-40 B, nvcc 13.0).
+  static constexpr int kOBytes = kBlockM * kHeadDim * 2;
+  static constexpr bool kTmaStoreO = PORTATTN_HOPPER_FWD_TMA_STORE != 0 && !kThreeConsumers &&
+                                     kMainSmemBytes + kOBytes <= kSmemLimit;
+  static constexpr int kSmemBytes = kMainSmemBytes + (kTmaStoreO ? kOBytes : 0);
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "kBlockN: whole k16 steps of P V, and a wgmma N (multiple of 8, <= 256) for S = Q K^T");
@@ -328,7 +358,9 @@ __device__ __forceinline__ int tile_of_cta(int round, int num_tiles) {
   return t < num_tiles ? t : num_tiles;
 }
 
-// named_barrier_arrive / named_barrier_sync: hopper_ptx.cuh.
+// named_barrier_arrive / named_barrier_sync: hopper_ptx.cuh. Ids 1-3: the ping-pong
+// turns; kOStoreBarrier + wg: warpgroup wg's output staging (Note [portattn hopper O store]).
+constexpr int kOStoreBarrier = 4;
 
 // ---- the kernel ---------------------------------------------------------------------
 
@@ -336,7 +368,8 @@ template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, int kSchedule>
 __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads, 1)
     hopper_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
-                      const __grid_constant__ CUtensorMap tm_v, const HopperFwdArgs args) {
+                      const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                      const HopperFwdArgs args) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Traits = HopperFwdTraits<kHeadDim, kSchedule>;
   constexpr int kBlockM = Traits::kBlockM;
@@ -354,7 +387,8 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
   const uint32_t s_q = smem_base;                                   // kQBuffers x kQBytes
   const uint32_t s_k = s_q + kQBuffers * Traits::kQBytes;           // kStages x kKVBytes
   const uint32_t s_v = s_k + kStages * Traits::kKVBytes;            // kStages x kKVBytes
-  const uint32_t bars = s_v + kStages * Traits::kKVBytes;
+  const uint32_t s_o = s_v + kStages * Traits::kKVBytes;  // kTmaStoreO: kOBytes, panels as Q's
+  const uint32_t bars = s_o + (Traits::kTmaStoreO ? Traits::kOBytes : 0);
   auto bar_q_full = [&](int b) { return bars + 8u * b; };
   auto bar_q_empty = [&](int b) { return bars + 8u * (kQBuffers + b); };
   constexpr int kKVBars = 2 * kQBuffers;
@@ -637,24 +671,64 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       float lse[2];
       softmax::online_softmax_finalize<2, kOCols, sm90::QuadReduce>(o, state, args.scale_log2, 1.f,
                                                                      lse);
-      Elem* out = static_cast<Elem*>(args.out) + tile.batch * args.out_strides.batch_stride +
-                  tile.head * args.out_strides.head_stride;
+      // Note [portattn hopper O store]: this warpgroup's 64 rows through shared memory
+      // and one TMA store per panel, unless a varlen tile's rows run past its sequence
+      // (the packed map would write the next sequence's rows there).
+      const int wg_row = m0 + wg * 64;
+      if (Traits::kTmaStoreO && (args.cu_seqlens_q == nullptr || wg_row + 64 <= tile.seqlen_q)) {
+        const uint32_t s_o_wg = s_o + wg * 64 * 128;
+        if (tid == 0) sm90::bulk_wait_group_read<0>();  // the last tile's store has read the buffer
+        sm90::named_barrier_sync(kOStoreBarrier + wg, 128);
+        // Row warp * 16 + g (+ 8) of the warpgroup's 64, so the row mod 8 is g: the 128B
+        // swizzle puts 16-byte chunk k of a 128-byte panel row at chunk k ^ g.
+        const uint32_t s_o_thread = s_o_wg + (warp * 16 + g) * 128 + q4 * 4;
+        const uint32_t g16 = static_cast<uint32_t>(g) * 16;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        if (row >= tile.seqlen_q) continue;
-        Elem* out_row = out + static_cast<int64_t>(tile.q_start + row) * args.out_strides.row_stride;
+        for (int r = 0; r < 2; ++r) {
 #pragma unroll
-        for (int c = 0; c < kOCols; c += 2) {
-          const int col = (c / 2) * 8 + 2 * q4;
-          *reinterpret_cast<uint32_t*>(out_row + col) =
-              ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]);
+          for (int c = 0; c < kOCols; c += 2) {
+            const int chunk = c / 2;  // 8 columns each
+            sm90::st_shared_b32(s_o_thread + r * 8 * 128 + (chunk / 8) * kPanelBytesQ +
+                                    ((static_cast<uint32_t>(chunk % 8) * 16) ^ g16),
+                                ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]));
+          }
         }
-        if (args.lse != nullptr && q4 == 0)
-          args.lse[tile.batch * args.lse_batch_stride + tile.head * args.lse_head_stride + tile.q_start + row] =
-              lse[r];
+        sm90::fence_proxy_async_smem();  // the writes above, before the copy engine reads them
+        sm90::named_barrier_sync(kOStoreBarrier + wg, 128);
+        if (tid == 0) {
+#pragma unroll
+          for (int p = 0; p < Traits::kPanels; ++p)
+            sm90::tma_store_4d(&tm_o, s_o_wg + p * kPanelBytesQ, p * Traits::kPanel, tile.q_start + wg_row,
+                               tile.head, tile.tma_batch);
+          sm90::bulk_commit_group();
+        }
+      } else {
+        Elem* out = static_cast<Elem*>(args.out) + tile.batch * args.out_strides.batch_stride +
+                    tile.head * args.out_strides.head_stride;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + 8 * r;
+          if (row >= tile.seqlen_q) continue;
+          Elem* out_row = out + static_cast<int64_t>(tile.q_start + row) * args.out_strides.row_stride;
+#pragma unroll
+          for (int c = 0; c < kOCols; c += 2) {
+            const int col = (c / 2) * 8 + 2 * q4;
+            *reinterpret_cast<uint32_t*>(out_row + col) = ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]);
+          }
+        }
+      }
+      if (args.lse != nullptr && q4 == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + 8 * r;
+          if (row < tile.seqlen_q)
+            args.lse[tile.batch * args.lse_batch_stride + tile.head * args.lse_head_stride + tile.q_start + row] =
+                lse[r];
+        }
       }
     }
+    // The shared-memory source of the last store must stay until the copy engine read it.
+    if (Traits::kTmaStoreO && tid == 0) sm90::bulk_wait_group_read<0>();
   }
 #endif
 }

@@ -105,7 +105,7 @@ cudaError_t launch(const PortattnFwdParams& params) {
       reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
       &HopperSmemOptIn<HopperFwdVariantKey<kHeadDim, Elem, kMask, kSoftcap, kSchedule>>::state);
   if (err != cudaSuccess) return err;
-  CUtensorMap tm_q, tm_k, tm_v;
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
   // Varlen: rows past a sequence's end are masked in the kernel.
   MapExtents extents;
   err = map_extents(params, &extents);
@@ -118,6 +118,10 @@ cudaError_t launch(const PortattnFwdParams& params) {
   if (err == cudaSuccess)
     err = encode_bshd(&tm_v, params.v, params.v_strides, params.dtype, extents.batch, extents.rows_k,
                       params.nheads_k, kHeadDim, Traits::kBlockN);
+  // The output's map (Note [portattn hopper O store]): 64-row boxes, one warpgroup's rows.
+  if (err == cudaSuccess)
+    err = encode_bshd(&tm_o, params.out, params.out_strides, params.dtype, extents.batch, extents.rows_q,
+                      params.nheads, kHeadDim, 64);
   if (err != cudaSuccess) return err;
   HopperFwdArgs args;
   args.out = params.out;
@@ -165,7 +169,7 @@ cudaError_t launch(const PortattnFwdParams& params) {
     grid = grid < sms ? grid : sms;
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(
-      tm_q, tm_k, tm_v, args);
+      tm_q, tm_k, tm_v, tm_o, args);
   return cudaGetLastError();
 }
 
