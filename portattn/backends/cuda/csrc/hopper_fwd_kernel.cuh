@@ -154,10 +154,17 @@
 // shared memory (16-32 KiB; it fits beside two Q buffers at hd128: 225 KiB in
 // all), two named barriers per tile per warpgroup (buffer free, buffer
 // written), and the issuing thread waits for its previous store to have read
-// the buffer, one tile later. Not at hd256 or with three stages (no room), not
-// with three consumer warpgroups (their 160 registers spilled 8-40 B with it), and
-// not for a varlen tile whose rows run past its sequence (the packed map would
-// write the next sequence's rows): those take the direct stores.
+// the buffer, one tile later. Not for a varlen tile whose rows run past its
+// sequence (the packed map would write the next sequence's rows): those take the
+// direct stores.
+// Where: hd128 only. Same-call A/B on an H100 (bench/results/runs/2026-11-24-7d84a44/
+// ab_{T,D}.md, bf16, 16k tokens, forward TFLOP/s): hd128 +14% at 512 (full and
+// causal), +8% at 1k, +2-5% at 2k, within noise (-5 to +8%) from 4k. hd64 (two
+// consumers; 16 direct stores a thread) gained nothing at 512-4k and lost 5% at 1k
+// causal and 3-9% on batch-512 sequences of 50-100 rows: there the two barriers
+// cost more than the stores did. With three consumers at hd64 the staging made
+// the 160-register kernels spill (8-40 B), and hd256 or three stages at hd128
+// leave no room for the buffer.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
 #include <cuda_bf16.h>
@@ -237,11 +244,10 @@ struct HopperFwdTraits {
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
   static constexpr int kMainSmemBytes = kQBuffers * kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
                                         1024;  // slack to align the tiles to the 1 KiB swizzle atom
-  // The output tile staged for TMA stores (Note [portattn hopper O store]) where it fits
-  // beside the rest: hd64 and hd128 (also with two Q buffers), not hd256 or three stages;
-  // nor with three consumers, whose 160 registers it made spill (8-40 B, nvcc 13.0).
+  // The output tile staged for TMA stores (Note [portattn hopper O store]) at hd128, where
+  // it measured faster and fits beside the rest (also with two Q buffers; not with three stages).
   static constexpr int kOBytes = kBlockM * kHeadDim * 2;
-  static constexpr bool kTmaStoreO = PORTATTN_HOPPER_FWD_TMA_STORE != 0 && !kThreeConsumers &&
+  static constexpr bool kTmaStoreO = PORTATTN_HOPPER_FWD_TMA_STORE != 0 && kHeadDim == 128 &&
                                      kMainSmemBytes + kOBytes <= kSmemLimit;
   static constexpr int kSmemBytes = kMainSmemBytes + (kTmaStoreO ? kOBytes : 0);
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
