@@ -135,9 +135,10 @@ def _hopper_sources(env):
 
 
 def _expected_units(head_dims, dtypes):
-    """The generated files for a plan restricted to head_dims: each family keeps its own."""
-    return sorted(f"{family.name}_hd{d}_{t}.cu" for family in variants.HOPPER_FAMILIES
-                  for d in head_dims if d in family.head_dims for t in dtypes)
+    """The generated files for a plan restricted to head_dims: each family keeps its own, one
+    file per kernel (hd96 and hd128 share the hd128 forward kernel's)."""
+    return sorted({f"{family.name}_hd{family.kernel_head_dim(d)}_{t}.cu" for family in variants.HOPPER_FAMILIES
+                   for d in head_dims if d in family.head_dims for t in dtypes})
 
 
 def _family(name):
@@ -156,25 +157,43 @@ def test_hopper_head_dims_are_the_specs():
     assert both_passes == variants.HOPPER_BWD_HEAD_DIMS == _family("hopper_bwd").head_dims
     assert set(variants.HOPPER_FWD_HEAD_DIMS) <= set(variants.HEAD_DIMS)  # PORTATTN_HEADDIMS can name them
     assert spec.head_dims_exact  # no masked head-dim tail: a partial build serves only its own
+    # Padded serving (Note [portattn hopper padded head dims]) is the forward's only: each padded
+    # head dim is forward-only, and its kernel is one of the forward's own.
+    padded = _family("hopper_fwd").padded
+    assert padded == variants.HOPPER_FWD_PADDED == {96: 128, 192: 256}
+    assert set(padded) <= set(spec.forward_only_head_dims)
+    assert set(padded.values()) <= set(variants.HOPPER_FWD_KERNEL_HEAD_DIMS) <= set(admitted)
+    assert not _family("hopper_bwd").padded
     assert tuple(variants.DTYPES[d][2] for d in variants.DTYPES) == spec.dtypes
 
 
-def test_hd256_is_a_forward_only_hopper_head_dim():
+@pytest.mark.parametrize("head_dim", [96, 192, 256])
+def test_hd96_192_256_are_forward_only_hopper_head_dims(head_dim):
     from portattn.capability import matrix, probe
     from portattn.capability.callspec import CallSpec
 
     h100 = probe.fake_device("h100")
-    forward = CallSpec("bfloat16", 256, 256, "cuda", frozenset({"forward"}))
-    training = CallSpec("bfloat16", 256, 256, "cuda", frozenset({"forward", "backward"}))
+    forward = CallSpec("bfloat16", head_dim, head_dim, "cuda", frozenset({"forward"}))
+    training = CallSpec("bfloat16", head_dim, head_dim, "cuda", frozenset({"forward", "backward"}))
     built = variants.plan_from_env({}).build_config()["hopper"]
+    assert head_dim in built["head_dims"]
     assert matrix.check_call("cuda-sm90", h100, forward, built) == []
     assert matrix.check_call("cuda-sm90", h100, training, built) == [
-        "head_dim 256 is forward-only on cuda-sm90; with a backward it runs both passes on the sm80+ path (cuda)"]
+        f"head_dim {head_dim} is forward-only on cuda-sm90; with a backward it runs both passes on the sm80+ path "
+        "(cuda)"]
     assert matrix.check_call("cuda", h100, training) == []  # where it goes instead
-    # 192 is a multiple of 64 below the maximum, but no Hopper kernel has it.
-    hd192 = CallSpec("bfloat16", 192, 192, "cuda", frozenset({"forward"}))
-    assert matrix.check_call("cuda-sm90", h100, hd192) == [
-        "head_dim 192 is not one of 64, 128, 256 (cuda-sm90 supports head dims 64, 128, 256 (256 forward only))"]
+
+
+def test_head_dims_without_a_hopper_serving_are_refused():
+    from portattn.capability import matrix, probe
+    from portattn.capability.callspec import CallSpec
+
+    # 160 is a multiple of 32 below the maximum, but no Hopper kernel serves it (the padded
+    # table names 96 and 192 only, not "the smallest kernel >= it").
+    hd160 = CallSpec("bfloat16", 160, 160, "cuda", frozenset({"forward"}))
+    assert matrix.check_call("cuda-sm90", probe.fake_device("h100"), hd160) == [
+        "head_dim 160 is not one of 64, 96, 128, 192, 256 (cuda-sm90 supports head dims 64, 96, 128, 192, 256 "
+        "(96, 192, 256 forward only))"]
 
 
 def test_default_plan_generates_every_hopper_variant_and_its_tables():
@@ -190,13 +209,18 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
     assert "template cudaError_t portattn::hopper::run_hopper_fwd<256, __nv_bfloat16>(" in sources[
         "hopper_fwd_hd256_bf16.cu"]
     assert "hopper_bwd_hd256_bf16.cu" not in sources  # the backward has no hd256
+    assert not any("_hd96_" in name or "_hd192_" in name for name in sources)  # padded: no kernel of their own
     table = sources[variants.HOPPER_TABLE_SOURCE]
     for family in variants.HOPPER_FAMILIES:
         assert f"const int {family.count} = {2 * len(family.head_dims)};" in table
         for d in family.head_dims:
-            assert f"{{{d}, PORTATTN_BF16, &{family.run_template}<{d}, __nv_bfloat16>}}" in table
-            assert f"{{{d}, PORTATTN_FP16, &{family.run_template}<{d}, __half>}}" in table
-    assert "run_hopper_bwd<256" not in table
+            kernel = family.kernel_head_dim(d)
+            assert f"{{{d}, PORTATTN_BF16, &{family.run_template}<{kernel}, __nv_bfloat16>}}" in table
+            assert f"{{{d}, PORTATTN_FP16, &{family.run_template}<{kernel}, __half>}}" in table
+    # The served head dim keys the entry; the kernel that serves it is the larger one.
+    assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_fwd<128, __nv_bfloat16>}" in table
+    assert "{192, PORTATTN_FP16, &portattn::hopper::run_hopper_fwd<256, __half>}" in table
+    assert "run_hopper_bwd<256" not in table and "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd" not in table
     # The sm80+ table stays free of Hopper symbols (it is compiled for every arch).
     assert "hopper" not in variants.generated_sources(variants.plan_from_env({}))["variants_generated.cu"]
 
@@ -207,8 +231,12 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
         ({"PORTATTN_HEADDIMS": "64"}, (64,), ("fp16", "bf16")),
         ({"PORTATTN_HEADDIMS": "32,128,256"}, (128, 256), ("fp16", "bf16")),
         ({"PORTATTN_HEADDIMS": "256", "PORTATTN_DTYPES": "bf16"}, (256,), ("bf16",)),
-        ({"PORTATTN_DTYPES": "bf16"}, (64, 128, 256), ("bf16",)),
+        ({"PORTATTN_DTYPES": "bf16"}, (64, 96, 128, 192, 256), ("bf16",)),
         ({"PORTATTN_HEADDIMS": "128", "PORTATTN_DTYPES": "fp16"}, (128,), ("fp16",)),
+        # Padded head dims build their serving kernel (hd128 / hd256) and serve only themselves.
+        ({"PORTATTN_HEADDIMS": "96", "PORTATTN_DTYPES": "bf16"}, (96,), ("bf16",)),
+        ({"PORTATTN_HEADDIMS": "96,192", "PORTATTN_DTYPES": "bf16"}, (96, 192), ("bf16",)),
+        ({"PORTATTN_HEADDIMS": "64,96,128"}, (64, 96, 128), ("fp16", "bf16")),
     ],
 )
 def test_restrictions_apply_to_the_hopper_families(env, head_dims, dtypes):
@@ -226,8 +254,24 @@ def test_restrictions_apply_to_the_hopper_families(env, head_dims, dtypes):
         "archs": ["sm_90a"], "head_dims": list(head_dims), "dtypes": [variants.DTYPES[d][2] for d in dtypes]}
 
 
+def test_a_padded_head_dim_builds_the_kernel_that_serves_it(monkeypatch, tmp_path):
+    env = {"PORTATTN_CUDA_ARCHS": "90", "PORTATTN_HEADDIMS": "96", "PORTATTN_DTYPES": "bf16"}
+    sources = _hopper_sources(env)
+    assert sorted(sources) == ["hopper_fwd_hd128_bf16.cu", variants.HOPPER_TABLE_SOURCE]
+    assert "run_hopper_fwd<128, __nv_bfloat16>(" in sources["hopper_fwd_hd128_bf16.cu"]
+    compiles = _library_compiles(monkeypatch, tmp_path, env)
+    assert "hopper_fwd_hd128_bf16.cu" in compiles and "fwd_hd96_bf16.cu" in compiles  # and the sm80+ hd96
+    # 96 and 128 together share the one hd128 file; the table has an entry for each.
+    both = _hopper_sources(dict(env, PORTATTN_HEADDIMS="96,128"))
+    assert [n for n in sorted(both) if n.startswith("hopper_fwd_")] == ["hopper_fwd_hd128_bf16.cu"]
+    table = both[variants.HOPPER_TABLE_SOURCE]
+    assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_fwd<128" in table
+    assert "{128, PORTATTN_BF16, &portattn::hopper::run_hopper_fwd<128" in table
+    assert "const int kNumHopperBwdVariants = 1;" in table  # hd128's backward; hd96 has none
+
+
 def test_a_plan_without_hopper_head_dims_builds_empty_tables(monkeypatch, tmp_path):
-    env = {"PORTATTN_CUDA_ARCHS": "80;90", "PORTATTN_HEADDIMS": "32,96"}
+    env = {"PORTATTN_CUDA_ARCHS": "80;90", "PORTATTN_HEADDIMS": "32,160"}
     sources = _hopper_sources(env)
     assert list(sources) == [variants.HOPPER_TABLE_SOURCE]
     table = sources[variants.HOPPER_TABLE_SOURCE]
@@ -287,6 +331,10 @@ def test_one_generated_hopper_unit_the_table_and_the_entry_compile_with_nvcc(mon
         # No masked head-dim tail: a 64 call is not served by the 128 kernel; it falls back.
         ([128], 64, "head_dim 64 not built (this build: PORTATTN_HEADDIMS=128; cuda-sm90 serves only the "
                     "built head dims themselves)"),
+        # A build of hd128 has the kernel that could serve 96, but serves what it names only.
+        ([128], 96, "head_dim 96 not built (this build: PORTATTN_HEADDIMS=128; cuda-sm90 serves only the "
+                    "built head dims themselves)"),
+        ([96], 96, None),
         ([], 64, "head_dim 64 not built (this build has no cuda-sm90 kernel: PORTATTN_HEADDIMS / PORTATTN_DTYPES "
                  "left none of its head dims)"),
     ],

@@ -23,7 +23,8 @@ CUDA_HEAD_DIMS = sorted(set(variants.HEAD_DIMS) | set(PADDED_HEAD_DIMS))
 CUDA_DTYPES = list(cuda.SPEC.dtypes)  # torch dtype names
 
 # Hopper path (variants.HOPPER_FWD_HEAD_DIMS / HOPPER_BWD_HEAD_DIMS; tests/test_cuda_hopper_build.py
-# checks they agree with the spec): the forward grid is every head dim the spec admits; the
+# checks they agree with the spec): the forward grid is every head dim the spec admits (96 and
+# 192 included, served padded by the hd128 / hd256 kernels: variants.HOPPER_FWD_PADDED); the
 # backward grid (HOPPER_HEAD_DIMS, served by both passes) leaves out its forward-only head dims.
 HOPPER_FWD_HEAD_DIMS = _head_dims(cuda_sm90.SPEC)
 HOPPER_HEAD_DIMS = [d for d in HOPPER_FWD_HEAD_DIMS if d not in cuda_sm90.SPEC.forward_only_head_dims]
@@ -50,7 +51,8 @@ COVERAGE = {
         "deterministic_backward": [f"{_BWD}::test_backward_features", f"{_BWD}::test_deterministic_is_bitwise_reproducible"],
     },
     "cuda-sm90": {
-        "forward": [f"{_HFWD}::test_hopper_forward_grid", f"{_HFWD}::test_hopper_forward_every_launched_schedule"],
+        "forward": [f"{_HFWD}::test_hopper_forward_grid", f"{_HFWD}::test_hopper_forward_every_launched_schedule",
+                    f"{_HFWD}::test_hopper_forward_padded_head_dims_read_and_write_only_their_columns"],
         "backward": [f"{_HBWD}::test_hopper_backward_grid"],
         "causal": [f"{_HFWD}::test_hopper_forward_grid", f"{_HBWD}::test_hopper_backward_grid"],
         "window": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HFWD}::test_hopper_forward_every_launched_schedule",

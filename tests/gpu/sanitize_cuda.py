@@ -18,8 +18,9 @@ the extras kernel (softcap + ALiBi + dropout), adversarial cu_seqlens / seqused_
 (test_adversarial_bounds.py's cases, sm80+ and sm_90a forward and backward),
 the decode kernels (decode_cases), and the backward's deterministic
 dQ slices (flash-attn's deterministic case whose splits start on key blocks no query
-sees), and the sm_90a forward (each of its schedules, windows and softcap) and
-backward (GQA, both modes) on an sm_90 device. Outputs and gradients are NaN-poisoned;
+sees), and the sm_90a forward (each of its schedules, windows and softcap; head dims 96 and
+192 on the larger kernels that serve them padded, forward only) and backward (GQA, both
+modes) on an sm_90 device. Outputs and gradients are NaN-poisoned;
 exits non-zero if any stays unwritten, while the sanitizer reports access errors and races.
 """
 from __future__ import annotations
@@ -50,6 +51,29 @@ def _forward(backend, q, k, v, **options):
     backend.forward(q, k, v, out, lse, **args)
     torch.cuda.synchronize()
     return out, lse, args
+
+
+def unwritten_forward_padded(q, k, v, backend, **options) -> int:
+    """A forward only (the Hopper path serves head dims 96 and 192 without a backward), into an
+    output whose rows are 64 columns wider and NaN there: 1 if it left a NaN in its columns or
+    wrote one past them (a padded kernel's zero columns), else 0."""
+    head_dim = q.shape[-1]
+    out_wide = torch.full((*q.shape[:-1], head_dim + 64), float("nan"), device=q.device, dtype=q.dtype)
+    out = out_wide[..., :head_dim]
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    args = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                softmax_scale=1 / math.sqrt(head_dim), window_left=-1, window_right=-1, softcap=0.0,
+                alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
+    args.update(options)
+    backend.forward(q, k, v, out, lse, **args)
+    torch.cuda.synchronize()
+    return int(out.isnan().any().item() or lse.isnan().any().item() or not out_wide[..., head_dim:].isnan().all().item())
+
+
+def hopper_serves_forward(head_dim) -> bool:
+    """Whether this build and device run a bf16 forward at head_dim on the sm_90a path."""
+    call = CallSpec("bfloat16", head_dim, head_dim, "cuda", frozenset({"forward", "causal", "gqa"}))
+    return BACKEND_SM90.unsupported_reasons(call) == []
 
 
 def unwritten(q, k, v, backend=BACKEND, **options) -> int:
@@ -171,6 +195,17 @@ def main() -> int:
         q, k, v = (torch.randn(1, 1100, 2, 64, **bf16) for _ in range(3))
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_left=100, window_right=37, softcap=30.0)
+    # Head dims 96 / 192 on the hd128 / hd256 kernels (Note [portattn hopper padded head dims]):
+    # sequence tails, GQA, causal and a window with softcap, forward only.
+    for head_dim in (96, 192):
+        if not hopper_serves_forward(head_dim):
+            print(f"sanitize_cuda: sm_90a head dim {head_dim} skipped (not served by this build or device)")
+            continue
+        for seqlen_q, seqlen_k, options in ((17, 113, dict(window_right=0)), (130, 70, dict()),
+                                            (113, 300, dict(window_left=40, window_right=7, softcap=30.0))):
+            q = torch.randn(2, seqlen_q, 4, head_dim, **bf16)
+            k, v = (torch.randn(2, seqlen_k, 2, head_dim, **bf16) for _ in range(2))
+            failures += unwritten_forward_padded(q, k, v, BACKEND_SM90, **options)
     if served(64):
         # Adversarial cu_seqlens / seqused_k values (decreasing, past the tensor, negative,
         # INT_MIN/INT_MAX, longer than max_seqlen): the kernels clamp them on the device

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpu
 from cuda_gpu_setup import HOPPER_DTYPES, HOPPER_FWD_HEAD_DIMS, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
 
 from portattn.backends.abi import fwd_args  # noqa: E402
-from portattn.backends.cuda import _C  # noqa: E402
+from portattn.backends.cuda import _C, variants  # noqa: E402
 
 skip_unless_hopper("hopper_fwd")
 
@@ -54,7 +54,11 @@ def forward_schedule(request, monkeypatch):
     return request.param
 
 DTYPES = HOPPER_DTYPES  # capability/specs/cuda_sm90.py, through tests/gpu/grids.py
-HEAD_DIMS = HOPPER_FWD_HEAD_DIMS  # the forward's: hd256 too (forward only, Note [portattn hopper hd256])
+# The forward's: hd256 too (forward only, Note [portattn hopper hd256]), and hd96 / hd192, served
+# padded by the hd128 / hd256 kernels (Note [portattn hopper padded head dims]), so every test with
+# a head_dim parameter covers the padded serving (tails, windows, softcap, GQA, varlen, schedules).
+HEAD_DIMS = HOPPER_FWD_HEAD_DIMS
+PADDED_HEAD_DIMS = sorted(variants.HOPPER_FWD_PADDED)  # 96, 192
 SEQLENS = [(1, 1), (17, 113), (113, 17), (128, 128), (1000, 1000), (1, 4097), (4097, 1000), (2048, 2048)]
 
 
@@ -252,7 +256,7 @@ def test_hopper_forward_refuses_what_it_does_not_serve():
     args = list(fwd_args(q, q, q, out, lse, None, None, 0, 0, 0.125, -1, -1, 0.0, None, 0.1, 0, 0))
     with pytest.raises(RuntimeError, match="dropout is served by the sm80"):
         _C.hopper_fwd(*args)
-    for head_dim in (96, 192):  # 192: a multiple of 64 between built head dims, still refused
+    for head_dim in (32, 160):  # 160: a multiple of 32 between served head dims, still refused
         qd = rand(1, 64, 2, head_dim, dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match=f"head_dim {head_dim}"):
             hopper_forward(qd, qd, qd, causal=False)
@@ -311,7 +315,7 @@ def test_dispatch_routes_eligible_calls_to_the_hopper_path_and_the_rest_to_sm80(
     assert portattn.explain(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
                             max_seqlen_k=300).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, dropout_p=0.1).chosen == "cuda"  # declared: sm80+ path only
-    assert portattn.explain(q[..., :96], k[..., :96], v[..., :96]).chosen == "cuda"  # head dim 96
+    assert portattn.explain(q[..., :80], k[..., :80], v[..., :80]).chosen == "cuda"  # head dim 80
     q.requires_grad_()
     # Training calls too: the backward is the Hopper one (tests/gpu/test_cuda_hopper_backward.py).
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
@@ -355,6 +359,78 @@ def test_dispatch_serves_hd256_forward_on_hopper_and_hd256_training_on_sm80():
     assert explanation.chosen == "cuda"
     assert any("head_dim 256 is forward-only on cuda-sm90" in r for r in explanation.reasons["cuda-sm90"])
     _check_causal_training_call(q, k, v)
+
+
+# ---- padded head dims (96 on the hd128 kernel, 192 on the hd256 one) -------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(17, 113), (113, 17), (300, 777)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
+def test_hopper_forward_padded_head_dims_read_and_write_only_their_columns(head_dim, seqlens, causal):
+    # q, k, v and out as the first head_dim columns of rows as wide as the serving kernel's head
+    # dim: the columns past head_dim hold NaN. The tensor maps must not read them (TMA zero-fills
+    # past the call's head dim) and the store loop must not write them.
+    kernel = variants.HOPPER_FWD_PADDED[head_dim]
+    seqlen_q, seqlen_k = seqlens
+
+    def wide(seqlen, heads):
+        tensor = torch.full((2, seqlen, heads, kernel), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tensor[..., :head_dim] = rand(2, seqlen, heads, head_dim, dtype=torch.bfloat16)
+        return tensor
+
+    q_wide, k_wide, v_wide, out_wide = wide(seqlen_q, 4), wide(seqlen_k, 2), wide(seqlen_k, 2), wide(seqlen_q, 4)
+    out_wide[..., :head_dim] = float("nan")
+    q, k, v, out = (t[..., :head_dim] for t in (q_wide, k_wide, v_wide, out_wide))
+    out, lse = hopper_forward(q, k, v, causal=causal, out=out)
+    torch.cuda.synchronize()
+    assert out_wide[..., head_dim:].isnan().all(), "the kernel wrote columns past the head dim"
+    _check(out, lse, q, k, v, causal)
+
+
+def _record_passes(monkeypatch):
+    """[(pass, backend name)] of every forward / backward a dispatched call runs from now on."""
+    from portattn import dispatch
+
+    passes = []
+    for slot in dispatch.DISPATCHER.slots:
+        if slot.backend is None:
+            continue
+        for method in ("forward", "backward"):
+            def recorded(*args, _run=getattr(slot.backend, method), _entry=(method, slot.name), **kwargs):
+                passes.append(_entry)
+                return _run(*args, **kwargs)
+
+            monkeypatch.setattr(slot.backend, method, recorded)
+    return passes
+
+
+@pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
+def test_dispatch_serves_padded_head_dims_forward_on_hopper_and_training_on_sm80(monkeypatch, head_dim):
+    import portattn
+
+    passes = _record_passes(monkeypatch)
+    q, k, v = (rand(2, 300, 4, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
+    assert portattn.explain(q, k, v, softcap=5.0, window_size=(64, 0)).chosen == "cuda-sm90"
+    out = portattn.flash_attn_func(q, k, v, causal=True)
+    assert passes == [("forward", "cuda-sm90")]
+    ref = naive_attention(q.double(), k.double(), v.double(), causal=True)[0]
+    low = naive_attention(q, k, v, causal=True, compute_dtype=torch.bfloat16)[0]
+    assert_output(out, ref, low)
+    # A training call: the Hopper backward has no padded head dims (capability/specs/cuda_sm90.py,
+    # forward_only_head_dims), so explain() sends the call to the sm80+ path.
+    q.requires_grad_()
+    explanation = portattn.explain(q, k, v, causal=True)
+    assert explanation.chosen == "cuda"
+    assert any(f"head_dim {head_dim} is forward-only on cuda-sm90" in r for r in explanation.reasons["cuda-sm90"])
+    passes.clear()
+    _check_causal_training_call(q, k, v)
+    # The backward runs on the sm80+ path. The forward of the same call is dispatched with the
+    # forward's features only (ops.run_forward passes no backward bit), so it runs on the Hopper
+    # forward, as hd256's training forward does; both paths' out and LSE are interchangeable
+    # (CudaSm90Backend). If dispatch ever routes a training call's forward by its backward, this
+    # becomes [("forward", "cuda"), ("backward", "cuda")].
+    assert passes == [("forward", "cuda-sm90"), ("backward", "cuda")]
 
 
 def test_hopper_forward_timing_printout():

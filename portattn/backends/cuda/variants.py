@@ -17,7 +17,7 @@ built arch still run (the driver JIT-compiles it on first use).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 # Instantiated head dims; any multiple of 8 up to the maximum is served by the
@@ -43,13 +43,21 @@ class Family:
     count: str  # its element-count symbol
     fn_type: str  # function-pointer type of the table entries
     params_type: str  # the C ABI struct the run function takes
-    # The head dims this family is instantiated for (None: every head dim of the plan); the
-    # plan's PORTATTN_HEADDIMS restriction still applies on top.
+    # The head dims this family serves (None: every head dim of the plan); the plan's
+    # PORTATTN_HEADDIMS restriction still applies on top.
     head_dims: Optional[Tuple[int, ...]] = None
+    # Served head dim -> the larger instantiated head dim whose kernel serves it, padded
+    # (the Hopper forward's 96 -> 128; Note [portattn hopper padded head dims]). A head dim
+    # not named here is instantiated itself.
+    padded: Mapping[int, int] = field(default_factory=dict, hash=False)
 
     def variants_of(self, variants: Sequence["Variant"]) -> List["Variant"]:
-        """The plan's variants this family instantiates."""
+        """The plan's variants this family serves."""
         return [v for v in variants if self.head_dims is None or v.head_dim in self.head_dims]
+
+    def kernel_head_dim(self, head_dim: int) -> int:
+        """The instantiated head dim that serves `head_dim`."""
+        return self.padded.get(head_dim, head_dim)
 
 
 FAMILIES: Tuple[Family, ...] = (
@@ -66,11 +74,12 @@ FAMILIES: Tuple[Family, ...] = (
 
 @dataclass(frozen=True)
 class Variant:
-    head_dim: int
+    head_dim: int  # the head dim it serves (its kernel's: Family.kernel_head_dim)
     dtype: str  # key of DTYPES
 
     def source_name(self, family: Family) -> str:
-        return f"{family.name}_hd{self.head_dim}_{self.dtype}.cu"
+        """The generated file that instantiates its kernel (shared by the head dims one kernel serves)."""
+        return f"{family.name}_hd{family.kernel_head_dim(self.head_dim)}_{self.dtype}.cu"
 
 
 @dataclass(frozen=True)
@@ -106,8 +115,9 @@ class BuildPlan:
             "dtypes": [DTYPES[d][2] for d in self.dtypes],
         }
         if self.hopper:
-            # The forward table's pairs (csrc/binding.cpp reads kHopperFwdVariants); head dims
-            # the backward lacks are the spec's forward_only_head_dims.
+            # The forward table's pairs (csrc/binding.cpp reads kHopperFwdVariants): the head dims
+            # served, padded ones included; head dims the backward lacks are the spec's
+            # forward_only_head_dims.
             hopper = self.hopper_variants
             config["hopper"] = {
                 "archs": ["sm_90a"],
@@ -212,6 +222,7 @@ def generated_sources(plan: BuildPlan, families: Sequence[Family] = FAMILIES) ->
 
 
 def _variant_sources(variants: Sequence[Variant], families: Iterable[Family]) -> dict:
+    """One file per instantiated kernel: head dims served by the same kernel share it."""
     sources = {}
     for family in families:
         for variant in family.variants_of(variants):
@@ -220,7 +231,7 @@ def _variant_sources(variants: Sequence[Variant], families: Iterable[Family]) ->
                 [
                     _GENERATED,
                     f'#include "{family.header}"',
-                    f"template cudaError_t {family.run_template}<{variant.head_dim}, {elem}>(",
+                    f"template cudaError_t {family.run_template}<{family.kernel_head_dim(variant.head_dim)}, {elem}>(",
                     f"    const {family.params_type}&);",
                     "",
                 ]
@@ -235,7 +246,8 @@ def _table_source(variants: Sequence[Variant], families: Iterable[Family], extra
         lines.append(f"const Variant<{family.fn_type}> {family.table}[] = {{")
         for variant in own:
             elem, enum, _ = DTYPES[variant.dtype]
-            lines.append(f"    {{{variant.head_dim}, {enum}, &{family.run_template}<{variant.head_dim}, {elem}>}},")
+            kernel = family.kernel_head_dim(variant.head_dim)
+            lines.append(f"    {{{variant.head_dim}, {enum}, &{family.run_template}<{kernel}, {elem}>}},")
         if not own:  # C++ has no empty arrays; the count below says there is no entry
             lines.append("    {0, -1, nullptr},")
         lines.append("};")
@@ -262,21 +274,33 @@ HOPPER_ENV = "PORTATTN_CUDA_HOPPER"
 HOPPER_SOURCE_PREFIX = "hopper_"
 HOPPER_GENCODE: Tuple[str, ...] = ("-gencode=arch=compute_90a,code=sm_90a",)
 HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
-# Exactly these, per family: the Hopper kernels have no masked head-dim tail, so each serves
-# its own head dim only. The forward has hd256 (Note [portattn hopper hd256] in
-# csrc/hopper_fwd_kernel.cuh), the backward not: training at hd256 runs both passes on the
-# sm80+ path. The spec says the same (capability/specs/cuda_sm90.py: head_dims and
-# forward_only_head_dims); tests/test_cuda_hopper_build.py checks the two agree.
-HOPPER_FWD_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
+# Exactly these, per family: the Hopper kernels have no masked head-dim tail, so a call is
+# served only at a head dim named here, by its own kernel or, for the forward, by the larger
+# kernel HOPPER_FWD_PADDED names (as the sm80+ path serves 40 with its hd64 kernel, but as a
+# table, not "the smallest one >= it": 80 or 160 have no Hopper serving). The forward has hd256
+# (Note [portattn hopper hd256] in csrc/hopper_fwd_kernel.cuh) and hd96 / hd192 padded (Note
+# [portattn hopper padded head dims] in csrc/hopper_fwd_launch.cuh), the backward none of them:
+# training at those head dims runs both passes on the sm80+ path. The spec says the same
+# (capability/specs/cuda_sm90.py: head_dims and forward_only_head_dims);
+# tests/test_cuda_hopper_build.py checks the two agree.
+# PORTATTN_HEADDIMS names served head dims: "96" builds the hd128 kernel and serves 96 only.
+HOPPER_FWD_PADDED: Mapping[int, int] = {96: 128, 192: 256}  # served head dim -> kernel head dim
+HOPPER_FWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
+HOPPER_FWD_HEAD_DIMS: Tuple[int, ...] = tuple(sorted(HOPPER_FWD_KERNEL_HEAD_DIMS + tuple(HOPPER_FWD_PADDED)))
 HOPPER_BWD_HEAD_DIMS: Tuple[int, ...] = (64, 128)
-HOPPER_HEAD_DIMS: Tuple[int, ...] = HOPPER_FWD_HEAD_DIMS  # every head dim with a Hopper kernel
+HOPPER_HEAD_DIMS: Tuple[int, ...] = HOPPER_FWD_HEAD_DIMS  # every head dim a Hopper kernel serves
 HOPPER_FAMILIES: Tuple[Family, ...] = (
     Family("hopper_fwd", "hopper_fwd_launch.cuh", "portattn::hopper::run_hopper_fwd", "kHopperFwdVariants",
-           "kNumHopperFwdVariants", "FwdFn", "PortattnFwdParams", HOPPER_FWD_HEAD_DIMS),
+           "kNumHopperFwdVariants", "FwdFn", "PortattnFwdParams", HOPPER_FWD_HEAD_DIMS, HOPPER_FWD_PADDED),
     Family("hopper_bwd", "hopper_bwd_launch.cuh", "portattn::hopper::run_hopper_bwd", "kHopperBwdVariants",
            "kNumHopperBwdVariants", "BwdFn", "PortattnBwdParams", HOPPER_BWD_HEAD_DIMS),
 )
 assert set(HOPPER_BWD_HEAD_DIMS) <= set(HOPPER_FWD_HEAD_DIMS), "build_config()['hopper'] reports the forward's"
+# The kernel's store loop guards only its last 64-column panel (hopper_fwd_min_head_dim in
+# csrc/hopper_fwd_schedule.h, whose rule this repeats; the launch refuses anything else).
+assert all(kernel in HOPPER_FWD_KERNEL_HEAD_DIMS and kernel > 64 and kernel - 64 <= served < kernel
+           and served % 8 == 0 for served, kernel in HOPPER_FWD_PADDED.items()), HOPPER_FWD_PADDED
+assert set(HOPPER_FWD_PADDED).isdisjoint(HOPPER_BWD_HEAD_DIMS), "the backward has no padded serving"
 HOPPER_TABLE_SOURCE = "hopper_variants_generated.cu"
 
 

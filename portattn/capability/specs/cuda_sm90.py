@@ -1,7 +1,7 @@
 """The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(ALiBi, dropout, seqused_k, other head dims; head dim 256 in training calls) goes to the sm80+ path
+(ALiBi, dropout, seqused_k, other head dims; head dims 96, 192 and 256 in training calls) goes to the sm80+ path
 ("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
@@ -19,6 +19,9 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # Session 5 (2026-11-24), integrated run at 654f44a (bench/results/runs/2026-11-24-7b49e7e/summary.md): 3181 GPU
 # tests passed, the hd256 forward (every launched schedule) and the varlen backward included; memcheck and
 # synccheck clean.
+# Head dims 96 and 192 (forward, padded on the hd128 / hd256 kernels) were added after these runs
+# and have not run on a GPU yet: tests/gpu/test_cuda_hopper_forward.py covers them (its grids
+# are this spec's head dims); the forward's mark covers them once that run passes.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
@@ -31,13 +34,18 @@ SPEC = BackendSpec(
     dtypes=("float16", "bfloat16"),
     # Exactly the Hopper families' head dims (backends/cuda/variants.HOPPER_FWD_HEAD_DIMS and
     # HOPPER_BWD_HEAD_DIMS; a CPU test checks they agree): the kernels have no masked head-dim
-    # tail, so each serves its own. The forward has hd256 (Note [portattn hopper hd256]), the
-    # backward not: a training call at 256 runs both passes on the sm80+ path.
-    head_dim_multiple=64,
+    # tail, so only these are served. The forward has hd256 (Note [portattn hopper hd256]) and
+    # hd96 / hd192 on the hd128 / hd256 kernels, padded by TMA's zero fill (Note [portattn hopper
+    # padded head dims]: 33% more MMA work than native kernels, declared because it is expected
+    # to beat the sm80+ path's native hd96 / hd192; to be measured on an H100); the backward
+    # none of them: a training call at 96, 192 or 256 runs both passes on the sm80+ path.
+    head_dim_multiple=32,
     head_dim_max=256,
     head_dims_exact=True,
-    head_dims=(64, 128, 256),
+    head_dims=(64, 96, 128, 192, 256),
     forward_only_head_dims={
+        96: "runs both passes on the sm80+ path (cuda)",
+        192: "runs both passes on the sm80+ path (cuda)",
         256: "runs both passes on the sm80+ path (cuda)",
     },
     supported=SUPPORTED,

@@ -272,6 +272,7 @@ struct HopperFwdArgs {
   int64_t total_q;  // rows of q / k along the sequence axis (params.h), the clamp of seq_bounds.h
   int64_t total_k;
   int nheads;
+  int head_dim;      // the call's: below kHeadDim when this kernel serves it padded (Note [portattn hopper padded head dims])
   int heads_per_kv;  // nheads / nheads_k
   int num_m_blocks;  // query blocks per (head, batch)
   int num_tiles;     // num_m_blocks * nheads * batch
@@ -719,6 +720,12 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
 #pragma unroll
           for (int c = 0; c < kOCols; c += 2) {
             const int col = (c / 2) * 8 + 2 * q4;
+            // Padded serving (Note [portattn hopper padded head dims]): columns at or past the call's
+            // head dim are not the call's. Only the last panel's can be (hopper_fwd_min_head_dim), so
+            // the compare exists there only (and not at all at hd64), and it is uniform: a kernel
+            // arg against a constant, not a second instantiation per kernel. (The TMA store above
+            // needs none: its map's innermost extent is the call's head dim, past which it clips.)
+            if ((c / 2) * 8 >= hopper_fwd_min_head_dim(kHeadDim) && (c / 2) * 8 >= args.head_dim) continue;
             *reinterpret_cast<uint32_t*>(out_row + col) = ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]);
           }
         }

@@ -97,31 +97,64 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
   return tight && (softcap || mask == kMaskLocal) ? (bits & (kSchedPersistent | kSchedThreeConsumers)) : bits;
 }
 
+// Note [portattn hopper padded head dims]
+// Head dims 96 and 192 run on the hd128 and hd256 kernels (forward only, as hd256;
+// the table "served head dim -> kernel head dim" is data: variants.HOPPER_FWD_PADDED,
+// and the generated table's hd96 entry points at run_hopper_fwd<128, ...>).
+//  * Why it is exact: Q, K and V's tensor maps are encoded with the call's head dim
+//    as the innermost extent, so TMA zero-fills every box column past it (the
+//    second half of hd128's last panel at 96; hd256's whole last panel at 192).
+//    Q K^T then sums zeros over the padding, and P V's extra output columns are
+//    zero: the kernel stores only columns below args.head_dim (the guard in
+//    hopper_fwd_kernel.cuh's store loop). Nothing else reads the kernel's head
+//    dim: the softmax scale comes from the caller (1/sqrt(the call's head dim) in
+//    Python), the LSE is per row, strides are the tensors' own. TMA needs 16-byte
+//    row strides: 96 * 2 and 192 * 2 bytes are.
+//  * Cost: the kernel's full work. hd96 computes 128 columns, 33% more MMA work
+//    than a native hd96 kernel would (the same for both products); hd192 on the
+//    hd256 kernel computes 256 columns, 33% more, with 80-key blocks where a native
+//    tile would fit more keys in the shared memory the zero panel takes.
+//  * Why it is declared anyway: the sm80+ path's native hd96/hd192 kernels run
+//    mma.sync without TMA or warp specialization, and the padded Hopper kernels are
+//    expected to beat them (the hd256 kernel runs 1.7-2.1x the sm80+ path's hd256),
+//    which is to be measured on an H100: where it does not hold, remove 96 / 192 from
+//    HOPPER_FWD_PADDED and the spec, and dispatch sends them back to the sm80+ path.
 template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, int kSchedule>
 cudaError_t launch(const PortattnFwdParams& params) {
   using Traits = HopperFwdTraits<kHeadDim, kSchedule>;
   auto kernel = &hopper_fwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kSchedule>;
+  // The store loop guards columns from hopper_fwd_min_head_dim on only; a smaller
+  // head dim here would be a table error (variants.HOPPER_FWD_PADDED), not a call's.
+  if (params.headdim > kHeadDim || params.headdim < hopper_fwd_min_head_dim(kHeadDim)) {
+    char text[128];
+    snprintf(text, sizeof(text), "head_dim %d cannot run on the hd%d kernel (it serves %d-%d)", params.headdim,
+             kHeadDim, hopper_fwd_min_head_dim(kHeadDim), kHeadDim);
+    portattn::cuda::set_error_detail(text);
+    return cudaErrorInvalidValue;
+  }
   cudaError_t err = portattn::cuda::ensure_dynamic_smem(
       reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
       &HopperSmemOptIn<HopperFwdVariantKey<kHeadDim, Elem, kMask, kSoftcap, kSchedule>>::state);
   if (err != cudaSuccess) return err;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;
-  // Varlen: rows past a sequence's end are masked in the kernel.
+  // Varlen: rows past a sequence's end are masked in the kernel. The call's head dim,
+  // not kHeadDim, is the maps' innermost extent (Note [portattn hopper padded head dims]).
   MapExtents extents;
   err = map_extents(params, &extents);
   if (err == cudaSuccess)
     err = encode_bshd(&tm_q, params.q, params.q_strides, params.dtype, extents.batch, extents.rows_q,
-                      params.nheads, kHeadDim, Traits::kBlockM);
+                      params.nheads, params.headdim, Traits::kBlockM);
   if (err == cudaSuccess)
     err = encode_bshd(&tm_k, params.k, params.k_strides, params.dtype, extents.batch, extents.rows_k,
-                      params.nheads_k, kHeadDim, Traits::kBlockN);
+                      params.nheads_k, params.headdim, Traits::kBlockN);
   if (err == cudaSuccess)
     err = encode_bshd(&tm_v, params.v, params.v_strides, params.dtype, extents.batch, extents.rows_k,
-                      params.nheads_k, kHeadDim, Traits::kBlockN);
-  // The output's map (Note [portattn hopper O store]): 64-row boxes, one warpgroup's rows.
+                      params.nheads_k, params.headdim, Traits::kBlockN);
+  // The output's map (Note [portattn hopper O store]): 64-row boxes, one warpgroup's rows;
+  // its innermost extent, the call's head dim, clips a padded kernel's extra columns.
   if (err == cudaSuccess)
     err = encode_bshd(&tm_o, params.out, params.out_strides, params.dtype, extents.batch, extents.rows_q,
-                      params.nheads, kHeadDim, 64);
+                      params.nheads, params.headdim, 64);
   if (err != cudaSuccess) return err;
   HopperFwdArgs args;
   args.out = params.out;
@@ -136,6 +169,7 @@ cudaError_t launch(const PortattnFwdParams& params) {
   args.total_q = extents.rows_q;
   args.total_k = extents.rows_k;
   args.nheads = params.nheads;
+  args.head_dim = params.headdim;
   args.heads_per_kv = params.nheads / params.nheads_k;
   args.num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t tiles = static_cast<int64_t>(args.num_m_blocks) * params.nheads * params.batch;
@@ -146,7 +180,7 @@ cudaError_t launch(const PortattnFwdParams& params) {
   args.num_tiles = static_cast<int>(tiles);
   {
     // K + V of one head in bf16/fp16; groups fill about half of an H100's 50 MB L2.
-    const int64_t kv_bytes = 4 * static_cast<int64_t>(params.seqlen_k) * kHeadDim;
+    const int64_t kv_bytes = 4 * static_cast<int64_t>(params.seqlen_k) * params.headdim;
     const int64_t heads_batches = static_cast<int64_t>(params.nheads) * params.batch;
     const int64_t group = (int64_t(24) << 20) / (kv_bytes > 0 ? kv_bytes : 1);
     args.group_heads = static_cast<int>(group < 1 ? 1 : (group > heads_batches ? heads_batches : group));

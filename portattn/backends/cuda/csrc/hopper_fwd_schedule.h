@@ -31,6 +31,16 @@ constexpr int admitted_bits(int head_dim, int bits) {
   return head_dim == 64 ? bits : bits & ~kSchedThreeConsumers;
 }
 
+// The smallest head dim the kernel of `kernel_head_dim` columns serves (Note [portattn hopper
+// padded head dims] in hopper_fwd_launch.cuh): a padded head dim fills part of the kernel's last
+// 64-column panel or leaves it empty, never more (a smaller kernel would serve it). hd64 serves
+// only itself, so its store loop carries no column guard. variants.HOPPER_FWD_PADDED must keep
+// within it (variants.py asserts it); the launch refuses a call outside it. (__host__ __device__:
+// the kernel's store loop reads it too; every includer is compiled by nvcc.)
+__host__ __device__ constexpr int hopper_fwd_min_head_dim(int kernel_head_dim) {
+  return kernel_head_dim <= 64 ? kernel_head_dim : kernel_head_dim - 64;
+}
+
 // Tuning builds (-DPORTATTN_HOPPER_TUNING, hopper_fwd_launch.cuh):
 // PORTATTN_HOPPER_FWD_SCHEDULE=<bits> runs one of these (bf16, no mask or
 // causal, no softcap) at the head dims that admit it;
