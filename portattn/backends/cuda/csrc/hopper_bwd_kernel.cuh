@@ -43,7 +43,8 @@
 //   dS^T has two buffers (by step parity): a consumer passes step i + 1's
 //   barrier only after both have waited for their step-i dQ wgmma, so step
 //   i + 2 may overwrite step i's buffer with no second barrier.
-//   Epilogue: dK * softmax_scale and dV straight from registers (4-byte
+//   Epilogue: dK * softmax_scale and dV through the K/V buffers and TMA stores
+//   (Note [portattn hopper dK/dV store]), else straight from registers (4-byte
 //   stores), or fp32 reductions into the GQA accumulators.
 // Determinism: Note [portattn hopper ordered dQ] below.
 //
@@ -124,6 +125,22 @@
 // Before, each split added into its own fp32 copy of dQ (the sm80+ scheme): ~2
 // GiB of slices at 16k tokens whose reductions missed the L2 (1.55-1.78x the
 // default's forward+backward time).
+//
+// Note [portattn hopper dK/dV store]
+// The epilogue writes dK (scaled) and dV through shared memory: once both
+// consumers are past their last product (`bar.sync kBarEpilogue, 256`: the dQ
+// product reads all 128 rows of K), each writes its 64 keys' rows into the K and
+// V buffers in their 128B-swizzled panel layout, and one thread per warpgroup
+// issues a TMA store per panel and waits until the copy engine has read them.
+// Why: like the forward's output (Note [portattn hopper O store]), the direct
+// epilogue is 64 (hd64) or 128 (hd128) 4-byte stores a thread spread over 8 rows
+// each, which the CTA must issue before it retires and the next key block's CTA
+// can start on the SM; shared stores with the swizzle are conflict-free and the
+// copy engine writes whole lines. Only where nothing refills K/V afterwards (the
+// block is the CTA's last, which the grid of one CTA per key block makes every
+// block) and not for GQA in the default mode (fp32 reductions into the
+// accumulators) or a varlen block that runs past its sequence (the packed map
+// would write the next sequence's rows): those keep the direct stores.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
@@ -136,6 +153,10 @@
 #include "bwd_kernel.cuh"
 #include "hopper_ptx.cuh"
 
+#ifndef PORTATTN_HOPPER_BWD_TMA_STORE
+#define PORTATTN_HOPPER_BWD_TMA_STORE 1
+#endif
+
 namespace portattn {
 namespace hopper {
 
@@ -146,6 +167,9 @@ struct HopperBwdTraits {
   // registers; true = Note [portattn hopper bulk dQ].
   static constexpr bool kBulkDq = kBulkDq_;
   static constexpr int kBlockN = 128;  // two consumer warpgroups x wgmma M (64 keys)
+  // dK/dV written through the K/V buffers and TMA stores (Note [portattn hopper dK/dV store]);
+  // -DPORTATTN_HOPPER_BWD_TMA_STORE=0 builds the direct stores (A/B).
+  static constexpr bool kTmaStoreDkv = PORTATTN_HOPPER_BWD_TMA_STORE != 0;
   // 64 queries keep S^T and dP^T at 32 fp32 each next to the 128 of dK + dV (hd128).
   static constexpr int kBlockM = 64;
   // hd64's Q/dO tiles are half the size: twice the stages in a smaller budget.
@@ -199,6 +223,11 @@ struct HopperBwdTraits {
   // ordered dQ adds (Note [portattn hopper ordered dQ]).
   static constexpr int kBarDqOrder = kBarDqEmpty + kDqStages;
   static_assert(kBlockM == cuda::kDqOrderRows, "dq_order counts are per 64-query block");
+  // The epilogue's staging (Note [portattn hopper dK/dV store]): both consumers past K and
+  // V, then each warpgroup's staging written.
+  static constexpr int kBarEpilogue = kBarDqOrder + 1;
+  static constexpr int kBarStaged = kBarEpilogue + 1;  // + warpgroup
+  static_assert(kBarStaged + kConsumers <= 16, "named barrier ids run 0-15");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
                 "register split exceeds the register file");
 };
@@ -256,7 +285,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v,
-                      const __grid_constant__ CUtensorMap tm_do, const cuda::BwdArgs args,
+                      const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dk,
+                      const __grid_constant__ CUtensorMap tm_dv, const cuda::BwdArgs args,
                       const float softcap_scale) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Traits = HopperBwdTraits<kHeadDim, kBulkDq>;
@@ -696,6 +726,41 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 
       // ---- epilogue: dK (scaled) and dV of this thread's two keys ----
       const int n_valid = min(kBlockN, len_k - n0);
+      // Note [portattn hopper dK/dV store]: through the K and V buffers and TMA stores
+      // where the block is this CTA's last (nothing refills K/V) and its rows are the
+      // sequence's (varlen: a packed map would write the next sequence's rows).
+      if (Traits::kTmaStoreDkv && !gqa_atomic && n_block + n_step >= n_blocks &&
+          (f.cu_seqlens_k == nullptr || n_valid == kBlockN)) {
+        sm90::named_barrier_sync(Traits::kBarEpilogue, 128 * Traits::kConsumers);  // K and V read by all
+        // Key row wg * 64 + warp * 16 + g (+ 8): its row mod 8 is g, and the 128B swizzle
+        // puts 16-byte chunk j of a 128-byte panel row at chunk j ^ g.
+        const uint32_t row_offset = static_cast<uint32_t>(key_row) * 128 + q4 * 4;
+        const uint32_t g16 = static_cast<uint32_t>(g) * 16;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int j = 0; j < kOCols / 2; ++j) {
+            const uint32_t at = row_offset + r * 8 * 128 + (j / 8) * Traits::kPanelBytesKV +
+                                ((static_cast<uint32_t>(j % 8) * 16) ^ g16);
+            sm90::st_shared_b32(s_k + at, ptx::ElemTraits<Elem>::pack(dk[r][2 * j] * f.softmax_scale,
+                                                                      dk[r][2 * j + 1] * f.softmax_scale));
+            sm90::st_shared_b32(s_v + at, ptx::ElemTraits<Elem>::pack(dv[r][2 * j], dv[r][2 * j + 1]));
+          }
+        }
+        sm90::fence_proxy_async_smem();  // the writes above, before the copy engine reads them
+        sm90::named_barrier_sync(Traits::kBarStaged + wg, 128);
+        if (tid == 0) {
+          const int row = bounds.k_start + n0 + wg * 64;  // dense: rows past seqlen_k are clipped
+#pragma unroll
+          for (int p = 0; p < kPanels; ++p) {
+            sm90::tma_store_4d(&tm_dk, s_k_wg + p * Traits::kPanelBytesKV, p * Traits::kPanel, row, head_k, tma_batch);
+            sm90::tma_store_4d(&tm_dv, s_v_wg + p * Traits::kPanelBytesKV, p * Traits::kPanel, row, head_k, tma_batch);
+          }
+          sm90::bulk_commit_group();
+          sm90::bulk_wait_group_read<0>();  // the buffers stay until the copy engine has read them
+        }
+        continue;
+      }
       // GQA default mode: fp32 reductions into the (B, Sk_max, chunk KV heads, D) accumulators
       // (rows padded to the longest sequence, as the convert kernel reads them).
       const int64_t acc_stride = static_cast<int64_t>(args.heads_k) * kHeadDim;

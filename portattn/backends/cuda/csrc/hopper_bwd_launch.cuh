@@ -29,6 +29,7 @@ bool hopper_bwd_bulk_dq(int head_dim);
 
 struct TensorMaps {
   CUtensorMap q, k, v, dout;
+  CUtensorMap dk, dv;  // 64-row boxes: one consumer warpgroup's keys (Note [portattn hopper dK/dV store])
 };
 
 template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
@@ -51,8 +52,8 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
   // the same value; a kernel parameter, read from the constant bank, holds no register.
   const float softcap_scale = kSoftcap ? f.softmax_scale / f.softcap : 0.f;
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, args,
-                                                                 softcap_scale);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, maps.dk,
+                                                                 maps.dv, args, softcap_scale);
   return cudaGetLastError();
 }
 
@@ -88,6 +89,12 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
   if (err == cudaSuccess)
     err = encode_bshd(&maps.v, f.v, f.v_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
                       kHeadDim, Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = encode_bshd(&maps.dk, params.dk, params.dk_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
+                      kHeadDim, 64);
+  if (err == cudaSuccess)
+    err = encode_bshd(&maps.dv, params.dv, params.dv_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
+                      kHeadDim, 64);
   if (err != cudaSuccess) return err;
   const bool softcap = f.softcap > 0.f;
   // Both modes take the bulk or per-element adds as PORTATTN_HOPPER_BWD_DQ says; the
