@@ -489,7 +489,7 @@ def test_forward_only_head_dims_serve_inference_and_refuse_training_calls(head_d
     assert check_call("cuda-sm90", h100, call(head_dim=head_dim, features=("forward", "causal"))) == []
     training = call(head_dim=head_dim, features=("forward", "backward", "causal"))
     assert check_call("cuda-sm90", h100, training) == [
-        f"head_dim {head_dim} is forward-only on cuda-sm90; with a backward it runs both passes on the sm80+ path "
+        f"head_dim {head_dim} is forward-only on cuda-sm90; with a backward it runs its backward on the sm80+ path "
         "(cuda)"]
     assert check_call("cuda", h100, training) == []
     assert check_call("cuda-sm90", h100, call(head_dim=128, features=("forward", "backward"))) == []

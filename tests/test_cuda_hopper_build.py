@@ -179,7 +179,7 @@ def test_hd96_192_256_are_forward_only_hopper_head_dims(head_dim):
     assert head_dim in built["head_dims"]
     assert matrix.check_call("cuda-sm90", h100, forward, built) == []
     assert matrix.check_call("cuda-sm90", h100, training, built) == [
-        f"head_dim {head_dim} is forward-only on cuda-sm90; with a backward it runs both passes on the sm80+ path "
+        f"head_dim {head_dim} is forward-only on cuda-sm90; with a backward it runs its backward on the sm80+ path "
         "(cuda)"]
     assert matrix.check_call("cuda", h100, training) == []  # where it goes instead
 

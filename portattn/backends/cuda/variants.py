@@ -280,7 +280,7 @@ HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
 # table, not "the smallest one >= it": 80 or 160 have no Hopper serving). The forward has hd256
 # (Note [portattn hopper hd256] in csrc/hopper_fwd_kernel.cuh) and hd96 / hd192 padded (Note
 # [portattn hopper padded head dims] in csrc/hopper_fwd_launch.cuh), the backward none of them:
-# training at those head dims runs both passes on the sm80+ path. The spec says the same
+# training at those head dims runs its backward on the sm80+ path. The spec says the same
 # (capability/specs/cuda_sm90.py: head_dims and forward_only_head_dims);
 # tests/test_cuda_hopper_build.py checks the two agree.
 # PORTATTN_HEADDIMS names served head dims: "96" builds the hd128 kernel and serves 96 only.
