@@ -22,6 +22,8 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # Head dims 96 and 192 (forward, padded on the hd128 / hd256 kernels) were added after these runs
 # and have not run on a GPU yet: tests/gpu/test_cuda_hopper_forward.py covers them (its grids
 # are this spec's head dims); the forward's mark covers them once that run passes.
+# Session 7 (2026-11-24), integrated run at 4a49676 (bench/results/runs/2026-11-24-4a49676/summary.md): 3753 GPU
+# tests passed (the hd96 / hd192 forward grids included); memcheck, initcheck (every kernel) and synccheck clean.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
