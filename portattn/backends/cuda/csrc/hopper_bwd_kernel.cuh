@@ -2,8 +2,9 @@
 //
 // Note [portattn hopper backward]
 // What it serves is declared in capability/specs/cuda_sm90.py (the Hopper
-// forward's calls, varlen included), in the default (atomic or bulk dQ) and the
-// deterministic mode. Other calls stay on the sm80+ backward
+// forward's calls, varlen included, at head dims 64, 128 and 96 on the hd128 kernel,
+// padded: Note [portattn hopper padded head dims] in hopper_fwd_launch.cuh, backward
+// part), in the default (atomic or bulk dQ) and the deterministic mode. Other calls stay on the sm80+ backward
 // (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
 // sequence, workspace and math are those of Note [portattn cuda backward]:
 // the same preprocess (delta = rowsum(dO * O)) and convert kernels run around

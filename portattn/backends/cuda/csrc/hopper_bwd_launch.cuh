@@ -7,7 +7,9 @@
 // ordered_dq (Python sizes it with bwd_workspace_bytes(..., ordered_dq=True): the deterministic
 // mode keeps one dQ accumulator and its dq_order counts instead of slices) and the
 // launch sequence is its run_bwd_sequence (memset, preprocess, main, convert per
-// chunk of KV heads); only the main kernel is this file's.
+// chunk of KV heads); only the main kernel is this file's. The accumulators' row pitch is
+// the kernel's head dim, also for a call served padded (Note [portattn hopper padded head
+// dims], backward part; Python sizes it the same way, hopper_bwd_acc_head_dim).
 #pragma once
 #include "bwd_launch.cuh"
 #include "hopper_bwd_kernel.cuh"
