@@ -88,6 +88,21 @@ def test_hopper_layout_orders_dq_instead_of_slicing_it(module):
         2 * _align(rows32k * 4) + _align(8 * 512 * 4) + _align(rows32k * 128 * 4))
 
 
+def test_hopper_layout_pads_accumulator_rows_to_its_kernel_head_dim(module):
+    # hd96 runs on the hd128 Hopper backward kernel (Note [portattn hopper padded head dims]), which
+    # adds whole 128-float rows into the fp32 dQ (and GQA dK/dV) accumulators: the Hopper layout
+    # sizes them with that pitch (hopper_bwd_acc_head_dim), the sm80+ layout with the call's.
+    b, h, hk, sq, sk = 2, 8, 2, 1000, 777
+    rows = b * h * sq
+    for deterministic in (False, True):
+        counts = b * h * math.ceil(sq / 64) if deterministic else 0
+        dkv = 0 if deterministic else 2 * _align(b * sk * hk * 128 * 4)
+        padded = 2 * _align(rows * 4) + _align(counts * 4) + _align(rows * 128 * 4) + dkv
+        assert module.bwd_workspace_bytes(b, h, hk, 96, sq, sk, deterministic, ordered_dq=True) == padded
+        assert module.bwd_workspace_bytes(b, h, hk, 128, sq, sk, deterministic, ordered_dq=True) == padded
+    assert module.bwd_workspace_bytes(b, h, h, 96, sq, sk, False) == 2 * _align(rows * 4) + _align(rows * 96 * 4)
+
+
 def test_large_calls_are_chunked_by_kv_heads(module):
     def one_chunk(heads, seqlen, d=128):
         rows = heads * seqlen

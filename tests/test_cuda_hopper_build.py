@@ -136,7 +136,7 @@ def _hopper_sources(env):
 
 def _expected_units(head_dims, dtypes):
     """The generated files for a plan restricted to head_dims: each family keeps its own, one
-    file per kernel (hd96 and hd128 share the hd128 forward kernel's)."""
+    file per kernel (hd96 and hd128 share the hd128 forward and backward kernels' files)."""
     return sorted({f"{family.name}_hd{family.kernel_head_dim(d)}_{t}.cu" for family in variants.HOPPER_FAMILIES
                    for d in head_dims if d in family.head_dims for t in dtypes})
 
@@ -157,18 +157,21 @@ def test_hopper_head_dims_are_the_specs():
     assert both_passes == variants.HOPPER_BWD_HEAD_DIMS == _family("hopper_bwd").head_dims
     assert set(variants.HOPPER_FWD_HEAD_DIMS) <= set(variants.HEAD_DIMS)  # PORTATTN_HEADDIMS can name them
     assert spec.head_dims_exact  # no masked head-dim tail: a partial build serves only its own
-    # Padded serving (Note [portattn hopper padded head dims]) is the forward's only: each padded
-    # head dim is forward-only, and its kernel is one of the forward's own.
+    # Padded serving (Note [portattn hopper padded head dims]): the forward's 96 and 192, the
+    # backward's 96 only (no hd256 backward kernel: 192 is forward-only); each padded kernel is one
+    # of its family's own.
     padded = _family("hopper_fwd").padded
     assert padded == variants.HOPPER_FWD_PADDED == {96: 128, 192: 256}
-    assert set(padded) <= set(spec.forward_only_head_dims)
     assert set(padded.values()) <= set(variants.HOPPER_FWD_KERNEL_HEAD_DIMS) <= set(admitted)
-    assert not _family("hopper_bwd").padded
+    bwd_padded = _family("hopper_bwd").padded
+    assert bwd_padded == variants.HOPPER_BWD_PADDED == {96: 128}
+    assert set(bwd_padded.values()) <= set(variants.HOPPER_BWD_KERNEL_HEAD_DIMS) <= set(both_passes)
+    assert set(padded) - set(bwd_padded) <= set(spec.forward_only_head_dims)
     assert tuple(variants.DTYPES[d][2] for d in variants.DTYPES) == spec.dtypes
 
 
-@pytest.mark.parametrize("head_dim", [96, 192, 256])
-def test_hd96_192_256_are_forward_only_hopper_head_dims(head_dim):
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_hd192_256_are_forward_only_hopper_head_dims(head_dim):
     from portattn.capability import matrix, probe
     from portattn.capability.callspec import CallSpec
 
@@ -193,7 +196,7 @@ def test_head_dims_without_a_hopper_serving_are_refused():
     hd160 = CallSpec("bfloat16", 160, 160, "cuda", frozenset({"forward"}))
     assert matrix.check_call("cuda-sm90", probe.fake_device("h100"), hd160) == [
         "head_dim 160 is not one of 64, 96, 128, 192, 256 (cuda-sm90 supports head dims 64, 96, 128, 192, 256 "
-        "(96, 192, 256 forward only))"]
+        "(192, 256 forward only))"]
 
 
 def test_default_plan_generates_every_hopper_variant_and_its_tables():
@@ -220,7 +223,8 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
     # The served head dim keys the entry; the kernel that serves it is the larger one.
     assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_fwd<128, __nv_bfloat16>}" in table
     assert "{192, PORTATTN_FP16, &portattn::hopper::run_hopper_fwd<256, __half>}" in table
-    assert "run_hopper_bwd<256" not in table and "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd" not in table
+    assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<128, __nv_bfloat16>}" in table
+    assert "run_hopper_bwd<256" not in table and "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd" not in table
     # The sm80+ table stays free of Hopper symbols (it is compiled for every arch).
     assert "hopper" not in variants.generated_sources(variants.plan_from_env({}))["variants_generated.cu"]
 
@@ -257,17 +261,28 @@ def test_restrictions_apply_to_the_hopper_families(env, head_dims, dtypes):
 def test_a_padded_head_dim_builds_the_kernel_that_serves_it(monkeypatch, tmp_path):
     env = {"PORTATTN_CUDA_ARCHS": "90", "PORTATTN_HEADDIMS": "96", "PORTATTN_DTYPES": "bf16"}
     sources = _hopper_sources(env)
-    assert sorted(sources) == ["hopper_fwd_hd128_bf16.cu", variants.HOPPER_TABLE_SOURCE]
+    assert sorted(sources) == ["hopper_bwd_hd128_bf16.cu", "hopper_fwd_hd128_bf16.cu", variants.HOPPER_TABLE_SOURCE]
     assert "run_hopper_fwd<128, __nv_bfloat16>(" in sources["hopper_fwd_hd128_bf16.cu"]
+    assert "run_hopper_bwd<128, __nv_bfloat16>(" in sources["hopper_bwd_hd128_bf16.cu"]
+    table = sources[variants.HOPPER_TABLE_SOURCE]
+    # Both passes serve 96, and only 96: the hd128 kernels are built but 128 is not claimed.
+    assert "const int kNumHopperFwdVariants = 1;" in table and "const int kNumHopperBwdVariants = 1;" in table
+    assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<128, __nv_bfloat16>}" in table
+    assert "{128, " not in table
     compiles = _library_compiles(monkeypatch, tmp_path, env)
-    assert "hopper_fwd_hd128_bf16.cu" in compiles and "fwd_hd96_bf16.cu" in compiles  # and the sm80+ hd96
-    # 96 and 128 together share the one hd128 file; the table has an entry for each.
+    assert {"hopper_fwd_hd128_bf16.cu", "hopper_bwd_hd128_bf16.cu", "fwd_hd96_bf16.cu"} <= set(compiles)  # + sm80+ hd96
+    # 96 and 128 together share the one hd128 file per family; the table has an entry for each.
     both = _hopper_sources(dict(env, PORTATTN_HEADDIMS="96,128"))
     assert [n for n in sorted(both) if n.startswith("hopper_fwd_")] == ["hopper_fwd_hd128_bf16.cu"]
+    assert [n for n in sorted(both) if n.startswith("hopper_bwd_")] == ["hopper_bwd_hd128_bf16.cu"]
     table = both[variants.HOPPER_TABLE_SOURCE]
-    assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_fwd<128" in table
-    assert "{128, PORTATTN_BF16, &portattn::hopper::run_hopper_fwd<128" in table
-    assert "const int kNumHopperBwdVariants = 1;" in table  # hd128's backward; hd96 has none
+    for family in ("fwd", "bwd"):
+        assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_%s<128" % family in table
+        assert "{128, PORTATTN_BF16, &portattn::hopper::run_hopper_%s<128" % family in table
+    # 192 stays forward-only: its hd256 forward kernel, no backward.
+    only192 = _hopper_sources(dict(env, PORTATTN_HEADDIMS="192"))
+    assert sorted(only192) == ["hopper_fwd_hd256_bf16.cu", variants.HOPPER_TABLE_SOURCE]
+    assert "const int kNumHopperBwdVariants = 0;" in only192[variants.HOPPER_TABLE_SOURCE]
 
 
 def test_a_plan_without_hopper_head_dims_builds_empty_tables(monkeypatch, tmp_path):

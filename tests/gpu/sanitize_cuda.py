@@ -19,8 +19,8 @@ the extras kernel (softcap + ALiBi + dropout), adversarial cu_seqlens / seqused_
 the decode kernels (decode_cases), and the backward's deterministic
 dQ slices (flash-attn's deterministic case whose splits start on key blocks no query
 sees), and the sm_90a forward (each of its schedules, windows and softcap; head dims 96 and
-192 on the larger kernels that serve them padded, forward only) and backward (GQA, both
-modes) on an sm_90 device. Outputs and gradients are NaN-poisoned;
+192 on the larger kernels that serve them padded) and backward (GQA, both modes; head dim 96
+on the hd128 kernel, padded, with varlen) on an sm_90 device. Outputs and gradients are NaN-poisoned;
 exits non-zero if any stays unwritten, while the sanitizer reports access errors and races.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _forward(backend, q, k, v, **options):
 
 
 def unwritten_forward_padded(q, k, v, backend, **options) -> int:
-    """A forward only (the Hopper path serves head dims 96 and 192 without a backward), into an
+    """A forward (the Hopper path serves head dims 96 and 192 padded), into an
     output whose rows are 64 columns wider and NaN there: 1 if it left a NaN in its columns or
     wrote one past them (a padded kernel's zero columns), else 0."""
     head_dim = q.shape[-1]
@@ -70,9 +70,34 @@ def unwritten_forward_padded(q, k, v, backend, **options) -> int:
     return int(out.isnan().any().item() or lse.isnan().any().item() or not out_wide[..., head_dim:].isnan().all().item())
 
 
+def unwritten_backward_padded(q, k, v, backend, **options) -> int:
+    """Forward, then backward in both modes into gradients whose rows are 64 columns wider and
+    NaN there (the hd96 backward on the hd128 kernel: its dK/dV stores must clip or skip the
+    padding, its convert kernels write the call's columns only): how many of the three left a
+    NaN in their columns or wrote one past them."""
+    out, lse, args = _forward(backend, q, k, v, **options)
+    failures = int(out.isnan().any().item() or lse.isnan().any().item())
+    head_dim = q.shape[-1]
+    for deterministic in (False, True):
+        wide = [torch.full((*x.shape[:-1], head_dim + 64), float("nan"), device=x.device, dtype=x.dtype)
+                for x in (q, k, v)]
+        grads = [w[..., :head_dim] for w in wide]
+        backend.backward(torch.randn_like(out), q, k, v, out, lse, *grads, deterministic=deterministic, **args)
+        torch.cuda.synchronize()
+        failures += int(any(g.isnan().any().item() or not w[..., head_dim:].isnan().all().item()
+                            for g, w in zip(grads, wide)))
+    return failures
+
+
 def hopper_serves_forward(head_dim) -> bool:
     """Whether this build and device run a bf16 forward at head_dim on the sm_90a path."""
     call = CallSpec("bfloat16", head_dim, head_dim, "cuda", frozenset({"forward", "causal", "gqa"}))
+    return BACKEND_SM90.unsupported_reasons(call) == []
+
+
+def hopper_serves_training(head_dim) -> bool:
+    """Whether this build and device run a bf16 forward and backward at head_dim on the sm_90a path."""
+    call = CallSpec("bfloat16", head_dim, head_dim, "cuda", frozenset({"forward", "backward", "causal", "gqa", "varlen"}))
     return BACKEND_SM90.unsupported_reasons(call) == []
 
 
@@ -196,16 +221,29 @@ def main() -> int:
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_left=100, window_right=37, softcap=30.0)
     # Head dims 96 / 192 on the hd128 / hd256 kernels (Note [portattn hopper padded head dims]):
-    # sequence tails, GQA, causal and a window with softcap, forward only.
+    # sequence tails, GQA, causal and a window with softcap; the backward too where the Hopper
+    # path has it (96: both modes, GQA's fp32 dK/dV accumulators in the default mode, MHA's TMA
+    # stores, varlen blocks past their sequence's end with the direct stores).
     for head_dim in (96, 192):
         if not hopper_serves_forward(head_dim):
             print(f"sanitize_cuda: sm_90a head dim {head_dim} skipped (not served by this build or device)")
             continue
-        for seqlen_q, seqlen_k, options in ((17, 113, dict(window_right=0)), (130, 70, dict()),
-                                            (113, 300, dict(window_left=40, window_right=7, softcap=30.0))):
+        training = hopper_serves_training(head_dim)
+        for seqlen_q, seqlen_k, hk, options in ((17, 113, 2, dict(window_right=0)), (130, 70, 2, dict()),
+                                                (130, 257, 4, dict(window_right=0)),
+                                                (113, 300, 2, dict(window_left=40, window_right=7, softcap=30.0))):
             q = torch.randn(2, seqlen_q, 4, head_dim, **bf16)
-            k, v = (torch.randn(2, seqlen_k, 2, head_dim, **bf16) for _ in range(2))
+            k, v = (torch.randn(2, seqlen_k, hk, head_dim, **bf16) for _ in range(2))
             failures += unwritten_forward_padded(q, k, v, BACKEND_SM90, **options)
+            if training:
+                failures += unwritten_backward_padded(q, k, v, BACKEND_SM90, **options)
+        if training:
+            lens = [0, 1, 17, 130]
+            cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+            q = torch.randn(sum(lens), 4, head_dim, **bf16)
+            k, v = (torch.randn(sum(lens), 2, head_dim, **bf16) for _ in range(2))
+            failures += unwritten_backward_padded(q, k, v, BACKEND_SM90, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                  max_seqlen_q=130, max_seqlen_k=130, window_right=0)
     if served(64):
         # Adversarial cu_seqlens / seqused_k values (decreasing, past the tensor, negative,
         # INT_MIN/INT_MAX, longer than max_seqlen): the kernels clamp them on the device

@@ -258,6 +258,44 @@ def test_hopper_backward_strided_views(mode):
     _check_grads(grads, q, k, v, dout, dict(causal=True))
 
 
+def _in_wider(x, width, fill):
+    """x as the first x.shape[-1] columns of a `width`-column tensor whose other columns hold `fill`."""
+    wide = torch.full((*x.shape[:-1], width), fill, dtype=x.dtype, device=x.device)
+    wide[..., :x.shape[-1]] = x
+    return wide[..., :x.shape[-1]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("gqa", [1, 2], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_hopper_backward_hd96_reads_and_writes_only_its_columns(varlen, gqa, mode):
+    # hd96 runs padded on the hd128 kernel (Note [portattn hopper padded head dims], backward part).
+    # Every operand is the first 96 columns of a 128-column buffer: NaN past them in q, k, v, dout
+    # (the loads must zero-fill there, not read the buffer), and a sentinel in dq, dk, dv that must
+    # survive (the dK/dV TMA stores clip at 96, the direct stores of varlen partial blocks skip those
+    # columns, the convert kernels write 96). GQA in the default mode adds dK/dV through the
+    # 128-float accumulator rows; varlen puts key blocks past their sequence's end.
+    head_dim, sentinel = 96, 7.0
+    if varlen:
+        q, k, v, packed = _varlen_inputs("mixed", head_dim, gqa)
+    else:
+        (q, k, v), packed = _inputs(torch.bfloat16, head_dim, (300, 1000), gqa), {}
+    q, k, v = (_in_wider(x, 128, float("nan")) for x in (q, k, v))
+    opts = _options(q, window=(-1, 0), **packed)
+    with _dq_path(mode) as deterministic:
+        out, lse = _forward(HOPPER, q, k, v, opts)
+        dout = _in_wider(torch.randn_like(out), 128, float("nan"))
+        grads = [_in_wider(torch.full_like(x, float("nan")), 128, sentinel) for x in (q, k, v)]
+        HOPPER.backward(dout, q, k, v, out, lse, *grads, deterministic=deterministic, **opts)
+        torch.cuda.synchronize()
+    for name, grad in zip(("dq", "dk", "dv"), grads):
+        assert bool((grad._base[..., head_dim:] == sentinel).all()), f"{name}: columns 96..127 of its buffer written"
+    naive = dict(causal=True)
+    if varlen:
+        naive.update(cu_seqlens_q=packed["cu_q"], cu_seqlens_k=packed["cu_k"])
+    _check_grads(grads, q, k, v, dout, naive)
+
+
 @pytest.mark.parametrize("value, expected", [("bulk", "bulk"), ("atomic", "atomic"), ("", "auto"), ("auto", "auto"),
                                              ("bogus", "invalid")])
 def test_hopper_bwd_dq_env_is_read_at_the_first_call(value, expected):
@@ -299,6 +337,9 @@ def test_dispatch_serves_training_calls_on_the_hopper_path():
 
     q, k, v = (rand(2, 300, 4, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
+    # hd96 trains on the Hopper path too (padded on the hd128 kernels).
+    q96, k96, v96 = (rand(2, 300, 4, 96, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    assert portattn.explain(q96, k96, v96, causal=True).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, causal=True, deterministic=True).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, window_size=(64, 0), softcap=30.0).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, dropout_p=0.1).chosen == "cuda"  # declared: sm80+ path only

@@ -405,9 +405,12 @@ def _record_passes(monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
-def test_dispatch_serves_padded_head_dims_forward_on_hopper_and_training_on_sm80(monkeypatch, head_dim):
+def test_dispatch_serves_padded_head_dims_on_hopper_where_a_pass_has_them(monkeypatch, head_dim):
+    # 96: both passes on cuda-sm90 (the hd128 forward and backward kernels, padded); 192: the
+    # forward on cuda-sm90 (hd256 kernel), the backward on the sm80+ path (no hd256 backward).
     import portattn
 
+    hopper_backward = head_dim in variants.HOPPER_BWD_PADDED
     passes = _record_passes(monkeypatch)
     q, k, v = (rand(2, 300, 4, head_dim, dtype=torch.bfloat16) for _ in range(3))
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
@@ -417,20 +420,22 @@ def test_dispatch_serves_padded_head_dims_forward_on_hopper_and_training_on_sm80
     ref = naive_attention(q.double(), k.double(), v.double(), causal=True)[0]
     low = naive_attention(q, k, v, causal=True, compute_dtype=torch.bfloat16)[0]
     assert_output(out, ref, low)
-    # A training call: the Hopper backward has no padded head dims (capability/specs/cuda_sm90.py,
-    # forward_only_head_dims), so explain() sends the call to the sm80+ path.
+    # A training call: explain() judges it with its backward (capability/specs/cuda_sm90.py,
+    # forward_only_head_dims).
     q.requires_grad_()
     explanation = portattn.explain(q, k, v, causal=True)
-    assert explanation.chosen == "cuda"
-    assert any(f"head_dim {head_dim} is forward-only on cuda-sm90" in r for r in explanation.reasons["cuda-sm90"])
+    if hopper_backward:
+        assert explanation.chosen == "cuda-sm90"
+    else:
+        assert explanation.chosen == "cuda"
+        assert any(f"head_dim {head_dim} is forward-only on cuda-sm90" in r for r in explanation.reasons["cuda-sm90"])
     passes.clear()
     _check_causal_training_call(q, k, v)
-    # The backward runs on the sm80+ path. The forward of the same call is dispatched with the
-    # forward's features only (ops.run_forward passes no backward bit), so it runs on the Hopper
-    # forward, as hd256's training forward does; both paths' out and LSE are interchangeable
-    # (CudaSm90Backend). If dispatch ever routes a training call's forward by its backward, this
-    # becomes [("forward", "cuda"), ("backward", "cuda")].
-    assert passes == [("forward", "cuda-sm90"), ("backward", "cuda")]
+    # The forward of a training call is dispatched with the forward's features only (ops.run_forward
+    # passes no backward bit), so it runs on the Hopper forward either way, as hd256's training
+    # forward does; both paths' out and LSE are interchangeable (CudaSm90Backend). If dispatch ever
+    # routes a training call's forward by its backward, 192 becomes [("forward", "cuda"), ("backward", "cuda")].
+    assert passes == [("forward", "cuda-sm90"), ("backward", "cuda-sm90" if hopper_backward else "cuda")]
 
 
 def test_hopper_forward_timing_printout():

@@ -1,7 +1,7 @@
 """The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(ALiBi, dropout, seqused_k, other head dims; head dims 96, 192 and 256 in training calls) goes to the sm80+ path
+(ALiBi, dropout, seqused_k, other head dims; head dims 192 and 256 in training calls) goes to the sm80+ path
 ("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
@@ -24,6 +24,8 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # are this spec's head dims); the forward's mark covers them once that run passes.
 # Session 7 (2026-11-24), integrated run at 4a49676 (bench/results/runs/2026-11-24-4a49676/summary.md): 3753 GPU
 # tests passed (the hd96 / hd192 forward grids included); memcheck, initcheck (every kernel) and synccheck clean.
+# The hd96 backward (padded on the hd128 backward kernel, added after that run):
+# tests/gpu/test_cuda_hopper_backward.py's grids are this spec's both-pass head dims.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
@@ -39,15 +41,17 @@ SPEC = BackendSpec(
     # tail, so only these are served. The forward has hd256 (Note [portattn hopper hd256]) and
     # hd96 / hd192 on the hd128 / hd256 kernels, padded by TMA's zero fill (Note [portattn hopper
     # padded head dims]: 33% more MMA work than native kernels; measured on an H100 at 1.2-1.9x the
-    # sm80+ path's forward, bench/results/runs/2026-11-24-ee2d963/padded_head_dims.md); the backward
-    # none of them: a training call at 96, 192 or 256 runs its forward here (the Hopper forward's
-    # out and LSE are what the sm80+ backward reads) and its backward on the sm80+ path.
+    # sm80+ path's forward, bench/results/runs/2026-11-24-ee2d963/padded_head_dims.md). The backward
+    # serves hd96 the same way, on its hd128 kernel (the sm80+ backward at 96 held training at
+    # 0.84-0.88x SDPA's FlashAttention-2, while the Hopper backward at 128 runs 1.5-1.8x the sm80+
+    # one), and neither 192 nor 256 (no hd256 backward kernel): a training call there runs its
+    # forward here (the Hopper forward's out and LSE are what the sm80+ backward reads) and its
+    # backward on the sm80+ path.
     head_dim_multiple=32,
     head_dim_max=256,
     head_dims_exact=True,
     head_dims=(64, 96, 128, 192, 256),
     forward_only_head_dims={
-        96: "runs its backward on the sm80+ path (cuda)",
         192: "runs its backward on the sm80+ path (cuda)",
         256: "runs its backward on the sm80+ path (cuda)",
     },

@@ -50,7 +50,7 @@ int min_smem(BwdCandidates<Cfgs...>) {
 
 }  // namespace
 
-BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_dq) {
+BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_dq, int acc_head_dim) {
   const PortattnFwdParams& f = params.fwd;
   BwdWorkspace ws{};
   // Ordered dQ (the Hopper deterministic mode) adds into one accumulator in key-block
@@ -59,16 +59,16 @@ BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_
   ws.slices = sliced ? det_splits(f) : 1;
   const int group = f.nheads_k > 0 ? f.nheads / f.nheads_k : 1;
   const int64_t dq_per_kv_head = static_cast<int64_t>(ws.slices) * f.batch * group * f.seqlen_q *
-                                 f.headdim * 4;
+                                 acc_head_dim * 4;
   ws.chunk_heads_k = f.nheads_k;
   const int64_t min_chunk_bytes = sliced ? kMinChunkDetDqBytes : kMinChunkDqBytes;
   while (ws.chunk_heads_k % 2 == 0 && dq_per_kv_head * (ws.chunk_heads_k / 2) >= min_chunk_bytes)
     ws.chunk_heads_k /= 2;
   const int64_t rows = static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group * f.seqlen_q;
-  ws.dq_slice = rows * f.headdim;
+  ws.dq_slice = rows * acc_head_dim;
   ws.dkv_accum = !params.deterministic && f.nheads != f.nheads_k;
   const int64_t dkv =
-      ws.dkv_accum ? static_cast<int64_t>(f.batch) * f.seqlen_k * ws.chunk_heads_k * f.headdim * 4 : 0;
+      ws.dkv_accum ? static_cast<int64_t>(f.batch) * f.seqlen_k * ws.chunk_heads_k * acc_head_dim * 4 : 0;
   // The ordered mode's counts, one per kDqOrderRows-query block of each head.
   const int64_t order_counts = params.deterministic && ordered_dq
                                    ? static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group *
@@ -135,12 +135,14 @@ bool bwd_operands_aligned(const PortattnBwdParams& params) {
 using namespace portattn::cuda;
 
 extern "C" long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params) {
-  return bwd_workspace_layout(*params, /*ordered_dq=*/false).total;
+  return bwd_workspace_layout(*params, /*ordered_dq=*/false, params->fwd.headdim).total;
 }
 
-// The Hopper backward's (its deterministic mode orders dQ: one slice and the counts).
+// The Hopper backward's (its deterministic mode orders dQ: one slice and the counts), with
+// the accumulator rows as wide as its kernel's (96 -> 128; hopper_bwd_acc_head_dim, the
+// rule run_hopper_bwd checks and lays its workspace out with).
 extern "C" long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdParams* params) {
-  return bwd_workspace_layout(*params, /*ordered_dq=*/true).total;
+  return bwd_workspace_layout(*params, /*ordered_dq=*/true, hopper_bwd_acc_head_dim(params->fwd.headdim)).total;
 }
 
 // Smallest shared-memory budget (bytes) of the backward block shapes for a

@@ -123,9 +123,13 @@ struct BwdArgs {
   int head0, heads, heads_k;
   float* delta;     // (B, heads, Sq_max) rowsum(dO * O)
   float* lse2;      // (B, heads, Sq_max) the LSE in log2 units, +inf for fully masked rows
-  float* dq_accum;  // [slices] x (B, heads, Sq_max, headdim) fp32
-  float* dk_accum;  // (B, Sk_max, heads_k, headdim) fp32, GQA default mode only
+  float* dq_accum;  // [slices] x (B, heads, Sq_max, acc_head_dim) fp32
+  float* dk_accum;  // (B, Sk_max, heads_k, acc_head_dim) fp32, GQA default mode only
   float* dv_accum;
+  // Elements per row of the fp32 accumulators (dQ, and dK/dV for GQA): f.headdim on the
+  // sm80+ path; the kernel's head dim when the Hopper backward serves a smaller head dim
+  // padded (hopper_bwd_acc_head_dim below). The convert kernels read the first f.headdim.
+  int acc_head_dim;
   int64_t dq_slice;  // elements per dq_accum slice
   int splits;        // deterministic: grid.x; default: unused
   // Deterministic mode of the Hopper backward (Note [portattn hopper ordered dQ]):
@@ -144,6 +148,15 @@ struct BwdArgs {
 __host__ __device__ __forceinline__ int dq_chunk_swizzle(int row, int byte) {
   return ((byte >> 4) ^ (row & 7)) << 4 | (byte & 15);
 }
+
+// The accumulator row pitch (elements) of the Hopper backward at `head_dim`: its kernel's
+// head dim, the multiple of 64 at or above it (96 runs on the hd128 kernel; Note [portattn
+// hopper padded head dims], backward part, in hopper_fwd_launch.cuh). The kernel adds whole
+// kHeadDim-wide rows (one bulk copy per 64-row tile, rows swizzled by 16-byte chunk), so the
+// workspace is laid out with that pitch; one rule here for the size Python allocates
+// (portattn_cuda_hopper_bwd_workspace_bytes) and the launch (run_hopper_bwd checks that its
+// kHeadDim equals it, so a table entry that broke the rule fails instead of overrunning).
+__host__ __device__ constexpr int hopper_bwd_acc_head_dim(int head_dim) { return (head_dim + 63) / 64 * 64; }
 
 // The deterministic Hopper backward orders its dQ adds per query block of this
 // many rows (its kBlockM; Note [portattn hopper ordered dQ]): BwdArgs::dq_order
@@ -579,6 +592,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
       constexpr int kRowTiles = kDqRows / 16;
       constexpr int kTilesM = kBlockM / kDqRows;
       constexpr int kTiles = kTilesM * (kDOut / kDqChunk);
+      // Row pitch headdim: args.acc_head_dim is f.headdim on this path (run_bwd), kept out of
+      // the kernel so its registers stay as measured.
       float* gDq = dq_slice + ws_row(args, batch, head, m0) * headdim;
       // Interior tiles (all rows inside the sequence, the head dim unpadded) add without bounds
       // tests; the boundary ones test each row and column.
@@ -689,8 +704,13 @@ __global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int sl
   const int i = static_cast<int>(rest / args.heads);
   const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
   if (i >= s.len_q) return;
-  const float* src = args.dq_accum + ws_row(args, batch, head, i) * f.headdim;
-  // This thread's two 16-byte chunks (swizzled in the Hopper bulk mode).
+  const float* src = args.dq_accum + ws_row(args, batch, head, i) * args.acc_head_dim;
+  // This thread's two 16-byte chunks (swizzled in the Hopper bulk mode). A padded row
+  // (acc_head_dim > f.headdim: 128 floats = 32 chunks at hd96) is read in its first
+  // f.headdim / 4 chunks only: the swizzle XORs the chunk index with row & 7 < 8, so it
+  // maps each aligned group of 8 chunks onto itself, and a padded f.headdim is a multiple
+  // of 32 floats = 8 chunks (run_hopper_bwd checks it): the chunks read hold exactly the
+  // columns below f.headdim, never the padding's zeros.
   const int lo_at = (args.dq_swizzled ? dq_chunk_swizzle(i, chunk * 32) : chunk * 32) / 4;
   const int hi_at = (args.dq_swizzled ? dq_chunk_swizzle(i, chunk * 32 + 16) : chunk * 32 + 16) / 4;
   float acc[8];
@@ -730,7 +750,7 @@ __global__ void __launch_bounds__(256) bwd_convert_dkv(const BwdArgs args) {
   const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
   if (j >= s.len_k) return;
   const int64_t src = ((static_cast<int64_t>(batch) * f.seqlen_k + j) * args.heads_k + local_k) *
-                          f.headdim + chunk * 8;
+                          args.acc_head_dim + chunk * 8;
   const int64_t row = s.k_start + j;
   Elem* dk = static_cast<Elem*>(args.p.dk) + batch * args.p.dk_strides.batch_stride +
              row * args.p.dk_strides.row_stride + head_k * args.p.dk_strides.head_stride + chunk * 8;

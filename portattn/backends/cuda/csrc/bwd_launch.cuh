@@ -93,7 +93,8 @@ struct BwdWorkspace {
 // Defined in bwd_entry.cu (one definition: the size Python allocates and the
 // carve-up the launch uses cannot disagree).
 // ordered_dq: the Hopper backward's layout (Note [portattn hopper ordered dQ]).
-BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_dq);
+// acc_head_dim: the fp32 accumulators' row pitch (BwdArgs::acc_head_dim), >= f.headdim.
+BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_dq, int acc_head_dim);
 // Every tensor of the call (q, k, v, out, dout, dq, dk, dv): 16-byte aligned
 // pointer and strides, as the 16-byte loads and TMA need.
 bool bwd_operands_aligned(const PortattnBwdParams& params);
@@ -148,12 +149,15 @@ cudaError_t launch_first_fitting(const BwdArgs& args, int smem_optin, cudaStream
 // dq_order counts instead of into one slice per split.
 // `dq_swizzled`: the main kernel adds dQ in the swizzled row layout of its bulk mode
 // (Note [portattn hopper bulk dQ]), which the convert kernel then reads.
+// `acc_head_dim`: the accumulators' row pitch, 0 = f.headdim (the sm80+ kernels); the
+// Hopper backward passes its kernel's head dim (hopper_bwd_acc_head_dim).
 template <typename Elem, class MainLaunch>
 cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main, bool ordered_dq = false,
-                             bool dq_swizzled = false) {
+                             bool dq_swizzled = false, int acc_head_dim = 0) {
   const PortattnFwdParams& f = params.fwd;
   if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
-  const BwdWorkspace ws = bwd_workspace_layout(params, ordered_dq);
+  if (acc_head_dim == 0) acc_head_dim = f.headdim;
+  const BwdWorkspace ws = bwd_workspace_layout(params, ordered_dq, acc_head_dim);
   if (params.workspace_bytes < ws.total || (ws.total > 0 && params.workspace == nullptr)) {
     set_error_detail("backward workspace smaller than bwd_workspace_bytes() reported");
     return cudaErrorInvalidValue;
@@ -170,6 +174,7 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main,
   args.splits = ws.slices;
   args.dq_order = ordered_dq && params.deterministic != 0 ? reinterpret_cast<int*>(base + ws.dq_order) : nullptr;
   args.dq_swizzled = dq_swizzled;
+  args.acc_head_dim = acc_head_dim;
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int group = f.nheads / f.nheads_k;
   for (int head_k0 = 0; head_k0 < f.nheads_k; head_k0 += ws.chunk_heads_k) {

@@ -2,8 +2,9 @@
 //
 // Note [portattn hopper backward]
 // What it serves is declared in capability/specs/cuda_sm90.py (the Hopper
-// forward's calls, varlen included), in the default (atomic or bulk dQ) and the
-// deterministic mode. Other calls stay on the sm80+ backward
+// forward's calls, varlen included, at head dims 64, 128 and 96 on the hd128 kernel,
+// padded: Note [portattn hopper padded head dims] in hopper_fwd_launch.cuh, backward
+// part), in the default (atomic or bulk dQ) and the deterministic mode. Other calls stay on the sm80+ backward
 // (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
 // sequence, workspace and math are those of Note [portattn cuda backward]:
 // the same preprocess (delta = rowsum(dO * O)) and convert kernels run around
@@ -761,8 +762,9 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         }
         continue;
       }
-      // GQA default mode: fp32 reductions into the (B, Sk_max, chunk KV heads, D) accumulators
-      // (rows padded to the longest sequence, as the convert kernel reads them).
+      // GQA default mode: fp32 reductions into the (B, Sk_max, chunk KV heads, kHeadDim)
+      // accumulators (rows padded to the longest sequence, as the convert kernel reads them;
+      // kHeadDim = args.acc_head_dim, the pitch run_hopper_bwd laid them out with).
       const int64_t acc_stride = static_cast<int64_t>(args.heads_k) * kHeadDim;
       const int64_t acc_offset = (static_cast<int64_t>(batch) * f.seqlen_k + n0) * acc_stride +
                                  static_cast<int64_t>(head_k - args.head0 / group) * kHeadDim;
@@ -779,6 +781,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
         for (int j = 0; j < kOCols / 2; ++j) {
           const int col = 8 * j + 2 * q4;
+          // Padded serving (96 on the hd128 kernel): columns at or past the call's head dim are
+          // the padding's zeros and, for the direct stores, the next head's or row's elements.
+          // Only the last 64-column panel can hold them (hopper_bwd_acc_head_dim: the head dim
+          // is above kHeadDim - 64), so the test is compiled there only and hd64 has none.
+          if (8 * j + 8 > kHeadDim - 64 && kHeadDim > 64 && col >= f.headdim) continue;
           const float dk0 = dk[r][2 * j] * f.softmax_scale, dk1 = dk[r][2 * j + 1] * f.softmax_scale;
           if (gqa_atomic) {
             const int64_t at = acc_offset + row * acc_stride + col;

@@ -7,7 +7,9 @@
 // ordered_dq (Python sizes it with bwd_workspace_bytes(..., ordered_dq=True): the deterministic
 // mode keeps one dQ accumulator and its dq_order counts instead of slices) and the
 // launch sequence is its run_bwd_sequence (memset, preprocess, main, convert per
-// chunk of KV heads); only the main kernel is this file's.
+// chunk of KV heads); only the main kernel is this file's. The accumulators' row pitch is
+// the kernel's head dim, also for a call served padded (Note [portattn hopper padded head
+// dims], backward part; Python sizes it the same way, hopper_bwd_acc_head_dim).
 #pragma once
 #include "bwd_launch.cuh"
 #include "hopper_bwd_kernel.cuh"
@@ -74,27 +76,40 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
   using Traits = HopperBwdTraits<kHeadDim>;
   const PortattnFwdParams& f = params.fwd;
   if (f.batch == 0 || f.nheads == 0) return cudaSuccess;
+  // A head dim below kHeadDim runs padded (Note [portattn hopper padded head dims], backward
+  // part): the workspace Python sized has rows of hopper_bwd_acc_head_dim(f.headdim), which
+  // must be this kernel's; a padded row is read back in whole groups of 8 swizzled chunks
+  // (bwd_convert_dq), hence multiples of 32. Anything else is a table error
+  // (variants.HOPPER_BWD_PADDED), refused before it could overrun the workspace.
+  if (cuda::hopper_bwd_acc_head_dim(f.headdim) != kHeadDim || f.headdim % 32 != 0) {
+    char text[128];
+    snprintf(text, sizeof(text), "head_dim %d cannot run on the hd%d backward kernel", f.headdim, kHeadDim);
+    cuda::set_error_detail(text);
+    return cudaErrorInvalidValue;
+  }
+  // The call's head dim, not kHeadDim, is every map's innermost extent: loads zero-fill
+  // the padded columns, the dK/dV stores clip them.
   MapExtents extents;
   cudaError_t err = map_extents(f, &extents);
   TensorMaps maps;
   if (err == cudaSuccess)
-    err = encode_bshd(&maps.q, f.q, f.q_strides, f.dtype, extents.batch, extents.rows_q, f.nheads, kHeadDim,
+    err = encode_bshd(&maps.q, f.q, f.q_strides, f.dtype, extents.batch, extents.rows_q, f.nheads, f.headdim,
                       Traits::kBlockM);
   if (err == cudaSuccess)
     err = encode_bshd(&maps.dout, params.dout, params.dout_strides, f.dtype, extents.batch, extents.rows_q,
-                      f.nheads, kHeadDim, Traits::kBlockM);
+                      f.nheads, f.headdim, Traits::kBlockM);
   if (err == cudaSuccess)
     err = encode_bshd(&maps.k, f.k, f.k_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
-                      kHeadDim, Traits::kBlockN);
+                      f.headdim, Traits::kBlockN);
   if (err == cudaSuccess)
     err = encode_bshd(&maps.v, f.v, f.v_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
-                      kHeadDim, Traits::kBlockN);
+                      f.headdim, Traits::kBlockN);
   if (err == cudaSuccess)
     err = encode_bshd(&maps.dk, params.dk, params.dk_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
-                      kHeadDim, 64);
+                      f.headdim, 64);
   if (err == cudaSuccess)
     err = encode_bshd(&maps.dv, params.dv, params.dv_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
-                      kHeadDim, 64);
+                      f.headdim, 64);
   if (err != cudaSuccess) return err;
   const bool softcap = f.softcap > 0.f;
   // Both modes take the bulk or per-element adds as PORTATTN_HOPPER_BWD_DQ says; the
@@ -116,7 +131,7 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
         return softcap ? launch_masked<kHeadDim, Elem, true, false, false>(maps, args, stream)
                        : launch_masked<kHeadDim, Elem, false, false, false>(maps, args, stream);
       },
-      /*ordered_dq=*/true, /*dq_swizzled=*/bulk);
+      /*ordered_dq=*/true, /*dq_swizzled=*/bulk, /*acc_head_dim=*/kHeadDim);
 }
 
 }  // namespace hopper

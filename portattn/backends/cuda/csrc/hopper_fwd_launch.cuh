@@ -98,9 +98,11 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 }
 
 // Note [portattn hopper padded head dims]
-// Head dims 96 and 192 run on the hd128 and hd256 kernels (forward only, as hd256;
-// the table "served head dim -> kernel head dim" is data: variants.HOPPER_FWD_PADDED,
-// and the generated table's hd96 entry points at run_hopper_fwd<128, ...>).
+// Head dims 96 and 192 run on the hd128 and hd256 forward kernels, and 96 on the hd128
+// backward kernel too (192 trains with the sm80+ backward: there is no hd256 backward).
+// The tables "served head dim -> kernel head dim" are data: variants.HOPPER_FWD_PADDED and
+// HOPPER_BWD_PADDED; the generated tables' hd96 entries point at run_hopper_fwd<128, ...>
+// and run_hopper_bwd<128, ...>.
 //  * Why it is exact: Q, K and V's tensor maps are encoded with the call's head dim
 //    as the innermost extent, so TMA zero-fills every box column past it (the
 //    second half of hd128's last panel at 96; hd256's whole last panel at 192).
@@ -119,6 +121,26 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 //    expected to beat them (the hd256 kernel runs 1.7-2.1x the sm80+ path's hd256),
 //    which is to be measured on an H100: where it does not hold, remove 96 / 192 from
 //    HOPPER_FWD_PADDED and the spec, and dispatch sends them back to the sm80+ path.
+//  * The backward (run_hopper_bwd, hopper_bwd_kernel.cuh), the same way: Q, K, V, dO's
+//    maps have the call's head dim as innermost extent, so S^T = K Q^T and dP^T = V dO^T
+//    sum zeros over the padding and dV = P^T dO, dK = dS^T Q, dQ = dS K come out with zero
+//    columns past it; the dK/dV maps (TMA-store epilogue) clip those columns, the direct
+//    stores skip them (a test on the last panel only). The preprocess (delta = rowsum(dO *
+//    O)) reads the call's columns, the LSE is per row.
+//    The fp32 accumulators (dQ; dK/dV for GQA in the default mode) keep rows of the
+//    kernel's head dim (BwdArgs::acc_head_dim = hopper_bwd_acc_head_dim(96) = 128), not
+//    the call's. Why: the kernel's dQ adds are one bulk copy of a contiguous 64 x kHeadDim
+//    fp32 tile with 16-byte chunks swizzled by row (Note [portattn hopper bulk dQ]), which
+//    a 96-float row could only take as 64 per-row copies (what session 6 measured as slow)
+//    or a 96-wide staging layout whose 384-byte rows break the swizzle's bank argument; the
+//    per-element adds and the GQA reductions then use the same pitch, which keeps their
+//    addressing a compile-time kHeadDim. Cost: the scratch of a 128-column call (+33% of
+//    dQ's at 96) and the zero columns' adds. The size Python allocates
+//    (portattn_cuda_hopper_bwd_workspace_bytes) and the launch's layout (run_bwd_sequence)
+//    take the pitch from the same rule, which run_hopper_bwd checks against its kHeadDim;
+//    the convert kernels read the first f.headdim columns of each row (bwd_convert_dq: a
+//    swizzled chunk stays in its group of 8, so chunks 0-23 of a 32-chunk row hold exactly
+//    columns 0-95). The sm80+ backward keeps acc_head_dim = f.headdim.
 template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, int kSchedule>
 cudaError_t launch(const PortattnFwdParams& params) {
   using Traits = HopperFwdTraits<kHeadDim, kSchedule>;
