@@ -24,8 +24,10 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # are this spec's head dims); the forward's mark covers them once that run passes.
 # Session 7 (2026-11-24), integrated run at 4a49676 (bench/results/runs/2026-11-24-4a49676/summary.md): 3753 GPU
 # tests passed (the hd96 / hd192 forward grids included); memcheck, initcheck (every kernel) and synccheck clean.
-# The hd96 backward (padded on the hd128 backward kernel, added after that run):
-# tests/gpu/test_cuda_hopper_backward.py's grids are this spec's both-pass head dims.
+# The hd96 backward (padded on the hd128 backward kernel), run at 4507308
+# (bench/results/runs/2026-11-24-4507308/summary.md): 4321 GPU tests passed (the Hopper backward grids at hd96
+# included: tests/gpu/test_cuda_hopper_backward.py's grids are this spec's both-pass head dims); memcheck,
+# initcheck and synccheck clean.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
