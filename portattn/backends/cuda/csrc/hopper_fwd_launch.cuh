@@ -43,7 +43,7 @@ struct HopperFwdVariantKey {};
 // next's start wins (+11% hd64 1k). Sliding windows run like causal calls
 // (their tiles differ in cost near the sequence start). Three stages and the
 // polynomial exp2 measured within noise or slower and are built only in
-// tuning builds. hd256 (not yet measured) departs from this: schedule_for.
+// tuning builds. hd256 (measured in session 5, docs/hopper_notes.md) departs from this: schedule_for.
 //
 // Three consumer warpgroups (192-row tiles, hd64 only: admitted_bits drops the bit
 // at the other head dims; Note [portattn hopper hd64 192 rows]) where the A/B in
@@ -107,8 +107,8 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 //    as the innermost extent, so TMA zero-fills every box column past it (the
 //    second half of hd128's last panel at 96; hd256's whole last panel at 192).
 //    Q K^T then sums zeros over the padding, and P V's extra output columns are
-//    zero: the kernel stores only columns below args.head_dim (the guard in
-//    hopper_fwd_kernel.cuh's store loop). Nothing else reads the kernel's head
+//    zero: the kernel stores only columns below args.head_dim (the O map's extent
+//    clips the TMA stores; a guard in the direct store loop). Nothing else reads the kernel's head
 //    dim: the softmax scale comes from the caller (1/sqrt(the call's head dim) in
 //    Python), the LSE is per row, strides are the tensors' own. TMA needs 16-byte
 //    row strides: 96 * 2 and 192 * 2 bytes are.
@@ -117,10 +117,12 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 //    hd256 kernel computes 256 columns, 33% more, with 80-key blocks where a native
 //    tile would fit more keys in the shared memory the zero panel takes.
 //  * Why it is declared anyway: the sm80+ path's native hd96/hd192 kernels run
-//    mma.sync without TMA or warp specialization, and the padded Hopper kernels are
-//    expected to beat them (the hd256 kernel runs 1.7-2.1x the sm80+ path's hd256),
-//    which is to be measured on an H100: where it does not hold, remove 96 / 192 from
-//    HOPPER_FWD_PADDED and the spec, and dispatch sends them back to the sm80+ path.
+//    mma.sync without TMA or warp specialization, and the padded Hopper kernels beat
+//    them. Measured on an H100 (session 7): forward 1.19-1.51x at hd96, 1.22-1.94x at
+//    hd192 (bench/results/runs/2026-11-24-ee2d963/padded_head_dims.md); hd96
+//    forward+backward 1.41-1.67x (runs/2026-11-24-4507308/hd96_training.md). Should
+//    that stop holding on some GPU, remove the head dim from HOPPER_*_PADDED and the
+//    spec, and dispatch sends it back to the sm80+ path.
 //  * The backward (run_hopper_bwd, hopper_bwd_kernel.cuh), the same way: Q, K, V, dO's
 //    maps have the call's head dim as innermost extent, so S^T = K Q^T and dP^T = V dO^T
 //    sum zeros over the padding and dV = P^T dO, dK = dS^T Q, dQ = dS K come out with zero
