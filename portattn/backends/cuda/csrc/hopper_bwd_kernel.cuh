@@ -142,6 +142,19 @@
 // block) and not for GQA in the default mode (fp32 reductions into the
 // accumulators) or a varlen block that runs past its sequence (the packed map
 // would write the next sequence's rows): those keep the direct stores.
+//
+// Note [portattn hopper backward pipeline]
+// Per step a consumer issues S^T and dP^T, waits, computes P^T and dS^T, issues dV, dK
+// and dQ, waits for them (dQ's result and the dS^T buffer's reuse need it), then hands
+// dQ on. Serially the tensor cores idle from dQ's completion until the next step's S^T
+// is issued, through the hand-off: with bulk dQ, a wait for a free staging buffer, the
+// fp32 stores, `fence.proxy.async` (which waits for those stores) and `bar.arrive`. So
+// the hand-off is split: the stores stay at the end of step i - 1, and step i issues
+// S^T and dP^T (kAhead of them) before it publishes them (fence + arrive), so the fence
+// waits under the tensor cores' work. The issue cannot move further up: in-flight
+// accumulators that cross the loop's back edge, or dQ registers read after the next
+// products are issued, make ptxas serialise every wgmma of the kernel (C7514/C7515) or
+// wait for all of them before the read (C7517), which the kernel budget below checks.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
@@ -156,6 +169,12 @@
 
 #ifndef PORTATTN_HOPPER_BWD_TMA_STORE
 #define PORTATTN_HOPPER_BWD_TMA_STORE 1
+#endif
+#ifndef PORTATTN_HOPPER_BWD_PIPELINE
+#define PORTATTN_HOPPER_BWD_PIPELINE 2
+#endif
+#ifndef PORTATTN_HOPPER_BWD_KV_REGS
+#define PORTATTN_HOPPER_BWD_KV_REGS 0
 #endif
 
 namespace portattn {
@@ -173,6 +192,14 @@ struct HopperBwdTraits {
   static constexpr bool kTmaStoreDkv = PORTATTN_HOPPER_BWD_TMA_STORE != 0;
   // 64 queries keep S^T and dP^T at 32 fp32 each next to the 128 of dK + dV (hd128).
   static constexpr int kBlockM = 64;
+  // How many of step i's two products (S^T, then dP^T) are issued before step i - 1's
+  // staged dQ is handed to the reducing warp (Note [portattn hopper backward pipeline]).
+  // -DPORTATTN_HOPPER_BWD_PIPELINE=0 builds the serial loop, =1 issues S^T only first (A/B).
+  static constexpr int kAhead = PORTATTN_HOPPER_BWD_PIPELINE < 2 ? PORTATTN_HOPPER_BWD_PIPELINE : 2;
+  // hd64, -DPORTATTN_HOPPER_BWD_KV_REGS=1 (experiment): this consumer's 64 rows of K and V
+  // as register A operands of S^T and dP^T (32 registers), so those products read only
+  // Q / dO from shared memory.
+  static constexpr bool kKvInRegs = PORTATTN_HOPPER_BWD_KV_REGS != 0 && kHeadDim == 64;
   // hd64's Q/dO tiles are half the size: twice the stages in a smaller budget.
   static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
   static constexpr int kConsumers = 2;
@@ -537,10 +564,124 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
         for (int c = 0; c < kOCols; ++c) dv[r][c] = dk[r][c] = 0.f;
 
+      // S^T = K Q^T and dP^T = V dO^T of step `at` (64 keys x 64 queries each), one wgmma
+      // group each; S^T first waits for the step's Q/dO stage.
+      float s[2][kSCols], dp[2][kSCols];
+      constexpr int kKvSteps = Traits::kKvInRegs ? kHeadDim / 16 : 1;
+      uint32_t ka[kKvSteps][4], va[kKvSteps][4];
+      auto product_rs = [&](float (&acc)[2][kSCols], const uint32_t (&a)[kKvSteps][4], uint32_t tile) {
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKvSteps; ++kk)
+          sm90::wgmma_rs_kmajor_n64<Elem>(
+              acc, a[kk], sm90::make_smem_desc(tile + (kk / 4) * Traits::kPanelBytesQ + (kk % 4) * 32, 16, 1024),
+              kk > 0 ? 1 : 0);
+        sm90::wgmma_commit();
+      };
+      auto issue_s = [&](int at) {
+        sm90::mbar_wait(bar_full(at % kStages), (at / kStages) & 1u);
+        const uint32_t tile = base + Traits::kOffQ + (at % kStages) * Traits::kQBytes;
+        if constexpr (Traits::kKvInRegs) product_rs(s, ka, tile);
+        else product_ss<kHeadDim, Elem>(s, s_k_wg, tile);
+      };
+      auto issue_dp = [&](int at) {
+        const uint32_t tile = base + Traits::kOffDo + (at % kStages) * Traits::kQBytes;
+        if constexpr (Traits::kKvInRegs) product_rs(dp, va, tile);
+        else product_ss<kHeadDim, Elem>(dp, s_v_wg, tile);
+      };
+      // A step's dQ (64 queries x this consumer's kDqCols).
+      float dq[2][kQCols];
+
+      // Step at_step's dQ (in `dq`, complete): written into a staging buffer for warp 2's
+      // bulk reduction (publish_dq then hands it over), or added from registers (Note
+      // [portattn hopper bulk dQ]).
+      auto stage_dq = [&](int at_step, int head, int m0) {
+        // Deterministic mode: this key block's turn for query block m0, after every
+        // later key block that reaches the query block has added (their count), before
+        // any earlier one. The last key block reaching m_block: m_begin_of is
+        // nondecreasing and this block reaches it, so a search over [n_block, n_blocks)
+        // finds it (the last block without a right bound); every block between the two
+        // reaches it too.
+        auto dq_turn = [&]() {
+          const int m_block = m0 / kBlockM;
+          int lo = n_block, hi = n_blocks - 1;
+          while (right_bound && lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (m_begin_of(mid) <= m_block) lo = mid; else hi = mid - 1;
+          }
+          return (right_bound ? lo : n_blocks - 1) - n_block;
+        };
+        auto dq_order_count = [&]() {
+          return args.dq_order + (static_cast<int64_t>(batch) * args.heads + head - args.head0) * m_blocks_max +
+                 m0 / kBlockM;
+        };
+        if constexpr (kBulkDq) {
+          // Stage this consumer's columns; warp 2 of the producer reduces the
+          // tile once both consumers arrived (Note [portattn hopper bulk dQ]).
+          const int b = at_step % Traits::kDqStages;
+          if (at_step >= Traits::kDqStages)  // the copy of step - kDqStages has read buffer b
+            sm90::named_barrier_sync(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
+          if constexpr (kOrderedDq) {
+            if (wg == 0 && tid == 0) {
+              uint8_t* turn = base_ptr + Traits::kOffDqTurn + b * Traits::kDqTurnBytes;
+              *reinterpret_cast<int**>(turn) = dq_order_count();
+              *reinterpret_cast<int*>(turn + 8) = dq_turn();
+            }
+          }
+          const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = warp * 16 + g + 8 * r;  // rows past len_q are staged, never copied
+#pragma unroll
+            for (int j = 0; j < kQCols / 2; ++j)
+              sm90::st_shared_v2_f32(s_dq + row * Traits::kDqPitch +
+                                         cuda::dq_chunk_swizzle(row, (wg * Traits::kDqCols + 8 * j + 2 * q4) * 4),
+                                     dq[r][2 * j], dq[r][2 * j + 1]);
+          }
+        } else {
+          float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
+          int* order = nullptr;
+          if constexpr (kOrderedDq) {
+            order = dq_order_count();
+            if (wg == 0 && tid == 0) sm90::wait_count_equals(order, dq_turn());
+            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = warp * 16 + g + 8 * r;
+            if (m0 + row >= len_q) continue;
+#pragma unroll
+            for (int j = 0; j < kQCols / 2; ++j)
+              cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
+          }
+          if constexpr (kOrderedDq) {
+            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
+            if (wg == 0 && tid == 0) sm90::count_up_release(order);
+          }
+        }
+      };
+      auto publish_dq = [&](int at_step) {
+        if constexpr (kBulkDq) {
+          sm90::fence_proxy_async_smem();  // generic writes before the bulk copy's (async-proxy) read
+          sm90::named_barrier_arrive(Traits::kBarDqFull + at_step % Traits::kDqStages, Traits::kDqBarThreads);
+        }
+      };
+
       if (iters > 0) sm90::mbar_wait(bar_kv_full, kv_round & 1u);
+      if constexpr (Traits::kKvInRegs) {
+        // The A fragment of k16 step kk: rows key_row (+ 8), columns 16 kk + 2 q4 (+ 8).
+#pragma unroll
+        for (int kk = 0; kk < kKvSteps; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = 16 * kk + 8 * (e >> 1) + 2 * q4;
+            const uint32_t at = (col / 64) * Traits::kPanelBytesKV + swizzle128(key_row + 8 * (e & 1), col % 64);
+            ka[kk][e] = sm90::ld_shared_b32(s_k + at);
+            va[kk][e] = sm90::ld_shared_b32(s_v + at);
+          }
+      }
       for (int it = 0; it < iters; ++it, ++step) {
         const int stage = step % kStages;
-        const uint32_t parity = (step / kStages) & 1u;
         const int head = head_first + it / m_blocks;
         const int m0 = (m_begin + it % m_blocks) * kBlockM;
         const uint32_t s_q = base + Traits::kOffQ + stage * Traits::kQBytes;
@@ -549,11 +690,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         const float* lse2 = s_lse + stage * kBlockM;
         const float* delta = s_delta + stage * kBlockM;
 
-        // ---- S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each) ----
-        float s[2][kSCols], dp[2][kSCols];
-        sm90::mbar_wait(bar_full(stage), parity);
-        product_ss<kHeadDim, Elem>(s, s_k_wg, s_q);
-        product_ss<kHeadDim, Elem>(dp, s_v_wg, s_do);
+        // ---- S^T and dP^T; pipelined, the last step's staged dQ is handed over under them ----
+        issue_s(step);
+        if constexpr (Traits::kAhead >= 2) issue_dp(step);
+        if (Traits::kAhead > 0 && it > 0) publish_dq(step - 1);
+        if constexpr (Traits::kAhead < 2) issue_dp(step);
         sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
 
@@ -635,7 +776,6 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         sm90::named_barrier_sync(Traits::kBarDs, 128 * Traits::kConsumers);
 
         // ---- dQ (64 queries x this consumer's kDqCols) = dS K over all 128 keys ----
-        float dq[2][kQCols];
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk)
@@ -653,72 +793,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
 
-        // Deterministic mode: this key block's turn for query block m0, after every
-        // later key block that reaches the query block has added (their count), before
-        // any earlier one. The last key block reaching m_block: m_begin_of is
-        // nondecreasing and this block reaches it, so a search over [n_block, n_blocks)
-        // finds it (the last block without a right bound); every block between the two
-        // reaches it too.
-        auto dq_turn = [&]() {
-          const int m_block = m0 / kBlockM;
-          int lo = n_block, hi = n_blocks - 1;
-          while (right_bound && lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (m_begin_of(mid) <= m_block) lo = mid; else hi = mid - 1;
-          }
-          return (right_bound ? lo : n_blocks - 1) - n_block;
-        };
-        auto dq_order_count = [&]() {
-          return args.dq_order + (static_cast<int64_t>(batch) * args.heads + head - args.head0) * m_blocks_max +
-                 m0 / kBlockM;
-        };
-        if constexpr (kBulkDq) {
-          // Stage this consumer's columns; warp 2 of the producer reduces the
-          // tile once both consumers arrived (Note [portattn hopper bulk dQ]).
-          const int b = step % Traits::kDqStages;
-          if (step >= Traits::kDqStages)  // the copy of step - kDqStages has read buffer b
-            sm90::named_barrier_sync(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
-          if constexpr (kOrderedDq) {
-            if (wg == 0 && tid == 0) {
-              uint8_t* turn = base_ptr + Traits::kOffDqTurn + b * Traits::kDqTurnBytes;
-              *reinterpret_cast<int**>(turn) = dq_order_count();
-              *reinterpret_cast<int*>(turn + 8) = dq_turn();
-            }
-          }
-          const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes;
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = warp * 16 + g + 8 * r;  // rows past len_q are staged, never copied
-#pragma unroll
-            for (int j = 0; j < kQCols / 2; ++j)
-              sm90::st_shared_v2_f32(s_dq + row * Traits::kDqPitch +
-                                         cuda::dq_chunk_swizzle(row, (wg * Traits::kDqCols + 8 * j + 2 * q4) * 4),
-                                     dq[r][2 * j], dq[r][2 * j + 1]);
-          }
-          sm90::fence_proxy_async_smem();  // generic writes before the bulk copy's (async-proxy) read
-          sm90::named_barrier_arrive(Traits::kBarDqFull + b, Traits::kDqBarThreads);
-        } else {
-          float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
-          int* order = nullptr;
-          if constexpr (kOrderedDq) {
-            order = dq_order_count();
-            if (wg == 0 && tid == 0) sm90::wait_count_equals(order, dq_turn());
-            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
-          }
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = warp * 16 + g + 8 * r;
-            if (m0 + row >= len_q) continue;
-#pragma unroll
-            for (int j = 0; j < kQCols / 2; ++j)
-              cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
-          }
-          if constexpr (kOrderedDq) {
-            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
-            if (wg == 0 && tid == 0) sm90::count_up_release(order);
-          }
-        }
+        stage_dq(step, head, m0);
+        if constexpr (Traits::kAhead == 0) publish_dq(step);
       }
+      if (Traits::kAhead > 0 && iters > 0) publish_dq(step - 1);
       if (iters > 0) {
         ++kv_round;
         __syncwarp();

@@ -248,6 +248,32 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[2][kCols], const uint32_t (&
   }
 }
 
+// D (64 x 64) (+)= A (64 x 16 from registers) * B (16 x 64, shared, K-major: the
+// backward's S^T = K Q^T with K's fragment held in registers). scale_d = 0 overwrites D.
+template <typename Elem>
+__device__ __forceinline__ void wgmma_rs_kmajor_n64(float (&d)[2][16], const uint32_t (&a)[4], uint64_t desc_b,
+                                                    int scale_d) {
+  if constexpr (std::is_same<Elem, __nv_bfloat16>::value) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PORTATTN_WGMMA_D64_REGS
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : PORTATTN_WGMMA_D64_OPERANDS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PORTATTN_WGMMA_D64_REGS
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : PORTATTN_WGMMA_D64_OPERANDS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+  }
+}
+
+__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 // Row max / sum over the 4 threads (one quad) that share a row of the fragment.
 struct QuadReduce {
   static __device__ __forceinline__ float max(float x) { return ptx::quad_allreduce_max(x); }
