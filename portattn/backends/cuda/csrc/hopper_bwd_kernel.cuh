@@ -174,7 +174,10 @@
 #define PORTATTN_HOPPER_BWD_PIPELINE 2
 #endif
 #ifndef PORTATTN_HOPPER_BWD_KV_REGS
-#define PORTATTN_HOPPER_BWD_KV_REGS 0
+#define PORTATTN_HOPPER_BWD_KV_REGS 1
+#endif
+#ifndef PORTATTN_HOPPER_BWD_DQ_BY_STEP
+#define PORTATTN_HOPPER_BWD_DQ_BY_STEP 1
 #endif
 
 namespace portattn {
@@ -212,7 +215,13 @@ struct HopperBwdTraits {
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: keys x queries
   static constexpr int kPanelBytesKV = kBlockN * 128;
   static constexpr int kPanelBytesQ = kBlockM * 128;
-  static constexpr int kDqCols = kHeadDim / kConsumers;  // dQ columns per consumer
+  // hd64: the consumers take turns (by step parity) computing the whole 64 x 64 dQ tile
+  // (m64n64, which reads half the shared-memory operand bytes per flop of two m64n32),
+  // instead of each computing half its columns every step (Note [portattn hopper dQ by
+  // step]). -DPORTATTN_HOPPER_BWD_DQ_BY_STEP=0 builds the column split (A/B).
+  static constexpr bool kDqByStep = PORTATTN_HOPPER_BWD_DQ_BY_STEP != 0 && kHeadDim == 64;
+  static constexpr int kDqConsumers = kDqByStep ? 1 : kConsumers;  // consumers computing a step's dQ
+  static constexpr int kDqCols = kHeadDim / kDqConsumers;  // dQ columns per computing consumer
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kKVBytes;
   static constexpr int kOffQ = 2 * kKVBytes;
@@ -246,7 +255,7 @@ struct HopperBwdTraits {
   static constexpr int kBarDs = 1;
   static constexpr int kBarDqFull = 2;
   static constexpr int kBarDqEmpty = kBarDqFull + kDqStages;
-  static constexpr int kDqBarThreads = 128 * kConsumers + 32;  // consumers + the reducing warp
+  static constexpr int kDqBarThreads = 128 * kDqConsumers + 32;  // dQ's consumers + the reducing warp
   // Deterministic mode with per-element adds: the consumers' barrier around the
   // ordered dQ adds (Note [portattn hopper ordered dQ]).
   static constexpr int kBarDqOrder = kBarDqEmpty + kDqStages;
@@ -542,7 +551,13 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     // B operand of dQ = dS K: this warpgroup's half of K's columns (a panel for
     // hd128; 32 columns = 64 bytes into the one panel for hd64, where the
     // hardware's XOR applies to the final address as for the k16 steps).
-    const uint32_t s_k_dq = s_k + (kHeadDim == 128 ? wg * Traits::kPanelBytesKV : wg * 64);
+    const uint32_t s_k_dq =
+        s_k + (Traits::kDqByStep ? 0 : kHeadDim == 128 ? wg * Traits::kPanelBytesKV : wg * 64);
+    const int dq_col0 = Traits::kDqByStep ? 0 : wg * Traits::kDqCols;  // this consumer's first dQ column
+    // Whether this consumer computes step at_step's dQ, and the thread that writes its turn
+    // (deterministic mode).
+    auto computes_dq = [&](int at_step) { return !Traits::kDqByStep || (at_step & 1) == wg; };
+    const bool dq_leader = tid == 0 && (Traits::kDqByStep || wg == 0);
     const float scale_log2 = f.softmax_scale * softmax::kLog2e;
     // One dQ accumulator in both modes: the deterministic mode orders its adds
     // (Note [portattn hopper ordered dQ]) instead of adding into per-split slices.
@@ -567,7 +582,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
       // S^T = K Q^T and dP^T = V dO^T of step `at` (64 keys x 64 queries each), one wgmma
       // group each; S^T first waits for the step's Q/dO stage.
       float s[2][kSCols], dp[2][kSCols];
-      constexpr int kKvSteps = Traits::kKvInRegs ? kHeadDim / 16 : 1;
+      // K / V in registers (Traits::kKvInRegs) where the 32 registers fit: next to the
+      // whole-tile dQ of kDqByStep, softcap's and the ordered adds' live values made them spill.
+      constexpr bool kKvRegs = Traits::kKvInRegs && !(Traits::kDqByStep && (kSoftcap || kOrderedDq));
+      constexpr int kKvSteps = kKvRegs ? kHeadDim / 16 : 1;
       uint32_t ka[kKvSteps][4], va[kKvSteps][4];
       auto product_rs = [&](float (&acc)[2][kSCols], const uint32_t (&a)[kKvSteps][4], uint32_t tile) {
         sm90::wgmma_fence();
@@ -581,12 +599,12 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
       auto issue_s = [&](int at) {
         sm90::mbar_wait(bar_full(at % kStages), (at / kStages) & 1u);
         const uint32_t tile = base + Traits::kOffQ + (at % kStages) * Traits::kQBytes;
-        if constexpr (Traits::kKvInRegs) product_rs(s, ka, tile);
+        if constexpr (kKvRegs) product_rs(s, ka, tile);
         else product_ss<kHeadDim, Elem>(s, s_k_wg, tile);
       };
       auto issue_dp = [&](int at) {
         const uint32_t tile = base + Traits::kOffDo + (at % kStages) * Traits::kQBytes;
-        if constexpr (Traits::kKvInRegs) product_rs(dp, va, tile);
+        if constexpr (kKvRegs) product_rs(dp, va, tile);
         else product_ss<kHeadDim, Elem>(dp, s_v_wg, tile);
       };
       // A step's dQ (64 queries x this consumer's kDqCols).
@@ -622,7 +640,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           if (at_step >= Traits::kDqStages)  // the copy of step - kDqStages has read buffer b
             sm90::named_barrier_sync(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
           if constexpr (kOrderedDq) {
-            if (wg == 0 && tid == 0) {
+            if (dq_leader) {
               uint8_t* turn = base_ptr + Traits::kOffDqTurn + b * Traits::kDqTurnBytes;
               *reinterpret_cast<int**>(turn) = dq_order_count();
               *reinterpret_cast<int*>(turn + 8) = dq_turn();
@@ -635,16 +653,16 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
             for (int j = 0; j < kQCols / 2; ++j)
               sm90::st_shared_v2_f32(s_dq + row * Traits::kDqPitch +
-                                         cuda::dq_chunk_swizzle(row, (wg * Traits::kDqCols + 8 * j + 2 * q4) * 4),
+                                         cuda::dq_chunk_swizzle(row, (dq_col0 + 8 * j + 2 * q4) * 4),
                                      dq[r][2 * j], dq[r][2 * j + 1]);
           }
         } else {
-          float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + wg * Traits::kDqCols;
+          float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + dq_col0;
           int* order = nullptr;
           if constexpr (kOrderedDq) {
             order = dq_order_count();
-            if (wg == 0 && tid == 0) sm90::wait_count_equals(order, dq_turn());
-            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
+            if (dq_leader) sm90::wait_count_equals(order, dq_turn());
+            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kDqConsumers);
           }
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
@@ -655,8 +673,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
               cuda::accum_add2(g_dq + row * kHeadDim + 8 * j + 2 * q4, dq[r][2 * j], dq[r][2 * j + 1]);
           }
           if constexpr (kOrderedDq) {
-            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kConsumers);
-            if (wg == 0 && tid == 0) sm90::count_up_release(order);
+            sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kDqConsumers);
+            if (dq_leader) sm90::count_up_release(order);
           }
         }
       };
@@ -668,7 +686,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
       };
 
       if (iters > 0) sm90::mbar_wait(bar_kv_full, kv_round & 1u);
-      if constexpr (Traits::kKvInRegs) {
+      if constexpr (kKvRegs) {
         // The A fragment of k16 step kk: rows key_row (+ 8), columns 16 kk + 2 q4 (+ 8).
 #pragma unroll
         for (int kk = 0; kk < kKvSteps; ++kk)
@@ -693,7 +711,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         // ---- S^T and dP^T; pipelined, the last step's staged dQ is handed over under them ----
         issue_s(step);
         if constexpr (Traits::kAhead >= 2) issue_dp(step);
-        if (Traits::kAhead > 0 && it > 0) publish_dq(step - 1);
+        if (Traits::kAhead > 0 && it > 0 && computes_dq(step - 1)) publish_dq(step - 1);
         if constexpr (Traits::kAhead < 2) issue_dp(step);
         sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
@@ -773,16 +791,22 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             cuda::st_shared_b32(s_ds + swizzle128(row, col), ds[kk][e]);
           }
         sm90::fence_proxy_async_smem();
-        sm90::named_barrier_sync(Traits::kBarDs, 128 * Traits::kConsumers);
+        // The consumer that computes this step's dQ waits for both halves of dS^T; the
+        // other only contributes its half (Note [portattn hopper dQ by step]).
+        const bool my_dq = computes_dq(step);
+        if (my_dq) sm90::named_barrier_sync(Traits::kBarDs, 128 * Traits::kConsumers);
+        else sm90::named_barrier_arrive(Traits::kBarDs, 128 * Traits::kConsumers);
 
-        // ---- dQ (64 queries x this consumer's kDqCols) = dS K over all 128 keys ----
-        sm90::wgmma_fence();
+        // ---- dQ (64 queries x kDqCols from dq_col0) = dS K over all 128 keys ----
+        if (my_dq) {
+          sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-          sm90::wgmma_ss<Elem, 1, 1>(dq, sm90::make_smem_desc(s_ds + kk * 16 * 128, Traits::kDsBytes, 1024),
-                                     sm90::make_smem_desc(s_k_dq + kk * 16 * 128, Traits::kPanelBytesKV, 1024),
-                                     kk > 0 ? 1 : 0);
-        sm90::wgmma_commit();
+          for (int kk = 0; kk < kBlockN / 16; ++kk)
+            sm90::wgmma_ss<Elem, 1, 1>(dq, sm90::make_smem_desc(s_ds + kk * 16 * 128, Traits::kDsBytes, 1024),
+                                       sm90::make_smem_desc(s_k_dq + kk * 16 * 128, Traits::kPanelBytesKV, 1024),
+                                       kk > 0 ? 1 : 0);
+          sm90::wgmma_commit();
+        }
         sm90::wgmma_wait<0>();
         sm90::fence_operands(dq);
         sm90::fence_operands(dv);
@@ -793,10 +817,12 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
 
-        stage_dq(step, head, m0);
-        if constexpr (Traits::kAhead == 0) publish_dq(step);
+        if (my_dq) {
+          stage_dq(step, head, m0);
+          if constexpr (Traits::kAhead == 0) publish_dq(step);
+        }
       }
-      if (Traits::kAhead > 0 && iters > 0) publish_dq(step - 1);
+      if (Traits::kAhead > 0 && iters > 0 && computes_dq(step - 1)) publish_dq(step - 1);
       if (iters > 0) {
         ++kv_round;
         __syncwarp();
