@@ -183,7 +183,9 @@
 namespace portattn {
 namespace hopper {
 
-template <int kHeadDim_, bool kBulkDq_ = false>
+// kDqByStepWanted: the kernel's mask admits kDqByStep (no mask only, see there). The shared
+// memory layout and the launch shape do not depend on it.
+template <int kHeadDim_, bool kBulkDq_ = false, bool kDqByStepWanted = false>
 struct HopperBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   // dQ into the fp32 accumulator: false = v2 reductions from the consumers'
@@ -215,11 +217,10 @@ struct HopperBwdTraits {
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: keys x queries
   static constexpr int kPanelBytesKV = kBlockN * 128;
   static constexpr int kPanelBytesQ = kBlockM * 128;
-  // hd64: the consumers take turns (by step parity) computing the whole 64 x 64 dQ tile
-  // (m64n64, which reads half the shared-memory operand bytes per flop of two m64n32),
-  // instead of each computing half its columns every step (Note [portattn hopper dQ by
-  // step]). -DPORTATTN_HOPPER_BWD_DQ_BY_STEP=0 builds the column split (A/B).
-  static constexpr bool kDqByStep = PORTATTN_HOPPER_BWD_DQ_BY_STEP != 0 && kHeadDim == 64;
+  // hd64 without a mask: the consumers take turns (by step parity) computing the whole
+  // 64 x 64 dQ tile (Note [portattn hopper dQ by step]). -DPORTATTN_HOPPER_BWD_DQ_BY_STEP=0
+  // builds the column split everywhere (A/B).
+  static constexpr bool kDqByStep = PORTATTN_HOPPER_BWD_DQ_BY_STEP != 0 && kHeadDim == 64 && kDqByStepWanted;
   static constexpr int kDqConsumers = kDqByStep ? 1 : kConsumers;  // consumers computing a step's dQ
   static constexpr int kDqCols = kHeadDim / kDqConsumers;  // dQ columns per computing consumer
   static constexpr int kOffK = 0;
@@ -250,10 +251,15 @@ struct HopperBwdTraits {
   static_assert(kDqCols == 32 || kDqCols == 64, "dQ wgmma is instantiated for N = 32 and 64");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared-memory opt-in limit");
   static_assert(kDqPitch % 128 == 0, "the bulk dQ swizzle assumes rows that start on the same bank");
-  // Named barriers: 0 __syncthreads, 1 dS^T (consumers); bulk dQ: full[b]
-  // (consumers arrive, the reducing warp waits) and empty[b] (the reverse).
+  // Named barriers: 0 __syncthreads, 1-2 dS^T (consumers, by step parity); bulk dQ:
+  // full[b] (consumers arrive, the reducing warp waits) and empty[b] (the reverse).
+  // dS^T takes two ids because with kDqByStep one consumer only arrives: on one id, its
+  // arrival at step i + 1 could complete step i's barrier (a named barrier counts
+  // arrivals, it has no phases) before the other consumer has arrived at step i. With
+  // two, its next arrival on step i's id (step i + 2) follows its wait at step i + 1,
+  // which needs the other's arrival at i + 1, so that one is past step i's barrier.
   static constexpr int kBarDs = 1;
-  static constexpr int kBarDqFull = 2;
+  static constexpr int kBarDqFull = kBarDs + 2;
   static constexpr int kBarDqEmpty = kBarDqFull + kDqStages;
   static constexpr int kDqBarThreads = 128 * kDqConsumers + 32;  // dQ's consumers + the reducing warp
   // Deterministic mode with per-element adds: the consumers' barrier around the
@@ -326,7 +332,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
                       const __grid_constant__ CUtensorMap tm_dv, const cuda::BwdArgs args,
                       const float softcap_scale) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Traits = HopperBwdTraits<kHeadDim, kBulkDq>;
+  using Traits = HopperBwdTraits<kHeadDim, kBulkDq, kMask == kBwdMaskNone>;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
@@ -794,8 +800,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         // The consumer that computes this step's dQ waits for both halves of dS^T; the
         // other only contributes its half (Note [portattn hopper dQ by step]).
         const bool my_dq = computes_dq(step);
-        if (my_dq) sm90::named_barrier_sync(Traits::kBarDs, 128 * Traits::kConsumers);
-        else sm90::named_barrier_arrive(Traits::kBarDs, 128 * Traits::kConsumers);
+        if (my_dq) sm90::named_barrier_sync(Traits::kBarDs + (step & 1), 128 * Traits::kConsumers);
+        else sm90::named_barrier_arrive(Traits::kBarDs + (step & 1), 128 * Traits::kConsumers);
 
         // ---- dQ (64 queries x kDqCols from dq_col0) = dS K over all 128 keys ----
         if (my_dq) {
