@@ -8,7 +8,7 @@
    .grad accumulation kernel) timed by triton.testing.do_bench medians; TFLOP/s with the
    FA2 convention fwd+bwd = 3.5 x forward FLOPs; the forward is timed too, so the backward
    alone is derived (fwd+bwd time - forward time).
-2. `--determinism`: the cost of deterministic=True at hd 128, seqlen 4k/8k/16k (batch x
+2. `--determinism`: the cost of deterministic=True at hd 64 and 128 (`--head-dims`), seqlen 4k/8k/16k (batch x
    seqlen = 16k, 16 heads), causal and not: fwd+bwd and backward-alone times, default vs
    deterministic, and their ratio.
 3. Peak memory of forward+backward at B=1, H=16, S=32k, hd 128, portattn vs SDPA flash:
@@ -96,7 +96,7 @@ def main():
     parser.add_argument("--impls", default="portattn,portattn_det,sdpa_flash,sdpa_cudnn",
                         help=f"columns, comma separated, from: {', '.join(peers.IMPLS)}")
     parser.add_argument("--determinism", action="store_true",
-                        help="only the deterministic-mode cost (hd 128, seqlen 4k/8k/16k) -> determinism.{json,md}")
+                        help="only the deterministic-mode cost (--head-dims, seqlen 4k/8k/16k) -> determinism.{json,md}")
     parser.add_argument("--no-memory", action="store_true", help="skip the 32k peak-memory case")
     parser.add_argument("--memory-only", action="store_true", help="only the 32k peak-memory case")
     parser.add_argument("--budget-s", type=float, default=300, help="grid time budget (cells after it are n/a)")
@@ -109,7 +109,8 @@ def main():
 
     if args.determinism:
         name, title = "determinism", "Deterministic backward: cost against the default"
-        points = peers.grid([128], peers.parse_ints(args.seqlens) if args.seqlens else DETERMINISM_SEQLENS)
+        points = peers.grid(peers.parse_ints(args.head_dims),
+                            peers.parse_ints(args.seqlens) if args.seqlens else DETERMINISM_SEQLENS)
         impls, modes = peers.select("portattn,portattn_det"), ["fwd", "fwd_bwd"]
     else:
         name, title = "cuda_fwd_bwd", "CUDA forward+backward benchmark"
