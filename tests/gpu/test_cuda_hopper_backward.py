@@ -88,6 +88,21 @@ def test_hopper_backward_grid(dtype, head_dim, seqlens, causal, gqa, mode):
     _check_grads(grads, q, k, v, dout, dict(causal=causal))
 
 
+# 64 query steps per key block: the pipelined hand-off of dQ (Note [portattn hopper backward
+# pipeline]) and, without a mask at hd64, the consumers' turns at the whole dQ tile (Note [portattn
+# hopper dQ by step], its two dS^T barrier ids) run for many steps, with GQA's head walk in the
+# deterministic mode; the grid above stops at 16 steps.
+@pytest.mark.parametrize("mode", ["bulk", "det_bulk", "atomic"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_backward_long_sequences(causal, mode):
+    if 64 not in HEAD_DIMS:
+        pytest.skip("this build has no hd64 Hopper backward")
+    q, k, v = _inputs(torch.bfloat16, 64, (4096, 4096), 4)
+    with _dq_path(mode) as deterministic:
+        grads, dout, _ = _hopper_grads(q, k, v, deterministic, window=(-1, 0 if causal else -1))
+    _check_grads(grads, q, k, v, dout, dict(causal=causal))
+
+
 # (window_left, window_right) as the Hopper forward's tests: sliding windows both sides, left only,
 # right only, causal with a left bound, and one key per query; seqlen_q > seqlen_k leaves the first
 # rows without any visible key (lse = -inf: their P must be 0, not NaN).

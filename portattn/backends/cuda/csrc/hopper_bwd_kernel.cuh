@@ -24,6 +24,7 @@
 //                wgmma). Per query block of kBlockM = 64 rows:
 //     S^T  = K Q^T        m64n64k16 SS (both K-major)       \ issued together;
 //     dP^T = V dO^T       m64n64k16 SS                       / S waited first
+//                         (hd64: RS, K and V's fragments in registers, kKvInRegs)
 //     P^T  = exp2(S^T * scale * log2e - lse2)   (masked on edge blocks only)
 //            softcap: exp2(c * tanh(S^T * scale / c) * log2e - lse2), the
 //            forward's tanhf argument; dS^T then carries (1 - tanh^2)
@@ -34,8 +35,10 @@
 //     dQ   = dS K         contracts over all 128 keys, i.e. over both
 //                         consumers: each writes its packed dS^T into shared
 //                         memory (128B-swizzled like a TMA tile), fence.proxy.async,
-//                         then `bar.sync 1, 256`; each computes half of the head
-//                         dim's columns: m64n{32,64}k16 SS with A = dS^T read
+//                         then a named barrier; each computes half of the head
+//                         dim's columns (hd64 without a mask: one consumer the
+//                         whole tile, by turns, Note [portattn hopper dQ by step]):
+//                         m64n{32,64}k16 SS with A = dS^T read
 //                         transposed (MN-major A, legal for 16-bit types) and
 //                         B = K MN-major, and adds them to the fp32 accumulator
 //                         with v2 reductions (accum_add2, bwd_kernel.cuh).
@@ -43,7 +46,9 @@
 //   Note [portattn hopper bulk dQ] below.
 //   dS^T has two buffers (by step parity): a consumer passes step i + 1's
 //   barrier only after both have waited for their step-i dQ wgmma, so step
-//   i + 2 may overwrite step i's buffer with no second barrier.
+//   i + 2 may overwrite step i's buffer with no second barrier. The next step's
+//   S^T and dP^T are issued before this step's staged dQ is handed over (Note
+//   [portattn hopper backward pipeline]).
 //   Epilogue: dK * softmax_scale and dV through the K/V buffers and TMA stores
 //   (Note [portattn hopper dK/dV store]), else straight from registers (4-byte
 //   stores), or fp32 reductions into the GQA accumulators.
@@ -55,10 +60,14 @@
 //   hd128: K 32 + V 32 + 2 stages x (Q 16 + dO 16) + dS^T 2 x 16 = 160 KiB (+...)
 // Consumer registers per thread (hd128): dV 64 + dK 64 fp32, S^T/P^T 32 + dP^T/dS^T
 // 32 fp32, P^T and dS^T packed 16 + 16; the dQ accumulator (32) lives after S/dP die.
+// hd64 adds K's and V's register fragments (16 + 16), and without a mask a 32-register
+// dQ tile (kDqByStep), where the pair would not fit next to softcap's or the ordered
+// adds' live values (those keep K / V in shared memory: kKvRegs).
 // ptxas (nvcc 13.0): 0 spills at 24 / 240 registers for every variant without
 // softcap (the producer spilled at 24 while one warp did both of its jobs, hence
 // the split over two warps). hd128 with softcap spills a few loop-invariant words
-// (4-12 bytes, docs/hopper_notes.md), hd64 with softcap none.
+// (4-12 bytes, docs/hopper_notes.md), hd64 with softcap none; no kernel draws
+// ptxas's wgmma-serialisation warnings (C7514-C7517).
 // Measured on an H100 (bench/results/runs/2026-11-21-12f5a57/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
 // (hd128) the sm80+ backward; what to try next is in docs/hopper_notes.md.
 //
@@ -143,6 +152,20 @@
 // accumulators) or a varlen block that runs past its sequence (the packed map
 // would write the next sequence's rows): those keep the direct stores.
 //
+// Note [portattn hopper dQ by step]
+// hd64 without a mask. The dQ product of a step contracts over all 128 keys, so it
+// needs both consumers' dS^T. Split by columns (the default elsewhere) each consumer
+// runs eight m64n32k16 SS wgmmas a step, and both read the same 64 x 128 dS operand:
+// per flop, m64n32 with both operands in shared memory reads 1.5x the bytes of m64n64.
+// Here consumer (step & 1) computes the whole 64 x 64 tile (m64n64) and stages it
+// alone (its own staging buffer: b = step % 2 = its index), while the other only
+// arrives on the dS^T barrier and moves on to the next step, so the two also drift
+// out of lockstep by up to a step. The barrier takes an id per step parity (kBarDs,
+// HopperBwdTraits says why). Measured on an H100 (main kernel alone, same device
+// call, bench/results/runs/2026-11-24-aefb5f6): 6-9% less time without a mask; causal
+// calls lost 17-25% with it (runs/2026-11-24-45a4058), not understood yet (the masked
+// diagonal steps are the only per-step difference), so masked kernels keep the split.
+//
 // Note [portattn hopper backward pipeline]
 // Per step a consumer issues S^T and dP^T, waits, computes P^T and dS^T, issues dV, dK
 // and dQ, waits for them (dQ's result and the dS^T buffer's reuse need it), then hands
@@ -155,6 +178,9 @@
 // accumulators that cross the loop's back edge, or dQ registers read after the next
 // products are issued, make ptxas serialise every wgmma of the kernel (C7514/C7515) or
 // wait for all of them before the read (C7517), which the kernel budget below checks.
+// Measured on an H100 (main kernel alone, same device call, bench/results/runs/
+// 2026-11-24-1c5ca0e): 1-5% less time at hd64 than the serial loop, within the spread
+// (-1 to +2%) at hd128; with K / V in registers at hd64, 5-8%.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
