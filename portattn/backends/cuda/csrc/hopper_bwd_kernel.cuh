@@ -205,6 +205,12 @@
 #ifndef PORTATTN_HOPPER_BWD_DQ_BY_STEP
 #define PORTATTN_HOPPER_BWD_DQ_BY_STEP 1
 #endif
+#ifndef PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL
+#define PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL 1
+#endif
+#ifndef PORTATTN_HOPPER_BWD_SPLIT_MASK_LOOP
+#define PORTATTN_HOPPER_BWD_SPLIT_MASK_LOOP 1
+#endif
 
 namespace portattn {
 namespace hopper {
@@ -358,7 +364,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
                       const __grid_constant__ CUtensorMap tm_dv, const cuda::BwdArgs args,
                       const float softcap_scale) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Traits = HopperBwdTraits<kHeadDim, kBulkDq, kMask == kBwdMaskNone>;
+  // dQ by step (Note [portattn hopper dQ by step]) without a mask, and causal without softcap (whose
+  // masked loop then moved its predicates through registers: 26 P2R in cuobjdump's SASS).
+  using Traits = HopperBwdTraits<kHeadDim, kBulkDq,
+                                 kMask == kBwdMaskNone || (kMask == kBwdMaskCausal && !kSoftcap &&
+                                                           PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL != 0)>;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
@@ -783,15 +793,39 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
               pp[c / 4][r + (c & 2)] = ptx::ElemTraits<Elem>::pack(prob[0], prob[1]);
             }
         } else {
+          // The masked and the plain loop apart: with a per-element `if (edge)` in one loop
+          // the compiler evaluated every element's mask test on every step and, where
+          // registers are tight (dQ by step in the causal kernel), moved the tests'
+          // predicates through registers (27 P2R and ~250 more LOP3 in cuobjdump's SASS).
+          if (PORTATTN_HOPPER_BWD_SPLIT_MASK_LOOP == 0) {  // the one loop (A/B only)
 #pragma unroll
-          for (int c = 0; c < kSCols; ++c) {
-            const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
-            const float l = lse2[col];
+            for (int c = 0; c < kSCols; ++c) {
+              const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
+              const float l = lse2[col];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
-              if (edge) prob = visible(n0 + key_row + 8 * r, m0 + col) ? prob : 0.f;
-              s[r][c] = prob;
+              for (int r = 0; r < 2; ++r) {
+                float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
+                if (edge) prob = visible(n0 + key_row + 8 * r, m0 + col) ? prob : 0.f;
+                s[r][c] = prob;
+              }
+            }
+          } else if (edge) {
+#pragma unroll
+            for (int c = 0; c < kSCols; ++c) {
+              const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
+              const float l = lse2[col];
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
+                s[r][c] = visible(n0 + key_row + 8 * r, m0 + col) ? prob : 0.f;
+              }
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < kSCols; ++c) {
+              const float l = lse2[(c / 2) * 8 + 2 * q4 + (c % 2)];
+#pragma unroll
+              for (int r = 0; r < 2; ++r) s[r][c] = softmax::exp2_fast(s[r][c] * scale_log2 - l);
             }
           }
           sm90::pack_a_fragment<Elem>(pp, s);
