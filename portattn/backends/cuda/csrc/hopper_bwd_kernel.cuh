@@ -162,9 +162,11 @@
 // arrives on the dS^T barrier and moves on to the next step, so the two also drift
 // out of lockstep by up to a step. The barrier takes an id per step parity (kBarDs,
 // HopperBwdTraits says why). Measured on an H100 (main kernel alone, same device
-// call, bench/results/runs/2026-11-24-aefb5f6): 6-9% less time without a mask; causal
-// calls lost 17-25% with it (runs/2026-11-24-45a4058), not understood yet (the masked
-// diagonal steps are the only per-step difference), so masked kernels keep the split.
+// call, bench/results/runs/2026-11-24-aefb5f6): 6-9% less time without a mask. Causal
+// calls first lost 17-25% (runs/2026-11-24-45a4058): the 32 more registers pushed the
+// masked P^T loop's predicates through registers (P2R); with the masked and the plain
+// loop apart they gain 5-8% from 2k (runs/2026-11-24-1d55b4e). Causal with softcap
+// (its own masked loop still spills predicates with it) and windows keep the split.
 //
 // Note [portattn hopper backward pipeline]
 // Per step a consumer issues S^T and dP^T, waits, computes P^T and dS^T, issues dV, dK
