@@ -210,9 +210,6 @@
 #ifndef PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL
 #define PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL 1
 #endif
-#ifndef PORTATTN_HOPPER_BWD_SPLIT_MASK_LOOP
-#define PORTATTN_HOPPER_BWD_SPLIT_MASK_LOOP 1
-#endif
 
 namespace portattn {
 namespace hopper {
@@ -798,20 +795,9 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           // The masked and the plain loop apart: with a per-element `if (edge)` in one loop
           // the compiler evaluated every element's mask test on every step and, where
           // registers are tight (dQ by step in the causal kernel), moved the tests'
-          // predicates through registers (27 P2R and ~250 more LOP3 in cuobjdump's SASS).
-          if (PORTATTN_HOPPER_BWD_SPLIT_MASK_LOOP == 0) {  // the one loop (A/B only)
-#pragma unroll
-            for (int c = 0; c < kSCols; ++c) {
-              const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
-              const float l = lse2[col];
-#pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
-                if (edge) prob = visible(n0 + key_row + 8 * r, m0 + col) ? prob : 0.f;
-                s[r][c] = prob;
-              }
-            }
-          } else if (edge) {
+          // predicates through registers (27 P2R and ~250 more LOP3 in cuobjdump's SASS;
+          // the one loop against these two: bench/results/runs/2026-11-24-1d55b4e).
+          if (edge) {
 #pragma unroll
             for (int c = 0; c < kSCols; ++c) {
               const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
