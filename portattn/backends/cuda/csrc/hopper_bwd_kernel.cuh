@@ -232,9 +232,10 @@ struct HopperBwdTraits {
   // staged dQ is handed to the reducing warp (Note [portattn hopper backward pipeline]).
   // -DPORTATTN_HOPPER_BWD_PIPELINE=0 builds the serial loop, =1 issues S^T only first (A/B).
   static constexpr int kAhead = PORTATTN_HOPPER_BWD_PIPELINE < 2 ? PORTATTN_HOPPER_BWD_PIPELINE : 2;
-  // hd64, -DPORTATTN_HOPPER_BWD_KV_REGS=1 (experiment): this consumer's 64 rows of K and V
-  // as register A operands of S^T and dP^T (32 registers), so those products read only
-  // Q / dO from shared memory.
+  // hd64: this consumer's 64 rows of K and V as register A operands of S^T and dP^T (32
+  // registers), so those products read only Q / dO from shared memory (with the pipeline,
+  // 5-8% less main-kernel time on an H100, bench/results/runs/2026-11-24-1c5ca0e).
+  // -DPORTATTN_HOPPER_BWD_KV_REGS=0 keeps them in shared memory (A/B).
   static constexpr bool kKvInRegs = PORTATTN_HOPPER_BWD_KV_REGS != 0 && kHeadDim == 64;
   // hd64's Q/dO tiles are half the size: twice the stages in a smaller budget.
   static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
