@@ -47,6 +47,9 @@
 //                    query tiles (Note [portattn hopper hd64 192 rows]).
 //                    Combines with every bit above that fits 160 registers;
 //                    with ping-pong the three take turns round robin.
+//   kSchedCrossTile  persistent pipelined schedules: a tile's last P V and
+//                    the next tile's first S in one phase, O written under
+//                    S (Note [portattn hopper cross-tile phase]).
 // The bits, the head dims that admit them and the tuning builds' lists are
 // data in hopper_fwd_schedule.h.
 // K and V have separate "empty" barriers: K's stage is handed back as soon
@@ -165,6 +168,25 @@
 // cost more than the stores did. With three consumers at hd64 the staging made
 // the 160-register kernels spill (8-40 B), and hd256 or three stages at hd128
 // leave no room for the buffer.
+//
+// Note [portattn hopper cross-tile phase]
+// kSchedCrossTile (persistent pipelined schedules with two Q buffers: hd64 and hd128).
+// A tile of n key blocks has n + 1 issue phases per consumer: S(0) alone, then S(j)
+// with P(j-1) V(j-1), then the last P V alone, after which the warpgroup normalises O
+// and writes it with nothing on the tensor cores. On short tiles (512-1k keys,
+// causal tiles of 1-8 blocks) those two lone phases and the epilogue are a large share
+// of the tile, and ncu of the 512-key forward put 11% of the samples at the top of the
+// tile loop (runs/2026-11-24-aa70286). With the bit, when the next tile of the CTA has
+// key blocks, the last phase issues the last P V and then the next tile's S(0) (its Q
+// is already in the other buffer, its first K in the next ring slot); the warpgroup
+// waits for P V only, writes O under S(0), then runs S(0)'s softmax. So a CTA's tiles
+// run as one stream of phases: per tile one phase fewer and the epilogue overlapped.
+// Ping-pong counts phases per stream instead of per tile (the up-front opening at a
+// stream's first tile, the skipped opening at its last phase). Every wgmma still
+// retires inside the loop iteration that issued it (S(0) is waited for before the
+// next tile's iteration starts), so ptxas keeps the chains asynchronous (no C7514-C7519
+// warnings; 0 spills in every kernel, nvcc 13.0). A tile without key blocks (causal rows
+// above the diagonal when seqlen_q > seqlen_k) ends a stream: its O is written alone.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only: the encoder comes from cudaGetDriverEntryPoint)
 #include <cuda_bf16.h>
@@ -199,6 +221,11 @@ namespace hopper {
 // against Note [portattn hopper O store]).
 #ifndef PORTATTN_HOPPER_FWD_TMA_STORE
 #define PORTATTN_HOPPER_FWD_TMA_STORE 1
+#endif
+// PORTATTN_HOPPER_FWD_MASK_REL=0 builds the edge blocks' mask with each column's index compared
+// to both bounds (the form before session 9; A/B).
+#ifndef PORTATTN_HOPPER_FWD_MASK_REL
+#define PORTATTN_HOPPER_FWD_MASK_REL 1
 #endif
 constexpr int hopper_fwd_block_n(int head_dim) {
   return head_dim <= 128 ? 128 : PORTATTN_HOPPER_FWD_HD256_BLOCK_N;
@@ -250,6 +277,11 @@ struct HopperFwdTraits {
   static constexpr bool kTmaStoreO = PORTATTN_HOPPER_FWD_TMA_STORE != 0 && kHeadDim == 128 &&
                                      kMainSmemBytes + kOBytes <= kSmemLimit;
   static constexpr int kSmemBytes = kMainSmemBytes + (kTmaStoreO ? kOBytes : 0);
+  // Note [portattn hopper cross-tile phase]: the next tile's Q must arrive in the other
+  // buffer while this tile's Q is still in use (schedule_for drops the bit elsewhere).
+  static constexpr bool kCrossTile = (kSchedule & kSchedCrossTile) != 0;
+  static_assert(!kCrossTile || (kPersistent && kPipelined && kQBuffers == 2),
+                "the cross-tile phase is a step of the persistent pipelined loop with two Q buffers");
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "kBlockN: whole k16 steps of P V, and a wgmma N (multiple of 8, <= 256) for S = Q K^T");
@@ -525,156 +557,73 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     auto pack_p = [&](uint32_t (&p)[kBlockN / 16][4], const float (&s)[2][kSCols]) {
       sm90::pack_a_fragment<Elem>(p, s);
     };
-    int q_uses = 0, kv_uses = 0;
-    for (int round = 0; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
-      const int t = tile_of_cta(round, args.num_tiles);
-      if (t == args.num_tiles) continue;
-      const HopperTile tile = decode_tile<kMask, Traits::kPersistent, kBlockM, kBlockN>(t, args);
-      if (!tile.rows) continue;  // varlen: past the end of its sequence, rows of another
-      const int n_blocks = tile.n_blocks;
-      // Row of fragment row r (0/1) is row0 + 8r.
-      const int row0 = tile.m_block * kBlockM + wg * 64 + warp * 16 + g;
-      auto stage_of = [&](int it) { return (kv_uses + it) % kStages; };
-      auto parity_of = [&](int it) { return static_cast<uint32_t>(((kv_uses + it) / kStages) & 1); };
-      // Softcap, then the mask: keys past seqlen_k (TMA zero-filled them)
-      // and outside each row's window. Only blocks that straddle an edge pay
-      // for the mask: the right edge is tightest for the tile's first row,
-      // the left edge for its last.
-      const int diag = tile.seqlen_k - tile.seqlen_q;
-      const int m0 = tile.m_block * kBlockM;
-      const int right = kMask == kMaskCausal ? 0 : args.window_right;
-      const bool right_bound = kMask != kMaskNone && right >= 0;
-      const bool left_bound = kMask == kMaskLocal && args.window_left >= 0;
-      auto mask = [&](float (&s)[2][kSCols], int it) {
-        if constexpr (kSoftcap) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int c = 0; c < kSCols; ++c) s[r][c] = args.softcap * tanhf(s[r][c] * args.softcap_scale);
-        }
-        const int col_base = (tile.n_end - 1 - it) * kBlockN;
-        // (Varlen keys past the sequence's end are the next sequence's rows.)
-        const bool edge = col_base + kBlockN > tile.seqlen_k ||
-                          (right_bound && col_base + kBlockN - 1 > m0 + diag + right) ||
-                          (left_bound && col_base < m0 + kBlockM - 1 + diag - args.window_left);
-        if (edge) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = row0 + 8 * r;
-            const int hi = right_bound ? min(tile.seqlen_k - 1, row + diag + right) : tile.seqlen_k - 1;
-            const int lo = left_bound ? row + diag - args.window_left : 0;
-#pragma unroll
-            for (int c = 0; c < kSCols; ++c) {
-              const int col = col_base + (c / 2) * 8 + 2 * q4 + (c % 2);
-              if (col > hi || col < lo) s[r][c] = softmax::neg_inf();
-            }
-          }
-        }
-      };
-
-      float o[2][kOCols];
+    // A tile's state: O, the softmax rows, and S / P of the block in flight. They live across
+    // tiles because with kCrossTile a tile's first block runs in the last tile's final phase
+    // (Note [portattn hopper cross-tile phase]).
+    float o[2][kOCols];
+    softmax::RowState<2> state;
+    float s[2][kSCols];
+    uint32_t p[kBlockN / 16][4];
+    float correction[2];
+    auto start_tile = [&]() {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int c = 0; c < kOCols; ++c) o[r][c] = 0.f;
-      softmax::RowState<2> state;
       state.init();
-
-      const int qb = q_uses % kQBuffers;
-      if (n_blocks > 0) {
-        s_q_wg = s_q + qb * Traits::kQBytes + wg * 64 * 128;
-        sm90::mbar_wait(bar_q_full(qb), (q_uses / kQBuffers) & 1);
-        if constexpr (Traits::kPipelined) {
-          if (Traits::kPingPong && wg == kLastWg) sm90::named_barrier_arrive(1, 256);
-          float s[2][kSCols];
-          uint32_t p[kBlockN / 16][4];
-          float correction[2];
-          // Phase 0: S(0) alone.
-          turn_wait();
-          sm90::mbar_wait(bar_k_full(stage_of(0)), parity_of(0));
-          sm90::wgmma_fence();
-          issue_s(s, stage_of(0));
-          turn_pass(false);
-          sm90::wgmma_wait<0>();
-          sm90::fence_operands(s);
-          release(bar_k_empty(stage_of(0)));
-          mask(s, 0);
-          softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
-              s, state, args.scale_log2, correction);
-          pack_p(p, s);
-          // Phase it: S(it) and P(it-1) V(it-1) in flight together.
-          for (int it = 1; it < n_blocks; ++it) {
-            turn_wait();
-            // Both waits before the first issue: ptxas serialises wgmma
-            // chains that straddle a branch (warning C7519).
-            sm90::mbar_wait(bar_k_full(stage_of(it)), parity_of(it));
-            sm90::mbar_wait(bar_v_full(stage_of(it - 1)), parity_of(it - 1));
-            sm90::fence_operands(o);
-            sm90::wgmma_fence();
-            issue_s(s, stage_of(it));
-            issue_pv(o, p, stage_of(it - 1));
-            turn_pass(false);
-            sm90::wgmma_wait<1>();  // S(it) has landed; P V may still run
-            sm90::fence_operands(s);
-            release(bar_k_empty(stage_of(it)));
-            mask(s, it);
-            softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
-                s, state, args.scale_log2, correction);
-            sm90::wgmma_wait<0>();
-            sm90::fence_operands(o);
-            sm90::fence_fragment(p);
-            release(bar_v_empty(stage_of(it - 1)));
-            softmax::rescale_rows(o, correction);
-            pack_p(p, s);
-          }
-          // Every S of the tile is done: Q can be refilled for the next tile.
-          release(bar_q_empty(qb));
-          // Phase n: the last P V alone.
-          turn_wait();
-          sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
-          sm90::fence_operands(o);
-          sm90::wgmma_fence();
-          issue_pv(o, p, stage_of(n_blocks - 1));
-          turn_pass(true);
-          sm90::wgmma_wait<0>();
-          sm90::fence_operands(o);
-          sm90::fence_fragment(p);
-          release(bar_v_empty(stage_of(n_blocks - 1)));
-        } else {
-          // One block at a time: S, softmax, P V, each waiting for the last.
-          for (int it = 0; it < n_blocks; ++it) {
-            float s[2][kSCols];
-            sm90::mbar_wait(bar_k_full(stage_of(it)), parity_of(it));
-            sm90::wgmma_fence();
-            issue_s(s, stage_of(it));
-            sm90::wgmma_wait<0>();
-            sm90::fence_operands(s);
-            release(bar_k_empty(stage_of(it)));
-            mask(s, it);
-            if (it == 0) {
-              softmax::online_softmax_step<true, 2, kSCols, kOCols, sm90::QuadReduce>(
-                  s, o, state, args.scale_log2);
-            } else {
-              softmax::online_softmax_step<false, 2, kSCols, kOCols, sm90::QuadReduce>(
-                  s, o, state, args.scale_log2);
-            }
-            uint32_t p[kBlockN / 16][4];
-            pack_p(p, s);
-            sm90::mbar_wait(bar_v_full(stage_of(it)), parity_of(it));
-            sm90::fence_operands(o);
-            sm90::wgmma_fence();
-            issue_pv(o, p, stage_of(it));
-            sm90::wgmma_wait<0>();
-            sm90::fence_operands(o);
-            sm90::fence_fragment(p);
-            release(bar_v_empty(stage_of(it)));
-          }
-          release(bar_q_empty(qb));
-        }
-        ++q_uses;
-        kv_uses += n_blocks;
+    };
+    // Softcap, then the mask: keys past seqlen_k (TMA zero-filled them)
+    // and outside each row's window. Only blocks that straddle an edge pay
+    // for the mask: the right edge is tightest for the tile's first row,
+    // the left edge for its last.
+    auto mask = [&](float (&s)[2][kSCols], int it, const HopperTile& tile) {
+      if constexpr (kSoftcap) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c) s[r][c] = args.softcap * tanhf(s[r][c] * args.softcap_scale);
       }
-
+      const int diag = tile.seqlen_k - tile.seqlen_q;
+      const int m0 = tile.m_block * kBlockM;
+      const int row0 = m0 + wg * 64 + warp * 16 + g;  // fragment row r (0/1) is row0 + 8r
+      const int right = kMask == kMaskCausal ? 0 : args.window_right;
+      const bool right_bound = kMask != kMaskNone && right >= 0;
+      const bool left_bound = kMask == kMaskLocal && args.window_left >= 0;
+      const int col_base = (tile.n_end - 1 - it) * kBlockN;
+      // (Varlen keys past the sequence's end are the next sequence's rows.)
+      const bool edge = col_base + kBlockN > tile.seqlen_k ||
+                        (right_bound && col_base + kBlockN - 1 > m0 + diag + right) ||
+                        (left_bound && col_base < m0 + kBlockM - 1 + diag - args.window_left);
+      if (edge) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + 8 * r;
+          const int hi = right_bound ? min(tile.seqlen_k - 1, row + diag + right) : tile.seqlen_k - 1;
+          const int lo = left_bound ? row + diag - args.window_left : 0;
+#if PORTATTN_HOPPER_FWD_MASK_REL
+          // Column c of this thread is col_base + 2 q4 + a constant: the bounds are moved to that
+          // constant's side once per row, so an element costs a compare with an immediate and a
+          // select; the left bound is tested only where there is one (columns are never negative).
+          const int first = col_base + 2 * q4;
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c) {
+            const int offset = (c / 2) * 8 + (c % 2);
+            if (offset > hi - first || (left_bound && offset < lo - first)) s[r][c] = softmax::neg_inf();
+          }
+#else
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c) {
+            const int col = col_base + (c / 2) * 8 + 2 * q4 + (c % 2);
+            if (col > hi || col < lo) s[r][c] = softmax::neg_inf();
+          }
+#endif
+        }
+      }
+    };
+    // O normalised and written, and the LSE: the tile's end.
+    auto finish_tile = [&](const HopperTile& tile) {
+      const int m0 = tile.m_block * kBlockM;
+      const int row0 = m0 + wg * 64 + warp * 16 + g;
       float lse[2];
       softmax::online_softmax_finalize<2, kOCols, sm90::QuadReduce>(o, state, args.scale_log2, 1.f,
                                                                      lse);
@@ -739,6 +688,168 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
                 lse[r];
         }
       }
+    };
+
+    // The tile this CTA takes from round `round` on (advanced to it); false when none is
+    // left. Varlen tiles past their sequence's end (rows of another) are skipped, as the
+    // producer skips them.
+    auto next_tile = [&](int& round, HopperTile& tile) {
+      for (; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
+        const int t = tile_of_cta(round, args.num_tiles);
+        if (t == args.num_tiles) continue;
+        tile = decode_tile<kMask, Traits::kPersistent, kBlockM, kBlockN>(t, args);
+        if (tile.rows) return true;
+      }
+      return false;
+    };
+    int q_uses = 0, kv_uses = 0;
+    int round = 0;
+    HopperTile tile, next;
+    // kCrossTile: this tile (`next`, of round `round`) had its first block run in the last
+    // tile's final phase (Note [portattn hopper cross-tile phase]).
+    bool entered = false;
+    for (;;) {
+      if (entered) tile = next;
+      else if (!next_tile(round, tile)) break;
+      bool fuse = false;
+      const int n_blocks = tile.n_blocks;
+      auto stage_of = [&](int it) { return (kv_uses + it) % kStages; };
+      auto parity_of = [&](int it) { return static_cast<uint32_t>(((kv_uses + it) / kStages) & 1); };
+      if (!entered) start_tile();
+
+      const int qb = q_uses % kQBuffers;
+      if (n_blocks > 0) {
+        if constexpr (Traits::kPipelined) {
+          if (!entered) {
+            s_q_wg = s_q + qb * Traits::kQBytes + wg * 64 * 128;
+            sm90::mbar_wait(bar_q_full(qb), (q_uses / kQBuffers) & 1);
+            if (Traits::kPingPong && wg == kLastWg) sm90::named_barrier_arrive(1, 256);
+            // Phase 0: S(0) alone.
+            turn_wait();
+            sm90::mbar_wait(bar_k_full(stage_of(0)), parity_of(0));
+            sm90::wgmma_fence();
+            issue_s(s, stage_of(0));
+            turn_pass(false);
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(s);
+            release(bar_k_empty(stage_of(0)));
+            mask(s, 0, tile);
+            softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
+                s, state, args.scale_log2, correction);
+            pack_p(p, s);
+          }
+          // Phase it: S(it) and P(it-1) V(it-1) in flight together.
+          for (int it = 1; it < n_blocks; ++it) {
+            turn_wait();
+            // Both waits before the first issue: ptxas serialises wgmma
+            // chains that straddle a branch (warning C7519).
+            sm90::mbar_wait(bar_k_full(stage_of(it)), parity_of(it));
+            sm90::mbar_wait(bar_v_full(stage_of(it - 1)), parity_of(it - 1));
+            sm90::fence_operands(o);
+            sm90::wgmma_fence();
+            issue_s(s, stage_of(it));
+            issue_pv(o, p, stage_of(it - 1));
+            turn_pass(false);
+            sm90::wgmma_wait<1>();  // S(it) has landed; P V may still run
+            sm90::fence_operands(s);
+            release(bar_k_empty(stage_of(it)));
+            mask(s, it, tile);
+            softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
+                s, state, args.scale_log2, correction);
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(o);
+            sm90::fence_fragment(p);
+            release(bar_v_empty(stage_of(it - 1)));
+            softmax::rescale_rows(o, correction);
+            pack_p(p, s);
+          }
+          // Every S of the tile is done: Q can be refilled for the next tile.
+          release(bar_q_empty(qb));
+          int next_round = round + 1;
+          if constexpr (Traits::kCrossTile) fuse = next_tile(next_round, next) && next.n_blocks > 0;
+          if (fuse) round = next_round - 1;  // the loop's step takes it to `next`'s round
+          if (fuse) {
+            // Phase n, fused: the last P V, then the next tile's S(0) (its Q buffer and first K
+            // block: (q_uses + 1), block kv_uses + n_blocks); the epilogue runs under S(0).
+            const int next_qb = (q_uses + 1) % kQBuffers;
+            turn_wait();
+            sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
+            sm90::mbar_wait(bar_q_full(next_qb), ((q_uses + 1) / kQBuffers) & 1);
+            sm90::mbar_wait(bar_k_full(stage_of(n_blocks)), parity_of(n_blocks));
+            s_q_wg = s_q + next_qb * Traits::kQBytes + wg * 64 * 128;
+            sm90::fence_operands(o);
+            sm90::wgmma_fence();
+            issue_pv(o, p, stage_of(n_blocks - 1));
+            issue_s(s, stage_of(n_blocks));
+            turn_pass(false);
+            sm90::wgmma_wait<1>();  // P V has landed; S(0) of the next tile may still run
+            sm90::fence_operands(o);
+            sm90::fence_fragment(p);
+            release(bar_v_empty(stage_of(n_blocks - 1)));
+            finish_tile(tile);
+            ++q_uses;
+            kv_uses += n_blocks;
+            start_tile();
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(s);
+            release(bar_k_empty(kv_uses % kStages));
+            mask(s, 0, next);
+            softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
+                s, state, args.scale_log2, correction);
+            pack_p(p, s);
+          } else {
+            // Phase n: the last P V alone.
+            turn_wait();
+            sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
+            sm90::fence_operands(o);
+            sm90::wgmma_fence();
+            issue_pv(o, p, stage_of(n_blocks - 1));
+            turn_pass(true);
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(o);
+            sm90::fence_fragment(p);
+            release(bar_v_empty(stage_of(n_blocks - 1)));
+            ++q_uses;
+            kv_uses += n_blocks;
+          }
+        } else {
+          s_q_wg = s_q + qb * Traits::kQBytes + wg * 64 * 128;
+          sm90::mbar_wait(bar_q_full(qb), (q_uses / kQBuffers) & 1);
+          // One block at a time: S, softmax, P V, each waiting for the last.
+          for (int it = 0; it < n_blocks; ++it) {
+            sm90::mbar_wait(bar_k_full(stage_of(it)), parity_of(it));
+            sm90::wgmma_fence();
+            issue_s(s, stage_of(it));
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(s);
+            release(bar_k_empty(stage_of(it)));
+            mask(s, it, tile);
+            if (it == 0) {
+              softmax::online_softmax_step<true, 2, kSCols, kOCols, sm90::QuadReduce>(
+                  s, o, state, args.scale_log2);
+            } else {
+              softmax::online_softmax_step<false, 2, kSCols, kOCols, sm90::QuadReduce>(
+                  s, o, state, args.scale_log2);
+            }
+            pack_p(p, s);
+            sm90::mbar_wait(bar_v_full(stage_of(it)), parity_of(it));
+            sm90::fence_operands(o);
+            sm90::wgmma_fence();
+            issue_pv(o, p, stage_of(it));
+            sm90::wgmma_wait<0>();
+            sm90::fence_operands(o);
+            sm90::fence_fragment(p);
+            release(bar_v_empty(stage_of(it)));
+          }
+          release(bar_q_empty(qb));
+          ++q_uses;
+          kv_uses += n_blocks;
+        }
+      }
+      // (The fused phase wrote this tile's O already. A tile without a visible key: O = 0, LSE = -inf.)
+      if (!fuse) finish_tile(tile);
+      entered = fuse;
+      ++round;
     }
     // The shared-memory source of the last store must stay until the copy engine read it.
     if (Traits::kTmaStoreO && tid == 0) sm90::bulk_wait_group_read<0>();

@@ -62,6 +62,12 @@ constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedThreeCo
 constexpr int kWindowSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
 constexpr int kShortCausalMaxSeqlenK = 1024;
+// The cross-tile phase (Note [portattn hopper cross-tile phase]) where the A/B in one device call
+// measured it ahead (bench/results/runs/2026-11-25-e574adf-xtile/hopper_fwd_tuning.md, H200, bf16,
+// 16k tokens): hd64 short causal calls +3.5-4.3% at 512 and 1k keys, both repeats. Not elsewhere:
+// no-mask calls lost 2-9% at both head dims (512-16k), hd128 short causal calls were within
+// the spread (-2 to +0.4%).
+constexpr int short_causal_added_bits(int kernel_head_dim) { return kernel_head_dim == 64 ? kSchedCrossTile : 0; }
 // Varlen without a mask, longest sequence over kShortCausalMaxSeqlenK keys: tiles
 // cost in proportion to their sequence's keys, so a fixed deal of the tile list
 // (persistent) leaves some CTAs long sequences' tiles and others empty or short
@@ -91,10 +97,15 @@ constexpr int kDefaultAddedBits = 0;
 //   three consumers at hd64 (Note [portattn hopper hd64 192 rows]): S 64 +
 //     P 32 + O 32 of 160 registers; 80-148 bytes.
 // Calls without softcap and window keep the measured choices above (0 spills).
+// The cross-tile phase (Note [portattn hopper cross-tile phase]) is a step of the persistent
+// pipelined loop: dropped from any other schedule, which it would only duplicate.
 constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
-  const int bits = admitted_bits(head_dim, wanted);
-  const bool tight = head_dim == 256 || (bits & kSchedThreeConsumers) != 0;
-  return tight && (softcap || mask == kMaskLocal) ? (bits & (kSchedPersistent | kSchedThreeConsumers)) : bits;
+  const int admitted = admitted_bits(head_dim, wanted);
+  const bool tight = head_dim == 256 || (admitted & kSchedThreeConsumers) != 0;
+  const int bits =
+      tight && (softcap || mask == kMaskLocal) ? (admitted & (kSchedPersistent | kSchedThreeConsumers)) : admitted;
+  const bool streams = (bits & kSchedPersistent) != 0 && (bits & kSchedPipelined) != 0;
+  return streams ? bits : bits & ~kSchedCrossTile;
 }
 
 // Note [portattn hopper padded head dims]
@@ -258,7 +269,8 @@ cudaError_t run_default(const PortattnFwdParams& params) {
   constexpr int kNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule | kAdded);
   constexpr int kShortNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kShortNonCausalSchedule | kAdded);
   constexpr int kVarlen = schedule_for(kHeadDim, kMaskNone, kSoftcap, kVarlenSchedule | kAdded);
-  constexpr int kShortCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule | kAdded);
+  constexpr int kShortCausal =
+      schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule | short_causal_added_bits(kHeadDim) | kAdded);
   constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kAdded);
   constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kWindowSchedule | kAdded);
   switch (mask_of(params)) {

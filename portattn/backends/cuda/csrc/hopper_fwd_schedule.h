@@ -23,12 +23,15 @@ enum HopperFwdScheduleBits : int {
   kSchedExp2Poly4 = 16,  // every 4th exponential on the FMA pipe (Note [portattn polynomial exp2])
   kSchedExp2Poly8 = 32,  // every 8th
   kSchedThreeConsumers = 64,  // 192-row tiles, three consumer warpgroups (Note [portattn hopper hd64 192 rows])
+  kSchedCrossTile = 128,  // a tile's last P V issued with the next tile's first S (Note [portattn hopper cross-tile phase])
 };
 
 // The bits of `bits` a head dim's kernels can take: three consumer warpgroups
-// fit the register file at head dim 64 only (HopperFwdTraits asserts it).
+// fit the register file at head dim 64 only (HopperFwdTraits asserts it); the
+// cross-tile phase needs the persistent schedule's second Q buffer, which hd256's
+// shared memory has no room for.
 constexpr int admitted_bits(int head_dim, int bits) {
-  return head_dim == 64 ? bits : bits & ~kSchedThreeConsumers;
+  return (head_dim == 64 ? bits : bits & ~kSchedThreeConsumers) & (head_dim <= 128 ? ~0 : ~kSchedCrossTile);
 }
 
 // The smallest head dim the kernel of `kernel_head_dim` columns serves (Note [portattn hopper
@@ -47,8 +50,8 @@ __host__ __device__ constexpr int hopper_fwd_min_head_dim(int kernel_head_dim) {
 // PORTATTN_HOPPER_FWD_SCHEDULE=+<bits> runs the default choices (run_default:
 // every mask, softcap, varlen, both dtypes) with one of the additions below
 // added where admitted, which is what a change of the defaults would launch.
-constexpr int kTuningSchedules[] = {0, 1, 3, 5, 7, 13, 17, 64, 65, 67, 68, 69, 71};
-constexpr int kTuningAdditions[] = {kSchedThreeConsumers};
+constexpr int kTuningSchedules[] = {0, 1, 3, 5, 7, 13, 17, 64, 65, 67, 68, 69, 71, 133, 135};
+constexpr int kTuningAdditions[] = {kSchedThreeConsumers, kSchedCrossTile};
 constexpr int kNumTuningSchedules = sizeof(kTuningSchedules) / sizeof(kTuningSchedules[0]);
 constexpr int kNumTuningAdditions = sizeof(kTuningAdditions) / sizeof(kTuningAdditions[0]);
 
