@@ -220,6 +220,16 @@ def main() -> int:
         q, k, v = (torch.randn(1, 1100, 2, 64, **bf16) for _ in range(3))
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_left=100, window_right=37, softcap=30.0)
+        # hd64 short causal: the cross-tile phase (Note [portattn hopper cross-tile phase]) over
+        # several tiles per CTA, with empty first tiles (seqlen_q > seqlen_k) ending its streams.
+        q = torch.randn(3, 777, 20, 64, **bf16)
+        k, v = (torch.randn(3, 513, 20, 64, **bf16) for _ in range(2))
+        failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
+        # hd128 from 4097 keys: 176-key blocks (Note [portattn hopper 176-key blocks]), ragged last block.
+        q = torch.randn(1, 1500, 2, 128, **bf16)
+        k, v = (torch.randn(1, 4500, 2, 128, **bf16) for _ in range(2))
+        failures += unwritten(q, k, v, backend=BACKEND_SM90)
+        failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
     # Head dims 96 / 192 on the hd128 / hd256 kernels (Note [portattn hopper padded head dims]):
     # sequence tails, GQA, causal and a window with softcap; the backward too where the Hopper
     # path has it (96: both modes, GQA's fp32 dK/dV accumulators in the default mode, MHA's TMA

@@ -6,7 +6,8 @@
 // entry (hopper_fwd_entry.cu) refuses such calls with a message as a second line.
 //
 // CTA = 3 warpgroups (384 threads); a tile is (128-row query block, head, batch)
-// and a key block has kBlockN keys (128; 80 at hd256, Note [portattn hopper hd256]).
+// and a key block has kBlockN keys (128; 80 at hd256, Note [portattn hopper hd256]; 176 at
+// hd128 for long calls, Note [portattn hopper 176-key blocks]).
 // (kSchedThreeConsumers: 4 warpgroups, 512 threads, 192-row tiles at hd64,
 // Note [portattn hopper hd64 192 rows].)
 //   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then
@@ -50,6 +51,8 @@
 //   kSchedCrossTile  persistent pipelined schedules: a tile's last P V and
 //                    the next tile's first S in one phase, O written under
 //                    S (Note [portattn hopper cross-tile phase]).
+//   kSchedWideKeys   hd128: key blocks of 176 instead of 128 (Note [portattn
+//                    hopper 176-key blocks]).
 // The bits, the head dims that admit them and the tuning builds' lists are
 // data in hopper_fwd_schedule.h.
 // K and V have separate "empty" barriers: K's stage is handed back as soon
@@ -169,6 +172,22 @@
 // the 160-register kernels spill (8-40 B), and hd256 or three stages at hd128
 // leave no room for the buffer.
 //
+// Note [portattn hopper 176-key blocks]
+// kSchedWideKeys, hd128 only: key blocks of 176 (FlashAttention-3's hd128 tile) instead of
+// 128. Per block the fixed costs (the softmax's row reductions, O's rescale of 64 registers
+// a thread, the barrier round trips, the wgmma issue and wait latencies) are spread over
+// 37% more keys. Costs: S is 88 fp32 a thread (S 88 + P 44 + O 64 in the pipelined loop:
+// 0 spills without softcap; softcap spills 32-76 B, so schedule_for drops the bit there),
+// K + V are 88 KiB a stage, so two stages and Q take 209 KiB and neither a second Q buffer
+// nor the O staging tile fits (one Q buffer, direct O stores), and a last block is ragged
+// unless seqlen_k is a multiple of 176 (up to 175 masked keys of compute a row). Same-call
+// A/B on an H100 (bench/results/runs/2026-11-25-xtile/ab3_h100_n{128,176}_*.md, bf16,
+// 16k tokens, every hd128 kernel built both ways): 8k keys +1% no mask, +6% causal; 16k
+// +1-4% no mask, +4-7% causal; 4k -3% no mask, -1 to +1% causal; 512-2k -5 to -23%
+// (the staging tile and the second Q buffer lost, and the ragged block a larger share).
+// So hopper_fwd_launch.cuh adds it past 4096 keys (kWideKeysMinSeqlenK), without softcap
+// or a sliding window (not measured there).
+//
 // Note [portattn hopper cross-tile phase]
 // kSchedCrossTile (persistent pipelined schedules with two Q buffers: hd64 and hd128).
 // A tile of n key blocks has n + 1 issue phases per consumer: S(0) alone, then S(j)
@@ -247,7 +266,10 @@ struct HopperFwdTraits {
   static constexpr int kConsumers = kThreeConsumers ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumers;
   // Keys per block (hopper_fwd_block_n): S is 64 x kBlockN fp32 per warpgroup, kBlockN / 2 registers a thread.
-  static constexpr int kBlockN = hopper_fwd_block_n(kHeadDim);
+  // kSchedWideKeys: 176 at hd128 (Note [portattn hopper 176-key blocks]).
+  static constexpr bool kWideKeys = (kSchedule & kSchedWideKeys) != 0;
+  static_assert(!kWideKeys || kHeadDim == 128, "176-key blocks are an hd128 shape (admitted_bits)");
+  static constexpr int kBlockN = kWideKeys ? 176 : hopper_fwd_block_n(kHeadDim);
   // hd64 tiles are half the size, so twice the stages fit: deeper prefetch for free.
   // kSchedStages3 exists at hd128 only (hd64 has 4 stages; hd256's third would need 288 KiB).
   static constexpr int kStages =

@@ -68,6 +68,9 @@ constexpr int kShortCausalMaxSeqlenK = 1024;
 // no-mask calls lost 2-9% at both head dims (512-16k), hd128 short causal calls were within
 // the spread (-2 to +0.4%).
 constexpr int short_causal_added_bits(int kernel_head_dim) { return kernel_head_dim == 64 ? kSchedCrossTile : 0; }
+// Dense calls of this many keys or more take 176-key blocks at hd128 (Note [portattn hopper 176-key
+// blocks]: ahead from 8k keys, behind up to 4k; the boundary sits between the two measured points).
+constexpr int kWideKeysMinSeqlenK = 4097;
 // Varlen without a mask, longest sequence over kShortCausalMaxSeqlenK keys: tiles
 // cost in proportion to their sequence's keys, so a fixed deal of the tile list
 // (persistent) leaves some CTAs long sequences' tiles and others empty or short
@@ -99,8 +102,11 @@ constexpr int kDefaultAddedBits = 0;
 // Calls without softcap and window keep the measured choices above (0 spills).
 // The cross-tile phase (Note [portattn hopper cross-tile phase]) is a step of the persistent
 // pipelined loop: dropped from any other schedule, which it would only duplicate.
+// 176-key blocks (Note [portattn hopper 176-key blocks]) likewise only where measured: not with
+// softcap (spills) or a sliding window.
 constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
-  const int admitted = admitted_bits(head_dim, wanted);
+  const int admitted =
+      admitted_bits(head_dim, wanted) & (softcap || mask == kMaskLocal ? ~kSchedWideKeys : ~0);
   const bool tight = head_dim == 256 || (admitted & kSchedThreeConsumers) != 0;
   const int bits =
       tight && (softcap || mask == kMaskLocal) ? (admitted & (kSchedPersistent | kSchedThreeConsumers)) : admitted;
@@ -267,21 +273,27 @@ cudaError_t run_schedule(const PortattnFwdParams& params) {
 template <int kHeadDim, typename Elem, bool kSoftcap, int kAdded = kDefaultAddedBits>
 cudaError_t run_default(const PortattnFwdParams& params) {
   constexpr int kNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule | kAdded);
+  constexpr int kLongNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule | kSchedWideKeys | kAdded);
   constexpr int kShortNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kShortNonCausalSchedule | kAdded);
   constexpr int kVarlen = schedule_for(kHeadDim, kMaskNone, kSoftcap, kVarlenSchedule | kAdded);
   constexpr int kShortCausal =
       schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule | short_causal_added_bits(kHeadDim) | kAdded);
   constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kAdded);
+  constexpr int kLongCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kSchedWideKeys | kAdded);
   constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kWindowSchedule | kAdded);
   switch (mask_of(params)) {
     case kMaskNone:
       if (params.cu_seqlens_q != nullptr && params.seqlen_k > kShortCausalMaxSeqlenK)
         return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kVarlen>(params);
-      return params.seqlen_q > kShortCausalMaxSeqlenK ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params)
-                                                      : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kShortNone>(params);
+      if (params.seqlen_q <= kShortCausalMaxSeqlenK) return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kShortNone>(params);
+      return params.seqlen_k >= kWideKeysMinSeqlenK ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kLongNone>(params)
+                                                    : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
     case kMaskCausal:
-      return params.seqlen_k <= kShortCausalMaxSeqlenK
-                 ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params)
+      if (params.seqlen_k <= kShortCausalMaxSeqlenK)
+        return launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params);
+      // (Varlen keeps 128-key blocks: not measured with 176.)
+      return params.seqlen_k >= kWideKeysMinSeqlenK && params.cu_seqlens_q == nullptr
+                 ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kLongCausal>(params)
                  : launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kCausal>(params);
     default:
       return launch<kHeadDim, Elem, kMaskLocal, kSoftcap, kLocal>(params);

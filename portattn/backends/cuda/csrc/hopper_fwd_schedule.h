@@ -24,14 +24,16 @@ enum HopperFwdScheduleBits : int {
   kSchedExp2Poly8 = 32,  // every 8th
   kSchedThreeConsumers = 64,  // 192-row tiles, three consumer warpgroups (Note [portattn hopper hd64 192 rows])
   kSchedCrossTile = 128,  // a tile's last P V issued with the next tile's first S (Note [portattn hopper cross-tile phase])
+  kSchedWideKeys = 256,   // hd128: 176-key blocks (Note [portattn hopper 176-key blocks])
 };
 
 // The bits of `bits` a head dim's kernels can take: three consumer warpgroups
 // fit the register file at head dim 64 only (HopperFwdTraits asserts it); the
 // cross-tile phase needs the persistent schedule's second Q buffer, which hd256's
-// shared memory has no room for.
+// shared memory has no room for; 176-key blocks are an hd128 shape.
 constexpr int admitted_bits(int head_dim, int bits) {
-  return (head_dim == 64 ? bits : bits & ~kSchedThreeConsumers) & (head_dim <= 128 ? ~0 : ~kSchedCrossTile);
+  return (head_dim == 64 ? bits : bits & ~kSchedThreeConsumers) & (head_dim <= 128 ? ~0 : ~kSchedCrossTile) &
+         (head_dim == 128 ? ~0 : ~kSchedWideKeys);
 }
 
 // The smallest head dim the kernel of `kernel_head_dim` columns serves (Note [portattn hopper

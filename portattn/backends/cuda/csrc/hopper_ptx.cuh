@@ -185,6 +185,22 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
       "+f"(d[0][16]), "+f"(d[0][17]), "+f"(d[1][16]), "+f"(d[1][17]), \
       "+f"(d[0][18]), "+f"(d[0][19]), "+f"(d[1][18]), "+f"(d[1][19])
 
+// N = 176 (88 fp32 a thread): the hd128 forward's 176-key blocks (Note [portattn hopper 176-key
+// blocks], hopper_fwd_kernel.cuh).
+#define PORTATTN_WGMMA_D176_REGS \
+  "{" PORTATTN_WGMMA_REGS_0_31 "," \
+  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63," \
+  "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87" "}"
+#define PORTATTN_WGMMA_D176_OPERANDS(d) \
+      PORTATTN_WGMMA_D128_OPERANDS(d), \
+      "+f"(d[0][32]), "+f"(d[0][33]), "+f"(d[1][32]), "+f"(d[1][33]), \
+      "+f"(d[0][34]), "+f"(d[0][35]), "+f"(d[1][34]), "+f"(d[1][35]), \
+      "+f"(d[0][36]), "+f"(d[0][37]), "+f"(d[1][36]), "+f"(d[1][37]), \
+      "+f"(d[0][38]), "+f"(d[0][39]), "+f"(d[1][38]), "+f"(d[1][39]), \
+      "+f"(d[0][40]), "+f"(d[0][41]), "+f"(d[1][40]), "+f"(d[1][41]), \
+      "+f"(d[0][42]), "+f"(d[0][43]), "+f"(d[1][42]), "+f"(d[1][43])
+
 #define PORTATTN_WGMMA_D256_REGS \
   "{" PORTATTN_WGMMA_REGS_0_31 "," \
   "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
@@ -310,8 +326,8 @@ template <typename Elem, int kTransA, int kTransB, int kCols>
 __device__ __forceinline__ void wgmma_ss(float (&d)[2][kCols], uint64_t desc_a, uint64_t desc_b,
                                          int scale_d) {
   constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
-  static_assert(kCols == 8 || kCols == 16 || kCols == 20 || kCols == 32,
-                "wgmma_ss is instantiated for N = 32, 64, 80, 128");
+  static_assert(kCols == 8 || kCols == 16 || kCols == 20 || kCols == 32 || kCols == 44,
+                "wgmma_ss is instantiated for N = 32, 64, 80, 128, 176");
   if constexpr (kCols == 8) {
     if constexpr (kBf16) {
       PORTATTN_WGMMA_SS("32", "bf16", PORTATTN_WGMMA_D32_REGS, PORTATTN_WGMMA_D32_OPERANDS, "16", "17", "18", "19", "20");
@@ -329,6 +345,12 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[2][kCols], uint64_t desc_a, 
       PORTATTN_WGMMA_SS("80", "bf16", PORTATTN_WGMMA_D80_REGS, PORTATTN_WGMMA_D80_OPERANDS, "40", "41", "42", "43", "44");
     } else {
       PORTATTN_WGMMA_SS("80", "f16", PORTATTN_WGMMA_D80_REGS, PORTATTN_WGMMA_D80_OPERANDS, "40", "41", "42", "43", "44");
+    }
+  } else if constexpr (kCols == 44) {
+    if constexpr (kBf16) {
+      PORTATTN_WGMMA_SS("176", "bf16", PORTATTN_WGMMA_D176_REGS, PORTATTN_WGMMA_D176_OPERANDS, "88", "89", "90", "91", "92");
+    } else {
+      PORTATTN_WGMMA_SS("176", "f16", PORTATTN_WGMMA_D176_REGS, PORTATTN_WGMMA_D176_OPERANDS, "88", "89", "90", "91", "92");
     }
   } else {
     if constexpr (kBf16) {
