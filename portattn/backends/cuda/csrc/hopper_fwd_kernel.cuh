@@ -181,7 +181,7 @@
 // K + V are 88 KiB a stage, so two stages and Q take 209 KiB and neither a second Q buffer
 // nor the O staging tile fits (one Q buffer, direct O stores), and a last block is ragged
 // unless seqlen_k is a multiple of 176 (up to 175 masked keys of compute a row). Same-call
-// A/B on an H100 (bench/results/runs/2026-11-25-xtile/ab3_h100_n{128,176}_*.md, bf16,
+// A/B on an H100 (bench/results/runs/2026-11-25-0b0e86b/ab3_h100_n{128,176}_*.md, bf16,
 // 16k tokens, every hd128 kernel built both ways): 8k keys +1% no mask, +6% causal; 16k
 // +1-4% no mask, +4-7% causal; 4k -3% no mask, -1 to +1% causal; 512-2k -5 to -23%
 // (the staging tile and the second Q buffer lost, and the ragged block a larger share).

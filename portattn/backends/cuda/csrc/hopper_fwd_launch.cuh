@@ -62,11 +62,13 @@ constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedThreeCo
 constexpr int kWindowSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
 constexpr int kShortCausalMaxSeqlenK = 1024;
-// The cross-tile phase (Note [portattn hopper cross-tile phase]) where the A/B in one device call
-// measured it ahead (bench/results/runs/2026-11-25-e574adf-xtile/hopper_fwd_tuning.md, H200, bf16,
-// 16k tokens): hd64 short causal calls +3.5-4.3% at 512 and 1k keys, both repeats. Not elsewhere:
-// no-mask calls lost 2-9% at both head dims (512-16k), hd128 short causal calls were within
-// the spread (-2 to +0.4%).
+// The cross-tile phase (Note [portattn hopper cross-tile phase]) where same-call A/Bs measured it
+// ahead (bench/results/runs/2026-11-25-0b0e86b/, bf16, 16k tokens): hd64 short causal calls, +4%
+// at 512 keys and +2.6% at 1k on an H100 (pipe+pp+pers against default in ab2_h100_A*.md, two
+// rounds), +4% / +3.5% on an H200 (ab1). Not elsewhere: no-mask calls lost 2-12% with it on the
+// default pipe+pers (pipe+pers+xtile) and only matched the default with ping-pong as well
+// (pipe+pp+pers+xtile, within 1% at 512-1k); hd128 short causal calls were within the spread
+// (-3 to +0%).
 constexpr int short_causal_added_bits(int kernel_head_dim) { return kernel_head_dim == 64 ? kSchedCrossTile : 0; }
 // Dense calls of this many keys or more take 176-key blocks at hd128 (Note [portattn hopper 176-key
 // blocks]: ahead from 8k keys, behind up to 4k; the boundary sits between the two measured points).
