@@ -532,10 +532,12 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     // Ping-pong (Note [portattn hopper forward schedule]): warpgroup wg waits
     // on barrier 1 + wg before issuing products and then opens the next
     // one's, round robin (0 -> 1 -> 0, or 0 -> 1 -> 2 -> 0 with three
-    // consumers). Per non-empty tile each warpgroup has n + 1 issue phases;
-    // the last warpgroup opens the first's barrier once up front and skips
-    // its own last opening, so every barrier phase gets exactly 256 threads
-    // (the waiting warpgroup and the one before it).
+    // consumers). Per non-empty tile each warpgroup has n + 1 issue phases
+    // (with kCrossTile, per stream of fused tiles: one less per tile fused
+    // into the next, Note [portattn hopper cross-tile phase]); the last
+    // warpgroup opens the first's barrier once up front and skips its own
+    // last opening, so every barrier phase gets exactly 256 threads (the
+    // waiting warpgroup and the one before it).
     constexpr int kLastWg = Traits::kConsumers - 1;
     auto turn_wait = [&]() {
       if constexpr (Traits::kPingPong) sm90::named_barrier_sync(1 + wg, 256);
