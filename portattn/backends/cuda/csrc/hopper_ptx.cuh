@@ -285,6 +285,25 @@ __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   return v;
 }
 
+// The 4 x 4 transpose of packed pairs across a quad: on entry lane q4 of the quad holds, for
+// four 8-column chunks j of one fragment row, its pair of columns 2 q4, 2 q4 + 1 (v[j]); on
+// exit it holds chunk q4 whole, its columns in order (8 consecutive 16-bit elements, one
+// 16-byte store). Two shuffle rounds of two values each; every lane of the warp must call it.
+__device__ __forceinline__ void quad_transpose_pairs(uint32_t (&v)[4], int q4) {
+  // Round 1, partner q4 ^ 1: even lanes keep chunks 0 and 2, odd lanes 1 and 3.
+  const bool odd = (q4 & 1) != 0;
+  uint32_t send0 = odd ? v[0] : v[1], send1 = odd ? v[2] : v[3];
+  uint32_t got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+  if (odd) { v[0] = got0; v[2] = got1; } else { v[1] = got0; v[3] = got1; }
+  // Round 2, partner q4 ^ 2: lanes 0-1 keep the first two values, lanes 2-3 the last two.
+  const bool upper = (q4 & 2) != 0;
+  send0 = upper ? v[0] : v[2];
+  send1 = upper ? v[1] : v[3];
+  got0 = __shfl_xor_sync(0xffffffffu, send0, 2);
+  got1 = __shfl_xor_sync(0xffffffffu, send1, 2);
+  if (upper) { v[0] = got0; v[1] = got1; } else { v[2] = got0; v[3] = got1; }
+}
+
 // Row max / sum over the 4 threads (one quad) that share a row of the fragment.
 struct QuadReduce {
   static __device__ __forceinline__ float max(float x) { return ptx::quad_allreduce_max(x); }
