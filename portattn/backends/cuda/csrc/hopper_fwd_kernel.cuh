@@ -241,10 +241,14 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_TMA_STORE
 #define PORTATTN_HOPPER_FWD_TMA_STORE 1
 #endif
-// PORTATTN_HOPPER_FWD_O_VEC=0 builds the direct O stores (hd64, hd256, varlen tails) as 4-byte
-// stores of each thread's pairs (before session 9; A/B).
+// PORTATTN_HOPPER_FWD_O_VEC=1 builds the direct O stores (hd64, hd256, varlen tails) as 16-byte
+// stores after a quad transpose instead of each thread's 4-byte pairs. Same-call A/B on an H100
+// (bench/results/runs/2026-11-25-95d7f2a/, hd64, bf16, 16k tokens, two rounds): 512 causal +3%,
+// 1k no mask -2.4%, the rest of 512-4k within 1-2%: within the spread, so the default stays the
+// simpler 4-byte loop (its SASS is what the session-9 grid measured). The GPU forward tests and
+// memcheck passed with it on.
 #ifndef PORTATTN_HOPPER_FWD_O_VEC
-#define PORTATTN_HOPPER_FWD_O_VEC 1
+#define PORTATTN_HOPPER_FWD_O_VEC 0
 #endif
 // PORTATTN_HOPPER_FWD_MASK_REL=0 builds the edge blocks' mask with each column's index compared
 // to both bounds (the form before session 9; A/B).
@@ -691,7 +695,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
         Elem* out = static_cast<Elem*>(args.out) + tile.batch * args.out_strides.batch_stride +
                     tile.head * args.out_strides.head_stride;
 #if PORTATTN_HOPPER_FWD_O_VEC
-        // 16-byte stores (Note [portattn hopper O store]): the quad transposes each group of
+        // 16-byte stores (PORTATTN_HOPPER_FWD_O_VEC): the quad transposes each group of
         // four 8-column chunks so a lane holds one chunk whole; a warp's store then writes 8 rows x
         // 64 contiguous bytes (whole sectors) instead of 8 x 16 (half sectors, ncu: 50% excess).
         // hopper_host.h admits only 16-byte aligned outputs with strides of multiples of 8 elements.
