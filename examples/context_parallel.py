@@ -119,4 +119,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's teardown: with gloo on CPU (torch 2.13), a clean
+    # destroy_process_group still let a C++ worker thread abort the process at exit now and then
+    # ("terminate called without an active exception", SIGABRT after the result was printed; 1 in
+    # ~5 runs on the CI machine). Everything is computed, compared and flushed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
