@@ -37,7 +37,7 @@ import peers  # noqa: E402  (bench/, next to this file)
 from portattn.backends.abi import fwd_args  # noqa: E402
 from portattn.backends.cuda import _C  # noqa: E402
 
-BITS = ((1, "pipe"), (2, "pp"), (4, "pers"), (8, "3st"), (16, "poly4"), (32, "poly8"), (64, "3wg"), (128, "xtile"), (256, "n176"))
+BITS = ((1, "pipe"), (2, "pp"), (4, "pers"), (8, "3st"), (16, "poly4"), (32, "poly8"), (64, "3wg"), (128, "xtile"), (256, "n176"), (512, "pairs"))
 
 
 def schedule_name(schedule: str) -> str:
@@ -64,7 +64,7 @@ def _set_schedule(schedule: str) -> None:
 
 CHECK_SHAPES = [  # batch, seqlen_q, seqlen_k, heads
     (3, 777, 513, 20), (2, 1000, 1000, 3), (1, 4097, 1000, 2), (2, 17, 113, 3), (1, 128, 128, 1),
-    (2, 193, 385, 3)]
+    (2, 193, 385, 3), (3, 640, 640, 45)]
 
 
 # Timed cases: (window_left, window_right, softcap). "softcap" and "window" (--cases) run only
@@ -122,13 +122,13 @@ def _tflops(ms, batch, heads, seqlen, head_dim, case):
     return 4 * batch * heads * _visible_pairs(seqlen, case) * head_dim / ms / 1e9
 
 
-def time_grid(schedules, seqlens, head_dims, cases):
+def time_grid(schedules, seqlens, head_dims, cases, batch_size=None, heads_count=None):
     rows = []
     for head_dim in head_dims:
-        heads = 2048 // head_dim
+        heads = heads_count or 2048 // head_dim
         here = [s for s in schedules if s in built_schedules(head_dim)]
         for seqlen in seqlens:
-            batch = 16384 // seqlen
+            batch = batch_size or 16384 // seqlen
             q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
             out = torch.empty_like(q)
@@ -166,6 +166,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=1, help="time the grid this many times (spread)")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--cases", default="full,causal", help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="a fixed batch (e.g. 512 for many short sequences) instead of 16k tokens")
+    parser.add_argument("--heads", type=int, default=None, help="instead of hidden 2048 / head dim")
     parser.add_argument("--out", default=peers.LATEST)
     args = parser.parse_args()
     head_dims = [int(d) for d in args.head_dims.split(",")]
@@ -183,10 +186,13 @@ def main():
     good = [s for s in schedules if checks[schedule_name(s)].startswith("ok")]
     rows = []
     for repeat in range(args.repeats):
-        for row in time_grid(good, [int(s) for s in args.seqlens.split(",")], head_dims, args.cases.split(",")):
+        for row in time_grid(good, [int(s) for s in args.seqlens.split(",")], head_dims, args.cases.split(","),
+                             args.batch, args.heads):
             rows.append(dict(row, repeat=repeat))
     names = [schedule_name(s) for s in good]
-    result = dict(peers.header(dry_run=False), title="Hopper forward schedules (bf16 TFLOP/s, 16k tokens, hidden 2048)",
+    shape = (f"batch {args.batch}" if args.batch else "16k tokens") + ", " + (
+        f"{args.heads} heads" if args.heads else "hidden 2048")
+    result = dict(peers.header(dry_run=False), title=f"Hopper forward schedules (bf16 TFLOP/s, {shape})",
                   checks=checks, rows=rows)
     lines = ["checks: " + "; ".join(f"{k}: {v}" for k, v in checks.items()), "",
              "| hd | seqlen | case | rep | " + " | ".join(names) + " | cuDNN | flash | best / cuDNN | best / default |",

@@ -192,15 +192,20 @@ def test_hopper_forward_softcap_fp16(causal, softcap):
     _check(out, lse, q, k, v, causal, softcap=softcap)
 
 
+# 7 query blocks x 20 heads x 3 batches = 420 tiles: more than one per SM, so the
+# persistent schedule walks several (Q refills, K/V ring phases carried across
+# tiles); seqlen_q > seqlen_k makes the first causal tiles empty (no key visible).
+# 5 x 45 x 3 = 675 tiles: an odd count of query blocks and of (head, batch) pairs, so
+# the paired walk (Note [portattn hopper paired tiles]) pairs two heads' middle
+# blocks and ends in a pair with one tile.
+@pytest.mark.parametrize("shape", [(3, 777, 513, 20), (3, 640, 640, 45)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_hopper_forward_many_tiles_per_cta(head_dim, causal):
-    # 7 query blocks x 20 heads x 3 batches = 420 tiles: more than one per SM, so the
-    # persistent schedule walks several (Q refills, K/V ring phases carried across
-    # tiles); seqlen_q > seqlen_k makes the first causal tiles empty (no key visible).
-    q = rand(3, 777, 20, head_dim, dtype=torch.bfloat16)
-    k = rand(3, 513, 20, head_dim, dtype=torch.bfloat16)
-    v = rand(3, 513, 20, head_dim, dtype=torch.bfloat16)
+def test_hopper_forward_many_tiles_per_cta(head_dim, causal, shape):
+    batch, seqlen_q, seqlen_k, heads = shape
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
+    k = rand(batch, seqlen_k, heads, head_dim, dtype=torch.bfloat16)
+    v = rand(batch, seqlen_k, heads, head_dim, dtype=torch.bfloat16)
     out, lse = hopper_forward(q, k, v, causal=causal)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, causal)

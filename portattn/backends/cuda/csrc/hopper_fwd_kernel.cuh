@@ -313,6 +313,9 @@ struct HopperFwdTraits {
   static constexpr bool kCrossTile = (kSchedule & kSchedCrossTile) != 0;
   static_assert(!kCrossTile || (kPersistent && kPipelined && kQBuffers == 2),
                 "the cross-tile phase is a step of the persistent pipelined loop with two Q buffers");
+  // Note [portattn hopper paired tiles]: an order of a persistent launch's tiles.
+  static constexpr bool kPairedTiles = (kSchedule & kSchedPairedTiles) != 0;
+  static_assert(!kPairedTiles || kPersistent, "paired tiles are an order of the persistent grid's walk");
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "kBlockN: whole k16 steps of P V, and a wgmma N (multiple of 8, <= 256) for S = Q K^T");
@@ -340,6 +343,7 @@ struct HopperFwdArgs {
   int num_m_blocks;  // query blocks per (head, batch)
   int num_tiles;     // num_m_blocks * nheads * batch
   int group_heads;   // masked persistent order: (head, batch) pairs per L2 group
+  int paired_tiles;  // kSchedPairedTiles launches: 1 when the walk pairs tiles (more tiles than CTAs)
   int window_left;   // kMaskLocal: -1 = unbounded
   int window_right;
   float scale_log2;  // softmax_scale * log2(e); log2(e) with softcap (scores capped first)
@@ -370,12 +374,36 @@ struct HopperTile {
 // one-CTA-per-tile launch at 1k tokens. A plain stride over the per-head
 // order left one CTA 1.6x the mean at 16k tokens: 128 query blocks against
 // 132 CTAs.)
-template <int kMask, bool kPersistent, int kBlockM, int kBlockN>
+//
+// Note [portattn hopper paired tiles]
+// kSchedPairedTiles, masked persistent launches with more tiles than CTAs: the
+// walk deals equal-cost pairs instead of single tiles. A causal tile of query
+// block m costs about m + 1 key blocks, so blocks m and nm - 1 - m of one head
+// cost nm + 1 together, whatever m. Each head's blocks are listed as nm - 1, 0,
+// nm - 2, 1, ... and odd heads' lists reversed, so launch positions 2q, 2q + 1
+// always hold such a pair, or (nm odd) the middle blocks of two neighbouring
+// heads, which cost the same. CTA c takes pairs c, c + gridDim.x, ...: every CTA
+// ends within one pair of the others (ceil(pairs / CTAs) / (pairs / CTAs), 1.03
+// at 16k tokens). The group order's deal of single tiles ends 9-15% (hd64) and
+// 14-20% (hd128) past the mean in a model that charges each tile its key blocks
+// plus one (bench/tile_balance.py): the last rounds hand some CTAs only long
+// tiles. A pair's two tiles share K/V in L2, and 132 CTAs run 264 consecutive
+// tiles: 66 heads at 512 keys, 33 at 1k. Varlen keeps the pairing of the
+// longest sequence's blocks (a shorter sequence's pair may be unequal).
+template <int kMask, bool kPersistent, bool kPaired, int kBlockM, int kBlockN>
 __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& args) {
   constexpr bool kLongestFirst = kMask != kMaskNone;
   HopperTile tile;
   int hb;
-  if (kLongestFirst && kPersistent) {
+  if (kPaired && args.paired_tiles) {
+    // Note [portattn hopper paired tiles]: a head's query blocks listed as
+    // nm-1, 0, nm-2, 1, ... (reversed for odd heads), so positions 2q and 2q+1
+    // of the launch hold one long and one short block, or two middle blocks.
+    hb = t / args.num_m_blocks;
+    const int i = t - hb * args.num_m_blocks;
+    const int listed = (hb & 1) ? args.num_m_blocks - 1 - i : i;
+    tile.m_block = (listed & 1) ? listed / 2 : args.num_m_blocks - 1 - listed / 2;
+  } else if (kLongestFirst && kPersistent) {
     const int heads_batches = args.num_tiles / args.num_m_blocks;
     const int per_group = args.group_heads * args.num_m_blocks;
     const int group = t / per_group;
@@ -423,9 +451,20 @@ __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& ar
 
 // The tile this CTA takes in round r (one round per gridDim.x tiles), or
 // num_tiles when it has none in that round: rounds alternate direction.
-__device__ __forceinline__ int tile_of_cta(int round, int num_tiles) {
-  const int t = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+// kPaired (Note [portattn hopper paired tiles]): rounds 2k and 2k+1 take the two
+// tiles of pair k * gridDim.x + blockIdx.x.
+template <bool kPaired>
+__device__ __forceinline__ int tile_of_cta(int round, int num_tiles, bool paired) {
+  const int t = kPaired && paired ? 2 * ((round >> 1) * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x)) + (round & 1)
+                        : round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
   return t < num_tiles ? t : num_tiles;
+}
+
+// Whether round r can hold a tile of this launch for any CTA (the walks' bound).
+template <bool kPaired>
+__device__ __forceinline__ bool round_in_launch(int round, int num_tiles, bool paired) {
+  return kPaired && paired ? 2 * (round >> 1) * static_cast<int>(gridDim.x) < num_tiles
+                 : round * static_cast<int>(gridDim.x) < num_tiles;
 }
 
 // named_barrier_arrive / named_barrier_sync: hopper_ptx.cuh. Ids 1-3: the ping-pong
@@ -445,6 +484,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
+  constexpr bool kPaired = Traits::kPairedTiles && kMask != kMaskNone;
   constexpr int kPanelBytesQ = kBlockM * 128;
   constexpr int kPanelBytesKV = kBlockN * 128;
   constexpr int kSCols = kBlockN / 4;   // S fragment columns per thread row
@@ -493,10 +533,10 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       sm90::prefetch_tensormap(&tm_k);
       sm90::prefetch_tensormap(&tm_v);
       int q_fills = 0, kv_fills = 0;  // across tiles: buffer index and phase parity
-      for (int round = 0; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
-        const int t = tile_of_cta(round, args.num_tiles);
+      for (int round = 0; round_in_launch<kPaired>(round, args.num_tiles, args.paired_tiles != 0); ++round) {
+        const int t = tile_of_cta<kPaired>(round, args.num_tiles, args.paired_tiles != 0);
         if (t == args.num_tiles) continue;
-        const HopperTile tile = decode_tile<kMask, Traits::kPersistent, kBlockM, kBlockN>(t, args);
+        const HopperTile tile = decode_tile<kMask, Traits::kPersistent, kPaired, kBlockM, kBlockN>(t, args);
         if (tile.n_blocks == 0) continue;
         const int head_k = tile.head / args.heads_per_kv;
         const int qb = q_fills % kQBuffers;
@@ -752,10 +792,10 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     // left. Varlen tiles past their sequence's end (rows of another) are skipped, as the
     // producer skips them.
     auto next_tile = [&](int& round, HopperTile& tile) {
-      for (; round * static_cast<int>(gridDim.x) < args.num_tiles; ++round) {
-        const int t = tile_of_cta(round, args.num_tiles);
+      for (; round_in_launch<kPaired>(round, args.num_tiles, args.paired_tiles != 0); ++round) {
+        const int t = tile_of_cta<kPaired>(round, args.num_tiles, args.paired_tiles != 0);
         if (t == args.num_tiles) continue;
-        tile = decode_tile<kMask, Traits::kPersistent, kBlockM, kBlockN>(t, args);
+        tile = decode_tile<kMask, Traits::kPersistent, kPaired, kBlockM, kBlockN>(t, args);
         if (tile.rows) return true;
       }
       return false;

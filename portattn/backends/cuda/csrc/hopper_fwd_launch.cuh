@@ -103,7 +103,8 @@ constexpr int kDefaultAddedBits = 0;
 //     P 32 + O 32 of 160 registers; 80-148 bytes.
 // Calls without softcap and window keep the measured choices above (0 spills).
 // The cross-tile phase (Note [portattn hopper cross-tile phase]) is a step of the persistent
-// pipelined loop: dropped from any other schedule, which it would only duplicate.
+// pipelined loop with two Q buffers: dropped from any other schedule, which it would only
+// duplicate, and from 176-key blocks (one Q buffer; a tuning build's +128 met it there).
 // 176-key blocks (Note [portattn hopper 176-key blocks]) likewise only where measured: not with
 // softcap (spills) or a sliding window.
 constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
@@ -112,8 +113,13 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
   const bool tight = head_dim == 256 || (admitted & kSchedThreeConsumers) != 0;
   const int bits =
       tight && (softcap || mask == kMaskLocal) ? (admitted & (kSchedPersistent | kSchedThreeConsumers)) : admitted;
-  const bool streams = (bits & kSchedPersistent) != 0 && (bits & kSchedPipelined) != 0;
-  return streams ? bits : bits & ~kSchedCrossTile;
+  // (176-key blocks leave room for one Q buffer only, Note [portattn hopper 176-key blocks].)
+  const bool streams =
+      (bits & kSchedPersistent) != 0 && (bits & kSchedPipelined) != 0 && (bits & kSchedWideKeys) == 0;
+  // Paired tiles order a masked persistent walk (Note [portattn hopper paired tiles]); elsewhere
+  // the bit would only duplicate a kernel.
+  const bool pairs = (bits & kSchedPersistent) != 0 && mask != kMaskNone;
+  return (streams ? bits : bits & ~kSchedCrossTile) & (pairs ? ~0 : ~kSchedPairedTiles);
 }
 
 // Note [portattn hopper padded head dims]
@@ -245,6 +251,8 @@ cudaError_t launch(const PortattnFwdParams& params) {
     if (err != cudaSuccess) return err;
     grid = grid < sms ? grid : sms;
   }
+  // Note [portattn hopper paired tiles]: with no more tiles than CTAs each takes one, unpaired.
+  args.paired_tiles = Traits::kPairedTiles && args.num_tiles > grid ? 1 : 0;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(
       tm_q, tm_k, tm_v, tm_o, args);
   return cudaGetLastError();

@@ -25,6 +25,7 @@ enum HopperFwdScheduleBits : int {
   kSchedThreeConsumers = 64,  // 192-row tiles, three consumer warpgroups (Note [portattn hopper hd64 192 rows])
   kSchedCrossTile = 128,  // a tile's last P V issued with the next tile's first S (Note [portattn hopper cross-tile phase])
   kSchedWideKeys = 256,   // hd128: 176-key blocks (Note [portattn hopper 176-key blocks])
+  kSchedPairedTiles = 512,  // masked persistent launches: equal-cost tile pairs per CTA (Note [portattn hopper paired tiles])
 };
 
 // The bits of `bits` a head dim's kernels can take: three consumer warpgroups
@@ -52,8 +53,8 @@ __host__ __device__ constexpr int hopper_fwd_min_head_dim(int kernel_head_dim) {
 // PORTATTN_HOPPER_FWD_SCHEDULE=+<bits> runs the default choices (run_default:
 // every mask, softcap, varlen, both dtypes) with one of the additions below
 // added where admitted, which is what a change of the defaults would launch.
-constexpr int kTuningSchedules[] = {0, 1, 3, 5, 7, 13, 17, 64, 65, 67, 68, 69, 71, 133, 135};
-constexpr int kTuningAdditions[] = {kSchedThreeConsumers, kSchedCrossTile};
+constexpr int kTuningSchedules[] = {0, 1, 3, 5, 7, 13, 17, 64, 65, 67, 68, 69, 71, 133, 135, 519, 583, 647, 775};
+constexpr int kTuningAdditions[] = {kSchedThreeConsumers, kSchedCrossTile, kSchedPairedTiles};
 constexpr int kNumTuningSchedules = sizeof(kTuningSchedules) / sizeof(kTuningSchedules[0]);
 constexpr int kNumTuningAdditions = sizeof(kTuningAdditions) / sizeof(kTuningAdditions[0]);
 
