@@ -212,8 +212,9 @@ def main() -> int:
             k, v = (torch.randn(2, seqlen_k, 2, head_dim, **bf16) for _ in range(2))
             failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
         # Each forward schedule (hopper_fwd_launch.cuh): persistent non-causal with several tiles
-        # per CTA (7 query blocks x 20 heads x 3 > 132 SMs), causal past 1024 keys (one CTA per
-        # tile, ping-pong), and the window + softcap kernels of both directions.
+        # per CTA (7 query blocks x 20 heads x 3 > 132 SMs), causal past 1024 keys (persistent,
+        # ping-pong; fewer tiles than CTAs, so unpaired), and the window + softcap kernels of both
+        # directions.
         q = torch.randn(3, 777, 20, 128, **bf16)
         k, v = (torch.randn(3, 513, 20, 128, **bf16) for _ in range(2))
         failures += unwritten(q, k, v, backend=BACKEND_SM90)
@@ -225,6 +226,11 @@ def main() -> int:
         q = torch.randn(3, 777, 20, 64, **bf16)
         k, v = (torch.randn(3, 513, 20, 64, **bf16) for _ in range(2))
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
+        # Causal past 1024 keys with more tiles than CTAs: the paired walk (Note [portattn hopper
+        # paired tiles]), odd query-block counts (11 at hd64's 192 rows, 17 at hd128).
+        for head_dim in (64, 128):
+            q, k, v = (torch.randn(2, 2100, 20, head_dim, **bf16) for _ in range(3))
+            failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
         # hd128 from 4097 keys: 176-key blocks (Note [portattn hopper 176-key blocks]), ragged last block.
         q = torch.randn(1, 1500, 2, 128, **bf16)
         k, v = (torch.randn(1, 4500, 2, 128, **bf16) for _ in range(2))

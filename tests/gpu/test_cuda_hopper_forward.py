@@ -197,8 +197,12 @@ def test_hopper_forward_softcap_fp16(causal, softcap):
 # tiles); seqlen_q > seqlen_k makes the first causal tiles empty (no key visible).
 # 5 x 45 x 3 = 675 tiles: an odd count of query blocks and of (head, batch) pairs, so
 # the paired walk (Note [portattn hopper paired tiles]) pairs two heads' middle
-# blocks and ends in a pair with one tile.
-@pytest.mark.parametrize("shape", [(3, 777, 513, 20), (3, 640, 640, 45)], ids=lambda s: "x".join(map(str, s)))
+# blocks and ends in a pair with one tile. 2100 and 4500 keys: the long causal
+# calls' paired walk (128- and 192-row tiles; 176-key blocks at hd128 from 4097).
+# 128 x 24 x 300: 9216 tiles, past kPairedMaxTilesPerCta a CTA, so a paired kernel
+# walks the group order (hopper_fwd_launch.cuh).
+@pytest.mark.parametrize("shape", [(3, 777, 513, 20), (3, 640, 640, 45), (2, 2100, 2100, 20), (1, 4500, 4500, 9),
+                                   (128, 300, 300, 24)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_forward_many_tiles_per_cta(head_dim, causal, shape):

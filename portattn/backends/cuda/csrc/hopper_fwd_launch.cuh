@@ -36,9 +36,9 @@ struct HopperFwdVariantKey {};
 // summary in docs/hopper_notes.md): intra-warpgroup pipelining everywhere (+5-13%
 // over the serial loop); non-causal calls persistent (+8-11% at 1k, +1-3% at
 // 4k, within the +-4% run-to-run spread at 16k); causal calls with ping-pong
-// and one CTA per tile (the hardware's dynamic CTA hand-out balances their
-// unequal tiles better than any fixed order measured: persistent lost 8-15%
-// at 4k-16k), except short ones (seqlen_k <= 1024: 8 key blocks, 13 at
+// and one CTA per tile (the hardware's dynamic CTA hand-out balanced their
+// unequal tiles better than the group order: persistent lost 8-15% at 4k-16k;
+// since session 10 the paired order below is ahead of both), except short ones (seqlen_k <= 1024: 8 key blocks, 13 at
 // hd256), where the persistent grid's overlap of one tile's end with the
 // next's start wins (+11% hd64 1k). Sliding windows run like causal calls
 // (their tiles differ in cost near the sequence start). Three stages and the
@@ -56,12 +56,27 @@ struct HopperFwdVariantKey {};
 // a 200-row sequence with 384 rows against 256); not for sliding windows (-8 to
 // -15% on the serial loop the 160 registers leave them). Varlen without a mask over
 // 1k keys: kVarlenSchedule below.
+//
+// Paired tiles (Note [portattn hopper paired tiles]; bench/results/runs/2026-11-25-7285f9b/, same-call
+// A/Bs, H100, bf16, 16k tokens): masked persistent walks deal equal-cost pairs of tiles. Short
+// causal calls: +6-7% at hd64 512-1k, +9-11% at hd128, +3-8% at hd256. Long dense causal calls
+// (over 1k keys, no softcap) turn persistent with it, where one CTA per tile had been ahead of the
+// group order: hd64 (192 rows) +0-5% at 2k-16k, hd128 +4-7% at 2k-4k and (176-key blocks) +0-6% at
+// 8k-16k, hd256 +4-10% at 2k-8k, +-1% at 16k. Softcap and varlen causal calls keep one CTA per
+// tile: persistent was not measured with them (varlen tiles differ by sequence, which the hardware's
+// hand-out balances; the no-mask varlen A/B below). kPairedMaxTilesPerCta: the exception.
 constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent | kSchedThreeConsumers;
 constexpr int kShortNonCausalSchedule = kSchedPipelined | kSchedPersistent;
 constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedThreeConsumers;
+constexpr int kPairedCausalSchedule = kCausalSchedule | kSchedPersistent | kSchedPairedTiles;
 constexpr int kWindowSchedule = kSchedPipelined | kSchedPingPong;
-constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent;
+constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent | kSchedPairedTiles;
 constexpr int kShortCausalMaxSeqlenK = 1024;
+// A paired launch of short sequences (at most kShortCausalMaxSeqlenK query rows) with more tiles than
+// this per CTA walks the group order instead: there both orders end within 3% of even in the model
+// (bench/tile_balance.py) and the group order measured 2-3% ahead at hd64, batch 512 x 300-400
+// causal (runs/2026-11-25-7285f9b/run2; hd64 50-200 equal, hd128 200-300 +1.5-3% paired).
+constexpr int kPairedMaxTilesPerCta = 64;
 // The cross-tile phase (Note [portattn hopper cross-tile phase]) where same-call A/Bs measured it
 // ahead (bench/results/runs/2026-11-25-0b0e86b/, bf16, 16k tokens): hd64 short causal calls, +4%
 // at 512 keys and +2.6% at 1k on an H100 (pipe+pp+pers against default in ab2_h100_A*.md, two
@@ -111,8 +126,9 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
   const int admitted =
       admitted_bits(head_dim, wanted) & (softcap || mask == kMaskLocal ? ~kSchedWideKeys : ~0);
   const bool tight = head_dim == 256 || (admitted & kSchedThreeConsumers) != 0;
-  const int bits =
-      tight && (softcap || mask == kMaskLocal) ? (admitted & (kSchedPersistent | kSchedThreeConsumers)) : admitted;
+  const int bits = tight && (softcap || mask == kMaskLocal)
+                       ? (admitted & (kSchedPersistent | kSchedThreeConsumers | kSchedPairedTiles))
+                       : admitted;
   // (176-key blocks leave room for one Q buffer only, Note [portattn hopper 176-key blocks].)
   const bool streams =
       (bits & kSchedPersistent) != 0 && (bits & kSchedPipelined) != 0 && (bits & kSchedWideKeys) == 0;
@@ -251,8 +267,11 @@ cudaError_t launch(const PortattnFwdParams& params) {
     if (err != cudaSuccess) return err;
     grid = grid < sms ? grid : sms;
   }
-  // Note [portattn hopper paired tiles]: with no more tiles than CTAs each takes one, unpaired.
-  args.paired_tiles = Traits::kPairedTiles && args.num_tiles > grid ? 1 : 0;
+  // Note [portattn hopper paired tiles]: with no more tiles than CTAs each takes one, unpaired;
+  // kPairedMaxTilesPerCta: many short sequences keep the group order.
+  const bool many_short = params.seqlen_q <= kShortCausalMaxSeqlenK &&
+                          args.num_tiles > static_cast<int64_t>(kPairedMaxTilesPerCta) * grid;
+  args.paired_tiles = Traits::kPairedTiles && args.num_tiles > grid && !many_short ? 1 : 0;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(
       tm_q, tm_k, tm_v, tm_o, args);
   return cudaGetLastError();
@@ -288,8 +307,11 @@ cudaError_t run_default(const PortattnFwdParams& params) {
   constexpr int kVarlen = schedule_for(kHeadDim, kMaskNone, kSoftcap, kVarlenSchedule | kAdded);
   constexpr int kShortCausal =
       schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule | short_causal_added_bits(kHeadDim) | kAdded);
-  constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kAdded);
-  constexpr int kLongCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kSchedWideKeys | kAdded);
+  // Softcap keeps one CTA per tile over 1k keys (paired persistent not measured with it).
+  constexpr int kDenseCausal = kSoftcap ? kCausalSchedule : kPairedCausalSchedule;
+  constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kDenseCausal | kAdded);
+  constexpr int kLongCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kDenseCausal | kSchedWideKeys | kAdded);
+  constexpr int kVarlenCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kAdded);
   constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kWindowSchedule | kAdded);
   switch (mask_of(params)) {
     case kMaskNone:
@@ -301,10 +323,10 @@ cudaError_t run_default(const PortattnFwdParams& params) {
     case kMaskCausal:
       if (params.seqlen_k <= kShortCausalMaxSeqlenK)
         return launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params);
-      // (Varlen keeps 128-key blocks: not measured with 176.)
-      return params.seqlen_k >= kWideKeysMinSeqlenK && params.cu_seqlens_q == nullptr
-                 ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kLongCausal>(params)
-                 : launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kCausal>(params);
+      // (Varlen keeps 128-key blocks, not measured with 176, and one CTA per tile.)
+      if (params.cu_seqlens_q != nullptr) return launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kVarlenCausal>(params);
+      return params.seqlen_k >= kWideKeysMinSeqlenK ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kLongCausal>(params)
+                                                    : launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kCausal>(params);
     default:
       return launch<kHeadDim, Elem, kMaskLocal, kSoftcap, kLocal>(params);
   }
