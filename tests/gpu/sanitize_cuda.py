@@ -236,6 +236,10 @@ def main() -> int:
         k, v = (torch.randn(1, 4500, 2, 128, **bf16) for _ in range(2))
         failures += unwritten(q, k, v, backend=BACKEND_SM90)
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
+        # Causal past 8192 keys: one CTA per tile again (kPairedCausalMaxSeqlenK), 176-key blocks.
+        q = torch.randn(1, 300, 2, 128, **bf16)
+        k, v = (torch.randn(1, 8200, 2, 128, **bf16) for _ in range(2))
+        failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
     # Head dims 96 / 192 on the hd128 / hd256 kernels (Note [portattn hopper padded head dims]):
     # sequence tails, GQA, causal and a window with softcap; the backward too where the Hopper
     # path has it (96: both modes, GQA's fp32 dK/dV accumulators in the default mode, MHA's TMA

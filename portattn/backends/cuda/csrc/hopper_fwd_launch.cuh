@@ -60,11 +60,16 @@ struct HopperFwdVariantKey {};
 // Paired tiles (Note [portattn hopper paired tiles]; bench/results/runs/2026-11-25-7285f9b/, same-call
 // A/Bs, H100, bf16, 16k tokens): masked persistent walks deal equal-cost pairs of tiles. Short
 // causal calls: +6-7% at hd64 512-1k, +9-11% at hd128, +3-8% at hd256. Long dense causal calls
-// (over 1k keys, no softcap) turn persistent with it, where one CTA per tile had been ahead of the
-// group order: hd64 (192 rows) +0-5% at 2k-16k, hd128 +4-7% at 2k-4k and (176-key blocks) +0-6% at
-// 8k-16k, hd256 +4-10% at 2k-8k, +-1% at 16k. Softcap and varlen causal calls keep one CTA per
-// tile: persistent was not measured with them (varlen tiles differ by sequence, which the hardware's
-// hand-out balances; the no-mask varlen A/B below). kPairedMaxTilesPerCta: the exception.
+// (over 1k keys, no softcap) up to kPairedCausalMaxSeqlenK turn persistent with it, where one CTA
+// per tile had been ahead of the group order: hd64 (192 rows) +0-5% at 2k-8k, hd128 +4-7% at 2k-4k
+// and (176-key blocks) +0-9% at 8k, hd256 +4-10% at 2k-8k. Past 8k keys one CTA per tile stays:
+// through the public API (bench_attention.py, runs/2026-11-25-88c02d9/run5) the paired walk lost 8%
+// at hd128 16k causal (653 -> 594-601 TFLOP/s) and 3% at hd64; a tile there averages 64 key blocks,
+// so the prologue and epilogue that persistence overlaps are ~2% of it, and the pairs' tail (1.03 of
+// the mean at 16k tokens, bench/tile_balance.py) costs more than the hardware's hand-out of
+// single tiles (~1.00). Softcap and varlen causal calls keep one CTA per tile: persistent was not
+// measured with them (varlen tiles differ by sequence, which the hardware's hand-out balances; the
+// no-mask varlen A/B below). kPairedMaxTilesPerCta: the exception for many short sequences.
 constexpr int kNonCausalSchedule = kSchedPipelined | kSchedPersistent | kSchedThreeConsumers;
 constexpr int kShortNonCausalSchedule = kSchedPipelined | kSchedPersistent;
 constexpr int kCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedThreeConsumers;
@@ -72,6 +77,7 @@ constexpr int kPairedCausalSchedule = kCausalSchedule | kSchedPersistent | kSche
 constexpr int kWindowSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent | kSchedPairedTiles;
 constexpr int kShortCausalMaxSeqlenK = 1024;
+constexpr int kPairedCausalMaxSeqlenK = 8192;
 // A paired launch of short sequences (at most kShortCausalMaxSeqlenK query rows) with more tiles than
 // this per CTA walks the group order instead: there both orders end within 3% of even in the model
 // (bench/tile_balance.py) and the group order measured 2-3% ahead at hd64, batch 512 x 300-400
@@ -311,6 +317,8 @@ cudaError_t run_default(const PortattnFwdParams& params) {
   constexpr int kDenseCausal = kSoftcap ? kCausalSchedule : kPairedCausalSchedule;
   constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kDenseCausal | kAdded);
   constexpr int kLongCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kDenseCausal | kSchedWideKeys | kAdded);
+  constexpr int kLongestCausal =
+      schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kSchedWideKeys | kAdded);
   constexpr int kVarlenCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kAdded);
   constexpr int kLocal = schedule_for(kHeadDim, kMaskLocal, kSoftcap, kWindowSchedule | kAdded);
   switch (mask_of(params)) {
@@ -325,6 +333,8 @@ cudaError_t run_default(const PortattnFwdParams& params) {
         return launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params);
       // (Varlen keeps 128-key blocks, not measured with 176, and one CTA per tile.)
       if (params.cu_seqlens_q != nullptr) return launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kVarlenCausal>(params);
+      if (params.seqlen_k > kPairedCausalMaxSeqlenK)
+        return launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kLongestCausal>(params);
       return params.seqlen_k >= kWideKeysMinSeqlenK ? launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kLongCausal>(params)
                                                     : launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kCausal>(params);
     default:
