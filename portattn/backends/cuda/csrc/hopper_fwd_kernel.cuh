@@ -532,16 +532,14 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       sm90::prefetch_tensormap(&tm_q);
       sm90::prefetch_tensormap(&tm_k);
       sm90::prefetch_tensormap(&tm_v);
-      // Across tiles: buffer index and phase parity (unsigned: % and / by a power of two are a
-      // mask and a shift, where int needs a sign fix-up).
-      unsigned q_fills = 0, kv_fills = 0;
+      int q_fills = 0, kv_fills = 0;  // across tiles: buffer index and phase parity
       for (int round = 0; round_in_launch<kPaired>(round, args.num_tiles, args.paired_tiles != 0); ++round) {
         const int t = tile_of_cta<kPaired>(round, args.num_tiles, args.paired_tiles != 0);
         if (t == args.num_tiles) continue;
         const HopperTile tile = decode_tile<kMask, Traits::kPersistent, kPaired, kBlockM, kBlockN>(t, args);
         if (tile.n_blocks == 0) continue;
         const int head_k = tile.head / args.heads_per_kv;
-        const int qb = static_cast<int>(q_fills % kQBuffers);
+        const int qb = q_fills % kQBuffers;
         sm90::mbar_wait(bar_q_empty(qb), ((q_fills / kQBuffers) & 1) ^ 1);
         ++q_fills;
         sm90::mbar_arrive_expect_tx(bar_q_full(qb), Traits::kQBytes);
@@ -551,7 +549,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
                             p * Traits::kPanel, tile.q_start + tile.m_block * kBlockM, tile.head,
                             tile.tma_batch);
         for (int it = 0; it < tile.n_blocks; ++it, ++kv_fills) {
-          const int stage = static_cast<int>(kv_fills % kStages);
+          const int stage = kv_fills % kStages;
           const uint32_t free_parity = ((kv_fills / kStages) & 1) ^ 1;
           const int n_block = tile.n_end - 1 - it;
           // K then V of the block, each into its ring slot once the consumers freed it.
@@ -606,26 +604,24 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       __syncwarp();
       if (lane == 0) sm90::mbar_arrive(bar);
     };
-    // Each k16 step's descriptor is the stage's first one advanced by a compile-time byte
-    // offset (sm90::smem_desc_advance): one add a step instead of building the descriptor
-    // from its address (~6 instructions a step, ncu of session 10).
     auto issue_s = [&](float (&s)[2][kSCols], int stage) {
-      const uint64_t desc_q0 = sm90::make_smem_desc(s_q_wg, 16, 1024);
-      const uint64_t desc_k0 = sm90::make_smem_desc(s_k + stage * Traits::kKVBytes, 16, 1024);
+      const uint32_t s_k_stage = s_k + stage * Traits::kKVBytes;
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         const uint32_t offset = (kk % 4) * 32;  // k16 step inside the 128-byte panel row
-        const uint64_t desc_q = sm90::smem_desc_advance(desc_q0, (kk / 4) * kPanelBytesQ + offset);
-        const uint64_t desc_k = sm90::smem_desc_advance(desc_k0, (kk / 4) * kPanelBytesKV + offset);
+        const uint64_t desc_q =
+            sm90::make_smem_desc(s_q_wg + (kk / 4) * kPanelBytesQ + offset, 16, 1024);
+        const uint64_t desc_k =
+            sm90::make_smem_desc(s_k_stage + (kk / 4) * kPanelBytesKV + offset, 16, 1024);
         sm90::wgmma_ss<Elem, 0, 0, kSCols>(s, desc_q, desc_k, kk > 0 ? 1 : 0);  // N = kBlockN
       }
       sm90::wgmma_commit();
     };
     auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], int stage) {
-      const uint64_t desc_v0 = sm90::make_smem_desc(s_v + stage * Traits::kKVBytes, kPanelBytesKV, 1024);
+      const uint32_t s_v_stage = s_v + stage * Traits::kKVBytes;
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t desc_v = sm90::smem_desc_advance(desc_v0, kk * 16 * 128);
+        const uint64_t desc_v = sm90::make_smem_desc(s_v_stage + kk * 16 * 128, kPanelBytesKV, 1024);
         sm90::wgmma_rs<Elem>(o, p[kk], desc_v);
       }
       sm90::wgmma_commit();
@@ -804,9 +800,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       }
       return false;
     };
-    // Unsigned, as the producer's counts: the ring index and parity of every wait and release
-    // below are a mask and a shift (a signed % / took ~7 instructions each, ncu of session 10).
-    unsigned q_uses = 0, kv_uses = 0;
+    int q_uses = 0, kv_uses = 0;
     int round = 0;
     HopperTile tile, next;
     // kCrossTile: this tile (`next`, of round `round`) had its first block run in the last
@@ -817,11 +811,11 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       else if (!next_tile(round, tile)) break;
       bool fuse = false;
       const int n_blocks = tile.n_blocks;
-      auto stage_of = [&](int it) { return static_cast<int>((kv_uses + static_cast<unsigned>(it)) % kStages); };
-      auto parity_of = [&](int it) { return static_cast<uint32_t>(((kv_uses + static_cast<unsigned>(it)) / kStages) & 1); };
+      auto stage_of = [&](int it) { return (kv_uses + it) % kStages; };
+      auto parity_of = [&](int it) { return static_cast<uint32_t>(((kv_uses + it) / kStages) & 1); };
       if (!entered) start_tile();
 
-      const int qb = static_cast<int>(q_uses % kQBuffers);
+      const int qb = q_uses % kQBuffers;
       if (n_blocks > 0) {
         if constexpr (Traits::kPipelined) {
           if (!entered) {
@@ -875,7 +869,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
           if (fuse) {
             // Phase n, fused: the last P V, then the next tile's S(0) (its Q buffer and first K
             // block: (q_uses + 1), block kv_uses + n_blocks); the epilogue runs under S(0).
-            const int next_qb = static_cast<int>((q_uses + 1) % kQBuffers);
+            const int next_qb = (q_uses + 1) % kQBuffers;
             turn_wait();
             sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
             sm90::mbar_wait(bar_q_full(next_qb), ((q_uses + 1) / kQBuffers) & 1);
@@ -896,7 +890,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             start_tile();
             sm90::wgmma_wait<0>();
             sm90::fence_operands(s);
-            release(bar_k_empty(static_cast<int>(kv_uses % kStages)));
+            release(bar_k_empty(kv_uses % kStages));
             mask(s, 0, next);
             softmax::online_softmax_step_deferred<true, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
                 s, state, args.scale_log2, correction);

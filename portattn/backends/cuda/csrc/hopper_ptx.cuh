@@ -123,16 +123,6 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t addr, uint32_t lbo_b
   return desc;
 }
 
-// The descriptor of the matrix `bytes` further on in shared memory (same LBO, SBO, swizzle):
-// make_smem_desc(addr + bytes, ...) whenever both addresses lie in the CTA's shared memory.
-// Why a plain add is exact: shared-memory addresses are below 2^18 (228 KiB on sm_90), so
-// (addr & 0x3FFFF) >> 4 is addr >> 4, the start-address field holds it without the mask, and
-// (addr + bytes) >> 4 = (addr >> 4) + (bytes >> 4) for 16-byte multiples; the sum stays below
-// 2^14, so nothing carries into the LBO field at bit 16. Only the low word changes.
-__device__ __forceinline__ uint64_t smem_desc_advance(uint64_t desc, uint32_t bytes) {
-  return desc + static_cast<uint64_t>(bytes >> 4);
-}
-
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
