@@ -111,6 +111,41 @@ def test_sass_opcode_counts_skip_predicates_and_split_kernels():
     assert counts["_Z3barPf"] == {"LDSM": 1, "EXIT": 1}
 
 
+def test_tile_balance_model_pairs_equal_cost_tiles():
+    # bench/tile_balance.py mirrors the Hopper forward's walks (Note [portattn hopper paired
+    # tiles]); balance() itself asserts that the paired order visits every tile once.
+    sys.path.insert(0, BENCH)
+    import tile_balance
+
+    for num_m_blocks in (1, 4, 5, 8):
+        for heads_batches in (1, 2, 3, 7):
+            tiles = [tile_balance.paired_order(t, num_m_blocks) for t in range(num_m_blocks * heads_batches)]
+            assert sorted(tiles) == [(hb, m) for hb in range(heads_batches) for m in range(num_m_blocks)]
+            # Positions 2q, 2q + 1: query blocks summing to num_m_blocks - 1 (one long, one short, or two
+            # middle blocks of neighbouring heads), so every pair costs the same under causal masking.
+            for q in range(len(tiles) // 2):
+                assert tiles[2 * q][1] + tiles[2 * q + 1][1] == num_m_blocks - 1
+    row = tile_balance.balance(512, 64, sms=132, overhead=1.0)
+    assert row["tiles"] == 4096 and row["paired"] < row["group"]
+    # 2048 equal pairs over 132 CTAs: the slowest walks 16 of them, the mean 2048 / 132.
+    assert row["paired"] == pytest.approx(16 * 132 / 2048)
+
+
+def test_ncu_opcode_mix_weighs_instructions_by_executions(tmp_path):
+    sys.path.insert(0, BENCH)
+    import ncu_opcode_mix
+
+    page = tmp_path / "src.csv"
+    page.write_text('"Kernel Name","k"\n'
+                    '"Address","Source","Instructions Executed"\n'
+                    '"0x0","      FFMA R1, R2, R3, R4","100"\n'
+                    '"0x10","@!P0  BRA 0x40","7"\n'
+                    '"0x20","      FFMA.FTZ R1, R2, R3, R4","5"\n'
+                    '"0x30","@P1   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2","3"\n')
+    counts, total = ncu_opcode_mix.opcode_mix(str(page))
+    assert counts == {"FFMA": 105, "BRA": 7, "SYNCS": 3} and total == 115
+
+
 def test_ncu_summary_reads_the_raw_page(tmp_path):
     sys.path.insert(0, BENCH)
     import ncu_profile
