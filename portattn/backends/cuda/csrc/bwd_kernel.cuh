@@ -121,9 +121,6 @@ struct BwdArgs {
   // This launch's chunk of heads: query heads [head0, head0 + heads), KV heads
   // [head0 / group, + heads_k). The workspace arrays cover the chunk only.
   int head0, heads, heads_k;
-  // The Hopper backward's grid order (Note [portattn hopper backward CTA order]): 1 when
-  // grid.x walks the heads and grid.y the key blocks; 0 (the sm80+ path, always) the reverse.
-  int heads_fastest;
   float* delta;     // (B, heads, Sq_max) rowsum(dO * O)
   float* lse2;      // (B, heads, Sq_max) the LSE in log2 units, +inf for fully masked rows
   float* dq_accum;  // [slices] x (B, heads, Sq_max, acc_head_dim) fp32
@@ -173,14 +170,14 @@ __device__ __forceinline__ int64_t ws_row(const BwdArgs& args, int batch, int he
   return (static_cast<int64_t>(batch) * args.heads + head - args.head0) * args.p.fwd.seqlen_q + i;
 }
 
-// The heads of a main-kernel CTA (its head index y: grid.y, or grid.x where the Hopper
-// backward walks heads fastest): deterministic, a KV head walking its group's query heads
-// in order; default, one query head.
+// The heads of a main-kernel CTA (grid.y): deterministic, a KV head walking
+// its group's query heads in order; default, one query head.
 struct BwdHeads {
   int head_k, head_first, heads;
 };
 
-__device__ __forceinline__ BwdHeads bwd_heads(const BwdArgs& args, bool det, int group, int y) {
+__device__ __forceinline__ BwdHeads bwd_heads(const BwdArgs& args, bool det, int group) {
+  const int y = static_cast<int>(blockIdx.y);
   const int head_k = det ? args.head0 / group + y : (args.head0 + y) / group;
   return BwdHeads{head_k, det ? head_k * group : args.head0 + y, det ? group : 1};
 }
@@ -362,7 +359,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
   const int col_base = Cfg::kDSplit == 1 ? 0 : half * kDOut;
   const bool det = p.deterministic != 0;
   const int group = f.nheads / f.nheads_k;
-  const BwdHeads cta_heads = bwd_heads(args, det, group, static_cast<int>(blockIdx.y));
+  const BwdHeads cta_heads = bwd_heads(args, det, group);
   const int head_k = cta_heads.head_k;
   const int head_first = cta_heads.head_first;
   const int heads = cta_heads.heads;

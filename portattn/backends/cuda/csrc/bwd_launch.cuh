@@ -175,7 +175,6 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main,
   args.dq_order = ordered_dq && params.deterministic != 0 ? reinterpret_cast<int*>(base + ws.dq_order) : nullptr;
   args.dq_swizzled = dq_swizzled;
   args.acc_head_dim = acc_head_dim;
-  args.heads_fastest = 0;  // the Hopper launch sets its own (hopper_bwd_launch.cuh)
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int group = f.nheads / f.nheads_k;
   for (int head_k0 = 0; head_k0 < f.nheads_k; head_k0 += ws.chunk_heads_k) {

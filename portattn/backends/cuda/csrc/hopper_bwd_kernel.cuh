@@ -397,12 +397,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int batch = blockIdx.z;
   const bool det = p.deterministic != 0;
   const int group = f.nheads / f.nheads_k;
-  // Note [portattn hopper backward CTA order]: masked default-mode launches walk heads along
-  // grid.x and key blocks along grid.y. Read from the parameter and the special registers at
-  // each use, as n_first below says why.
-  auto heads_fastest = [&] { return !kOrderedDq && kMask != kBwdMaskNone && args.heads_fastest != 0; };
-  const cuda::BwdHeads cta_heads = cuda::bwd_heads(
-      args, det, group, heads_fastest() ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.y));
+  const cuda::BwdHeads cta_heads = cuda::bwd_heads(args, det, group);
   const int head_k = cta_heads.head_k;
   const int head_first = cta_heads.head_first;
   const int heads = cta_heads.heads;
@@ -420,7 +415,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int diag = len_k - len_q;
   const int n_blocks = (len_k + kBlockN - 1) / kBlockN;
   // One key block per CTA in both modes (the grid covers the longest sequence's blocks).
-  const int n_step = heads_fastest() ? static_cast<int>(gridDim.y) : static_cast<int>(gridDim.x);
+  const int n_step = static_cast<int>(gridDim.x);
   const int m_total = (len_q + kBlockM - 1) / kBlockM;
   // The masking rule, written out here rather than through common/block_range.h
   // (Note [portattn visible keys]): the port to the helpers measured 7-11% slower
@@ -451,9 +446,9 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // on, it grew the hd64 causal kernel by ~200 instructions of predicate shuffling
   // (P2R/LOP3 in cuobjdump's SASS), the largest difference to 1f09d2a's kernel,
   // which measured 7-10% faster at hd64 causal (runs/2026-11-24-7b49e7e/ab_old_*).
-  auto n_first = [&] {
+  auto n_first = [] {
     return kOrderedDq ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
-                      : (heads_fastest() ? static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.x));
+                      : static_cast<int>(blockIdx.x);
   };
 
   const int warpgroup = threadIdx.x / 128;

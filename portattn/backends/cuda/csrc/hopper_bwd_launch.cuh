@@ -49,30 +49,13 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   // sum in registers; dQ adds ordered by key block (Note [portattn hopper ordered dQ]).
   // The dependences point to lower blockIdx.x of the same (y, z), which the hardware
   // starts first, so a waiting CTA's predecessors are running or done.
-  // Note [portattn hopper backward CTA order]
-  // The hardware hands CTAs out in grid order (x fastest) as SMs free up. With the key block
-  // fastest, a causal launch lists each head's blocks longest first (key block 0 sees every
-  // query block) and then the next head's, so the last heads' longest blocks start in the last
-  // wave and run alone: in a model that hands each CTA to the first free SM (its query blocks + 2),
-  // the slowest SM ends 1.03x (hd64) and 1.05-1.07x (hd128) past the mean at 512-8k, 16k tokens.
-  // With the heads fastest (grid.x = heads, grid.y = key blocks, grid.z = batch) every head's
-  // key block 0 goes out before any key block 1, so within a batch element the list is sorted
-  // longest first: 1.00-1.01 at hd64, 1.00-1.03 at hd128. Masked launches only (no-mask blocks
-  // cost the same); not the deterministic mode, whose ordered dQ relies on key blocks along
-  // grid.x (Note [portattn hopper ordered dQ]); and grid.y caps key blocks at 65535.
-  // Concurrent CTAs then hold a few key blocks of every head of one batch element; a head's
-  // CTAs start at neighbouring query blocks and read its Q / dO rows at about the same time.
-  const int heads = det ? args.heads_k : args.heads;
-  const bool heads_fastest = !det && kMask != kBwdMaskNone && n_blocks <= 65535;
-  const dim3 grid = heads_fastest ? dim3(heads, n_blocks, f.batch) : dim3(n_blocks, heads, f.batch);
-  if (n_blocks == 0 || heads == 0) return cudaSuccess;
-  cuda::BwdArgs launch_args = args;
-  launch_args.heads_fastest = heads_fastest ? 1 : 0;
+  const dim3 grid(n_blocks, det ? args.heads_k : args.heads, f.batch);
+  if (grid.x == 0) return cudaSuccess;
   // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
   // the same value; a kernel parameter, read from the constant bank, holds no register.
   const float softcap_scale = kSoftcap ? f.softmax_scale / f.softcap : 0.f;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, maps.dk,
-                                                                 maps.dv, launch_args, softcap_scale);
+                                                                 maps.dv, args, softcap_scale);
   return cudaGetLastError();
 }
 
