@@ -215,6 +215,16 @@ def test_hopper_forward_many_tiles_per_cta(head_dim, causal, shape):
     _check(out, lse, q, k, v, causal)
 
 
+# The paired walk under softcap (short causal calls keep it; at hd256 and hd64's three consumers softcap
+# runs the serial loop, schedule_for): odd query-block and head counts, more tiles than SMs.
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_paired_walk_with_softcap(head_dim):
+    q, k, v = (rand(3, 640, 45, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    out, lse = hopper_forward(q, k, v, causal=True, softcap=30.0)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, True, softcap=30.0)
+
+
 # Query tiles are 128 rows, or 192 with three consumer warpgroups (hd64, kSchedThreeConsumers):
 # lengths one short of, at and one past a tile, the diagonal crossing key blocks at other
 # offsets, the first causal tiles empty (seqlen_q > seqlen_k), a window with softcap.

@@ -455,16 +455,17 @@ __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& ar
 // tiles of pair k * gridDim.x + blockIdx.x.
 template <bool kPaired>
 __device__ __forceinline__ int tile_of_cta(int round, int num_tiles, bool paired) {
-  const int t = kPaired && paired ? 2 * ((round >> 1) * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x)) + (round & 1)
-                        : round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  const int t = kPaired && paired
+                    ? 2 * ((round >> 1) * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x)) + (round & 1)
+                    : round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
   return t < num_tiles ? t : num_tiles;
 }
 
 // Whether round r can hold a tile of this launch for any CTA (the walks' bound).
 template <bool kPaired>
 __device__ __forceinline__ bool round_in_launch(int round, int num_tiles, bool paired) {
-  return kPaired && paired ? 2 * (round >> 1) * static_cast<int>(gridDim.x) < num_tiles
-                 : round * static_cast<int>(gridDim.x) < num_tiles;
+  const int ctas = static_cast<int>(gridDim.x);
+  return kPaired && paired ? 2 * (round >> 1) * ctas < num_tiles : round * ctas < num_tiles;
 }
 
 // named_barrier_arrive / named_barrier_sync: hopper_ptx.cuh. Ids 1-3: the ping-pong

@@ -38,8 +38,9 @@ struct HopperFwdVariantKey {};
 // 4k, within the +-4% run-to-run spread at 16k); causal calls with ping-pong
 // and one CTA per tile (the hardware's dynamic CTA hand-out balanced their
 // unequal tiles better than the group order: persistent lost 8-15% at 4k-16k;
-// since session 10 the paired order below is ahead of both), except short ones (seqlen_k <= 1024: 8 key blocks, 13 at
-// hd256), where the persistent grid's overlap of one tile's end with the
+// since session 10 the paired order below is ahead of both up to 8k keys), except
+// short ones (seqlen_k <= 1024: 8 key blocks, 13 at hd256), where the persistent
+// grid's overlap of one tile's end with the
 // next's start wins (+11% hd64 1k). Sliding windows run like causal calls
 // (their tiles differ in cost near the sequence start). Three stages and the
 // polynomial exp2 measured within noise or slower and are built only in
