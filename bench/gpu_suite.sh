@@ -17,7 +17,9 @@
 #   determinism  bench/bench_backward.py --determinism: deterministic=True vs default, hd128 4k/8k/16k
 #   train     bench/train_check.py (loss curves, portattn vs SDPA from one initialisation)
 # Set PORTATTN_COMMIT to the commit under test (the device copy has no .git; it names the run folder). A PYTHONPATH
-# already set (flash-attn-4's, from bench/fa4_stage.sh install) is kept.
+# already set (flash-attn-4's, from bench/fa4_stage.sh install) is kept. PORTATTN_PACK=1 packs everything the
+# stages wrote into $OUT/results.tgz (and removes the loose files): the device tool returns a limited number of
+# files per call, and two session-10 calls lost some (`tar xzf results.tgz -C bench/results/` files it).
 set -o pipefail
 export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -65,3 +67,7 @@ for stage in "$@"; do
   esac
   echo "== stage $stage took $((SECONDS - start)) s"
 done
+if [ "${PORTATTN_PACK:-0}" = 1 ]; then
+  tar czf /tmp/portattn_results.tgz -C "$OUT" latest runs && rm -rf "$LATEST" "$OUT/runs" &&
+    mv /tmp/portattn_results.tgz "$OUT/results.tgz" && echo "== packed: $OUT/results.tgz"
+fi
