@@ -92,6 +92,47 @@ def test_forward_features(dtype, head_dim, feature, seqlens, gqa):
     _check(out, lse, q, k, v, alibi_slopes=alibi, **options)
 
 
+# Note [portattn sm80 narrow tiles]: head dims <= 64 with both lengths <= 256 run 64 x 64
+# tiles at four CTAs an SM (fwd_launch.cuh); these points sit on both sides of that limit, of
+# the 64-row and 64-key block edges, and take every score path (mask, extras, dropout) there.
+NARROW_SEQLENS = [(50, 50), (64, 64), (65, 200), (200, 37), (256, 256), (256, 257), (257, 256)]
+NARROW_OPTIONS = {
+    "plain": dict(),
+    "causal": dict(window=(-1, 0)),
+    "window": dict(window=(37, 11)),
+    "softcap_alibi_causal": dict(window=(-1, 0), softcap=7.5, alibi="bh"),
+}
+
+
+@pytest.mark.parametrize("gqa", [1, 3], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("option", list(NARROW_OPTIONS))
+@pytest.mark.parametrize("seqlens", NARROW_SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 64])
+def test_forward_narrow_tiles(head_dim, seqlens, option, gqa):
+    dtype, batch, heads = torch.bfloat16, 3, 6
+    options = dict(NARROW_OPTIONS[option])
+    seqlen_q, seqlen_k = seqlens
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    v = rand(batch, seqlen_k, heads // gqa, head_dim, dtype=dtype)
+    alibi = torch.rand(batch, heads, device="cuda") * 0.3 if options.pop("alibi", None) else None
+    out, lse = _run(q, k, v, alibi=alibi, **options)
+    _check(out, lse, q, k, v, alibi_slopes=alibi, **options)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_forward_narrow_tiles_varlen(head_dim):
+    lens_q, lens_k = [1, 50, 256, 0, 129, 64], [7, 50, 256, 3, 200, 1]
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = rand(sum(lens_q), 4, head_dim, dtype=torch.float16)
+    k = rand(sum(lens_k), 2, head_dim, dtype=torch.float16)
+    v = rand(sum(lens_k), 2, head_dim, dtype=torch.float16)
+    for window in ((-1, -1), (-1, 0)):
+        out, lse = _run(q, k, v, window=window, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), max_k=max(lens_k))
+        _check(out, lse, q, k, v, causal=window == (-1, 0), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 VARLEN = {
     "mixed": ([0, 1, 17, 113, 300, 1], [5, 1, 0, 200, 300, 64]),
     "equal": ([128, 1, 129], [128, 1, 129]),
@@ -160,7 +201,7 @@ def test_fully_masked_rows_are_zero_with_lse_minus_inf():
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("p", [0.17, 0.5])
 def test_dropout_matches_reference_mask(p, head_dim, varlen):
     dtype, heads = torch.bfloat16, 3
@@ -177,7 +218,8 @@ def test_dropout_matches_reference_mask(p, head_dim, varlen):
         out, lse = _run(q, k, v, dropout_p=p, seed=seed, offset=offset, cu_q=cu_q, cu_k=cu_k,
                         max_q=max_q, max_k=max_k, window=(-1, 0))
     else:
-        batch, max_q, max_k = 2, 211, 333
+        # 211 x 333 runs the wide tiles at every head dim; hd32's 211 x 199 the narrow ones.
+        batch, max_q, max_k = 2, 211, 199 if head_dim == 32 else 333
         q = rand(batch, max_q, heads, head_dim, dtype=dtype)
         k = rand(batch, max_k, heads, head_dim, dtype=dtype)
         v = rand(batch, max_k, heads, head_dim, dtype=dtype)

@@ -45,26 +45,41 @@
 namespace portattn {
 namespace cuda {
 
-template <int kHeadDim_>
+// Note [portattn sm80 narrow tiles]
+// kNarrow: 64-row query blocks (one m16 tile per warp) and 64-key blocks, for
+// many short sequences at head dims <= 64 (fwd_launch.cuh decides when).
+// Why: batch 512 x seqlen 50-300 is latency-bound, not throughput-bound: a
+// 128 x 128 tile of a 100-key sequence is mostly padding (one key block, the
+// same time at seqlen 50 as at 100: bench/results/latest/short_seq.md), and
+// the wide shape's S (64-128 fp32 a thread) holds an SM at two CTAs, eight
+// warps, to hide each tile's load -> S -> softmax -> P V -> store chain. The
+// narrow shape needs a quarter of the registers for S, so four CTAs fit an
+// SM, and a 50-row sequence computes a 64 x 64 tile instead of 128 x 128.
+// It gives up what the wide shape is for (one K/V fragment read feeding two
+// mma's): long sequences keep the wide shape.
+template <int kHeadDim_, bool kNarrow_ = false>
 struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kNarrow = kNarrow_;
+  static_assert(!kNarrow || kHeadDim <= 64, "the narrow shape is for head dims <= 64");
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
-  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;  // m16 tiles per warp
+  static constexpr int kMTiles = (kHeadDim <= 128 && !kNarrow) ? 2 : 1;  // m16 tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;
   // Head dim 64 at kBlockN = 64 measured within noise of 128 on the H100
   // (faster from 2k keys on, slower below; docs/cuda_fwd_notes.md).
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
+  static constexpr int kBlockN = (kHeadDim <= 64 && !kNarrow) ? 128 : 64;
   static constexpr int kThreads = kWarps * 32;
   // Two CTAs per SM hide each other's barriers; the 8-warp configs need all
-  // 255 registers per thread and fit one CTA only.
-  static constexpr int kMinBlocksPerSm = kWarps == 4 ? 2 : 1;
+  // 255 registers per thread and fit one CTA only; the narrow shape asks
+  // for four (128 registers a thread).
+  static constexpr int kMinBlocksPerSm = kNarrow ? 4 : (kWarps == 4 ? 2 : 1);
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
   static_assert(kBlockN / 4 <= 32, "dropout keep bits of one row fit one 32-bit word");
 };
 
-template <int kHeadDim, typename Elem>
-struct FwdKernelTraits : FwdTileConfig<kHeadDim> {
-  using Config = FwdTileConfig<kHeadDim>;
+template <int kHeadDim, typename Elem, bool kNarrow = false>
+struct FwdKernelTraits : FwdTileConfig<kHeadDim, kNarrow> {
+  using Config = FwdTileConfig<kHeadDim, kNarrow>;
   using QTile = ptx::SwizzledTile<Config::kBlockM, kHeadDim>;
   using KVTile = ptx::SwizzledTile<Config::kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = QTile::kBytes + 2 * KVTile::kBytes;
@@ -137,11 +152,11 @@ struct TileLoader {
   }
 };
 
-template <int kHeadDim, typename Elem, bool kExtras>
-__global__ void __launch_bounds__(FwdTileConfig<kHeadDim>::kThreads,
-                                  FwdTileConfig<kHeadDim>::kMinBlocksPerSm)
+template <int kHeadDim, typename Elem, bool kExtras, bool kNarrow = false>
+__global__ void __launch_bounds__(FwdTileConfig<kHeadDim, kNarrow>::kThreads,
+                                  FwdTileConfig<kHeadDim, kNarrow>::kMinBlocksPerSm)
     fwd_kernel(const PortattnFwdParams params) {
-  using Traits = FwdKernelTraits<kHeadDim, Elem>;
+  using Traits = FwdKernelTraits<kHeadDim, Elem, kNarrow>;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
   constexpr int kBlockM = Traits::kBlockM;

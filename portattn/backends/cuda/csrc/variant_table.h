@@ -128,12 +128,14 @@ int fail(char* message, int message_len, int code, const char* text);
 const char* last_error_detail();
 void set_error_detail(const char* text);
 
-template <int kHeadDim, typename Elem, bool kFlag>
+// kShape tells apart kernels of one (head dim, dtype, flag) with different
+// tiles (the sm80+ forward's narrow shape, Note [portattn sm80 narrow tiles]).
+template <int kHeadDim, typename Elem, bool kFlag, int kShape = 0>
 struct SmemOptIn {
   static SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, bool kFlag>
-SmemOptInState SmemOptIn<kHeadDim, Elem, kFlag>::state = {0ull};
+template <int kHeadDim, typename Elem, bool kFlag, int kShape>
+SmemOptInState SmemOptIn<kHeadDim, Elem, kFlag, kShape>::state = {0ull};
 
 // The decode kernels' own opt-in record (SmemOptIn's is keyed by the same
 // template arguments and belongs to the forward kernels).

@@ -1,0 +1,100 @@
+"""The sm80+ forward's two tile shapes side by side (Note [portattn sm80 narrow tiles]).
+
+Needs a build with -DPORTATTN_FWD_TUNING, whose forward reads PORTATTN_FWD_NARROW_MAX_SEQLEN on
+every call (0: the wide 128 x 128 tiles always; a large value: the narrow 64 x 64 tiles wherever
+the head dim is <= 64):
+  PORTATTN_CUDA_ARCHS=90 PORTATTN_NVCC_FLAGS=-DPORTATTN_FWD_TUNING python3 portattn/backends/cuda/build.py
+Times CudaBackend.forward alone (bench/peers.py `sm80_kernel`) with each shape, next to SDPA
+cuDNN and flash, over many short sequences (batch 512, 16 heads, bf16: bench_short.py's shape)
+and a few longer points, rounds interleaved so that clock drift hits both shapes alike. The
+crossover it shows is what fwd_launch.cuh's kNarrowMaxSeqlen is set from.
+  python bench/sm80_narrow_ab.py [--seqlens 50,...] [--head-dims 16,32,64] [--rounds 2] [--out DIR]
+Writes <out>/sm80_narrow_ab.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+import peers
+
+SHAPES = {"wide": "0", "narrow": "1000000"}
+BATCH, HEADS = 512, 16
+
+
+def _inputs(head_dim: int, seqlen: int):
+    shape = (BATCH, seqlen, HEADS, head_dim)
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+
+def _time(call, timer) -> float:
+    return timer.ms(call, 0.0, "")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", default="50,100,128,200,256,300,384,512")
+    parser.add_argument("--head-dims", default="16,32,64")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default=peers.LATEST)
+    args = parser.parse_args()
+    peers.require_device(False)
+    bind_ours, why = peers.load_impl("sm80_kernel")
+    if bind_ours is None:
+        raise SystemExit(f"sm80_kernel: {why}")
+    peer_impls = [impl for impl in peers.select("sdpa_cudnn,sdpa_flash")]
+    timer = peers.Timer()
+    points = [(hd, s, c) for hd in peers.parse_ints(args.head_dims) for s in peers.parse_ints(args.seqlens)
+              for c in (False, True)]
+    times = {}  # (point, column) -> [ms per round]
+    for round_index in range(args.rounds):
+        for point in points:
+            hd, seqlen, causal = point
+            q, k, v = _inputs(hd, seqlen)
+            call = bind_ours(q, k, v, causal)
+            for shape, limit in SHAPES.items():
+                os.environ["PORTATTN_FWD_NARROW_MAX_SEQLEN"] = limit
+                times.setdefault((point, shape), []).append(_time(call, timer))
+            os.environ.pop("PORTATTN_FWD_NARROW_MAX_SEQLEN", None)
+            if round_index == 0:
+                for impl in peer_impls:
+                    bind, _ = peers.load_impl(impl.name)
+                    if bind is None:
+                        continue
+                    with impl.context():
+                        peer_call = bind(q, k, v, causal)
+                        with torch.no_grad():
+                            times.setdefault((point, impl.name), []).append(_time(peer_call, timer))
+            del q, k, v
+    rows = []
+    for point in points:
+        hd, seqlen, causal = point
+        row = dict(head_dim=hd, seqlen=seqlen, causal=causal, batch=BATCH, heads=HEADS)
+        for column in ("wide", "narrow", "sdpa_cudnn", "sdpa_flash"):
+            if (point, column) in times:
+                row[column + "_ms"] = times[(point, column)]
+        row["narrow_over_wide"] = statistics.median(row["wide_ms"]) / statistics.median(row["narrow_ms"])
+        rows.append(row)
+    lines = ["| hd | seqlen | causal | wide us (rounds) | narrow us (rounds) | narrow speedup | cuDNN us | "
+             "narrow / cuDNN (time ratio) |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        fmt = lambda values: ", ".join(f"{1000 * value:.0f}" for value in values)  # noqa: E731
+        cudnn = row.get("sdpa_cudnn_ms")
+        vs = f"{cudnn[0] / statistics.median(row['narrow_ms']):.3f}" if cudnn else "n/a"
+        lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | {fmt(row['wide_ms'])} | "
+                     f"{fmt(row['narrow_ms'])} | {row['narrow_over_wide']:.3f} | "
+                     f"{fmt(cudnn) if cudnn else 'n/a'} | {vs} |")
+    result = dict(peers.header(False), title="sm80+ forward: wide and narrow tiles",
+                  note=f"CudaBackend.forward alone, batch {BATCH}, {HEADS} heads, bf16; median of "
+                       f"triton do_bench per round, {args.rounds} rounds interleaved. speedup = wide time / "
+                       "narrow time; narrow / cuDNN = cuDNN time / narrow time.", rows=rows)
+    path = peers.write_results(result, args.out, "sm80_narrow_ab", lines)
+    print("\n".join(lines))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
