@@ -1,13 +1,13 @@
 """The sm80+ forward's two tile shapes side by side (Note [portattn sm80 narrow tiles]).
 
-Needs a build with -DPORTATTN_FWD_TUNING, whose forward reads PORTATTN_FWD_NARROW_MAX_SEQLEN on
-every call (0: the wide 128 x 128 tiles always; a large value: the narrow 64 x 64 tiles wherever
-the head dim is <= 64):
+Needs a build with -DPORTATTN_FWD_TUNING, whose forward reads PORTATTN_FWD_SHAPE on every call
+(wide: the 128 x 128 tiles; narrow: the 64 x 64 tiles, at head dims <= 64; unset: the launch's
+own rule, reported as the "rule" column):
   PORTATTN_CUDA_ARCHS=90 PORTATTN_NVCC_FLAGS=-DPORTATTN_FWD_TUNING python3 portattn/backends/cuda/build.py
 Times CudaBackend.forward alone (bench/peers.py `sm80_kernel`) with each shape, next to SDPA
 cuDNN and flash, over many short sequences (batch 512, 16 heads, bf16: bench_short.py's shape)
 and a few longer points, rounds interleaved so that clock drift hits both shapes alike. The
-crossover it shows is what fwd_launch.cuh's kNarrowMaxSeqlen is set from.
+crossover it shows is what fwd_launch.cuh's rule (narrow_pays) is set from.
   python bench/sm80_narrow_ab.py [--seqlens 50,...] [--head-dims 16,32,64] [--rounds 2] [--out DIR]
 Writes <out>/sm80_narrow_ab.{json,md}.
 """
@@ -21,7 +21,7 @@ import torch
 
 import peers
 
-SHAPES = {"wide": "0", "narrow": "1000000"}
+SHAPES = {"wide": "wide", "narrow": "narrow", "rule": ""}
 BATCH, HEADS = 512, 16
 
 
@@ -56,9 +56,9 @@ def main():
             q, k, v = _inputs(hd, seqlen)
             call = bind_ours(q, k, v, causal)
             for shape, limit in SHAPES.items():
-                os.environ["PORTATTN_FWD_NARROW_MAX_SEQLEN"] = limit
+                os.environ["PORTATTN_FWD_SHAPE"] = limit
                 times.setdefault((point, shape), []).append(_time(call, timer))
-            os.environ.pop("PORTATTN_FWD_NARROW_MAX_SEQLEN", None)
+            os.environ.pop("PORTATTN_FWD_SHAPE", None)
             if round_index == 0:
                 for impl in peer_impls:
                     bind, _ = peers.load_impl(impl.name)
@@ -73,24 +73,27 @@ def main():
     for point in points:
         hd, seqlen, causal = point
         row = dict(head_dim=hd, seqlen=seqlen, causal=causal, batch=BATCH, heads=HEADS)
-        for column in ("wide", "narrow", "sdpa_cudnn", "sdpa_flash"):
+        for column in ("wide", "narrow", "rule", "sdpa_cudnn", "sdpa_flash"):
             if (point, column) in times:
                 row[column + "_ms"] = times[(point, column)]
         row["narrow_over_wide"] = statistics.median(row["wide_ms"]) / statistics.median(row["narrow_ms"])
+        row["rule_over_best"] = (min(statistics.median(row["wide_ms"]), statistics.median(row["narrow_ms"]))
+                                 / statistics.median(row["rule_ms"]))
         rows.append(row)
-    lines = ["| hd | seqlen | causal | wide us (rounds) | narrow us (rounds) | narrow speedup | cuDNN us | "
-             "narrow / cuDNN (time ratio) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| hd | seqlen | causal | wide us (rounds) | narrow us (rounds) | narrow speedup | rule us | "
+             "rule / best | cuDNN us | rule / cuDNN (time ratio) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         fmt = lambda values: ", ".join(f"{1000 * value:.0f}" for value in values)  # noqa: E731
         cudnn = row.get("sdpa_cudnn_ms")
-        vs = f"{cudnn[0] / statistics.median(row['narrow_ms']):.3f}" if cudnn else "n/a"
+        vs = f"{cudnn[0] / statistics.median(row['rule_ms']):.3f}" if cudnn else "n/a"
         lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | {fmt(row['wide_ms'])} | "
-                     f"{fmt(row['narrow_ms'])} | {row['narrow_over_wide']:.3f} | "
-                     f"{fmt(cudnn) if cudnn else 'n/a'} | {vs} |")
+                     f"{fmt(row['narrow_ms'])} | {row['narrow_over_wide']:.3f} | {fmt(row['rule_ms'])} | "
+                     f"{row['rule_over_best']:.3f} | {fmt(cudnn) if cudnn else 'n/a'} | {vs} |")
     result = dict(peers.header(False), title="sm80+ forward: wide and narrow tiles",
                   note=f"CudaBackend.forward alone, batch {BATCH}, {HEADS} heads, bf16; median of "
                        f"triton do_bench per round, {args.rounds} rounds interleaved. speedup = wide time / "
-                       "narrow time; narrow / cuDNN = cuDNN time / narrow time.", rows=rows)
+                       "narrow time; rule = the launch's own choice; rule / best = the faster shape's time / the "
+                       "rule's; rule / cuDNN = cuDNN time / the rule's time.", rows=rows)
     path = peers.write_results(result, args.out, "sm80_narrow_ab", lines)
     print("\n".join(lines))
     print("wrote", path)

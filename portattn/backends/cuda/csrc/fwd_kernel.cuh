@@ -10,6 +10,8 @@
 //     kBlockN = 128 for head dim <= 64, else 64 (S and O must fit in 255 regs;
 //     sm_90: 255 registers, no spills at 96/128, 60-68 B at 32/64).
 //   head dim > 128: 8 warps of 16 rows: O alone is head_dim / 2 fp32 registers.
+//   Short sequences at head dim <= 64: 64 x 64 tiles, four CTAs an SM (Note
+//   [portattn sm80 narrow tiles]; fwd_launch.cuh decides when).
 //   The online softmax rescales O lazily (Note [portattn lazy rescale] in
 //   online_softmax.h); with the FMNMX row max and the removed spill it gained
 //   2-5% on the H100 (docs/cuda_fwd_notes.md).
@@ -17,7 +19,8 @@
 //   XOR-swizzled (ptx.cuh: SwizzledTile): 64 KB at D=128, 128 KB at D=256.
 //
 // Pipeline per key block n (blocks run from the last to the first, so the
-// blocks that need masking come first and the steady state is branch-free):
+// blocks that need masking come first and the steady state is branch-free;
+// the narrow shape issues the first block's V with Q and K instead):
 //     wait K(n); sync; issue V(n)            (V(n) streams in during S = Q K(n)^T)
 //     S = Q K(n)^T
 //     wait V(n); sync; issue K(n-1)          (K(n-1) streams in during softmax + P V)
@@ -243,19 +246,32 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim, kNarrow>::kThreads,
     const uint32_t k_frag = sK + KVTile::lane(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const uint32_t v_frag = sV + KVTile::lane(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
+    // The narrow shape requests the first block's V with Q and K rather than after S:
+    // its tiles are 1-8 key blocks long, and the first P V would otherwise wait for a
+    // second global round trip. (The wide kernels keep the plain order: the early V's
+    // addresses push them from 0-60 to 4-120 bytes of spills, nvcc 13.0.)
     q_loader.load(sQ, gQ, params.q_strides.row_stride, seqlen_q - m0, headdim);
     {
       const int n0 = (n_block_end - 1) * kBlockN;
       kv_loader.load(sK, gK + n0 * k_row_stride, k_row_stride, seqlen_k - n0, headdim);
+      if constexpr (kNarrow) {
+        ptx::cp_async_commit();
+        kv_loader.load(sV, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, headdim);
+      }
+      ptx::cp_async_commit();
     }
-    ptx::cp_async_commit();
 
     for (int n_block = n_block_end - 1; n_block >= n_block_begin; --n_block) {
       const int n0 = n_block * kBlockN;
-      ptx::cp_async_wait<0>();
-      __syncthreads();  // K(n) visible to all warps; every warp is done reading V(n+1)
-      kv_loader.load(sV, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, headdim);
-      ptx::cp_async_commit();
+      if (kNarrow && n_block == n_block_end - 1) {
+        ptx::cp_async_wait<1>();
+        __syncthreads();  // Q and K(n) visible to all warps (V(n) may still be in flight)
+      } else {
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // K(n) visible to all warps; every warp is done reading V(n+1)
+        kv_loader.load(sV, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, headdim);
+        ptx::cp_async_commit();
+      }
 
       // ---- S = Q K^T ----------------------------------------------------------
       float s[kRows][kSCols];

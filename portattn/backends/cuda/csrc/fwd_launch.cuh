@@ -3,6 +3,7 @@
 // (variants.py), each of which instantiates run_fwd for one variant.
 #pragma once
 #include <cuda_runtime.h>
+#include <stdint.h>
 #ifdef PORTATTN_FWD_TUNING
 #include <stdlib.h>
 #endif
@@ -27,28 +28,43 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
   return cudaGetLastError();
 }
 
-// Note [portattn sm80 narrow tiles] (fwd_kernel.cuh): the narrow shape runs
-// when both sequence lengths (the longest of the batch for varlen) are at most
-// kNarrowMaxSeqlen. The value is the measured crossover on an H100
-// (docs/cuda_fwd_notes.md, "Narrow tiles"); tuning builds
-// (-DPORTATTN_FWD_TUNING) read PORTATTN_FWD_NARROW_MAX_SEQLEN on every call
-// instead, so one process can time both shapes.
-constexpr int kNarrowMaxSeqlen = 256;
+// Note [portattn sm80 narrow tiles] (fwd_kernel.cuh): when the narrow shape runs
+// (head dims <= 64; lengths are the longest of the batch for varlen). Measured on an
+// H100, wide against narrow, batch 512, 16 heads, hd 16/32/64 (bench/sm80_narrow_ab.py;
+// docs/cuda_fwd_notes.md, "Narrow tiles"):
+//  * masked calls (causal, windows) up to 512 keys: narrow 1.05-1.45x (finer blocks
+//    skip more of the masked triangle);
+//  * unmasked calls up to 128 keys: 1.05-2.4x (parallelism; at 50 rows a quarter of
+//    the padded area), except hd64 at 128 (0.98);
+//  * unmasked calls from 129 to 512: narrow wins where 64-row padding saves area (300:
+//    1.29-1.35x), loses where it does not (256, 384, 512: 0.91-0.98), is even at 200.
+// So: masked or <= 128, or an unmasked call whose 64-padded area is at most 7/8 of its
+// 128-padded one; never past kNarrowMaxSeqlen (not measured there). Tuning builds
+// (-DPORTATTN_FWD_TUNING) take PORTATTN_FWD_SHAPE=wide|narrow on every call instead,
+// so one process can time both shapes.
+constexpr int kNarrowMaxSeqlen = 512;
+constexpr int kNarrowAlwaysSeqlen = 128;
 
-inline int narrow_max_seqlen() {
+inline bool narrow_pays(const PortattnFwdParams& params) {
 #ifdef PORTATTN_FWD_TUNING
-  const char* text = getenv("PORTATTN_FWD_NARROW_MAX_SEQLEN");
-  if (text != nullptr && *text != '\0') return atoi(text);
+  const char* forced = getenv("PORTATTN_FWD_SHAPE");
+  if (forced != nullptr && forced[0] == 'w') return false;
+  if (forced != nullptr && forced[0] == 'n') return true;
 #endif
-  return kNarrowMaxSeqlen;
+  const int longest = params.seqlen_q > params.seqlen_k ? params.seqlen_q : params.seqlen_k;
+  if (longest > kNarrowMaxSeqlen) return false;
+  const bool masked = params.window_left >= 0 || params.window_right >= 0;
+  if (masked || longest <= kNarrowAlwaysSeqlen) return true;
+  auto padded = [](int length, int block) { return int64_t{(length + block - 1) / block} * block; };
+  const int64_t wide_area = padded(params.seqlen_q, 128) * padded(params.seqlen_k, 128);
+  const int64_t narrow_area = padded(params.seqlen_q, 64) * padded(params.seqlen_k, 64);
+  return 8 * narrow_area <= 7 * wide_area;
 }
 
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_fwd_shape(const PortattnFwdParams& params) {
   if constexpr (kHeadDim <= 64) {
-    const int limit = narrow_max_seqlen();
-    if (params.seqlen_q <= limit && params.seqlen_k <= limit)
-      return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
+    if (narrow_pays(params)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
   }
   return launch_fwd<kHeadDim, Elem, kExtras, false>(params);
 }
