@@ -242,6 +242,39 @@ def test_hopper_forward_tile_edges(head_dim, seqlens, mask):
 
 
 @pytest.mark.skipif(not TUNING, reason="not a tuning build (-DPORTATTN_HOPPER_TUNING)")
+# Note [portattn hopper short calls on narrow tiles] (hopper_fwd_entry.cu): dense hd64 calls of at
+# most 512 rows and keys whose 64-padded area is at most 3/4 of the 128-padded one run the sm80+
+# kernel's narrow tiles. Routed: the output is bit for bit the sm80+ entry's; not routed (equal
+# padding, past 512, a window, softcap): the Hopper kernel's. Both against the oracle.
+SHORT_ROUTED = [((1, 1), "none"), ((50, 50), "causal"), ((64, 64), "none"), ((17, 113), "causal"),
+                ((130, 190), "none"), ((300, 300), "causal"), ((320, 257), "none")]
+SHORT_NOT_ROUTED = [((100, 100), "none"), ((321, 321), "causal"), ((600, 50), "none"),
+                    ((50, 50), "window"), ((50, 50), "softcap")]
+
+
+@pytest.mark.parametrize("case", SHORT_ROUTED + SHORT_NOT_ROUTED,
+                         ids=lambda c: f"{c[0][0]}x{c[0][1]}-{c[1]}")
+def test_hopper_forward_short_calls_on_narrow_tiles(case):
+    (seqlen_q, seqlen_k), mask = case
+    q = rand(3, seqlen_q, 4, 64, dtype=torch.bfloat16)
+    k = rand(3, seqlen_k, 2, 64, dtype=torch.bfloat16)
+    v = rand(3, seqlen_k, 2, 64, dtype=torch.bfloat16)
+    options = dict(causal=mask == "causal", window=(20, 5) if mask == "window" else (-1, -1),
+                   softcap=30.0 if mask == "softcap" else 0.0)
+    out, lse = hopper_forward(q, k, v, **options)
+    _check(out, lse, q, k, v, **options)
+    o = _options(1.0 / math.sqrt(64), **options)
+    sm80_out, sm80_lse = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+    _C.fwd(*fwd_args(q, k, v, sm80_out, sm80_lse, None, None, 0, 0, o["softmax_scale"], o["window_left"],
+                     o["window_right"], o["softcap"], o["alibi_slopes"], o["dropout_p"], o["rng_seed"],
+                     o["rng_offset"]))
+    torch.cuda.synchronize()
+    if case in SHORT_ROUTED:
+        assert torch.equal(out, sm80_out) and torch.equal(lse, sm80_lse), "routed to the narrow tiles"
+    else:
+        assert not torch.equal(out, sm80_out), "the Hopper kernel ran (its rounding differs from the sm80+ one's)"
+
+
 @pytest.mark.parametrize("value, detail", [("+12345", "names no schedule"), ("12345", "names no schedule"),
                                            ("5", "no-mask and causal calls without softcap only")])
 def test_tuning_build_refuses_what_it_did_not_build(monkeypatch, value, detail):

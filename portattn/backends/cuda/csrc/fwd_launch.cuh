@@ -30,20 +30,20 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
 
 // Note [portattn sm80 narrow tiles] (fwd_kernel.cuh): when the narrow shape runs
 // (head dims <= 64; lengths are the longest of the batch for varlen). Measured on an
-// H100, wide against narrow, batch 512, 16 heads, hd 16/32/64 (bench/sm80_narrow_ab.py;
-// docs/cuda_fwd_notes.md, "Narrow tiles"):
-//  * masked calls (causal, windows) up to 512 keys: narrow 1.05-1.45x (finer blocks
-//    skip more of the masked triangle);
-//  * unmasked calls up to 128 keys: 1.05-2.4x (parallelism; at 50 rows a quarter of
-//    the padded area), except hd64 at 128 (0.98);
-//  * unmasked calls from 129 to 512: narrow wins where 64-row padding saves area (300:
-//    1.29-1.35x), loses where it does not (256, 384, 512: 0.91-0.98), is even at 200.
-// So: masked or <= 128, or an unmasked call whose 64-padded area is at most 7/8 of its
+// H100, wide against narrow (with its early V), batch 512, 16 heads, hd 16/32/64, two
+// rounds (bench/sm80_narrow_ab.py, runs/2026-11-26-ea1a3ea/narrow_ab):
+//  * masked calls (causal, windows) up to 512 keys: narrow 1.03-2.8x (finer blocks
+//    skip more of the masked triangle, and more CTAs hide each tile's latency);
+//  * unmasked calls up to 256 keys: 1.01-2.8x (at 50 rows a quarter of the padded
+//    area; at 100-256 rows parallelism);
+//  * unmasked calls from 257 to 512: narrow wins where 64-row padding saves area (300:
+//    1.32-1.38x) and loses where it does not (384, 512: 0.93-0.97).
+// So: masked or <= 256, or an unmasked call whose 64-padded area is at most 7/8 of its
 // 128-padded one; never past kNarrowMaxSeqlen (not measured there). Tuning builds
 // (-DPORTATTN_FWD_TUNING) take PORTATTN_FWD_SHAPE=wide|narrow on every call instead,
 // so one process can time both shapes.
 constexpr int kNarrowMaxSeqlen = 512;
-constexpr int kNarrowAlwaysSeqlen = 128;
+constexpr int kNarrowAlwaysSeqlen = 256;
 
 inline bool narrow_pays(const PortattnFwdParams& params) {
 #ifdef PORTATTN_FWD_TUNING
