@@ -241,7 +241,6 @@ def test_hopper_forward_tile_edges(head_dim, seqlens, mask):
     _check(out, lse, q, k, v, causal, window, softcap)
 
 
-@pytest.mark.skipif(not TUNING, reason="not a tuning build (-DPORTATTN_HOPPER_TUNING)")
 # Note [portattn hopper short calls on narrow tiles] (hopper_fwd_entry.cu): dense hd64 calls of at
 # most 512 rows and keys whose 64-padded area is at most 3/4 of the 128-padded one run the sm80+
 # kernel's narrow tiles. Routed: the output is bit for bit the sm80+ entry's; not routed (equal
@@ -275,6 +274,7 @@ def test_hopper_forward_short_calls_on_narrow_tiles(case):
         assert not torch.equal(out, sm80_out), "the Hopper kernel ran (its rounding differs from the sm80+ one's)"
 
 
+@pytest.mark.skipif(not TUNING, reason="not a tuning build (-DPORTATTN_HOPPER_TUNING)")
 @pytest.mark.parametrize("value, detail", [("+12345", "names no schedule"), ("12345", "names no schedule"),
                                            ("5", "no-mask and causal calls without softcap only")])
 def test_tuning_build_refuses_what_it_did_not_build(monkeypatch, value, detail):
