@@ -243,12 +243,22 @@ def test_hopper_forward_tile_edges(head_dim, seqlens, mask):
 
 # Note [portattn hopper short calls on narrow tiles] (hopper_fwd_entry.cu): dense hd64 calls of at
 # most 512 rows and keys whose 64-padded area is at most 3/4 of the 128-padded one run the sm80+
-# kernel's narrow tiles. Routed: the output is bit for bit the sm80+ entry's; not routed (equal
-# padding, past 512, a window, softcap): the Hopper kernel's. Both against the oracle.
+# kernel's narrow tiles. Which kernel ran is read from the profiler's kernel names; routed calls
+# are also bit for bit the sm80+ entry's output (the same kernel). Both against the oracle.
 SHORT_ROUTED = [((1, 1), "none"), ((50, 50), "causal"), ((64, 64), "none"), ((17, 113), "causal"),
                 ((130, 190), "none"), ((300, 300), "causal"), ((320, 257), "none")]
 SHORT_NOT_ROUTED = [((100, 100), "none"), ((321, 321), "causal"), ((600, 50), "none"),
                     ((50, 50), "window"), ((50, 50), "softcap")]
+
+
+def _kernels_of(call) -> list:
+    """Names of the CUDA kernels `call` launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @pytest.mark.parametrize("case", SHORT_ROUTED + SHORT_NOT_ROUTED,
@@ -260,18 +270,21 @@ def test_hopper_forward_short_calls_on_narrow_tiles(case):
     v = rand(3, seqlen_k, 2, 64, dtype=torch.bfloat16)
     options = dict(causal=mask == "causal", window=(20, 5) if mask == "window" else (-1, -1),
                    softcap=30.0 if mask == "softcap" else 0.0)
-    out, lse = hopper_forward(q, k, v, **options)
+    results = []
+    kernels = _kernels_of(lambda: results.append(hopper_forward(q, k, v, **options)))
+    out, lse = results[0]
     _check(out, lse, q, k, v, **options)
-    o = _options(1.0 / math.sqrt(64), **options)
-    sm80_out, sm80_lse = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
-    _C.fwd(*fwd_args(q, k, v, sm80_out, sm80_lse, None, None, 0, 0, o["softmax_scale"], o["window_left"],
-                     o["window_right"], o["softcap"], o["alibi_slopes"], o["dropout_p"], o["rng_seed"],
-                     o["rng_offset"]))
-    torch.cuda.synchronize()
-    if case in SHORT_ROUTED:
-        assert torch.equal(out, sm80_out) and torch.equal(lse, sm80_lse), "routed to the narrow tiles"
-    else:
-        assert not torch.equal(out, sm80_out), "the Hopper kernel ran (its rounding differs from the sm80+ one's)"
+    routed = case in SHORT_ROUTED
+    wanted = "portattn::cuda::fwd_kernel<64" if routed else "portattn::hopper::hopper_fwd_kernel<64"
+    assert any(wanted in name for name in kernels), f"expected {wanted}; launched {kernels}"
+    if routed:
+        o = _options(1.0 / math.sqrt(64), **options)
+        sm80_out, sm80_lse = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+        _C.fwd(*fwd_args(q, k, v, sm80_out, sm80_lse, None, None, 0, 0, o["softmax_scale"], o["window_left"],
+                         o["window_right"], o["softcap"], o["alibi_slopes"], o["dropout_p"], o["rng_seed"],
+                         o["rng_offset"]))
+        torch.cuda.synchronize()
+        assert torch.equal(out, sm80_out) and torch.equal(lse, sm80_lse)
 
 
 @pytest.mark.skipif(not TUNING, reason="not a tuning build (-DPORTATTN_HOPPER_TUNING)")
