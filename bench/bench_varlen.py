@@ -34,23 +34,30 @@ SCENARIOS = {
     "equal 4x4k": [4096] * 4,
 }
 MIXED = "mixed 64-4096"
+# Many short documents (BERT-style fine-tuning, padding-free): 64k tokens in documents of 32-300,
+# where the hd64 forward's tile choice matters (Note [portattn hopper short calls on narrow tiles]).
+SHORT = "short 32-300"
+SHORT_TOKENS = 65536
 
 
-def mixed_lengths(total: int = TOKENS, seed: int = 0) -> list:
-    """Document lengths between 64 and 4096 (log-uniform draw, fixed seed) summing to `total`."""
+def mixed_lengths(total: int = TOKENS, seed: int = 0, shortest: int = 64, longest: int = 4096) -> list:
+    """Document lengths between `shortest` and `longest` (log-uniform draw, fixed seed) summing to `total`."""
     rng = random.Random(seed)
     lengths, left = [], total
     while left > 0:
-        length = min(left, int(round(math.exp(rng.uniform(math.log(64), math.log(4096))))))
-        if 0 < left - length < 64:  # no document shorter than 64 at the end either
-            length = left if left <= 4096 else left - 64
+        length = min(left, int(round(math.exp(rng.uniform(math.log(shortest), math.log(longest))))))
+        if 0 < left - length < shortest:  # no document shorter than `shortest` at the end either
+            length = left if left <= longest else left - shortest
         lengths.append(length)
         left -= length
     return lengths
 
 
-def scenarios(dry_run: bool) -> dict:
-    chosen = dict(SCENARIOS, **{MIXED: mixed_lengths()})
+def scenarios(dry_run: bool, only: str = "") -> dict:
+    chosen = dict(SCENARIOS, **{MIXED: mixed_lengths(),
+                                SHORT: mixed_lengths(SHORT_TOKENS, seed=1, shortest=32, longest=300)})
+    if only:
+        chosen = {name: lengths for name, lengths in chosen.items() if any(part in name for part in only.split(","))}
     if dry_run:  # CPU proxy: the reference backend is O(L^2) in time
         chosen = {name: [min(length, 48) for length in lengths[:3]] for name, lengths in chosen.items()}
     return chosen
@@ -167,14 +174,14 @@ def _load(name):
     return _LOADED[name]
 
 
-def run(head_dims, impls, timer, dry_run, budget_s=math.inf, modes=tuple(peers.MODES)):
+def run(head_dims, impls, timer, dry_run, budget_s=math.inf, modes=tuple(peers.MODES), only=""):
     """Past `budget_s` the remaining cells are n/a (a device call has a hard limit)."""
     start = time.monotonic()
     rows = []
     device = "cpu" if dry_run else "cuda"
     for head_dim in head_dims:
         heads = 2 if dry_run else peers.HIDDEN // head_dim
-        for name, lengths in scenarios(dry_run).items():
+        for name, lengths in scenarios(dry_run, only).items():
             total = sum(lengths)
             cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
             q, k, v = (torch.randn(total, heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -280,6 +287,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--modes", default=",".join(peers.MODES), help="fwd, fwd_bwd or both")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="cells after this many seconds are n/a")
+    parser.add_argument("--scenarios", default="", help="only the scenarios whose names contain one of these "
+                                                         "comma-separated parts (e.g. short)")
+    parser.add_argument("--name", default="varlen", help="result file name (without extension)")
     args = parser.parse_args(argv)
     peers.require_device(args.dry_run)
     names = [n.strip() for n in (",".join(DRY_IMPLS) if args.dry_run else args.impls).split(",") if n.strip()]
@@ -289,11 +299,12 @@ def main(argv=None) -> None:
     impls = [IMPLS[n] for n in names]
     timer = peers.Timer(dry_run=args.dry_run)
     modes = [m.strip() for m in args.modes.split(",") if m.strip() in peers.MODES]
-    rows = run(peers.parse_ints(args.head_dims), impls, timer, args.dry_run, args.budget_s, modes)
-    result = dict(peers.header(args.dry_run), title="Packed sequences (varlen), 16k tokens, hidden 2048, bf16",
-                  impls=names, rows=rows, lengths={k: v for k, v in scenarios(args.dry_run).items()},
-                  note=f"Mixed lengths (seed 0): {mixed_lengths()}.")
-    path = peers.write_results(result, args.out, "varlen", extra_markdown=markdown(rows, impls), plot=plot)
+    rows = run(peers.parse_ints(args.head_dims), impls, timer, args.dry_run, args.budget_s, modes, args.scenarios)
+    result = dict(peers.header(args.dry_run), title="Packed sequences (varlen), 16k tokens (short: 64k), hidden 2048, bf16",
+                  impls=names, rows=rows, lengths={k: v for k, v in scenarios(args.dry_run, args.scenarios).items()},
+                  note=f"Mixed lengths (seed 0): {mixed_lengths()}. Short documents: {SHORT_TOKENS} tokens in "
+                       f"{len(scenarios(False)[SHORT])} documents of 32-300 (seed 1).")
+    path = peers.write_results(result, args.out, args.name, extra_markdown=markdown(rows, impls), plot=plot)
     print("\n".join(markdown(rows, impls)))
     print(f"wrote {path}")
 

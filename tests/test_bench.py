@@ -83,7 +83,8 @@ def test_varlen_dry_run_writes_every_scenario(tmp_path):
     with open(tmp_path / "varlen.json") as handle:
         result = json.load(handle)
     assert [(r["scenario"], r["causal"]) for r in result["rows"]] == [
-        (name, causal) for name in ("equal 16x1k", "equal 4x4k", "mixed 64-4096") for causal in (False, True)]
+        (name, causal) for name in ("equal 16x1k", "equal 4x4k", "mixed 64-4096", "short 32-300")
+        for causal in (False, True)]
     assert all(r["tflops"][mode]["portattn"] > 0 for r in result["rows"] for mode in ("fwd", "fwd_bwd"))
     sys.path.insert(0, BENCH)
     import bench_varlen
@@ -91,6 +92,9 @@ def test_varlen_dry_run_writes_every_scenario(tmp_path):
     lengths = bench_varlen.mixed_lengths()
     assert sum(lengths) == bench_varlen.TOKENS and min(lengths) >= 64 and max(lengths) <= 4096
     assert len(set(lengths)) > 3, "the mixed scenario should mix lengths"
+    short = bench_varlen.scenarios(False)[bench_varlen.SHORT]
+    assert sum(short) == bench_varlen.SHORT_TOKENS and min(short) >= 32 and max(short) <= 300
+    assert list(bench_varlen.scenarios(False, "short")) == [bench_varlen.SHORT]
 
 
 def test_sass_opcode_counts_skip_predicates_and_split_kernels():
