@@ -287,6 +287,34 @@ def test_hopper_forward_short_calls_on_narrow_tiles(case):
         assert torch.equal(out, sm80_out) and torch.equal(lse, sm80_lse)
 
 
+@pytest.mark.parametrize("longest", [295, 250], ids=["routed", "not_routed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_short_varlen_calls_on_narrow_tiles(causal, longest):
+    # Varlen calls are judged by their longest sequences: 295 pads to 320 (narrow) against 384, 250 alike.
+    lens = [1, 50, longest, 130, 64, 0, 33]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (rand(sum(lens), 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((4, sum(lens)), float("nan"), device="cuda")
+    o = _options(1.0 / math.sqrt(64), causal)
+
+    def call():
+        _C.hopper_fwd(*fwd_args(q, k, v, out, lse, cu, cu, longest, longest, o["softmax_scale"], o["window_left"],
+                                o["window_right"], o["softcap"], o["alibi_slopes"], o["dropout_p"], o["rng_seed"],
+                                o["rng_offset"]))
+    kernels = _kernels_of(call)
+    wanted = "portattn::cuda::fwd_kernel<64" if longest == 295 else "portattn::hopper::hopper_fwd_kernel<64"
+    assert any(wanted in name for name in kernels), f"expected {wanted}; launched {kernels}"
+    mask = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **mask)
+    low, _ = naive_attention(q, k, v, compute_dtype=torch.bfloat16, **mask)
+    assert_output(out, ref, low)
+    # As test_hopper_forward_varlen: every row written, -inf exactly where no key is visible.
+    empty = torch.isinf(ref_lse)
+    assert not lse.isnan().any() and torch.equal(torch.isinf(lse), empty)
+    assert (lse.double() - ref_lse)[~empty].abs().max().item() <= 1e-3
+
+
 @pytest.mark.skipif(not TUNING, reason="not a tuning build (-DPORTATTN_HOPPER_TUNING)")
 @pytest.mark.parametrize("value, detail", [("+12345", "names no schedule"), ("12345", "names no schedule"),
                                            ("5", "no-mask and causal calls without softcap only")])

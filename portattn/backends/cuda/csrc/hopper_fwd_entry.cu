@@ -22,21 +22,26 @@ extern "C" int portattn_cuda_fwd(const PortattnFwdParams* params, char* message,
 namespace {
 
 // Note [portattn hopper short calls on narrow tiles]
-// A dense head-dim-64 call of at most 512 rows and keys runs the sm80+ kernel's narrow
-// 64 x 64 tiles (Note [portattn sm80 narrow tiles]) instead of the Hopper kernel when
-// 64-row padding leaves at most 3/4 of the area that 128-row padding does. Why: the
-// Hopper tile is 128 x 128, so a 50-row sequence computes 6.5x its area and a 300-row
-// one 1.6x; per padded area the Hopper kernel is ~1.33x faster (bench_short.py on an
-// H100 at 100 and 200 rows, where both pad alike: 128 against 97, 181 against 134
-// TFLOP/s), so the narrow tiles win where they pad 3/4 or less: measured at 50 rows
-// 1.8x (no mask) and 2.0x (causal), at 300 rows 1.0x and 1.18x
-// (runs/2026-11-26-ea1a3ea/short). With equal lengths that is 1-64, 129-192 and
-// 257-320 rows. Only what was measured is routed: no varlen, no softcap, no window
-// other than causal. The backward is unaffected (either forward pairs with either
-// backward: both write the same O and LSE).
+// A head-dim-64 call of at most 512 rows and keys runs the sm80+ kernel's narrow 64 x 64
+// tiles (Note [portattn sm80 narrow tiles]) instead of the Hopper kernel when 64-row
+// padding leaves at most 3/4 of the area that 128-row padding does. Why: the Hopper tile
+// is 128 x 128, so a 50-row sequence computes 6.5x its area and a 300-row one 1.6x; per
+// padded area the Hopper kernel is ~1.33x faster (bench_short.py on an H100 at 100 and
+// 200 rows, where both pad alike: 128 against 97, 181 against 134 TFLOP/s), so the narrow
+// tiles win where they pad 3/4 or less: measured at 50 rows 1.8x (no mask) and 2.0x
+// (causal), at 300 rows 1.0x and 1.18x (runs/2026-11-26-ea1a3ea/short). With equal
+// lengths the rule picks 1-64, 129-192 and 257-320 rows; the 129-192 band (9/16 of the
+// area) is a prediction, measured against cuDNN only: 1.15x and 1.30x at 150 rows
+// (runs/2026-11-26-65fc311).
+// Varlen calls are judged by their longest sequences (the only lengths the host knows
+// without reading cu_seqlens): 64k tokens in documents of 32-300 ran 1.32x (no mask) and
+// 1.5x (causal) faster on the narrow tiles (runs/2026-11-26-8afa150). A packed batch
+// whose longest document is 193-256 rows stays on the Hopper kernel, which is right for
+// equal lengths and not measured for mixed ones.
+// Windows other than causal and softcap stay on the Hopper kernel (not measured). The
+// backward is unaffected: either forward pairs with either backward (the same O and LSE).
 bool short_call_prefers_narrow(const PortattnFwdParams& p) {
-  if (p.headdim > 64 || p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr) return false;
-  if (p.softcap > 0.f || p.window_left >= 0 || p.window_right > 0) return false;
+  if (p.headdim > 64 || p.softcap > 0.f || p.window_left >= 0 || p.window_right > 0) return false;
   if (p.seqlen_q > 512 || p.seqlen_k > 512) return false;
   auto padded = [](int length, int block) { return int64_t{(length + block - 1) / block} * block; };
   const int64_t narrow_area = padded(p.seqlen_q, 64) * padded(p.seqlen_k, 64);
