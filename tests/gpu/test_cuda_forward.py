@@ -92,10 +92,12 @@ def test_forward_features(dtype, head_dim, feature, seqlens, gqa):
     _check(out, lse, q, k, v, alibi_slopes=alibi, **options)
 
 
-# Note [portattn sm80 narrow tiles]: head dims <= 64 with both lengths <= 256 run 64 x 64
-# tiles at four CTAs an SM (fwd_launch.cuh); these points sit on both sides of that limit, of
-# the 64-row and 64-key block edges, and take every score path (mask, extras, dropout) there.
-NARROW_SEQLENS = [(50, 50), (64, 64), (65, 200), (200, 37), (256, 256), (256, 257), (257, 256)]
+# Note [portattn sm80 narrow tiles]: head dims <= 64 run 64 x 64 tiles for short calls
+# (fwd_launch.cuh: narrow_pays; at hd <= 32 every call up to 512 and masked ones up to 1024);
+# these points sit on both sides of those limits, of the 64-row and 64-key block edges, and
+# take every score path (mask, extras) there.
+NARROW_SEQLENS = [(50, 50), (64, 64), (65, 200), (200, 37), (256, 256), (256, 257), (257, 256), (300, 300),
+                  (700, 700), (1000, 1024)]
 NARROW_OPTIONS = {
     "plain": dict(),
     "causal": dict(window=(-1, 0)),

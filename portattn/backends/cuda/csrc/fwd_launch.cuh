@@ -39,12 +39,18 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
 //  * unmasked calls from 257 to 512: narrow wins where 64-row padding saves area (300:
 //    1.32-1.38x) and loses where it does not (384, 512: 0.93-0.97).
 // So: masked or <= 256, or an unmasked call whose 64-padded area is at most 7/8 of its
-// 128-padded one; never past kNarrowMaxSeqlen (not measured there). Tuning builds
-// (-DPORTATTN_FWD_TUNING) take PORTATTN_FWD_SHAPE=wide|narrow on every call instead,
-// so one process can time both shapes.
+// 128-padded one; never past kNarrowMaxSeqlen (not measured there). At head dim 32 the
+// narrow kernel runs five CTAs an SM (fwd_kernel.cuh) and wins further
+// (runs/2026-11-26-49058fb): every point up to 512 (1.05-3.1x, unmasked 384-512 included)
+// and masked calls up to 1024 (768: 1.04-1.17x, 1024: 1.03-1.12x; unmasked 1024 0.98-1.00x,
+// 2048 0.88-0.97x), so there it runs up to 512, and masked up to kNarrowMaskedMaxSeqlenHd32.
+// Tuning builds (-DPORTATTN_FWD_TUNING) take PORTATTN_FWD_SHAPE=wide|narrow on every call
+// instead, so one process can time both shapes.
 constexpr int kNarrowMaxSeqlen = 512;
 constexpr int kNarrowAlwaysSeqlen = 256;
+constexpr int kNarrowMaskedMaxSeqlenHd32 = 1024;
 
+template <int kHeadDim>
 inline bool narrow_pays(const PortattnFwdParams& params) {
 #ifdef PORTATTN_FWD_TUNING
   const char* forced = getenv("PORTATTN_FWD_SHAPE");
@@ -52,8 +58,11 @@ inline bool narrow_pays(const PortattnFwdParams& params) {
   if (forced != nullptr && forced[0] == 'n') return true;
 #endif
   const int longest = params.seqlen_q > params.seqlen_k ? params.seqlen_q : params.seqlen_k;
-  if (longest > kNarrowMaxSeqlen) return false;
   const bool masked = params.window_left >= 0 || params.window_right >= 0;
+  if constexpr (kHeadDim <= 32) {
+    return longest <= kNarrowMaxSeqlen || (masked && longest <= kNarrowMaskedMaxSeqlenHd32);
+  }
+  if (longest > kNarrowMaxSeqlen) return false;
   if (masked || longest <= kNarrowAlwaysSeqlen) return true;
   auto padded = [](int length, int block) { return int64_t{(length + block - 1) / block} * block; };
   const int64_t wide_area = padded(params.seqlen_q, 128) * padded(params.seqlen_k, 128);
@@ -64,7 +73,7 @@ inline bool narrow_pays(const PortattnFwdParams& params) {
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_fwd_shape(const PortattnFwdParams& params) {
   if constexpr (kHeadDim <= 64) {
-    if (narrow_pays(params)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
+    if (narrow_pays<kHeadDim>(params)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
   }
   return launch_fwd<kHeadDim, Elem, kExtras, false>(params);
 }
