@@ -53,11 +53,12 @@ namespace cuda {
 // many short sequences at head dims <= 64 (fwd_launch.cuh decides when).
 // Why: batch 512 x seqlen 50-300 is latency-bound, not throughput-bound: a
 // 128 x 128 tile of a 100-key sequence is mostly padding (one key block, the
-// same time at seqlen 50 as at 100: bench/results/latest/short_seq.md), and
+// same time at seqlen 50 as at 100 in session 10's short_seq.md), and
 // the wide shape's S (64-128 fp32 a thread) holds an SM at two CTAs, eight
 // warps, to hide each tile's load -> S -> softmax -> P V -> store chain. The
 // narrow shape needs a quarter of the registers for S, so four CTAs fit an
-// SM, and a 50-row sequence computes a 64 x 64 tile instead of 128 x 128.
+// SM (five at head dim 32), and a 50-row sequence computes a 64 x 64 tile
+// instead of 128 x 128. Measurements: docs/cuda_fwd_notes.md, "Narrow tiles".
 // It gives up what the wide shape is for (one K/V fragment read feeding two
 // mma's): long sequences keep the wide shape.
 template <int kHeadDim_, bool kNarrow_ = false>

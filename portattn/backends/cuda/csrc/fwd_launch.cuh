@@ -42,7 +42,7 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
 // 128-padded one; never past kNarrowMaxSeqlen (not measured there). At head dim 32 the
 // narrow kernel runs five CTAs an SM (fwd_kernel.cuh) and wins further
 // (runs/2026-11-26-49058fb): every point up to 512 (1.05-3.1x, unmasked 384-512 included)
-// and masked calls up to 1024 (768: 1.04-1.17x, 1024: 1.03-1.12x; unmasked 1024 0.98-1.00x,
+// and masked calls up to 1024 (768: 1.04-1.17x, 1024: 1.03-1.12x; unmasked 1024 0.97-1.00x,
 // 2048 0.88-0.97x), so there it runs up to 512, and masked up to kNarrowMaskedMaxSeqlenHd32.
 // Tuning builds (-DPORTATTN_FWD_TUNING) take PORTATTN_FWD_SHAPE=wide|narrow on every call
 // instead, so one process can time both shapes.
