@@ -92,8 +92,9 @@ def test_forward_features(dtype, head_dim, feature, seqlens, gqa):
     _check(out, lse, q, k, v, alibi_slopes=alibi, **options)
 
 
-# Note [portattn sm80 narrow tiles]: head dims <= 64 run 64 x 64 tiles for short calls
-# (fwd_launch.cuh: narrow_pays; at hd <= 32 every call up to 512 and masked ones up to 1024);
+# Note [portattn sm80 narrow tiles]: head dims <= 128 run 64 x 64 tiles for short calls
+# (fwd_launch.cuh: narrow_pays; at hd <= 32 every call up to 512 and masked ones up to 1024,
+# at 96-128 up to 320);
 # these points sit on both sides of those limits, of the 64-row and 64-key block edges, and
 # take every score path (mask, extras) there.
 NARROW_SEQLENS = [(50, 50), (64, 64), (65, 200), (200, 37), (256, 256), (256, 257), (257, 256), (300, 300),
@@ -109,7 +110,7 @@ NARROW_OPTIONS = {
 @pytest.mark.parametrize("gqa", [1, 3], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("option", list(NARROW_OPTIONS))
 @pytest.mark.parametrize("seqlens", NARROW_SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("head_dim", [16, 32, 48, 64])
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 80, 128])
 def test_forward_narrow_tiles(head_dim, seqlens, option, gqa):
     dtype, batch, heads = torch.bfloat16, 3, 6
     options = dict(NARROW_OPTIONS[option])
@@ -122,7 +123,7 @@ def test_forward_narrow_tiles(head_dim, seqlens, option, gqa):
     _check(out, lse, q, k, v, alibi_slopes=alibi, **options)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_forward_narrow_tiles_varlen(head_dim):
     lens_q, lens_k = [1, 50, 256, 0, 129, 64], [7, 50, 256, 3, 200, 1]
     cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)

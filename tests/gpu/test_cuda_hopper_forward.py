@@ -287,23 +287,47 @@ def test_hopper_forward_short_calls_on_narrow_tiles(case):
         assert torch.equal(out, sm80_out) and torch.equal(lse, sm80_lse)
 
 
+# At head dims 96-128 only dense calls of at most 64 rows and keys are handed to the narrow tiles.
+@pytest.mark.parametrize("case", [((50, 50), "none", True), ((64, 33), "causal", True), ((100, 100), "none", False),
+                                  ((130, 190), "none", False), ((50, 50), "window", False)],
+                         ids=lambda c: f"{c[0][0]}x{c[0][1]}-{c[1]}")
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_hopper_forward_short_calls_on_narrow_tiles_wide_heads(head_dim, case):
+    (seqlen_q, seqlen_k), mask, routed = case
+    q = rand(3, seqlen_q, 4, head_dim, dtype=torch.bfloat16)
+    k = rand(3, seqlen_k, 2, head_dim, dtype=torch.bfloat16)
+    v = rand(3, seqlen_k, 2, head_dim, dtype=torch.bfloat16)
+    options = dict(causal=mask == "causal", window=(20, 5) if mask == "window" else (-1, -1))
+    results = []
+    kernels = _kernels_of(lambda: results.append(hopper_forward(q, k, v, **options)))
+    out, lse = results[0]
+    _check(out, lse, q, k, v, **options)
+    kernel = variants.HOPPER_FWD_PADDED.get(head_dim, head_dim)
+    wanted = f"portattn::cuda::fwd_kernel<{head_dim}" if routed else f"portattn::hopper::hopper_fwd_kernel<{kernel}"
+    assert any(wanted in name for name in kernels), f"expected {wanted}; launched {kernels}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("longest", [295, 250], ids=["routed", "not_routed"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_forward_short_varlen_calls_on_narrow_tiles(causal, longest):
+def test_hopper_forward_short_varlen_calls_on_narrow_tiles(causal, longest, head_dim):
     # Varlen calls are judged by their longest sequences: 295 pads to 320 (narrow) against 384, 250 alike.
+    # At head dim 128 varlen calls stay on the Hopper kernel.
     lens = [1, 50, longest, 130, 64, 0, 33]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
-    q, k, v = (rand(sum(lens), 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (rand(sum(lens), 4, head_dim, dtype=torch.bfloat16) for _ in range(3))
     out = torch.full_like(q, float("nan"))
     lse = torch.full((4, sum(lens)), float("nan"), device="cuda")
-    o = _options(1.0 / math.sqrt(64), causal)
+    o = _options(1.0 / math.sqrt(head_dim), causal)
 
     def call():
         _C.hopper_fwd(*fwd_args(q, k, v, out, lse, cu, cu, longest, longest, o["softmax_scale"], o["window_left"],
                                 o["window_right"], o["softcap"], o["alibi_slopes"], o["dropout_p"], o["rng_seed"],
                                 o["rng_offset"]))
     kernels = _kernels_of(call)
-    wanted = "portattn::cuda::fwd_kernel<64" if longest == 295 else "portattn::hopper::hopper_fwd_kernel<64"
+    routed = longest == 295 and head_dim == 64
+    wanted = (f"portattn::cuda::fwd_kernel<{head_dim}" if routed
+              else f"portattn::hopper::hopper_fwd_kernel<{head_dim}")
     assert any(wanted in name for name in kernels), f"expected {wanted}; launched {kernels}"
     mask = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
     ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), **mask)

@@ -50,7 +50,7 @@ namespace cuda {
 
 // Note [portattn sm80 narrow tiles]
 // kNarrow: 64-row query blocks (one m16 tile per warp) and 64-key blocks, for
-// many short sequences at head dims <= 64 (fwd_launch.cuh decides when).
+// many short sequences at head dims <= 128 (fwd_launch.cuh decides when).
 // Why: batch 512 x seqlen 50-300 is latency-bound, not throughput-bound: a
 // 128 x 128 tile of a 100-key sequence is mostly padding (one key block, the
 // same time at seqlen 50 as at 100 in session 10's short_seq.md), and
@@ -65,7 +65,7 @@ template <int kHeadDim_, bool kNarrow_ = false>
 struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kNarrow = kNarrow_;
-  static_assert(!kNarrow || kHeadDim <= 64, "the narrow shape is for head dims <= 64");
+  static_assert(!kNarrow || kHeadDim <= 128, "the narrow shape is for head dims <= 128");
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   static constexpr int kMTiles = (kHeadDim <= 128 && !kNarrow) ? 2 : 1;  // m16 tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;
@@ -75,11 +75,11 @@ struct FwdTileConfig {
   static constexpr int kThreads = kWarps * 32;
   // Two CTAs per SM hide each other's barriers; the 8-warp configs need all
   // 255 registers per thread and fit one CTA only. The narrow shape asks for
-  // five at head dim 32 (93-95 registers, 0 spills; 6 spills 16-20 B) and
-  // four at 64 (128 registers; five spill 52-72 B): measured on an H100,
-  // five against four at hd16/32 +13-16% from 100 rows (runs/2026-11-26-49058fb),
-  // at hd64 -10% to +4%.
-  static constexpr int kMinBlocksPerSm = kNarrow ? (kHeadDim <= 32 ? 5 : 4) : (kWarps == 4 ? 2 : 1);
+  // five at head dim 32 (93-95 registers, 0 spills; 6 spills 16-20 B), four
+  // at 64 (128 registers; five spill 52-72 B) and three at 96-128 (168, 0
+  // spills): measured on an H100, five against four at hd16/32 +13-16% from
+  // 100 rows (runs/2026-11-26-49058fb), at hd64 -10% to +4%.
+  static constexpr int kMinBlocksPerSm = kNarrow ? (kHeadDim <= 32 ? 5 : kHeadDim <= 64 ? 4 : 3) : (kWarps == 4 ? 2 : 1);
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
   static_assert(kBlockN / 4 <= 32, "dropout keep bits of one row fit one 32-bit word");
 };

@@ -29,7 +29,7 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
 }
 
 // Note [portattn sm80 narrow tiles] (fwd_kernel.cuh): when the narrow shape runs
-// (head dims <= 64; lengths are the longest of the batch for varlen). Measured on an
+// (head dims <= 128; lengths are the longest of the batch for varlen). Measured on an
 // H100, wide against narrow (with its early V), batch 512, 16 heads, hd 16/32/64, two
 // rounds (bench/sm80_narrow_ab.py, runs/2026-11-26-ea1a3ea/narrow_ab):
 //  * masked calls (causal, windows) up to 512 keys: narrow 1.03-2.8x (finer blocks
@@ -46,7 +46,13 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
 // 2048 0.88-0.97x), so there it runs up to 512, and masked up to kNarrowMaskedMaxSeqlenHd32.
 // Tuning builds (-DPORTATTN_FWD_TUNING) take PORTATTN_FWD_SHAPE=wide|narrow on every call
 // instead, so one process can time both shapes.
+constexpr int kNarrowMaxHeadDim = 128;
 constexpr int kNarrowMaxSeqlen = 512;
+// Head dims 96 and 128 (three CTAs an SM, 168 registers, 0 spills; runs/2026-11-26-a27a15a, hd128, the
+// same A/B): narrow 1.64x at 50 rows, masked 100-300 1.00-1.42x (512: 0.94), unmasked 1.20x at 150 and
+// 1.01x at 300 where 64-row padding saves a quarter of the area or more, 0.86-0.99x where it does not
+// (100, 200, 256, 512). So there: at most kNarrowMaxSeqlenWide rows, masked or saving a quarter.
+constexpr int kNarrowMaxSeqlenWide = 320;
 constexpr int kNarrowAlwaysSeqlen = 256;
 constexpr int kNarrowMaskedMaxSeqlenHd32 = 1024;
 
@@ -59,20 +65,22 @@ inline bool narrow_pays(const PortattnFwdParams& params) {
 #endif
   const int longest = params.seqlen_q > params.seqlen_k ? params.seqlen_q : params.seqlen_k;
   const bool masked = params.window_left >= 0 || params.window_right >= 0;
-  if constexpr (kHeadDim <= 32) {
-    return longest <= kNarrowMaxSeqlen || (masked && longest <= kNarrowMaskedMaxSeqlenHd32);
-  }
-  if (longest > kNarrowMaxSeqlen) return false;
-  if (masked || longest <= kNarrowAlwaysSeqlen) return true;
   auto padded = [](int length, int block) { return int64_t{(length + block - 1) / block} * block; };
   const int64_t wide_area = padded(params.seqlen_q, 128) * padded(params.seqlen_k, 128);
   const int64_t narrow_area = padded(params.seqlen_q, 64) * padded(params.seqlen_k, 64);
+  if constexpr (kHeadDim <= 32) {
+    return longest <= kNarrowMaxSeqlen || (masked && longest <= kNarrowMaskedMaxSeqlenHd32);
+  } else if constexpr (kHeadDim > 64) {
+    return longest <= kNarrowMaxSeqlenWide && (masked || 4 * narrow_area <= 3 * wide_area);
+  }
+  if (longest > kNarrowMaxSeqlen) return false;
+  if (masked || longest <= kNarrowAlwaysSeqlen) return true;
   return 8 * narrow_area <= 7 * wide_area;
 }
 
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_fwd_shape(const PortattnFwdParams& params) {
-  if constexpr (kHeadDim <= 64) {
+  if constexpr (kHeadDim <= kNarrowMaxHeadDim) {
     if (narrow_pays<kHeadDim>(params)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
   }
   return launch_fwd<kHeadDim, Elem, kExtras, false>(params);
