@@ -181,7 +181,8 @@ def main() -> int:
     for head_dim, sq, sk, hk, options in [
         (40, 17, 113, 2, dict(window_right=0)),  # narrow tiles (Note [portattn sm80 narrow tiles])
         (32, 300, 257, 1, dict(window_right=0)),  # the wide ones at a small head dim
-        (128, 113, 17, 1, dict()),
+        (128, 113, 17, 1, dict()),  # narrow tiles at hd128
+        (128, 400, 333, 2, dict(window_right=0)),  # the wide ones
         (200, 130, 70, 2, dict(window_left=20, window_right=3)),
         (64, 65, 129, 2, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,
                               rng_seed=7, rng_offset=3)),
