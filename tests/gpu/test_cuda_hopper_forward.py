@@ -287,6 +287,21 @@ def test_hopper_forward_short_calls_on_narrow_tiles(case):
         assert torch.equal(out, sm80_out) and torch.equal(lse, sm80_lse)
 
 
+def test_hopper_forward_short_call_with_a_huge_row_stride_stays_on_hopper():
+    # A routed shape whose q rows are 2^24 elements apart: the sm80+ loaders' 32-bit offsets refuse it
+    # (fwd_entry.cu), so the Hopper entry keeps it instead of handing it over (and failing).
+    big = rand(2, 50, (1 << 24) // 64, 64, dtype=torch.bfloat16)
+    q = big[:, :, :4]
+    k, v = rand(2, 50, 2, 64, dtype=torch.bfloat16), rand(2, 50, 2, 64, dtype=torch.bfloat16)
+    assert q.stride(1) == 1 << 24
+    results = []
+    kernels = _kernels_of(lambda: results.append(hopper_forward(q, k, v, causal=True)))
+    out, lse = results[0]
+    assert any("portattn::hopper::hopper_fwd_kernel<64" in name for name in kernels), kernels
+    _check(out, lse, q.contiguous(), k, v, causal=True)
+    del big
+
+
 # At head dims 96-128 only dense calls of at most 64 rows and keys are handed to the narrow tiles.
 @pytest.mark.parametrize("case", [((50, 50), "none", True), ((64, 33), "causal", True), ((100, 100), "none", False),
                                   ((130, 190), "none", False), ((50, 50), "window", False)],

@@ -56,12 +56,12 @@ int fail(char* message, int message_len, int code, const char* text) {
   return code == 0 ? -1 : code;
 }
 
-namespace {
-
 // The tile loaders step through rows with 32-bit offsets (fwd_kernel.cuh:
 // TileLoader); 2^24 elements per row leaves room for 128-row tiles.
 constexpr int64_t kMaxRowStride = int64_t{1} << 24;
 bool row_stride_fits(const PortattnTensor4& s) { return s.row_stride < kMaxRowStride && s.row_stride > -kMaxRowStride; }
+
+namespace {
 
 // Shared memory of the forward tile for an instantiable head dim (multiple of 32).
 template <int kHeadDim = 32>

@@ -74,7 +74,10 @@ extern "C" int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* m
   char refusal[200];
   if (portattn::hopper::refuses(*params, refusal, sizeof(refusal), /*varlen_served=*/true))
     return fail(message, message_len, -1, refusal);
-  if (short_call_prefers_narrow(*params)) return portattn_cuda_fwd(params, message, message_len);
+  // (Only layouts the sm80+ entry takes: a call it would refuse stays here.)
+  if (short_call_prefers_narrow(*params) && row_stride_fits(params->q_strides) &&
+      row_stride_fits(params->k_strides) && row_stride_fits(params->v_strides))
+    return portattn_cuda_fwd(params, message, message_len);
   set_error_detail("");
   const cudaError_t err = variant->run(*params);
   if (err != cudaSuccess) {

@@ -123,6 +123,9 @@ cudaError_t ensure_dynamic_smem(const void* kernel, int bytes, SmemOptInState* s
 // Entry-point checks shared by the forward and backward entries (fwd_entry.cu).
 bool aligned16(const void* ptr);
 bool strides_aligned(const PortattnTensor4& s);
+// The sm80+ forward's row-stride limit (its loaders' 32-bit offsets); the Hopper entry checks it
+// before it hands a call to that kernel (Note [portattn hopper short calls on narrow tiles]).
+bool row_stride_fits(const PortattnTensor4& s);
 // Writes `text` into the caller's message buffer; returns `code`, or -1 for 0.
 int fail(char* message, int message_len, int code, const char* text);
 const char* last_error_detail();
