@@ -215,6 +215,7 @@
 
 #include <type_traits>
 
+#include "../../common/fast_divide.h"
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/seq_bounds.h"
@@ -343,6 +344,15 @@ struct HopperFwdArgs {
   int num_m_blocks;  // query blocks per (head, batch)
   int num_tiles;     // num_m_blocks * nheads * batch
   int group_heads;   // masked persistent order: (head, batch) pairs per L2 group
+  // decode_tile's divisors (common/fast_divide.h): every tile a CTA takes is decoded by
+  // its producer and every consumer thread, and short calls take ~60-120 tiles a CTA.
+  FastDivisor div_m_blocks;     // num_m_blocks
+  FastDivisor div_heads;        // nheads
+  FastDivisor div_heads_per_kv;  // heads_per_kv
+  FastDivisor div_group_tiles;  // group_heads * num_m_blocks: the tiles of a full group
+  FastDivisor div_group_heads;  // group_heads
+  FastDivisor div_last_group;   // the (head, batch) pairs of the last group, which may be short
+  int last_group;               // its index
   int paired_tiles;  // kSchedPairedTiles launches: 1 when the walk pairs tiles (more tiles than CTAs)
   int window_left;   // kMaskLocal: -1 = unbounded
   int window_right;
@@ -399,25 +409,27 @@ __device__ __forceinline__ HopperTile decode_tile(int t, const HopperFwdArgs& ar
     // Note [portattn hopper paired tiles]: a head's query blocks listed as
     // nm-1, 0, nm-2, 1, ... (reversed for odd heads), so positions 2q and 2q+1
     // of the launch hold one long and one short block, or two middle blocks.
-    hb = t / args.num_m_blocks;
-    const int i = t - hb * args.num_m_blocks;
+    int i;
+    hb = fast_divmod(t, args.div_m_blocks, i);
     const int listed = (hb & 1) ? args.num_m_blocks - 1 - i : i;
     tile.m_block = (listed & 1) ? listed / 2 : args.num_m_blocks - 1 - listed / 2;
   } else if (kLongestFirst && kPersistent) {
-    const int heads_batches = args.num_tiles / args.num_m_blocks;
-    const int per_group = args.group_heads * args.num_m_blocks;
-    const int group = t / per_group;
-    const int index = t - group * per_group;
-    const int group_size = min(args.group_heads, heads_batches - group * args.group_heads);
-    hb = group * args.group_heads + index % group_size;
-    tile.m_block = args.num_m_blocks - 1 - index / group_size;
+    // Groups of group_heads (head, batch) pairs; the last group may hold fewer.
+    int index;
+    const int group = fast_divmod(t, args.div_group_tiles, index);
+    int within;
+    const FastDivisor& size = group == args.last_group ? args.div_last_group : args.div_group_heads;
+    const int from_end = fast_divmod(index, size, within);
+    hb = group * args.group_heads + within;
+    tile.m_block = args.num_m_blocks - 1 - from_end;
   } else {
-    const int m = t % args.num_m_blocks;
-    hb = t / args.num_m_blocks;
+    int m;
+    hb = fast_divmod(t, args.div_m_blocks, m);
     tile.m_block = kLongestFirst ? args.num_m_blocks - 1 - m : m;
   }
-  tile.head = hb % args.nheads;
-  tile.batch = hb / args.nheads;
+  int head;
+  tile.batch = fast_divmod(hb, args.div_heads, head);
+  tile.head = head;
   // seqused_k is refused on this path (hopper_host.h), hence null.
   const SeqBounds seq = seq_bounds(args.cu_seqlens_q, args.cu_seqlens_k, nullptr, args.seqlen_q, args.seqlen_k,
                                    args.total_q, args.total_k, tile.batch);
@@ -539,7 +551,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
         if (t == args.num_tiles) continue;
         const HopperTile tile = decode_tile<kMask, Traits::kPersistent, kPaired, kBlockM, kBlockN>(t, args);
         if (tile.n_blocks == 0) continue;
-        const int head_k = tile.head / args.heads_per_kv;
+        const int head_k = fast_div(tile.head, args.div_heads_per_kv);
         const int qb = q_fills % kQBuffers;
         sm90::mbar_wait(bar_q_empty(qb), ((q_fills / kQBuffers) & 1) ^ 1);
         ++q_fills;

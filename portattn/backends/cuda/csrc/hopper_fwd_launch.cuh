@@ -256,7 +256,14 @@ cudaError_t launch(const PortattnFwdParams& params) {
     const int64_t heads_batches = static_cast<int64_t>(params.nheads) * params.batch;
     const int64_t group = (int64_t(24) << 20) / (kv_bytes > 0 ? kv_bytes : 1);
     args.group_heads = static_cast<int>(group < 1 ? 1 : (group > heads_batches ? heads_batches : group));
+    args.last_group = static_cast<int>((heads_batches - 1) / args.group_heads);
+    args.div_last_group = make_fast_divisor(static_cast<int>(heads_batches - int64_t(args.last_group) * args.group_heads));
   }
+  args.div_m_blocks = make_fast_divisor(args.num_m_blocks);
+  args.div_heads = make_fast_divisor(args.nheads);
+  args.div_heads_per_kv = make_fast_divisor(args.heads_per_kv);
+  args.div_group_heads = make_fast_divisor(args.group_heads);
+  args.div_group_tiles = make_fast_divisor(args.group_heads * args.num_m_blocks);
   args.window_left = params.window_left;
   args.window_right = params.window_right;
   // With softcap the kernel caps the scaled scores itself, so the softmax
