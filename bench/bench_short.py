@@ -36,37 +36,6 @@ class ShortPoint(peers.Point):
         return BATCH
 
 
-def kernel_breakdown(point: ShortPoint, impls) -> list:
-    """Per implementation: the CUDA kernels of one forward+backward step and their total GPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    lines = [f"### GPU kernels of one forward+backward step, {point.label()} (batch {BATCH}, {HEADS} heads)", ""]
-    q, k, v, dout = peers.make_inputs(point, dry_run=False)
-    for impl in impls:
-        bind, why = peers.load_impl(impl.name)
-        if bind is None:
-            lines.append(f"- {impl.label}: n/a ({why})")
-            continue
-        with impl.context():
-            call = bind(q, k, v, point.causal)
-
-            def step():
-                return torch.autograd.grad(call(), (q, k, v), dout)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step()
-                torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        total = sum(e.device_time_total for e in events)
-        top = sorted(events, key=lambda e: -e.device_time_total)[:6]
-        lines.append(f"- {impl.label}: {total:.0f} us of GPU time: "
-                     + "; ".join(f"{e.key[:60]} {e.device_time_total:.0f} us x{e.count}" for e in top))
-    lines.append("")
-    return lines
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", default="50,100,200,300")
@@ -88,7 +57,7 @@ def main():
     extra = []
     if not args.dry_run:
         for hd in peers.parse_ints(args.head_dims):
-            extra += kernel_breakdown(ShortPoint(hd, max(peers.parse_ints(args.seqlens)), True), impls)
+            extra += peers.kernel_breakdown(ShortPoint(hd, max(peers.parse_ints(args.seqlens)), True), impls)
     path = peers.write_results(result, args.out, "short_seq", extra)
     print(peers.compact_table(result))
     print("\n".join(extra))

@@ -580,3 +580,34 @@ def write_results(result, out_dir: str, name: str, extra_markdown=(), plot=None)
     elif result.get("grid"):
         _plot(result, base + ".png")
     return base + ".md"
+
+
+def kernel_breakdown(point: Point, impls, top_n: int = 6) -> list:
+    """Per implementation: the CUDA kernels of one forward+backward step and their total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = [f"### GPU kernels of one forward+backward step, {point.label()} (batch {point.batch}, {point.heads} heads)", ""]
+    q, k, v, dout = make_inputs(point, dry_run=False)
+    for impl in impls:
+        bind, why = load_impl(impl.name)
+        if bind is None:
+            lines.append(f"- {impl.label}: n/a ({why})")
+            continue
+        with impl.context():
+            call = bind(q, k, v, point.causal)
+
+            def step():
+                return torch.autograd.grad(call(), (q, k, v), dout)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in events)
+        top = sorted(events, key=lambda e: -e.device_time_total)[:top_n]
+        lines.append(f"- {impl.label}: {total:.0f} us of GPU time: "
+                     + "; ".join(f"{e.key[:60]} {e.device_time_total:.0f} us x{e.count}" for e in top))
+    lines.append("")
+    return lines

@@ -92,6 +92,15 @@ constexpr int kPairedMaxTilesPerCta = 64;
 // (pipe+pp+pers+xtile, within 1% at 512-1k); hd128 short causal calls were within the spread
 // (-3 to +0%).
 constexpr int short_causal_added_bits(int kernel_head_dim) { return kernel_head_dim == 64 ? kSchedCrossTile : 0; }
+// Calls without a mask whose keys fit one block (seqlen_k <= kBlockN): every tile is one S and
+// one P V, so a warpgroup's tile is a serial chain (S, softmax, P V, epilogue) unless the next
+// tile's S runs under it. At hd64 they take ping-pong and the cross-tile phase, as short causal
+// calls do. Same-call A/B, H100, batch 512 x 16 heads, bf16 (bench/results/runs/2026-11-26-s12c1/
+// sched_short): 100 rows +14-15% (116 -> 132-133 TFLOP/s), 128 rows +2%; 200 rows (two blocks)
+// equal, 256 -7 to 0%; hd128 within 1% at 100-128 rows, so it keeps kShortNonCausalSchedule.
+constexpr int single_block_added_bits(int kernel_head_dim) {
+  return kernel_head_dim == 64 ? kSchedPingPong | kSchedCrossTile : 0;
+}
 // Dense calls of this many keys or more take 176-key blocks at hd128 (Note [portattn hopper 176-key
 // blocks]: ahead from 8k keys, behind up to 4k; the boundary sits between the two measured points).
 constexpr int kWideKeysMinSeqlenK = 4097;
@@ -318,6 +327,10 @@ cudaError_t run_default(const PortattnFwdParams& params) {
   constexpr int kNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule | kAdded);
   constexpr int kLongNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kNonCausalSchedule | kSchedWideKeys | kAdded);
   constexpr int kShortNone = schedule_for(kHeadDim, kMaskNone, kSoftcap, kShortNonCausalSchedule | kAdded);
+  // (Softcap was not measured with the single-block schedule: it keeps kShortNone.)
+  constexpr int kSingleBlockNone = kSoftcap ? kShortNone
+                                            : schedule_for(kHeadDim, kMaskNone, kSoftcap,
+                                                           kShortNonCausalSchedule | single_block_added_bits(kHeadDim) | kAdded);
   constexpr int kVarlen = schedule_for(kHeadDim, kMaskNone, kSoftcap, kVarlenSchedule | kAdded);
   constexpr int kShortCausal =
       schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule | short_causal_added_bits(kHeadDim) | kAdded);
@@ -333,6 +346,8 @@ cudaError_t run_default(const PortattnFwdParams& params) {
     case kMaskNone:
       if (params.cu_seqlens_q != nullptr && params.seqlen_k > kShortCausalMaxSeqlenK)
         return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kVarlen>(params);
+      if (params.seqlen_k <= HopperFwdTraits<kHeadDim, kSingleBlockNone>::kBlockN)
+        return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kSingleBlockNone>(params);
       if (params.seqlen_q <= kShortCausalMaxSeqlenK) return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kShortNone>(params);
       return params.seqlen_k >= kWideKeysMinSeqlenK ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kLongNone>(params)
                                                     : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
