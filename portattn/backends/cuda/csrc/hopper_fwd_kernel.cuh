@@ -238,18 +238,21 @@ namespace hopper {
 #define PORTATTN_HOPPER_FWD_HD256_BLOCK_N 80
 #endif
 // PORTATTN_HOPPER_FWD_TMA_STORE=0 builds the direct-store epilogue everywhere (A/B
-// against Note [portattn hopper O store]).
+// against Note [portattn hopper O store]); =2 the TMA store at every head dim whose
+// shared memory has room for the staging tile (A/B for hd64).
 #ifndef PORTATTN_HOPPER_FWD_TMA_STORE
 #define PORTATTN_HOPPER_FWD_TMA_STORE 1
 #endif
-// PORTATTN_HOPPER_FWD_O_VEC=1 builds the direct O stores (hd64, hd256, varlen tails) as 16-byte
-// stores after a quad transpose instead of each thread's 4-byte pairs. Same-call A/B on an H100
-// (bench/results/runs/2026-11-25-95d7f2a/, hd64, bf16, 16k tokens, two rounds): 512 causal +3%,
-// 1k no mask -2.4%, the rest of 512-4k within 1-2%: within the spread, so the default stays the
-// simpler 4-byte loop (its SASS is what the session-9 grid measured). The GPU forward tests and
-// memcheck passed with it on.
+// PORTATTN_HOPPER_FWD_O_VEC=1 (the default since session 12) builds the direct O stores (hd64,
+// hd256, varlen tails) as 16-byte stores after a quad transpose instead of each thread's 4-byte
+// pairs; =0 the 4-byte loop. Same-call A/Bs on an H100, bf16: at 16k tokens (session 9,
+// bench/results/runs/2026-11-25-95d7f2a/, and session 12) hd64 512-2k within -2 to +3%; many
+// short sequences (batch 512, 16 heads; session 12, runs/2026-11-26-0912545-tuning/short_T1_*) 256 rows
+// +3-4% no mask, +1-3% causal, 100-200 rows within 1%, two rounds each. Those calls are
+// DRAM-bound (ncu, hd64 x 128 rows: DRAM 84% busy, cuDNN's kernel 90%), where whole-sector
+// writes count.
 #ifndef PORTATTN_HOPPER_FWD_O_VEC
-#define PORTATTN_HOPPER_FWD_O_VEC 0
+#define PORTATTN_HOPPER_FWD_O_VEC 1
 #endif
 // PORTATTN_HOPPER_FWD_MASK_REL=0 builds the edge blocks' mask with each column's index compared
 // to both bounds (the form before session 9; A/B).
@@ -306,7 +309,7 @@ struct HopperFwdTraits {
   // The output tile staged for TMA stores (Note [portattn hopper O store]) at hd128, where
   // it measured faster and fits beside the rest (also with two Q buffers; not with three stages).
   static constexpr int kOBytes = kBlockM * kHeadDim * 2;
-  static constexpr bool kTmaStoreO = PORTATTN_HOPPER_FWD_TMA_STORE != 0 && kHeadDim == 128 &&
+  static constexpr bool kTmaStoreO = (PORTATTN_HOPPER_FWD_TMA_STORE == 2 || (PORTATTN_HOPPER_FWD_TMA_STORE != 0 && kHeadDim == 128)) &&
                                      kMainSmemBytes + kOBytes <= kSmemLimit;
   static constexpr int kSmemBytes = kMainSmemBytes + (kTmaStoreO ? kOBytes : 0);
   // Note [portattn hopper cross-tile phase]: the next tile's Q must arrive in the other

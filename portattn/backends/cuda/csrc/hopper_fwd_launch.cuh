@@ -95,7 +95,7 @@ constexpr int short_causal_added_bits(int kernel_head_dim) { return kernel_head_
 // Calls without a mask whose keys fit one block (seqlen_k <= kBlockN): every tile is one S and
 // one P V, so a warpgroup's tile is a serial chain (S, softmax, P V, epilogue) unless the next
 // tile's S runs under it. At hd64 they take ping-pong and the cross-tile phase, as short causal
-// calls do. Same-call A/B, H100, batch 512 x 16 heads, bf16 (bench/results/runs/2026-11-26-s12c1/
+// calls do. Same-call A/B, H100, batch 512 x 16 heads, bf16 (bench/results/runs/2026-11-26-103c53a/
 // sched_short): 100 rows +14-15% (116 -> 132-133 TFLOP/s), 128 rows +2%; 200 rows (two blocks)
 // equal, 256 -7 to 0%; hd128 within 1% at 100-128 rows, so it keeps kShortNonCausalSchedule.
 constexpr int single_block_added_bits(int kernel_head_dim) {

@@ -32,9 +32,11 @@ enum HopperFwdScheduleBits : int {
 // fit the register file at head dim 64 only (HopperFwdTraits asserts it); the
 // cross-tile phase needs the persistent schedule's second Q buffer, which hd256's
 // shared memory has no room for; 176-key blocks are an hd128 shape.
+// Three stages leave room for the cross-tile phase's second Q buffer at head dim 64 only.
 constexpr int admitted_bits(int head_dim, int bits) {
   return (head_dim == 64 ? bits : bits & ~kSchedThreeConsumers) & (head_dim <= 128 ? ~0 : ~kSchedCrossTile) &
-         (head_dim == 128 ? ~0 : ~kSchedWideKeys);
+         (head_dim == 128 ? ~0 : ~kSchedWideKeys) &
+         (head_dim > 64 && (bits & kSchedStages3) != 0 ? ~kSchedCrossTile : ~0);
 }
 
 // The smallest head dim the kernel of `kernel_head_dim` columns serves (Note [portattn hopper
@@ -53,7 +55,7 @@ __host__ __device__ constexpr int hopper_fwd_min_head_dim(int kernel_head_dim) {
 // PORTATTN_HOPPER_FWD_SCHEDULE=+<bits> runs the default choices (run_default:
 // every mask, softcap, varlen, both dtypes) with one of the additions below
 // added where admitted, which is what a change of the defaults would launch.
-constexpr int kTuningSchedules[] = {0, 1, 3, 5, 7, 13, 17, 64, 65, 67, 68, 69, 71, 133, 135, 519, 583, 647, 775};
+constexpr int kTuningSchedules[] = {0, 1, 3, 5, 7, 13, 17, 64, 65, 67, 68, 69, 71, 133, 135, 141, 519, 583, 647, 655, 775};
 // (kSchedPairedTiles is not among the additions: the defaults carry it wherever schedule_for admits
 // it, so `+512` would rerun the default kernels.)
 constexpr int kTuningAdditions[] = {kSchedThreeConsumers, kSchedCrossTile};
