@@ -51,9 +51,13 @@ profile() {  # name mode regex title
   cat "$report.txt"
 }
 
-# PORTATTN_NCU_HEAD_DIM (default 128) picks the head dim of the case (bench/ncu_profile.py).
+# PORTATTN_NCU_HEAD_DIM (default 128), PORTATTN_NCU_SEQLEN (16384) and PORTATTN_NCU_CAUSAL (0) pick the
+# case (bench/ncu_profile.py: batch = 16384 / seqlen, hidden 2048); the titles name it.
 HD=${PORTATTN_NCU_HEAD_DIM:-128}
-SHAPE="hd$HD s16384 B1 H$((2048 / HD)) full"
+SEQ=${PORTATTN_NCU_SEQLEN:-16384}
+MASK=$([ "${PORTATTN_NCU_CAUSAL:-0}" = 1 ] && echo causal || echo full)
+BATCH=$((16384 / SEQ)); [ "$BATCH" -ge 1 ] || BATCH=1
+SHAPE="hd$HD s$SEQ B$BATCH H$((2048 / HD)) $MASK"
 SUFFIX=$([ "$HD" = 128 ] || echo "_hd$HD")
 for what in ${@:-fwd bwd bwd_sm80}; do
   case "$what" in

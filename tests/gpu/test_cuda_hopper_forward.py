@@ -199,10 +199,11 @@ def test_hopper_forward_softcap_fp16(causal, softcap):
 # the paired walk (Note [portattn hopper paired tiles]) pairs two heads' middle
 # blocks and ends in a pair with one tile. 2100 and 4500 keys: the long causal
 # calls' paired walk (128- and 192-row tiles; 176-key blocks at hd128 from 4097).
-# 128 x 24 x 300: 9216 tiles, past kPairedMaxTilesPerCta a CTA, so a paired kernel
-# walks the group order (hopper_fwd_launch.cuh).
+# Many short sequences, past kPairedMaxTilesPerCta tiles a CTA (paired_walk_for_many_short,
+# hopper_fwd_launch.cuh): 128 x 24 x 300 rows (three query blocks) walks the group order at hd128
+# and up and the paired order at hd64; 128 x 24 x 256 rows (two) the paired order everywhere.
 @pytest.mark.parametrize("shape", [(3, 777, 513, 20), (3, 640, 640, 45), (2, 2100, 2100, 20), (1, 4500, 4500, 9),
-                                   (128, 300, 300, 24)], ids=lambda s: "x".join(map(str, s)))
+                                   (128, 300, 300, 24), (128, 256, 256, 24)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_forward_many_tiles_per_cta(head_dim, causal, shape):
@@ -213,6 +214,26 @@ def test_hopper_forward_many_tiles_per_cta(head_dim, causal, shape):
     out, lse = hopper_forward(q, k, v, causal=causal)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, causal)
+
+
+# hd64 calls without a mask whose keys fit one block run ping-pong with the cross-tile phase
+# (single_block_added_bits, hopper_fwd_launch.cuh: schedule 135): several tiles a CTA, so tiles
+# chain through the fused phase; a partial block (65 keys), GQA, and rows past one query tile.
+# The launched kernel's schedule is read from its name.
+@pytest.mark.parametrize("shape", [(64, 100, 100, 16, 16), (8, 1000, 128, 16, 4), (40, 200, 65, 7, 7)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_hopper_forward_single_block_calls_chain_tiles(shape):
+    batch, seqlen_q, seqlen_k, heads, heads_k = shape
+    q = rand(batch, seqlen_q, heads, 64, dtype=torch.bfloat16)
+    k = rand(batch, seqlen_k, heads_k, 64, dtype=torch.bfloat16)
+    v = rand(batch, seqlen_k, heads_k, 64, dtype=torch.bfloat16)
+    results = []
+    kernels = _kernels_of(lambda: results.append(hopper_forward(q, k, v, causal=False)))
+    out, lse = results[0]
+    _check(out, lse, q, k, v, False)
+    if TUNING:
+        return  # (a tuning build's kernel list differs; the schedule is asserted on default builds)
+    assert any("portattn::hopper::hopper_fwd_kernel<64" in name and ", 135>" in name for name in kernels), kernels
 
 
 # The paired walk under softcap (short causal calls keep it; at hd256 and hd64's three consumers softcap

@@ -79,11 +79,26 @@ constexpr int kWindowSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent | kSchedPairedTiles;
 constexpr int kShortCausalMaxSeqlenK = 1024;
 constexpr int kPairedCausalMaxSeqlenK = 8192;
-// A paired launch of short sequences (at most kShortCausalMaxSeqlenK query rows) with more tiles than
-// this per CTA walks the group order instead: there both orders end within 3% of even in the model
-// (bench/tile_balance.py) and the group order measured 2-3% ahead at hd64, batch 512 x 300-400
-// causal (runs/2026-11-25-7285f9b/run2; hd64 50-200 equal, hd128 200-300 +1.5-3% paired).
-constexpr int kPairedMaxTilesPerCta = 64;
+// Many short sequences (at most kShortCausalMaxSeqlenK query rows, more than kPairedMaxTilesPerCta
+// tiles a CTA) walk the paired order too, except at hd128 and up with an odd number of query blocks,
+// which walk the group order (paired_walk_for_many_short below). Why: both orders end within 3% of
+// even there (bench/tile_balance.py), so what decides is DRAM traffic, and these calls are
+// DRAM-bound (docs/hopper_notes.md, session 12): a pair is two query blocks of one head back to back
+// on one CTA, so its K/V come from DRAM once; the group order runs a head's blocks ~group_heads
+// tiles apart, and some re-reads miss L2 (ncu, hd64 batch 512 x 256 causal: L2 hits 46 -> 52%, 442
+// -> 404 us). Same-call A/B, three rounds, batch 512 x 16 heads (runs/2026-11-26-005ccb7-paired):
+// hd64 200-768 rows +1 to +9%; hd128 200 rows +18%, 256 +10%, 512-768 -1 to +3%, but 384 rows (three
+// query blocks: the middle ones pair across two heads) -8%, hence the exception. Session 10 had
+// measured the group order 2-3% ahead at hd64 300-400 (runs/2026-11-25-7285f9b/run2), before the
+// fast tile decode and the 16-byte O stores. -DPORTATTN_HOPPER_PAIRED_MAX_TILES_PER_CTA=<n> moves the
+// limit (A/B builds; the exception applies past it).
+#ifndef PORTATTN_HOPPER_PAIRED_MAX_TILES_PER_CTA
+#define PORTATTN_HOPPER_PAIRED_MAX_TILES_PER_CTA 64
+#endif
+constexpr int kPairedMaxTilesPerCta = PORTATTN_HOPPER_PAIRED_MAX_TILES_PER_CTA;
+constexpr bool paired_walk_for_many_short(int kernel_head_dim, int num_m_blocks) {
+  return kernel_head_dim < 128 || num_m_blocks % 2 == 0;
+}
 // The cross-tile phase (Note [portattn hopper cross-tile phase]) where same-call A/Bs measured it
 // ahead (bench/results/runs/2026-11-25-0b0e86b/, bf16, 16k tokens): hd64 short causal calls, +4%
 // at 512 keys and +2.6% at 1k on an H100 (pipe+pp+pers against default in ab2_h100_A*.md, two
@@ -291,10 +306,11 @@ cudaError_t launch(const PortattnFwdParams& params) {
     grid = grid < sms ? grid : sms;
   }
   // Note [portattn hopper paired tiles]: with no more tiles than CTAs each takes one, unpaired;
-  // kPairedMaxTilesPerCta: many short sequences keep the group order.
+  // many short sequences: paired_walk_for_many_short.
   const bool many_short = params.seqlen_q <= kShortCausalMaxSeqlenK &&
                           args.num_tiles > static_cast<int64_t>(kPairedMaxTilesPerCta) * grid;
-  args.paired_tiles = Traits::kPairedTiles && args.num_tiles > grid && !many_short ? 1 : 0;
+  const bool group_order = many_short && !paired_walk_for_many_short(kHeadDim, args.num_m_blocks);
+  args.paired_tiles = Traits::kPairedTiles && args.num_tiles > grid && !group_order ? 1 : 0;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(
       tm_q, tm_k, tm_v, tm_o, args);
   return cudaGetLastError();
