@@ -143,10 +143,20 @@ struct BwdArgs {
 
 // Byte offset in a dQ accumulator row of the byte at `byte` (a multiple of 8 here)
 // when the row's 16-byte chunks are stored swizzled by the row's index in its
-// sequence: chunk c at c ^ (row & 7). Rows are a multiple of 128 bytes, so the 8
-// rows of one fragment store land on 8 different 16-byte bank groups.
+// sequence: chunk c at c ^ key(row), key = ((row & 3) << 1) | ((row >> 2) & 1), a
+// permutation of 0..7 (so every aligned group of 8 chunks maps onto itself).
+// Why this key: the Hopper backward stages dQ with 8-byte stores (STS.64), where lane
+// (g, q4) of a warp writes row g (mod 8), chunk 2j + (q4 >> 1), and the hardware
+// serves a 64-bit store a half warp (rows g = 0-3, then 4-7) at a time. Each half
+// warp must spread its 4 rows x 2 chunks over 8 different 16-byte bank slots: the
+// key's bits 1-2 differ across the 4 rows and bit 0 is the chunk's own parity bit.
+// The earlier key, row & 7, mapped both of a row's chunks onto slots another row of
+// the same half warp used: 4 wavefronts a store where 2 do (ncu source page, hd128
+// 2k causal: 16 stores a step at 2x the ideal, 8.9M excess wavefronts, 8.6% of the
+// kernel's shared-memory wavefronts; bench/results/runs/2026-11-26-53ce50d).
 __host__ __device__ __forceinline__ int dq_chunk_swizzle(int row, int byte) {
-  return ((byte >> 4) ^ (row & 7)) << 4 | (byte & 15);
+  const int key = ((row & 3) << 1) | ((row >> 2) & 1);
+  return ((byte >> 4) ^ key) << 4 | (byte & 15);
 }
 
 // The accumulator row pitch (elements) of the Hopper backward at `head_dim`: its kernel's
@@ -707,7 +717,7 @@ __global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int sl
   const float* src = args.dq_accum + ws_row(args, batch, head, i) * args.acc_head_dim;
   // This thread's two 16-byte chunks (swizzled in the Hopper bulk mode). A padded row
   // (acc_head_dim > f.headdim: 128 floats = 32 chunks at hd96) is read in its first
-  // f.headdim / 4 chunks only: the swizzle XORs the chunk index with row & 7 < 8, so it
+  // f.headdim / 4 chunks only: the swizzle XORs the chunk index with a key < 8, so it
   // maps each aligned group of 8 chunks onto itself, and a padded f.headdim is a multiple
   // of 32 floats = 8 chunks (run_hopper_bwd checks it): the chunks read hold exactly the
   // columns below f.headdim, never the padding's zeros.
