@@ -110,7 +110,8 @@ constexpr int short_causal_added_bits(int kernel_head_dim) { return kernel_head_
 // Calls without a mask whose keys fit one block (seqlen_k <= kBlockN): every tile is one S and
 // one P V, so a warpgroup's tile is a serial chain (S, softmax, P V, epilogue) unless the next
 // tile's S runs under it. At hd64 they take ping-pong and the cross-tile phase, as short causal
-// calls do. Same-call A/B, H100, batch 512 x 16 heads, bf16 (bench/results/runs/2026-11-26-103c53a/
+// calls do (calls of up to kShortCausalMaxSeqlenK query rows, the ones that ran kShortNone).
+// Same-call A/B, H100, batch 512 x 16 heads, bf16 (bench/results/runs/2026-11-26-103c53a/
 // sched_short): 100 rows +14-15% (116 -> 132-133 TFLOP/s), 128 rows +2%; 200 rows (two blocks)
 // equal, 256 -7 to 0%; hd128 within 1% at 100-128 rows, so it keeps kShortNonCausalSchedule.
 constexpr int single_block_added_bits(int kernel_head_dim) {
@@ -362,9 +363,13 @@ cudaError_t run_default(const PortattnFwdParams& params) {
     case kMaskNone:
       if (params.cu_seqlens_q != nullptr && params.seqlen_k > kShortCausalMaxSeqlenK)
         return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kVarlen>(params);
-      if (params.seqlen_k <= HopperFwdTraits<kHeadDim, kSingleBlockNone>::kBlockN)
-        return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kSingleBlockNone>(params);
-      if (params.seqlen_q <= kShortCausalMaxSeqlenK) return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kShortNone>(params);
+      if (params.seqlen_q <= kShortCausalMaxSeqlenK) {
+        // (Long queries over one key block, e.g. cross-attention to a short context, keep the
+        // three-consumer kNone below: the single-block schedule was measured against kShortNone only.)
+        if (params.seqlen_k <= HopperFwdTraits<kHeadDim, kSingleBlockNone>::kBlockN)
+          return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kSingleBlockNone>(params);
+        return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kShortNone>(params);
+      }
       return params.seqlen_k >= kWideKeysMinSeqlenK ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kLongNone>(params)
                                                     : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
     case kMaskCausal:
