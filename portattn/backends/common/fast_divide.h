@@ -20,13 +20,7 @@
 #pragma once
 #include <stdint.h>
 
-#ifndef PORTATTN_HD
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define PORTATTN_HD __host__ __device__ __forceinline__
-#else
-#define PORTATTN_HD inline
-#endif
-#endif
+#include "host_device.h"
 
 namespace portattn {
 

@@ -19,11 +19,7 @@
 #pragma once
 #include <stdint.h>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define PORTATTN_HD __host__ __device__ __forceinline__
-#else
-#define PORTATTN_HD inline
-#endif
+#include "host_device.h"
 
 namespace portattn {
 

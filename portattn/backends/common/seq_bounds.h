@@ -27,13 +27,7 @@
 
 #include "params.h"
 
-#ifndef PORTATTN_HD
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define PORTATTN_HD __host__ __device__ __forceinline__
-#else
-#define PORTATTN_HD inline
-#endif
-#endif
+#include "host_device.h"
 
 namespace portattn {
 
