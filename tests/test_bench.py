@@ -225,3 +225,17 @@ def test_result_and_doc_links_resolve():
                            cwd=ROOT, capture_output=True, text=True).stdout.split()
     broken += [c for c in set(cited) if "*" not in c and "<" not in c and not os.path.exists(os.path.join(ROOT, c))]
     assert not broken, broken
+
+
+def test_process_variance_probe_dry_run_reports_every_process(tmp_path):
+    done = _run([sys.executable, "bench/probe_process_variance.py", "--dry-run", "--short", "16:50:causal",
+                 "--processes", "2", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "process_variance.json") as handle:
+        result = json.load(handle)
+    assert result["cell"] == "short 16:50:causal, portattn" and len(result["processes"]) == 2
+    for row in result["processes"]:
+        assert "error" not in row, row
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and set(row["ptr_mod_2mib"]) == {"q", "k", "v", "dout"}
+    table = (tmp_path / "process_variance.md").read_text()
+    assert table.count("\n| 0 |") == 1 and table.count("\n| 1 |") == 1 and "slowest / fastest process" in table

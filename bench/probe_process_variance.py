@@ -1,0 +1,127 @@
+"""Does a grid cell's time depend on the process it runs in? One cell, N fresh processes.
+
+  python bench/probe_process_variance.py [--point 128:1024:causal | --short 16:50:causal]
+                                         [--processes 8] [--impl portattn] [--out DIR] [--dry-run]
+
+Why: two backward cells have read 15-35% slow in one process and normal in the next
+(docs/hopper_notes.md, session 12: hd16 50 rows causal in one fresh process of three, hd128 1k causal
+in one grid run), with their forward cells normal. A benchmark process differs from the next in
+its allocator's state and so in where the workspace, the dQ accumulator and the inputs land.
+Each child process times the cell's forward and forward+backward (do_bench medians), then
+profiles one forward+backward step and reports its kernels' GPU time, and the data pointers of the
+inputs (their alignment mod 2 MiB). The table says whether the slow processes share a kernel or an
+address pattern. Points: head_dim:seqlen:causal|full, on the FA2 grid's 16k tokens (--point) or at
+batch 512 x 16 heads (--short, bench_short.py's shape). Results: <out>/process_variance.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import peers
+
+
+def _point(text: str, short: bool):
+    head_dim, seqlen, mask = text.split(":")
+    if mask not in ("causal", "full"):
+        raise SystemExit(f"point '{text}' must end in :causal or :full")
+    if short:
+        from bench_short import ShortPoint
+
+        return ShortPoint(int(head_dim), int(seqlen), mask == "causal")
+    return peers.Point(int(head_dim), int(seqlen), mask == "causal")
+
+
+def child(args) -> dict:
+    """One process's measurements of the cell (printed as one JSON line)."""
+    import torch
+
+    point = _point(args.short or args.point, bool(args.short))
+    impl = peers.IMPLS[args.impl]
+    bind, why = peers.load_impl(impl.name)
+    if bind is None:
+        return {"error": why}
+    q, k, v, dout = peers.make_inputs(point, args.dry_run)
+    timer = peers.Timer(dry_run=args.dry_run)
+    salt = f"{args.index}:{args.impl}"  # a dry run's fake times differ by process, as a real spread would
+    with impl.context():
+        call = bind(q, k, v, point.causal)
+
+        def step():
+            return torch.autograd.grad(call(), (q, k, v), dout)
+        fwd_ms = timer.ms(call, point.flops("fwd"), salt + "fwd")
+        step_ms = timer.ms(step, point.flops("fwd_bwd"), salt + "fwd_bwd")
+        kernels = {}
+        if not args.dry_run:
+            from torch.profiler import ProfilerActivity, profile
+
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            for event in prof.key_averages():
+                if event.device_time_total > 0:
+                    kernels[event.key[:70]] = round(event.device_time_total, 1)
+    mib2 = 2 << 20
+    return {"fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms, "kernels_us": kernels,
+            "ptr_mod_2mib": {name: t.data_ptr() % mib2 for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--point", default="128:1024:causal", help="head_dim:seqlen:causal|full at 16k tokens")
+    where.add_argument("--short", default=None, help="head_dim:seqlen:causal|full at batch 512 x 16 heads")
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--impl", default="portattn", choices=sorted(peers.IMPLS))
+    parser.add_argument("--out", default=peers.LATEST)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return
+    peers.require_device(args.dry_run)
+    rows = []
+    for index in range(args.processes):
+        command = [sys.executable, os.path.abspath(__file__), "--child", "--index", str(index), "--impl", args.impl]
+        command += ["--short", args.short] if args.short else ["--point", args.point]
+        command += ["--dry-run"] if args.dry_run else []
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        rows.append(json.loads(lines[-1]) if done.returncode == 0 and lines
+                    else {"error": (done.stderr or done.stdout)[-400:]})
+        print(f"process {index}: {rows[-1]}", flush=True)
+    cell = f"{'short ' + args.short if args.short else args.point}, {args.impl}"
+    result = dict(peers.header(args.dry_run), cell=cell, processes=rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "process_variance.json"), "w") as handle:
+        json.dump(result, handle, indent=1)
+    kernels = sorted({name for row in rows for name in row.get("kernels_us", {})})
+    lines = [f"# One cell in {args.processes} fresh processes: {cell}", "",
+             f"device: {result['device']}; date: {result['date']}; commit: {result['commit']}; torch {result['torch']}", ""]
+    header = ["process", "fwd ms", "fwd+bwd ms"] + [f"{name[:40]} us" for name in kernels] + ["q, dout mod 2 MiB"]
+    lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for index, row in enumerate(rows):
+        if "error" in row:
+            lines.append(f"| {index} | error: {row['error'][:120]} |")
+            continue
+        cells = [str(index), f"{row['fwd_ms']:.3f}", f"{row['fwd_bwd_ms']:.3f}"]
+        cells += [str(row["kernels_us"].get(name, "")) for name in kernels]
+        cells.append(f"{row['ptr_mod_2mib']['q']}, {row['ptr_mod_2mib']['dout']}")
+        lines.append("| " + " | ".join(cells) + " |")
+    good = [row["fwd_bwd_ms"] for row in rows if "error" not in row]
+    if good:
+        lines += ["", f"forward+backward: slowest / fastest process = {max(good) / min(good):.2f}"]
+    with open(os.path.join(args.out, "process_variance.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
