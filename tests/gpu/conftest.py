@@ -1,6 +1,7 @@
 """GPU tests run on dirty memory: every test starts with the caching allocator's free
 memory NaN-filled (tests/gpu/poison.py), so workspaces and outputs a kernel reads
 before writing show up as NaN instead of passing on a fresh device's zeros."""
+import functools
 import re
 
 import pytest
@@ -21,8 +22,10 @@ def _poisoned_free_memory():
 # some head dims and dtypes only. Its tests of the others skip with the reason instead of failing
 # on "no kernel for head_dim ...". A full build is never restricted, so there every such
 # failure stays a failure.
+@functools.lru_cache(maxsize=None)
 def _built():
-    """(sm80+ head dims, dtypes, Hopper head dims, Hopper dtypes) of the built backend, or None."""
+    """(sm80+ head dims, dtypes, Hopper head dims, Hopper dtypes) of the built backend, or None
+    (read once: the autouse fixture below asks for every test)."""
     try:
         from portattn.backends.cuda import _C
     except ImportError:
@@ -31,18 +34,20 @@ def _built():
         return None
     config = _C.build_config()
     hopper = config.get("hopper", {})
-    return (list(config["head_dims"]), list(config["dtypes"]), list(hopper.get("head_dims", [])),
-            list(hopper.get("dtypes", [])))
+    return (tuple(config["head_dims"]), tuple(config["dtypes"]), tuple(hopper.get("head_dims", [])),
+            tuple(hopper.get("dtypes", [])))
 
 
 def _restricted(built) -> bool:
+    """Whether the build lacks a head dim or dtype the declarations have (grids.py reads them)."""
+    from grids import CUDA_DTYPES, HOPPER_DTYPES
+
     from portattn.backends.cuda import variants
 
     sm80_dims, sm80_dtypes, hopper_dims, hopper_dtypes = built
-    declared_dtypes = {"float16", "bfloat16"}
-    return (set(sm80_dims) != set(variants.HEAD_DIMS) or set(sm80_dtypes) != declared_dtypes
-            or (hopper_dims and set(hopper_dims) != set(variants.HOPPER_FWD_HEAD_DIMS))
-            or (hopper_dtypes and set(hopper_dtypes) != declared_dtypes))
+    return (set(sm80_dims) != set(variants.HEAD_DIMS) or set(sm80_dtypes) != set(CUDA_DTYPES)
+            or (bool(hopper_dims) and set(hopper_dims) != set(variants.HOPPER_FWD_HEAD_DIMS))
+            or (bool(hopper_dtypes) and set(hopper_dtypes) != set(HOPPER_DTYPES)))
 
 
 def _unserved(module: str, params: dict, built):
