@@ -313,37 +313,54 @@ __device__ __forceinline__ uint32_t swizzle128(int row, int col) {
   return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
 }
 
+// Note [portattn hopper backward descriptors]
+// Every wgmma operand in shared memory is addressed by a descriptor built once from a
+// warp-uniform base (make_smem_desc: the K / V rows of this warpgroup, each Q / dO stage,
+// each dS^T buffer) and advanced per k16 step by a compile-time byte offset
+// (smem_desc_advance: one 32-bit add of the low word). Before, each of a step's 32 wgmma
+// instructions (hd128) rebuilt both descriptors from a byte address (mask, shift, OR with
+// the LBO / SBO words) in per-thread registers, because the warpgroup index came from
+// threadIdx.x, and moved them into uniform registers: ncu's source page (hd128 2k causal,
+// bench/results/runs/2026-11-26-53ce50d-swizzle) counted 772 instructions a consumer warp
+// issues per step, ~240 of them the step's arithmetic, loads, stores and wgmma, and ~470
+// integer, move and uniform-datapath instructions, most of them this descriptor
+// arithmetic. The consumers are issue-bound between their products (tensor pipe 54%
+// active), so the instructions count. Hence also the warp-uniform warpgroup index
+// (__shfl_sync of lane 0's: the compiler then keeps the bases in uniform registers) and
+// the step loop's query block / head as counters instead of a division per step.
+
 // acc (64 keys x 64 queries) = a (64 rows of K or V) * b (64 rows of Q or dO)^T,
 // contracting over the head dim (both K-major, in 64-column panels of kBlockN and
-// kBlockM rows), issued and committed as one wgmma group.
+// kBlockM rows: descriptors of the panels' first rows, SBO 1024), issued and committed
+// as one wgmma group.
 template <int kHeadDim, typename Elem>
 __device__ __forceinline__ void product_ss(float (&acc)[2][HopperBwdTraits<kHeadDim>::kBlockM / 4],
-                                           uint32_t a, uint32_t b) {
+                                           uint64_t desc_a, uint64_t desc_b) {
   using Traits = HopperBwdTraits<kHeadDim>;
   sm90::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
     const uint32_t step = (kk % 4) * 32;  // k16 step inside the 128-byte panel row
-    sm90::wgmma_ss<Elem, 0, 0>(acc, sm90::make_smem_desc(a + (kk / 4) * Traits::kPanelBytesKV + step, 16, 1024),
-                               sm90::make_smem_desc(b + (kk / 4) * Traits::kPanelBytesQ + step, 16, 1024),
+    sm90::wgmma_ss<Elem, 0, 0>(acc, sm90::smem_desc_advance(desc_a, (kk / 4) * Traits::kPanelBytesKV + step),
+                               sm90::smem_desc_advance(desc_b, (kk / 4) * Traits::kPanelBytesQ + step),
                                kk > 0 ? 1 : 0);
   }
   sm90::wgmma_commit();
 }
 
 // acc (64 keys x head dim) += a (64 keys x 64 queries, packed registers) *
-// tile (64 queries x head dim: Q or dO of a stage, MN-major = transpose-B),
-// issued and committed as one wgmma group.
+// tile (64 queries x head dim: Q or dO of a stage, MN-major = transpose-B; its
+// descriptor: LBO = one panel, SBO 1024), issued and committed as one wgmma group.
 template <int kHeadDim, typename Elem>
 __device__ __forceinline__ void accumulate_rs(float (&acc)[2][kHeadDim / 4],
                                               uint32_t (&a)[HopperBwdTraits<kHeadDim>::kBlockM / 16][4],
-                                              uint32_t tile) {
+                                              uint64_t desc_tile) {
   using Traits = HopperBwdTraits<kHeadDim>;
   sm90::fence_operands(acc);
   sm90::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
-    sm90::wgmma_rs<Elem>(acc, a[kk], sm90::make_smem_desc(tile + kk * 16 * 128, Traits::kPanelBytesQ, 1024));
+    sm90::wgmma_rs<Elem>(acc, a[kk], sm90::smem_desc_advance(desc_tile, kk * 16 * 128));
   sm90::wgmma_commit();
 }
 
@@ -547,10 +564,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         }
       }
       ++kv_round;
+      // Step it's query block and head, counted as the consumers count them.
+      int head = head_first, m_index = 0;
       for (int it = 0; it < iters; ++it, ++step) {
         const int stage = step % kStages;
-        const int head = head_first + it / m_blocks;
-        const int m0 = (m_begin + it % m_blocks) * kBlockM;
+        const int m0 = (m_begin + m_index) * kBlockM;
         sm90::mbar_wait(bar_empty(stage), ((step / kStages) & 1u) ^ 1u);
         if (warp == 0) {
           const uint32_t s_q = base + Traits::kOffQ + stage * Traits::kQBytes;
@@ -575,6 +593,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           }
           sm90::mbar_arrive(bar_full(stage));  // releases this lane's LSE/delta writes
         }
+        if (++m_index == m_blocks) {
+          m_index = 0;
+          ++head;
+        }
       }
     }
   } else {
@@ -595,6 +617,18 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     // hardware's XOR applies to the final address as for the k16 steps).
     const uint32_t s_k_dq =
         s_k + (Traits::kDqByStep ? 0 : kHeadDim == 128 ? wg * Traits::kPanelBytesKV : wg * 64);
+    // The operands' descriptors (Note [portattn hopper backward descriptors]), all from
+    // one base: K-major tiles (LBO unused, 16 by convention) and MN-major ones (LBO = one
+    // panel), SBO 1024 and the 128B swizzle for every one of them.
+    const uint64_t desc_base = sm90::make_smem_desc(base, 0, 1024);
+    auto desc_at = [&](uint32_t offset, uint32_t lbo_bytes) { return sm90::smem_desc_at(desc_base, offset, lbo_bytes); };
+    // This warpgroup's K / V rows and dQ's K columns, warp-uniform as the compiler sees them
+    // (a shuffle of lane 0's value) where they are used, once a step: hoisted out of the
+    // loop, the uniform values made ptxas spill (hd128: 40-450 bytes in every variant).
+    auto wg_offset = [&](uint32_t offset) { return __shfl_sync(0xffffffffu, offset, 0); };
+    const uint32_t k_wg_offset_t = Traits::kOffK + wg * 64 * 128;
+    const uint32_t v_wg_offset_t = Traits::kOffV + wg * 64 * 128;
+    const uint32_t k_dq_offset_t = s_k_dq - base;
     const int dq_col0 = Traits::kDqByStep ? 0 : wg * Traits::kDqCols;  // this consumer's first dQ column
     // Whether this consumer computes step at_step's dQ, and the thread that writes its turn
     // (deterministic mode).
@@ -629,25 +663,25 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
       constexpr bool kKvRegs = Traits::kKvInRegs && !(Traits::kDqByStep && (kSoftcap || kOrderedDq));
       constexpr int kKvSteps = kKvRegs ? kHeadDim / 16 : 1;
       uint32_t ka[kKvSteps][4], va[kKvSteps][4];
-      auto product_rs = [&](float (&acc)[2][kSCols], const uint32_t (&a)[kKvSteps][4], uint32_t tile) {
+      auto product_rs = [&](float (&acc)[2][kSCols], const uint32_t (&a)[kKvSteps][4], uint64_t desc_tile) {
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKvSteps; ++kk)
           sm90::wgmma_rs_kmajor_n64<Elem>(
-              acc, a[kk], sm90::make_smem_desc(tile + (kk / 4) * Traits::kPanelBytesQ + (kk % 4) * 32, 16, 1024),
+              acc, a[kk], sm90::smem_desc_advance(desc_tile, (kk / 4) * Traits::kPanelBytesQ + (kk % 4) * 32),
               kk > 0 ? 1 : 0);
         sm90::wgmma_commit();
       };
       auto issue_s = [&](int at) {
         sm90::mbar_wait(bar_full(at % kStages), (at / kStages) & 1u);
-        const uint32_t tile = base + Traits::kOffQ + (at % kStages) * Traits::kQBytes;
-        if constexpr (kKvRegs) product_rs(s, ka, tile);
-        else product_ss<kHeadDim, Elem>(s, s_k_wg, tile);
+        const uint64_t desc_q = desc_at(Traits::kOffQ + (at % kStages) * Traits::kQBytes, 16);
+        if constexpr (kKvRegs) product_rs(s, ka, desc_q);
+        else product_ss<kHeadDim, Elem>(s, desc_at(wg_offset(k_wg_offset_t), 16), desc_q);
       };
       auto issue_dp = [&](int at) {
-        const uint32_t tile = base + Traits::kOffDo + (at % kStages) * Traits::kQBytes;
-        if constexpr (kKvRegs) product_rs(dp, va, tile);
-        else product_ss<kHeadDim, Elem>(dp, s_v_wg, tile);
+        const uint64_t desc_do = desc_at(Traits::kOffDo + (at % kStages) * Traits::kQBytes, 16);
+        if constexpr (kKvRegs) product_rs(dp, va, desc_do);
+        else product_ss<kHeadDim, Elem>(dp, desc_at(wg_offset(v_wg_offset_t), 16), desc_do);
       };
       // A step's dQ (64 queries x this consumer's kDqCols).
       float dq[2][kQCols];
@@ -740,13 +774,15 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             va[kk][e] = sm90::ld_shared_b32(s_v + at);
           }
       }
+      // Step it's query block and head, counted (it = (head - head_first) * m_blocks + m_index).
+      int head = head_first, m_index = 0;
       for (int it = 0; it < iters; ++it, ++step) {
         const int stage = step % kStages;
-        const int head = head_first + it / m_blocks;
-        const int m0 = (m_begin + it % m_blocks) * kBlockM;
-        const uint32_t s_q = base + Traits::kOffQ + stage * Traits::kQBytes;
-        const uint32_t s_do = base + Traits::kOffDo + stage * Traits::kQBytes;
+        const int m0 = (m_begin + m_index) * kBlockM;
+        const uint64_t desc_q_mn = desc_at(Traits::kOffQ + stage * Traits::kQBytes, Traits::kPanelBytesQ);
+        const uint64_t desc_do_mn = desc_at(Traits::kOffDo + stage * Traits::kQBytes, Traits::kPanelBytesQ);
         const uint32_t s_ds = base + Traits::kOffDs + (step & 1) * Traits::kDsBytes;
+        const uint64_t desc_ds = desc_at(Traits::kOffDs + (step & 1) * Traits::kDsBytes, Traits::kDsBytes);
         const float* lse2 = s_lse + stage * kBlockM;
         const float* delta = s_delta + stage * kBlockM;
 
@@ -821,7 +857,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         }
 
         // ---- dV += P^T dO (runs while dS^T is computed) ----
-        accumulate_rs<kHeadDim, Elem>(dv, pp, s_do);
+        accumulate_rs<kHeadDim, Elem>(dv, pp, desc_do_mn);
         sm90::wgmma_wait<1>();  // dP^T complete; dV may still run
         sm90::fence_operands(dp);
 
@@ -834,7 +870,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         sm90::pack_a_fragment<Elem>(ds, dp);
 
         // ---- dK += dS^T Q ----
-        accumulate_rs<kHeadDim, Elem>(dk, ds, s_q);
+        accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
 
         // ---- dS^T to shared memory, then both consumers' keys are visible ----
 #pragma unroll
@@ -854,12 +890,12 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 
         // ---- dQ (64 queries x kDqCols from dq_col0) = dS K over all 128 keys ----
         if (my_dq) {
+          const uint32_t k_dq_offset = wg_offset(k_dq_offset_t);
           sm90::wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kBlockN / 16; ++kk)
-            sm90::wgmma_ss<Elem, 1, 1>(dq, sm90::make_smem_desc(s_ds + kk * 16 * 128, Traits::kDsBytes, 1024),
-                                       sm90::make_smem_desc(s_k_dq + kk * 16 * 128, Traits::kPanelBytesKV, 1024),
-                                       kk > 0 ? 1 : 0);
+            sm90::wgmma_ss<Elem, 1, 1>(dq, sm90::smem_desc_advance(desc_ds, kk * 16 * 128),
+                                       desc_at(k_dq_offset + kk * 16 * 128, Traits::kPanelBytesKV), kk > 0 ? 1 : 0);
           sm90::wgmma_commit();
         }
         sm90::wgmma_wait<0>();
@@ -875,6 +911,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         if (my_dq) {
           stage_dq(step, head, m0);
           if constexpr (Traits::kAhead == 0) publish_dq(step);
+        }
+        if (++m_index == m_blocks) {
+          m_index = 0;
+          ++head;
         }
       }
       if (Traits::kAhead > 0 && iters > 0 && computes_dq(step - 1)) publish_dq(step - 1);

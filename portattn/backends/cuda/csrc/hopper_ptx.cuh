@@ -136,6 +136,26 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t addr, uint32_t lbo_b
   return desc;
 }
 
+// The descriptor of the matrix `bytes` further on in shared memory (same LBO, SBO and
+// swizzle): make_smem_desc(addr + bytes, ...) whenever both addresses lie in the CTA's
+// shared memory. Why a low-word add is exact: shared-memory addresses are below 2^18
+// (228 KiB on sm_90), so (addr & 0x3FFFF) >> 4 is addr >> 4 and the start-address field
+// holds it without the mask; (addr + bytes) >> 4 = (addr >> 4) + (bytes >> 4) for 16-byte
+// multiples, and the sum stays below 2^14, so nothing carries into the LBO field at bit
+// 16. The high word (SBO, swizzle) is the base's: one 32-bit add a descriptor, which a
+// kernel whose bases are warp-uniform keeps in uniform registers (the backward's consumers:
+// Note [portattn hopper backward descriptors] in hopper_bwd_kernel.cuh).
+__device__ __forceinline__ uint64_t smem_desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+// make_smem_desc(addr + bytes, lbo_bytes, sbo) from base = make_smem_desc(addr, 0, sbo): the
+// same low-word add, with the LBO field (empty in base) added in too.
+__device__ __forceinline__ uint64_t smem_desc_at(uint64_t base, uint32_t bytes, uint32_t lbo_bytes) {
+  const uint32_t lo = static_cast<uint32_t>(base) + (bytes >> 4) + (((lbo_bytes >> 4) & 0x3FFFu) << 16);
+  return (base & 0xFFFFFFFF00000000ull) | lo;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
