@@ -237,5 +237,7 @@ def test_process_variance_probe_dry_run_reports_every_process(tmp_path):
     for row in result["processes"]:
         assert "error" not in row, row
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and set(row["ptr_mod_2mib"]) == {"q", "k", "v", "dout"}
+        assert row["impl"] == "portattn"
     table = (tmp_path / "process_variance.md").read_text()
-    assert table.count("\n| 0 |") == 1 and table.count("\n| 1 |") == 1 and "slowest / fastest process" in table
+    assert table.count("\n| 0 | portattn |") == 1 and table.count("\n| 1 | portattn |") == 1
+    assert "portattn forward+backward: slowest / fastest process" in table
