@@ -591,8 +591,15 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     const int lane = tid % 32;
     const int g = lane / 4;
     const int q4 = lane % 4;
-    // This warpgroup's 64 rows of each Q panel start wg * 64 * 128 bytes in.
-    uint32_t s_q_wg = s_q + wg * 64 * 128;
+    // This warpgroup's 64 rows of each Q panel start wg * 64 * 128 bytes into its buffer.
+    // Descriptors (Note [portattn hopper backward descriptors], hopper_bwd_kernel.cuh: the
+    // same reasons): every operand's from one base plus a byte offset, made warp-uniform by a
+    // shuffle of lane 0's value (Q's once a tile, K's and V's stage once a product).
+    const uint64_t desc_base = sm90::make_smem_desc(smem_base, 0, 1024);
+    auto q_offset_of = [&](int buffer) {
+      return __shfl_sync(0xffffffffu, static_cast<uint32_t>(buffer * Traits::kQBytes + wg * 64 * 128), 0);
+    };
+    uint32_t q_off_wg = q_offset_of(0);
 
     // Ping-pong (Note [portattn hopper forward schedule]): warpgroup wg waits
     // on barrier 1 + wg before issuing products and then opens the next
@@ -620,24 +627,28 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       __syncwarp();
       if (lane == 0) sm90::mbar_arrive(bar);
     };
-    auto issue_s = [&](float (&s)[2][kSCols], int stage) {
-      const uint32_t s_k_stage = s_k + stage * Traits::kKVBytes;
+    // A stage's K / V offset from the base, warp-uniform; taken before the waits that precede
+    // the issue, so the shuffle's latency is not between a turn's wait and its products.
+    auto k_offset = [&](int stage) {
+      return __shfl_sync(0xffffffffu, (s_k - smem_base) + stage * Traits::kKVBytes, 0);
+    };
+    auto v_offset = [&](int stage) {
+      return __shfl_sync(0xffffffffu, (s_v - smem_base) + stage * Traits::kKVBytes, 0);
+    };
+    auto issue_s = [&](float (&s)[2][kSCols], uint32_t k_stage_off) {
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         const uint32_t offset = (kk % 4) * 32;  // k16 step inside the 128-byte panel row
-        const uint64_t desc_q =
-            sm90::make_smem_desc(s_q_wg + (kk / 4) * kPanelBytesQ + offset, 16, 1024);
-        const uint64_t desc_k =
-            sm90::make_smem_desc(s_k_stage + (kk / 4) * kPanelBytesKV + offset, 16, 1024);
+        const uint64_t desc_q = sm90::smem_desc_at(desc_base, q_off_wg + (kk / 4) * kPanelBytesQ + offset, 16);
+        const uint64_t desc_k = sm90::smem_desc_at(desc_base, k_stage_off + (kk / 4) * kPanelBytesKV + offset, 16);
         sm90::wgmma_ss<Elem, 0, 0, kSCols>(s, desc_q, desc_k, kk > 0 ? 1 : 0);  // N = kBlockN
       }
       sm90::wgmma_commit();
     };
-    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], int stage) {
-      const uint32_t s_v_stage = s_v + stage * Traits::kKVBytes;
+    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], uint32_t v_stage_off) {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t desc_v = sm90::make_smem_desc(s_v_stage + kk * 16 * 128, kPanelBytesKV, 1024);
+        const uint64_t desc_v = sm90::smem_desc_at(desc_base, v_stage_off + kk * 16 * 128, kPanelBytesKV);
         sm90::wgmma_rs<Elem>(o, p[kk], desc_v);
       }
       sm90::wgmma_commit();
@@ -835,14 +846,15 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       if (n_blocks > 0) {
         if constexpr (Traits::kPipelined) {
           if (!entered) {
-            s_q_wg = s_q + qb * Traits::kQBytes + wg * 64 * 128;
+            q_off_wg = q_offset_of(qb);
             sm90::mbar_wait(bar_q_full(qb), (q_uses / kQBuffers) & 1);
             if (Traits::kPingPong && wg == kLastWg) sm90::named_barrier_arrive(1, 256);
             // Phase 0: S(0) alone.
+            const uint32_t k_off = k_offset(stage_of(0));
             turn_wait();
             sm90::mbar_wait(bar_k_full(stage_of(0)), parity_of(0));
             sm90::wgmma_fence();
-            issue_s(s, stage_of(0));
+            issue_s(s, k_off);
             turn_pass(false);
             sm90::wgmma_wait<0>();
             sm90::fence_operands(s);
@@ -854,6 +866,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
           }
           // Phase it: S(it) and P(it-1) V(it-1) in flight together.
           for (int it = 1; it < n_blocks; ++it) {
+            const uint32_t k_off = k_offset(stage_of(it)), v_off = v_offset(stage_of(it - 1));
             turn_wait();
             // Both waits before the first issue: ptxas serialises wgmma
             // chains that straddle a branch (warning C7519).
@@ -861,8 +874,8 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::mbar_wait(bar_v_full(stage_of(it - 1)), parity_of(it - 1));
             sm90::fence_operands(o);
             sm90::wgmma_fence();
-            issue_s(s, stage_of(it));
-            issue_pv(o, p, stage_of(it - 1));
+            issue_s(s, k_off);
+            issue_pv(o, p, v_off);
             turn_pass(false);
             sm90::wgmma_wait<1>();  // S(it) has landed; P V may still run
             sm90::fence_operands(s);
@@ -886,15 +899,16 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             // Phase n, fused: the last P V, then the next tile's S(0) (its Q buffer and first K
             // block: (q_uses + 1), block kv_uses + n_blocks); the epilogue runs under S(0).
             const int next_qb = (q_uses + 1) % kQBuffers;
+            const uint32_t k_off = k_offset(stage_of(n_blocks)), v_off = v_offset(stage_of(n_blocks - 1));
+            q_off_wg = q_offset_of(next_qb);  // (this tile's S products are all issued)
             turn_wait();
             sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
             sm90::mbar_wait(bar_q_full(next_qb), ((q_uses + 1) / kQBuffers) & 1);
             sm90::mbar_wait(bar_k_full(stage_of(n_blocks)), parity_of(n_blocks));
-            s_q_wg = s_q + next_qb * Traits::kQBytes + wg * 64 * 128;
             sm90::fence_operands(o);
             sm90::wgmma_fence();
-            issue_pv(o, p, stage_of(n_blocks - 1));
-            issue_s(s, stage_of(n_blocks));
+            issue_pv(o, p, v_off);
+            issue_s(s, k_off);
             turn_pass(false);
             sm90::wgmma_wait<1>();  // P V has landed; S(0) of the next tile may still run
             sm90::fence_operands(o);
@@ -913,11 +927,12 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             pack_p(p, s);
           } else {
             // Phase n: the last P V alone.
+            const uint32_t v_off = v_offset(stage_of(n_blocks - 1));
             turn_wait();
             sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
             sm90::fence_operands(o);
             sm90::wgmma_fence();
-            issue_pv(o, p, stage_of(n_blocks - 1));
+            issue_pv(o, p, v_off);
             turn_pass(true);
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
@@ -927,13 +942,13 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             kv_uses += n_blocks;
           }
         } else {
-          s_q_wg = s_q + qb * Traits::kQBytes + wg * 64 * 128;
+          q_off_wg = q_offset_of(qb);
           sm90::mbar_wait(bar_q_full(qb), (q_uses / kQBuffers) & 1);
           // One block at a time: S, softmax, P V, each waiting for the last.
           for (int it = 0; it < n_blocks; ++it) {
             sm90::mbar_wait(bar_k_full(stage_of(it)), parity_of(it));
             sm90::wgmma_fence();
-            issue_s(s, stage_of(it));
+            issue_s(s, k_offset(stage_of(it)));
             sm90::wgmma_wait<0>();
             sm90::fence_operands(s);
             release(bar_k_empty(stage_of(it)));
@@ -949,7 +964,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::mbar_wait(bar_v_full(stage_of(it)), parity_of(it));
             sm90::fence_operands(o);
             sm90::wgmma_fence();
-            issue_pv(o, p, stage_of(it));
+            issue_pv(o, p, v_offset(stage_of(it)));
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
             sm90::fence_fragment(p);
