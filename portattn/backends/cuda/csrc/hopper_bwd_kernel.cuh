@@ -210,6 +210,11 @@
 #ifndef PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL
 #define PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL 1
 #endif
+// 1: masked kernels read a step's LSE columns into registers before the S^T wait (kLseEarly in
+// the kernel says why and what it measured); 0 reads them after it everywhere (A/B).
+#ifndef PORTATTN_HOPPER_BWD_LSE_EARLY
+#define PORTATTN_HOPPER_BWD_LSE_EARLY 1
+#endif
 
 namespace portattn {
 namespace hopper {
@@ -394,6 +399,14 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   constexpr int kOCols = kHeadDim / 4;  // dK/dV fragment columns per thread row
   constexpr int kQCols = Traits::kDqCols / 4;
   constexpr int kMSteps = kBlockM / 16;  // k16 steps of the dV/dK products
+  // A step's LSE columns read into registers before its S^T wait, in masked kernels: there the
+  // P^T loop has an edge and a plain copy, each with its own loads after the wait, and the first
+  // exponent stalled on them (ncu source page, hd128 2k causal: short scoreboard at the first
+  // FFMA). Same-call A/B, three rounds (bench/results/runs/2026-11-26-9bb4369-lse): main kernel
+  // hd128 2k causal -1.8%, 8k causal -2.0%, hd64 causal -0.5 to 0; without a mask it lost
+  // (hd64 1k +2%, hd128 4k +0.9%: 16 more live registers across the wait, no second copy to share).
+  // Not with softcap (not measured; its hd128 kernels already spill a few words).
+  constexpr bool kLseEarly = PORTATTN_HOPPER_BWD_LSE_EARLY != 0 && kMask != kBwdMaskNone && !kSoftcap;
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -791,6 +804,16 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         if constexpr (Traits::kAhead >= 2) issue_dp(step);
         if (Traits::kAhead > 0 && it > 0 && computes_dq(step - 1)) publish_dq(step - 1);
         if constexpr (Traits::kAhead < 2) issue_dp(step);
+        // This thread's LSE columns, read while S^T runs (kLseEarly) or where P^T needs them.
+        float lse_cols[kLseEarly ? kSCols : 1];
+        if constexpr (kLseEarly) {
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c) lse_cols[c] = lse2[(c / 2) * 8 + 2 * q4 + (c % 2)];
+        }
+        auto lse_of = [&](int c) {
+          if constexpr (kLseEarly) return lse_cols[c];
+          else return lse2[(c / 2) * 8 + 2 * q4 + (c % 2)];
+        };
         sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
 
@@ -822,7 +845,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
               for (int h = 0; h < 2; ++h) {
                 const int col = (c / 2) * 8 + 2 * q4 + h;
                 const float t = s[r][c + h];
-                prob[h] = softmax::exp2_fast(f.softcap * t * softmax::kLog2e - lse2[col]);
+                prob[h] = softmax::exp2_fast(f.softcap * t * softmax::kLog2e - lse_of(c + h));
                 if (edge && !visible(n0 + key_row + 8 * r, m0 + col)) prob[h] = 0.f;
                 s[r][c + h] = prob[h] * (1.f - t * t);
               }
@@ -838,7 +861,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 #pragma unroll
             for (int c = 0; c < kSCols; ++c) {
               const int col = (c / 2) * 8 + 2 * q4 + (c % 2);
-              const float l = lse2[col];
+              const float l = lse_of(c);
 #pragma unroll
               for (int r = 0; r < 2; ++r) {
                 const float prob = softmax::exp2_fast(s[r][c] * scale_log2 - l);
@@ -848,7 +871,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           } else {
 #pragma unroll
             for (int c = 0; c < kSCols; ++c) {
-              const float l = lse2[(c / 2) * 8 + 2 * q4 + (c % 2)];
+              const float l = lse_of(c);
 #pragma unroll
               for (int r = 0; r < 2; ++r) s[r][c] = softmax::exp2_fast(s[r][c] * scale_log2 - l);
             }
