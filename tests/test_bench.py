@@ -241,3 +241,38 @@ def test_process_variance_probe_dry_run_reports_every_process(tmp_path):
     table = (tmp_path / "process_variance.md").read_text()
     assert table.count("\n| 0 | portattn |") == 1 and table.count("\n| 1 | portattn |") == 1
     assert "portattn forward+backward: slowest / fastest process" in table
+
+
+def test_profile_host_dry_run_reports_issue_times_and_profiles(tmp_path):
+    done = _run([sys.executable, "bench/profile_host.py", "--dry-run", "--short", "16:50:causal", "--steps", "20",
+                 "--impls", "portattn", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "host_profile.json") as handle:
+        result = json.load(handle)
+    times = result["impls"]["portattn"]
+    assert times["forward_us"] > 0 and times["backward_us"] > 0
+    assert times["step_us"] >= max(times["forward_us"], times["backward_us"])
+    assert "run_backward" in times["profile"]["cumulative"]  # the profile saw our backward
+    table = (tmp_path / "host_profile.md").read_text()
+    assert "\n| portattn | " in table and "cProfile" in table
+
+
+def test_ab_table_rounds_and_ratios(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import ab_table
+    finally:
+        sys.path.pop(0)
+
+    def write(name, tflops):
+        folder = tmp_path / name
+        folder.mkdir()
+        grid = [{"head_dim": 64, "seqlen": 512, "causal": True, "tflops": {"fwd": tflops}}]
+        (folder / "x.json").write_text(json.dumps({"grid": grid}))
+
+    write("grid_A_r1", {"portattn": 100.0})
+    write("grid_A_r2", {"portattn": 110.0})
+    write("grid_B_r1", {"portattn": 126.0, "sdpa_cudnn": 120.0})
+    write("grid_B_r2", {"portattn": 126.0})
+    text = ab_table.table(str(tmp_path), "grid", "A", "B", 2, "sdpa_cudnn")
+    assert "| 64 | 512 | causal | 100.0 110.0 | 126.0 126.0 | 1.200 | 1.050 |" in text
