@@ -90,8 +90,76 @@ def bench_memory(seqlen=32768, heads=16, head_dim=128):
             "out_plus_lse_bytes": expected}
 
 
+def merge_processes(results: list) -> list:
+    """The grid rows of several processes' runs of the same grid: per cell and implementation the
+    median TFLOP/s and ms over the processes that measured it, and `spread` = [min, max] TFLOP/s."""
+    import statistics
+
+    rows = [dict(row) for row in results[0]["grid"]]
+    for index, row in enumerate(rows):
+        row["tflops"], row["ms"], row["spread"] = {}, {}, {}
+        for mode in results[0]["grid"][index]["tflops"]:
+            for impl in set().union(*(r["grid"][index]["tflops"].get(mode, {}) for r in results)):
+                tflops = [r["grid"][index]["tflops"][mode][impl] for r in results
+                          if r["grid"][index]["tflops"].get(mode, {}).get(impl) is not None]
+                times = [r["grid"][index]["ms"][mode][impl] for r in results
+                         if r["grid"][index]["ms"].get(mode, {}).get(impl) is not None]
+                if not tflops:
+                    continue
+                row["tflops"].setdefault(mode, {})[impl] = statistics.median(tflops)
+                row["ms"].setdefault(mode, {})[impl] = statistics.median(times)
+                row["spread"].setdefault(mode, {})[impl] = [min(tflops), max(tflops)]
+    return rows
+
+
+def spread_markdown(result) -> list:
+    """Per cell, portattn's and the first peer's lowest and highest TFLOP/s across the processes."""
+    if not result.get("processes") or result["processes"] < 2:
+        return []
+    peer = next((name for name in result["impls"] if name != "portattn"), None)
+    lines = ["## Spread across processes (lowest - highest TFLOP/s)", "",
+             f"Each cell above is the median of {result['processes']} fresh processes' runs of the grid.", "",
+             "| hd | seqlen | causal | mode | portattn | " + (peer or "") + " |", "|---|---|---|---|---|---|"]
+    for row in result["grid"]:
+        for mode, by_impl in row.get("spread", {}).items():
+            cells = [f"{by_impl[name][0]:.1f} - {by_impl[name][1]:.1f}" if name in by_impl else "n/a"
+                     for name in ("portattn", peer)]
+            lines.append(f"| {row['head_dim']} | {row['seqlen']} | {row['causal']} | {mode} | {cells[0]} | {cells[1]} |")
+    return lines + [""]
+
+
+def run_in_processes(args, count: int) -> list:
+    """The grid in `count` fresh processes (this script with --processes 1, --grid-only), their results."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    forwarded, skip_value = [], False
+    for arg in sys.argv[1:]:  # every argument but --processes (and its value)
+        if skip_value:
+            skip_value = False
+        elif arg == "--processes":
+            skip_value = True
+        elif not arg.startswith("--processes="):
+            forwarded.append(arg)
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index in range(count):
+            out = os.path.join(scratch, f"p{index}")
+            command = [sys.executable, os.path.abspath(__file__), *forwarded, "--processes", "1", "--grid-only",
+                       "--out", out, "--name", "grid", "--tag", ""]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"grid process {index} failed: {(done.stderr or done.stdout)[-2000:]}")
+            with open(os.path.join(out, "grid.json")) as handle:
+                results.append(json.load(handle))
+            print(f"grid process {index + 1} of {count} done", flush=True)
+    return results
+
+
 def extra_markdown(result) -> list:
-    lines = []
+    lines = spread_markdown(result)
     if result.get("overhead"):
         lines += ["## Small-problem wall time per call (us, host included, no sync in the loop)", "",
                   "backend.forward = CudaBackend.forward alone with preallocated outputs (no validation, "
@@ -136,6 +204,10 @@ def main():
     parser.add_argument("--out", default=peers.LATEST)
     parser.add_argument("--name", default="hopper_bench", help="result file name (without extension)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run the grid in this many fresh processes and report each cell's median (and the "
+                             "spread); a single process's cell moves by up to 6%% from one process to the next "
+                             "(docs/hopper_notes.md, session 13)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
     args = parser.parse_args()
     peers.require_device(args.dry_run)
@@ -156,9 +228,14 @@ def main():
         result["grid"] = rows
         peers.write_results(result, args.out, name, extra_markdown(result))
 
-    timer = peers.Timer(args.warmup_ms, args.rep_ms, dry_run=args.dry_run)
-    save(peers.run_grid(peers.grid(peers.parse_ints(args.head_dims), seqlens), impls, modes, timer,
-                        args.budget_s, on_point=save))
+    if args.processes > 1:
+        result["processes"] = args.processes
+        result["note"] += f" Each cell: the median of {args.processes} fresh processes (spread below the tables)."
+        save(merge_processes(run_in_processes(args, args.processes)))
+    else:
+        timer = peers.Timer(args.warmup_ms, args.rep_ms, dry_run=args.dry_run)
+        save(peers.run_grid(peers.grid(peers.parse_ints(args.head_dims), seqlens), impls, modes, timer,
+                            args.budget_s, on_point=save))
     if not args.grid_only and not args.dry_run:
         result["overhead"] = bench_overhead([2, 512], [16, 64], [50, 150, 300], 200 if args.quick else 2000)
         result["memory"] = bench_memory()

@@ -276,3 +276,31 @@ def test_ab_table_rounds_and_ratios(tmp_path):
     write("grid_B_r2", {"portattn": 126.0})
     text = ab_table.table(str(tmp_path), "grid", "A", "B", 2, "sdpa_cudnn")
     assert "| 64 | 512 | causal | 100.0 110.0 | 126.0 126.0 | 1.200 | 1.050 |" in text
+
+
+def test_grid_in_several_processes_reports_medians_and_spread(tmp_path):
+    _, result = _dry_grid(tmp_path, "--processes", "2")
+    assert result["processes"] == 2 and "median of 2 fresh processes" in result["note"]
+    assert [(r["seqlen"], r["causal"]) for r in result["grid"]] == [(64, False), (64, True), (128, False), (128, True)]
+    for row in result["grid"]:
+        for mode in ("fwd", "fwd_bwd"):
+            low, high = row["spread"][mode]["portattn"]
+            assert 0 < low <= row["tflops"][mode]["portattn"] <= high
+            assert "sdpa_cudnn" not in row["spread"][mode]  # measured by no process on this CPU
+    assert "## Spread across processes" in (tmp_path / "hopper_bench.md").read_text()
+
+
+def test_merge_processes_takes_each_cells_median():
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_attention
+    finally:
+        sys.path.pop(0)
+
+    def run(value):
+        return {"grid": [{"head_dim": 64, "seqlen": 512, "causal": True,
+                          "tflops": {"fwd": {"portattn": value, "fa4": None}}, "ms": {"fwd": {"portattn": 1 / value}}}]}
+    rows = bench_attention.merge_processes([run(100.0), run(130.0), run(110.0)])
+    assert rows[0]["tflops"]["fwd"] == {"portattn": 110.0}
+    assert rows[0]["spread"]["fwd"]["portattn"] == [100.0, 130.0]
+    assert rows[0]["ms"]["fwd"]["portattn"] == 1 / 110.0
