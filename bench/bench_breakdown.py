@@ -17,13 +17,7 @@ import peers
 
 
 def parse_points(text: str) -> list:
-    points = []
-    for part in text.split(","):
-        head_dim, seqlen, mask = part.split(":")
-        if mask not in ("causal", "full"):
-            raise SystemExit(f"--points: '{part}' must end in :causal or :full")
-        points.append(peers.Point(int(head_dim), int(seqlen), mask == "causal"))
-    return points
+    return [peers.parse_point(part) for part in text.split(",")]
 
 
 def main():

@@ -114,6 +114,19 @@ def parse_ints(text: str) -> list:
     return values
 
 
+def parse_point(text: str, short: bool = False) -> "Point":
+    """head_dim:seqlen:causal|full on the FA2 grid's 16k tokens, or with `short` at bench_short.py's
+    batch 512 x 16 heads (its ShortPoint)."""
+    head_dim, seqlen, mask = text.split(":")
+    if mask not in ("causal", "full"):
+        raise SystemExit(f"point '{text}' must end in :causal or :full")
+    if short:
+        from bench_short import ShortPoint  # (bench_short imports this module: imported at the call)
+
+        return ShortPoint(int(head_dim), int(seqlen), mask == "causal")
+    return Point(int(head_dim), int(seqlen), mask == "causal")
+
+
 # ---- the implementations ---------------------------------------------------------------
 # Each binds (q, k, v) in (batch, seqlen, heads, head_dim) layout to a zero-argument call
 # returning the output in that layout (a view is fine: autograd follows it). Bindings run

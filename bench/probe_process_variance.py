@@ -29,17 +29,6 @@ import sys
 import peers
 
 
-def _point(text: str, short: bool):
-    head_dim, seqlen, mask = text.split(":")
-    if mask not in ("causal", "full"):
-        raise SystemExit(f"point '{text}' must end in :causal or :full")
-    if short:
-        from bench_short import ShortPoint
-
-        return ShortPoint(int(head_dim), int(seqlen), mask == "causal")
-    return peers.Point(int(head_dim), int(seqlen), mask == "causal")
-
-
 def _sm_clock_mhz() -> str:
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu",
@@ -77,7 +66,7 @@ def child(args) -> dict:
     """One process's measurements of the cell (printed as one JSON line)."""
     import torch
 
-    point = _point(args.short or args.point, bool(args.short))
+    point = peers.parse_point(args.short or args.point, bool(args.short))
     impl = peers.IMPLS[args.impl]
     bind, why = peers.load_impl(impl.name)
     if bind is None:

@@ -28,17 +28,6 @@ import peers
 GROUP = 10  # steps issued between two synchronizes
 
 
-def _point(text: str, short: bool):
-    head_dim, seqlen, mask = text.split(":")
-    if mask not in ("causal", "full"):
-        raise SystemExit(f"point '{text}' must end in :causal or :full")
-    if short:
-        from bench_short import ShortPoint
-
-        return ShortPoint(int(head_dim), int(seqlen), mask == "causal")
-    return peers.Point(int(head_dim), int(seqlen), mask == "causal")
-
-
 def issue_times(torch, call, grad_inputs, dout, steps: int, dry_run: bool) -> dict:
     """Median host microseconds to issue the forward and the backward of one step."""
     forward_us, backward_us = [], []
@@ -92,7 +81,7 @@ def main():
     import torch
 
     text = args.short or args.point or "16:50:causal"
-    point = _point(text, args.point is None)
+    point = peers.parse_point(text, args.point is None)
     q, k, v, dout = peers.make_inputs(point, args.dry_run)
     result = dict(peers.header(args.dry_run), cell=("short " if args.point is None else "") + text, impls={})
     lines = [f"# Host time of one forward+backward step: {result['cell']}", "",
