@@ -319,20 +319,23 @@ __device__ __forceinline__ uint32_t swizzle128(int row, int col) {
 }
 
 // Note [portattn hopper backward descriptors]
-// Every wgmma operand in shared memory is addressed by a descriptor built once from a
-// warp-uniform base (make_smem_desc: the K / V rows of this warpgroup, each Q / dO stage,
-// each dS^T buffer) and advanced per k16 step by a compile-time byte offset
-// (smem_desc_advance: one 32-bit add of the low word). Before, each of a step's 32 wgmma
-// instructions (hd128) rebuilt both descriptors from a byte address (mask, shift, OR with
-// the LBO / SBO words) in per-thread registers, because the warpgroup index came from
-// threadIdx.x, and moved them into uniform registers: ncu's source page (hd128 2k causal,
+// Every wgmma operand in shared memory is addressed by one descriptor of the shared-memory
+// base (make_smem_desc) plus a byte offset and the operand's LBO (smem_desc_at), advanced per
+// k16 step by a compile-time offset (smem_desc_advance): a 32-bit add of the low word each.
+// The offsets that depend on the warpgroup (its K / V rows, dQ's K columns) are made
+// warp-uniform by a shuffle of lane 0's value where they are used, so the compiler keeps the
+// descriptors in uniform registers. Before, each of a step's 32 wgmma instructions (hd128)
+// rebuilt both descriptors from a byte address (mask, shift, OR with the LBO / SBO words) in
+// per-thread registers, the warpgroup index coming from threadIdx.x, and moved them into
+// uniform registers: ncu's source page (hd128 2k causal,
 // bench/results/runs/2026-11-26-53ce50d-swizzle) counted 772 instructions a consumer warp
-// issues per step, ~240 of them the step's arithmetic, loads, stores and wgmma, and ~470
-// integer, move and uniform-datapath instructions, most of them this descriptor
-// arithmetic. The consumers are issue-bound between their products (tensor pipe 54%
-// active), so the instructions count. Hence also the warp-uniform warpgroup index
-// (__shfl_sync of lane 0's: the compiler then keeps the bases in uniform registers) and
-// the step loop's query block / head as counters instead of a division per step.
+// issued per step, ~240 of them the step's arithmetic, loads, stores and wgmma and ~470
+// integer, move and uniform-datapath instructions, most of them this arithmetic; the step
+// loop's query block and head also came from a signed division per step (now counters).
+// After (runs/2026-11-26-9bb4369-lse): ~580 a step; main kernel hd128 -1.5 to -1.9%, hd64
+// -4.6 to -9.4% (runs/2026-11-26-44a3791-desc). Shuffling the warpgroup index once, at the
+// consumers' start, instead of the offsets at their use made ptxas spill 40-450 bytes in
+// every hd128 variant (the hoisted uniform values stayed live across the loop).
 
 // acc (64 keys x 64 queries) = a (64 rows of K or V) * b (64 rows of Q or dO)^T,
 // contracting over the head dim (both K-major, in 64-column panels of kBlockN and
@@ -635,13 +638,12 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     // panel), SBO 1024 and the 128B swizzle for every one of them.
     const uint64_t desc_base = sm90::make_smem_desc(base, 0, 1024);
     auto desc_at = [&](uint32_t offset, uint32_t lbo_bytes) { return sm90::smem_desc_at(desc_base, offset, lbo_bytes); };
-    // This warpgroup's K / V rows and dQ's K columns, warp-uniform as the compiler sees them
-    // (a shuffle of lane 0's value) where they are used, once a step: hoisted out of the
-    // loop, the uniform values made ptxas spill (hd128: 40-450 bytes in every variant).
-    auto wg_offset = [&](uint32_t offset) { return __shfl_sync(0xffffffffu, offset, 0); };
-    const uint32_t k_wg_offset_t = Traits::kOffK + wg * 64 * 128;
-    const uint32_t v_wg_offset_t = Traits::kOffV + wg * 64 * 128;
-    const uint32_t k_dq_offset_t = s_k_dq - base;
+    // This warpgroup's K / V rows and dQ's K columns, made warp-uniform where they are used
+    // (once a product; see the Note for why not once).
+    auto uniform = [&](uint32_t offset) { return __shfl_sync(0xffffffffu, offset, 0); };
+    const uint32_t k_rows_offset = Traits::kOffK + wg * 64 * 128;
+    const uint32_t v_rows_offset = Traits::kOffV + wg * 64 * 128;
+    const uint32_t k_dq_cols_offset = s_k_dq - base;
     const int dq_col0 = Traits::kDqByStep ? 0 : wg * Traits::kDqCols;  // this consumer's first dQ column
     // Whether this consumer computes step at_step's dQ, and the thread that writes its turn
     // (deterministic mode).
@@ -689,12 +691,12 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         sm90::mbar_wait(bar_full(at % kStages), (at / kStages) & 1u);
         const uint64_t desc_q = desc_at(Traits::kOffQ + (at % kStages) * Traits::kQBytes, 16);
         if constexpr (kKvRegs) product_rs(s, ka, desc_q);
-        else product_ss<kHeadDim, Elem>(s, desc_at(wg_offset(k_wg_offset_t), 16), desc_q);
+        else product_ss<kHeadDim, Elem>(s, desc_at(uniform(k_rows_offset), 16), desc_q);
       };
       auto issue_dp = [&](int at) {
         const uint64_t desc_do = desc_at(Traits::kOffDo + (at % kStages) * Traits::kQBytes, 16);
         if constexpr (kKvRegs) product_rs(dp, va, desc_do);
-        else product_ss<kHeadDim, Elem>(dp, desc_at(wg_offset(v_wg_offset_t), 16), desc_do);
+        else product_ss<kHeadDim, Elem>(dp, desc_at(uniform(v_rows_offset), 16), desc_do);
       };
       // A step's dQ (64 queries x this consumer's kDqCols).
       float dq[2][kQCols];
@@ -913,7 +915,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
 
         // ---- dQ (64 queries x kDqCols from dq_col0) = dS K over all 128 keys ----
         if (my_dq) {
-          const uint32_t k_dq_offset = wg_offset(k_dq_offset_t);
+          const uint32_t k_dq_offset = uniform(k_dq_cols_offset);
           sm90::wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kBlockN / 16; ++kk)
