@@ -257,6 +257,25 @@ def test_profile_host_dry_run_reports_issue_times_and_profiles(tmp_path):
     assert "\n| portattn | " in table and "cProfile" in table
 
 
+def test_host_overhead_cpu_times_every_shape_on_the_compiled_path(tmp_path):
+    out = tmp_path / "host_overhead.json"
+    done = _run([sys.executable, "bench/host_overhead_cpu.py", "--repeat", "2", "--calls", "5", "--out", str(out),
+                 "--profile", "short"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["shapes"]) == {"short", "hd128_1k", "varlen", "gqa"}
+    for name, row in result["shapes"].items():
+        assert row["forward_us"] > 0 and row["backward_us"] > 0, (name, row)
+        assert row["step_us"] >= max(row["forward_us"], row["backward_us"]), (name, row)
+        assert row["steps"] == 10
+    # Dispatch chose as on an H100: hd16 on the sm80+ kernels, the rest on the Hopper path
+    # (the tool itself fails if any step fell back to the reference backend).
+    assert result["shapes"]["short"]["entry_points"] == ["bwd", "fwd"]
+    assert result["shapes"]["gqa"]["entry_points"] == ["hopper_bwd", "hopper_fwd"]
+    assert "\n| short | bwd/fwd | " in done.stdout
+    assert "run_forward" in done.stdout and "us per step" in done.stdout  # the profile
+
+
 def test_ab_table_rounds_and_ratios(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
