@@ -21,9 +21,12 @@ What differs from the GPU (all the same before and after a change, so comparison
   CUDA-only decode-shape test in ops.run_forward (a few integer comparisons) is not taken.
 
 Output: a table of median microseconds per forward call (autograd recording on, as in training) and
-per backward call (torch.autograd.grad of the output), per shape; `--out` writes the same as JSON.
-Each of --repeat rounds times --calls forward+backward steps (gc off inside a round); the medians
-are over every step of every round.
+per backward call (torch.autograd.grad of the output), per shape; `--out` writes the same as JSON,
+with every round's medians. Each of --repeat rounds times --calls forward+backward steps (gc off
+inside a round) and takes their medians; the table shows the lowest round median of each column,
+since on a shared machine other processes only add time. To compare two versions, run both
+alternately (bench/host_overhead_cpu.py is self-contained: `--portattn DIR` times another checkout's
+library with this harness).
 """
 from __future__ import annotations
 
@@ -42,23 +45,32 @@ import types
 
 import torch
 
-# bench/ is run as a script; the checkout's portattn must win over anything installed elsewhere.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Set by load(): the portattn modules under test.
+portattn = dispatch = abi = compiled = matrix = probe = CudaBackend = CudaSm90Backend = None
 
-import portattn  # noqa: E402
-from portattn import dispatch  # noqa: E402
-from portattn.backends import abi, compiled  # noqa: E402
-from portattn.backends.cuda import CudaBackend, CudaSm90Backend  # noqa: E402
-from portattn.capability import matrix, probe  # noqa: E402
+
+def load(root: str = ROOT) -> None:
+    """Import portattn from the checkout at `root` (this one by default; --portattn DIR times an
+    older checkout's library with this same harness)."""
+    global portattn, dispatch, abi, compiled, matrix, probe, CudaBackend, CudaSm90Backend
+    sys.path.insert(0, os.path.abspath(root))
+    import portattn
+    from portattn import dispatch
+    from portattn.backends import abi, compiled
+    from portattn.backends.cuda import CudaBackend, CudaSm90Backend
+    from portattn.capability import matrix, probe
+
+    if not os.path.abspath(portattn.__file__).startswith(os.path.abspath(root) + os.sep):
+        raise RuntimeError(f"imported {portattn.__file__}, not the checkout at {root}")
+
 
 # (name, description): the shapes follow bench/profile_host.py's short cell and the GPU grids,
-# smaller in batch so that no buffer (the GQA backward's fp32 workspace is the largest, 25 MB)
-# passes glibc's 32 MB mmap limit: above it every allocation maps and unmaps pages, and the
-# harness would time the CPU allocator instead of Python.
+# smaller in batch so the buffers stay modest (see `keep_allocations_on_the_heap` too).
 SHAPES = {
     "short": "batch 512 x 50 rows, 16 heads, hd16, causal (bench_short's host-bound cell)",
     "hd128_1k": "batch 2 x 1024 rows, 16 heads, hd128, causal",
-    "varlen": "varlen: 8 documents, 4096 rows, 16 heads, hd64, causal",
+    "varlen": "varlen: 8 documents, 2048 rows (longest 512), 16 heads, hd64, causal",
     "gqa": "batch 1 x 1024 rows, 32/8 heads (GQA), hd128, causal",
 }
 DTYPE = torch.bfloat16
@@ -147,6 +159,26 @@ def install(counts: dict) -> dispatch.Dispatcher:
     return dispatcher
 
 
+def keep_allocations_on_the_heap() -> bool:
+    """Make glibc serve every allocation from its heap (no mmap/munmap per large buffer).
+
+    By default glibc maps buffers above a threshold (at most 32 MB) with mmap and unmaps them
+    on free, so a backward whose workspace crosses it would time page mapping (5-20 us, varying
+    run to run) instead of Python; torch's CUDA caching allocator reuses its blocks. False where
+    mallopt is unavailable (not glibc): the numbers then include that cost.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+        # No mmap'd chunks at all, and no returning the heap's top to the system on free.
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 # ---- the calls ------------------------------------------------------------------------------
 
 
@@ -168,7 +200,7 @@ def make_call(name: str):
         k, v = (_leaf((1, 1024, 8, 128), g) for _ in range(2))
         return (lambda: portattn.flash_attn_func(q, k, v, causal=True)), (q, k, v)
     if name == "varlen":
-        lengths = [300, 700, 128, 1024, 512, 900, 232, 300]
+        lengths = [150, 350, 64, 512, 256, 450, 116, 150]
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
         total, longest = int(cu[-1]), max(lengths)
         q, k, v = (_leaf((total, 16, 64), g) for _ in range(3))
@@ -182,10 +214,11 @@ def time_shape(name: str, repeat: int, calls: int, counts: dict) -> dict:
     for _ in range(20):  # warm-up: dispatch's first decision, allocator caches
         torch.autograd.grad(call(), inputs, dout)
     before = dict(counts)
-    forward_us, backward_us = [], []
+    rounds = []  # per round: (forward, backward, step) medians
     grad = torch.autograd.grad
     clock = time.perf_counter
     for _ in range(repeat):
+        forward_us, backward_us = [], []
         gc.collect()
         gc.disable()
         try:
@@ -199,15 +232,18 @@ def time_shape(name: str, repeat: int, calls: int, counts: dict) -> dict:
                 backward_us.append((end - middle) * 1e6)
         finally:
             gc.enable()
+        rounds.append((statistics.median(forward_us), statistics.median(backward_us),
+                       statistics.median(f + b for f, b in zip(forward_us, backward_us))))
     launched = {key: counts[key] - before[key] for key in counts if counts[key] != before[key]}
     steps = repeat * calls
     # Every step must have reached the stand-in kernels (no fallback to the reference backend).
     if sum(v for k, v in launched.items() if k.endswith("fwd")) != steps or \
             sum(v for k, v in launched.items() if k.endswith("bwd")) != steps:
         raise RuntimeError(f"{name}: expected {steps} compiled forward and backward calls, got {launched}")
-    return {"description": SHAPES[name], "forward_us": statistics.median(forward_us),
-            "backward_us": statistics.median(backward_us),
-            "step_us": statistics.median(f + b for f, b in zip(forward_us, backward_us)),
+    # The least disturbed round: on a shared machine other processes only ever add time.
+    forward, backward, step = (min(column) for column in zip(*rounds))
+    return {"description": SHAPES[name], "forward_us": forward, "backward_us": backward, "step_us": step,
+            "rounds": [dict(zip(("forward_us", "backward_us", "step_us"), r)) for r in rounds],
             "entry_points": sorted(launched), "steps": steps}
 
 
@@ -240,12 +276,15 @@ def main(argv=None):
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--profile", default=None, metavar="SHAPE", help="also print a cProfile of SHAPE")
+    parser.add_argument("--portattn", default=ROOT, metavar="DIR", help="checkout whose portattn to time")
     args = parser.parse_args(argv)
+    load(args.portattn)
     torch.set_num_threads(1)  # nothing here computes; keep intra-op threads from adding noise
+    heap_only = keep_allocations_on_the_heap()
     counts: dict = {}
     install(counts)
-    result = {"tool": "bench/host_overhead_cpu.py", "python": platform.python_version(), "torch": torch.__version__,
-              "machine": platform.machine(), "repeat": args.repeat, "calls": args.calls, "shapes": {}}
+    result = {"tool": "bench/host_overhead_cpu.py", "portattn": os.path.dirname(os.path.dirname(portattn.__file__)), "python": platform.python_version(), "torch": torch.__version__,
+              "machine": platform.machine(), "allocations_on_heap": heap_only, "repeat": args.repeat, "calls": args.calls, "shapes": {}}
     lines = ["| shape | backend (fwd/bwd entry) | forward us | backward us | step us |", "|---|---|---|---|---|"]
     for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
         row = time_shape(name, args.repeat, args.calls, counts)
