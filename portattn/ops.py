@@ -139,19 +139,26 @@ def run_backward(
 
 
 class AttentionFunction(torch.autograd.Function):
-    """The eager autograd node (one per call)."""
+    """The eager autograd node (one per call).
+
+    Its inputs are the tensors and one tuple of the scalar options (see `attention`):
+    Function.apply's own Python and C++ work (wrapper unwrapping, input bookkeeping, the
+    gradient tuple's checks) grows with the argument count, and 14 separate arguments cost
+    ~1 us more per step than 7 (CPU, bench/host_overhead_cpu.py). None of the scalars ever
+    took a gradient, so autograd sees the same differentiable inputs.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, window_left, window_right, softcap, dropout_p, deterministic):
+    def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options):
+        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+         _deterministic) = options
         out, lse, rng = run_forward(
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, window_left, window_right, softcap, dropout_p,
         )
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng.state)
-        seed, offset = rng.seed, rng.offset
-        ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-                       softcap, dropout_p, seed, offset, deterministic)
+        ctx.options = options
+        ctx.philox = (rng.seed, rng.offset)
         ctx.mark_non_differentiable(lse)
         # lse never receives a gradient: do not let autograd allocate a zero one per call.
         ctx.set_materialize_grads(False)
@@ -160,16 +167,17 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # out did not reach the loss
-            return (None,) * 14
+            return None, None, None, None, None, None, None
         q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
-        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-         softcap, dropout_p, seed, offset, deterministic) = ctx.options
+        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+         deterministic) = ctx.options
+        seed, offset = ctx.philox
         dq, dk, dv = run_backward(
             dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
             PhiloxDraw(seed, offset, rng_state), deterministic,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 # ---- torch.compile path ------------------------------------------------------------
@@ -249,12 +257,15 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     """Route one validated call to the cheapest correct path. Returns (out, lse).
 
     lse may be None for an eager call without gradients when `need_lse` is False."""
-    args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, window_left, window_right, softcap, dropout_p)
     if torch.compiler.is_compiling():
-        out, lse, _ = torch.ops.portattn.fwd(*args, deterministic)
+        out, lse, _ = torch.ops.portattn.fwd(
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            window_left, window_right, softcap, dropout_p, deterministic)
         return out, lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return AttentionFunction.apply(*args, deterministic)
-    out, lse, _ = run_forward(*args, need_lse)
+        return AttentionFunction.apply(
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+            (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, deterministic))
+    out, lse, _ = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, window_left, window_right, softcap, dropout_p, need_lse)
     return out, lse
