@@ -94,7 +94,7 @@ def run_forward(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-        rng_seed=rng.seed, rng_offset=rng.offset, **({"rng_state": rng.state} if rng.state is not None else {}),
+        rng_seed=rng.seed, rng_offset=rng.offset, rng_state=rng.state,  # None: Backend's default
     )
     return out, lse, rng
 
@@ -133,7 +133,7 @@ def run_backward(
         softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
         rng_seed=rng.seed, rng_offset=rng.offset, deterministic=deterministic,
-        **({"rng_state": rng.state} if rng.state is not None else {}),
+        rng_state=rng.state,  # None: Backend's default
     )
     return dq, dk, dv
 

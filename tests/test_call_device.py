@@ -99,3 +99,44 @@ def test_compiled_calls_run_with_the_tensors_device_current(two_gpus, monkeypatc
     switched.clear()
     Fake().forward(torch.zeros(2))  # CPU tensors: no device switch
     assert switched == []
+
+
+def test_compiled_forward_launches_with_the_tensors_device_current(two_gpus, monkeypatch):
+    """forward/backward switch device around their one C call (compiled.launch), not the whole method."""
+    from portattn.backends import abi
+
+    current = []
+
+    @contextlib.contextmanager
+    def device(index):
+        current.append(index)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(compiled, "_current_device", lambda: 0)
+    monkeypatch.setattr(abi, "raw_stream", lambda index: 0)
+    ran_on = []
+
+    class Module:
+        def fwd(self, *args):
+            ran_on.append(("fwd", list(current)))
+
+        def hopper_fwd(self, *args):
+            ran_on.append(("hopper_fwd", list(current)))
+
+    for cls, entry in ((CudaBackend, "fwd"), (CudaSm90Backend, "hopper_fwd")):
+        backend = cls.__new__(cls)
+        backend.module = Module()
+        for q, expect in ((torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16).as_subclass(OnGpu), [1]),
+                          (torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16), [])):  # CPU: no switch
+            ran_on.clear()
+            backend.forward(q, q, q, q, None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=4, max_seqlen_k=4,
+                            softmax_scale=0.5, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                            dropout_p=0.0, rng_seed=0, rng_offset=0)
+            assert ran_on == [(entry, expect)]
+    # The helper itself: only a different, known index switches.
+    calls = []
+    for index in (None, 0, 1):
+        compiled.launch(index, lambda *args: calls.append((args, list(current))), (index, "x"))
+    assert calls == [((None, "x"), []), ((0, "x"), []), ((1, "x"), [1])]

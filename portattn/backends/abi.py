@@ -83,12 +83,14 @@ def _aligned(t: torch.Tensor) -> bool:
 def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
             max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
             alibi_slopes, dropout_p, rng_seed, rng_offset, deterministic, entry=None,
-            ordered_dq=False, rng_state=None) -> None:
+            ordered_dq=False, rng_state=None, launch=None) -> None:
     """One backward call of a compiled module (CUDA or ROCm: same `bwd` signature).
 
     `entry` is another of the module's functions with `bwd`'s arguments (the CUDA
     module's `hopper_bwd`); None means `module.bwd`. `ordered_dq`: the entry's
     workspace is the Hopper backward's layout (`bwd_workspace_bytes(..., ordered_dq=True)`).
+    `launch(device_index, entry, args)` makes the call (compiled.launch: with the tensors'
+    GPU current); None calls `entry(*args)` directly.
 
     The scratch the kernels need (fp32 dQ accumulator, rowsum(dO * O), for GQA fp32
     dK/dV accumulators) is one uint8 tensor from torch's caching allocator, sized by
@@ -106,9 +108,12 @@ def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seq
     workspace_bytes = (module.bwd_workspace_bytes(*shape, deterministic, ordered_dq=True) if ordered_dq
                        else module.bwd_workspace_bytes(*shape, deterministic))
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
-    (entry or module.bwd)(dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(),
-                          dk.stride(), dv.data_ptr(), dv.stride(), workspace.data_ptr(), workspace_bytes,
-                          deterministic, *args)
+    call_args = (dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(),
+                 dv.data_ptr(), dv.stride(), workspace.data_ptr(), workspace_bytes, deterministic, *args)
+    if launch is None:
+        (entry or module.bwd)(*call_args)
+    else:
+        launch(q.device.index, entry or module.bwd, call_args)
 
 
 def load_extension(package: str, what: str):

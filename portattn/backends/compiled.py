@@ -38,7 +38,26 @@ def on_tensors_device(method):
     return call
 
 
+def launch(index, entry, args) -> None:
+    """entry(*args) with GPU `index` current: what `on_tensors_device` does for a whole method,
+    for the one C call of `forward` / `backward` (the only part that reads the current device:
+    the stream, the workspace and every pointer name their device explicitly). The hot paths use
+    this instead of the decorator, whose *args/**kwargs re-packing of the keyword options cost
+    ~1 us per forward and ~2 us per backward (CPU, bench/host_overhead_cpu.py)."""
+    if index is None or index == _current_device():
+        entry(*args)
+        return
+    with torch.cuda.device(index):
+        entry(*args)
+
+
 class CompiledBackend(Backend):
+    # The module's entry points this backend calls (CudaSm90Backend names the Hopper ones);
+    # ordered_dq: the backward entry's workspace layout (abi.run_bwd).
+    fwd_entry = "fwd"
+    bwd_entry = "bwd"
+    ordered_dq = False
+
     def __init__(self, module, unavailable_reason: str) -> None:
         self.module = module
         self.unavailable_reason = unavailable_reason
@@ -48,17 +67,22 @@ class CompiledBackend(Backend):
     def build_config(self) -> Optional[dict]:
         return self._build_config
 
-    @on_tensors_device
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                 rng_seed, rng_offset, rng_state=None) -> None:
-        self.module.fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-                                  alibi_slopes, dropout_p, rng_seed, rng_offset, rng_state))
+        launch(q.device.index, getattr(self.module, self.fwd_entry),
+               fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                        window_left, window_right, softcap, alibi_slopes, dropout_p, rng_seed, rng_offset, rng_state))
 
-    @on_tensors_device
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
-        run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, **options)
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                 rng_seed, rng_offset, deterministic, rng_state=None) -> None:
+        run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
+                alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_seed=rng_seed, rng_offset=rng_offset,
+                deterministic=deterministic, entry=getattr(self.module, self.bwd_entry), ordered_dq=self.ordered_dq,
+                rng_state=rng_state, launch=launch)
 
     # ---- decode (portattn/decode.py is the caller) ----------------------------------
     def has_decode(self) -> bool:

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 
 from ...capability.callspec import CallSpec
-from ..abi import fwd_args, load_extension, run_bwd
-from ..compiled import CompiledBackend, on_tensors_device
+from ..abi import load_extension
+from ..compiled import CompiledBackend
 
 # Not built (no nvcc at install time), or built for another Python: a reason, not an error.
 _C, _IMPORT_ERROR = load_extension(__name__, "CUDA")
@@ -68,16 +68,7 @@ class CudaSm90Backend(CudaBackend):
     def build_config(self) -> Optional[dict]:
         return None if self._build_config is None else self._build_config.get("hopper")
 
-    @on_tensors_device
-    def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                rng_seed, rng_offset, rng_state=None) -> None:
-        self.module.hopper_fwd(*fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, softmax_scale, window_left, window_right,
-                                         softcap, alibi_slopes, dropout_p, rng_seed, rng_offset,
-                                         rng_state))
-
-    @on_tensors_device
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, **options) -> None:
-        run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, entry=self.module.hopper_bwd, ordered_dq=True,
-                **options)
+    # Same arguments as the sm80+ entry points; the backward's workspace is the ordered-dQ layout.
+    fwd_entry = "hopper_fwd"
+    bwd_entry = "hopper_bwd"
+    ordered_dq = True
