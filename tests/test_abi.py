@@ -89,3 +89,11 @@ def test_fwd_args_positions_match_the_fields_in_every_layout(monkeypatch):
         got = abi.fwd_args(*call)
         assert type(got) is abi.FwdArgs
         assert got._asdict() == _fwd_args_by_name(*call)._asdict()
+
+
+def test_aligned_needs_a_16_byte_pointer_and_8_element_strides():
+    assert abi._aligned(256, (4096, 64, 1))
+    assert not abi._aligned(258, (4096, 64, 1))  # pointer
+    assert not abi._aligned(256, (4096, 60, 1))  # a non-unit stride
+    assert abi._aligned(256, (4096, 64, 3))  # the last stride is not checked (the caller's contract)
+    assert abi.workspace_shape(abi.FwdArgs._make(range(len(abi.FwdArgs._fields)))) == (12, 13, 14, 15, 16, 17)

@@ -89,7 +89,10 @@ class _FakeModule:
     def __init__(self):
         self.calls = []
 
-    def bwd_workspace_bytes(self, *shape_and_deterministic, ordered_dq=False):
+    # The binding's parameters (binding.cpp): ordered_dq may come by position or by keyword.
+    def bwd_workspace_bytes(self, batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic,
+                            ordered_dq=False):
+        shape_and_deterministic = (batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic)
         self.calls.append(("bwd_workspace_bytes", shape_and_deterministic + (("ordered_dq", ordered_dq),)))
         return 512 if ordered_dq else 256
 
