@@ -72,7 +72,9 @@ SHAPES = {
     "hd128_1k": "batch 2 x 1024 rows, 16 heads, hd128, causal",
     "varlen": "varlen: 8 documents, 2048 rows (longest 512), 16 heads, hd64, causal",
     "gqa": "batch 1 x 1024 rows, 32/8 heads (GQA), hd128, causal",
+    "floor": "the short shape through a bare autograd.Function: what torch and the allocations cost",
 }
+DEFAULT_SHAPES = "short,hd128_1k,varlen,gqa,floor"
 DTYPE = torch.bfloat16
 
 
@@ -103,6 +105,9 @@ def _workspace_bytes(batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deter
     if nheads_k != nheads:
         size += 2 * _align(batch * seqlen_k * nheads_k * headdim * 4)
     return size
+
+
+_STANDIN: list = []  # the installed stand-in module (for the floor)
 
 
 def standin_module(counts: dict) -> types.ModuleType:
@@ -152,6 +157,7 @@ def install(counts: dict) -> dispatch.Dispatcher:
     dispatcher = dispatch.Dispatcher(slots, None)
     dispatcher._selfcheck = lambda slot, device: ""  # nothing to check: the kernels are no-ops
     dispatch.DISPATCHER = dispatcher
+    _STANDIN.append(module)
     # A CPU torch has no CUDA stream or device queries; C builtins stand in, as cheap as the real
     # ones (a CPU tensor's device index is None: bool(None) -> False; int() -> 0).
     abi.raw_stream = bool
@@ -186,6 +192,32 @@ def _leaf(shape, generator):
     return torch.randn(shape, dtype=DTYPE, generator=generator).requires_grad_()
 
 
+class _Floor(torch.autograd.Function):
+    """The least any eager attention op pays per step: portattn's autograd node (the same seven
+    inputs, two outputs, saved tensors), its allocations (out, lse, the three gradients) and one
+    stand-in launch each way with prebuilt arguments; no validation, dispatch or marshalling."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options):
+        out = torch.empty_like(q)
+        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+        module, fwd, _ = options
+        module.fwd(*fwd)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        module, _, bwd = ctx.options
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        module.bwd(*bwd)
+        return dq, dk, dv, None, None, None, None
+
+
 def make_call(name: str):
     """(call, inputs): call() runs one forward with autograd recording; inputs get gradients."""
     g = torch.Generator().manual_seed(0)
@@ -199,6 +231,11 @@ def make_call(name: str):
         q = _leaf((1, 1024, 32, 128), g)
         k, v = (_leaf((1, 1024, 8, 128), g) for _ in range(2))
         return (lambda: portattn.flash_attn_func(q, k, v, causal=True)), (q, k, v)
+    if name == "floor":
+        q, k, v = (_leaf((512, 50, 16, 16), g) for _ in range(3))
+        fwd = (0,) * len(abi.FwdArgs._fields)
+        options = (_STANDIN[0], fwd, (0,) * len(BWD_OWN_ARGS) + fwd)
+        return (lambda: _Floor.apply(q, k, v, None, None, None, options)[0]), (q, k, v)
     if name == "varlen":
         lengths = [150, 350, 64, 512, 256, 450, 116, 150]
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
@@ -273,7 +310,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5, help="rounds (medians are over all their steps)")
     parser.add_argument("--calls", type=int, default=200, help="forward+backward steps per round")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--profile", default=None, metavar="SHAPE", help="also print a cProfile of SHAPE")
     parser.add_argument("--portattn", default=ROOT, metavar="DIR", help="checkout whose portattn to time")

@@ -263,7 +263,7 @@ def test_host_overhead_cpu_times_every_shape_on_the_compiled_path(tmp_path):
                  "--profile", "short"])
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["shapes"]) == {"short", "hd128_1k", "varlen", "gqa"}
+    assert set(result["shapes"]) == {"short", "hd128_1k", "varlen", "gqa", "floor"}
     for name, row in result["shapes"].items():
         assert row["forward_us"] > 0 and row["backward_us"] > 0, (name, row)
         assert row["step_us"] >= max(row["forward_us"], row["backward_us"]), (name, row)
