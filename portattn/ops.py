@@ -70,7 +70,8 @@ def run_forward(
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse, NO_DROPOUT
-    *_, nheads, head_dim = q.shape
+    shape = q.shape
+    nheads, head_dim = shape[-2], shape[-1]
     bits = dispatch.feature_bits(
         window_left, window_right, softcap, alibi_slopes is not None, dropout_p,
         nheads != k.shape[-2], varlen,

@@ -58,8 +58,9 @@ def check_qkv(q, k, v, varlen: bool):
         raise ValueError(f"q, k, v must be on one device, got q {device}, k {k.device}, v {v.device}")
     if k_shape != v_shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k_shape)} and v {tuple(v_shape)}")
-    *q_lead, nheads, head_dim = q_shape
-    *k_lead, nheads_k, head_dim_k = k_shape
+    # The rank is known here: index rather than star-unpack (which builds a list per tensor).
+    nheads, head_dim = q_shape[-2], q_shape[-1]
+    nheads_k, head_dim_k = k_shape[-2], k_shape[-1]
     if head_dim_k != head_dim:
         raise ValueError(f"q and k must have the same head dim, got {head_dim} and {head_dim_k}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
@@ -70,9 +71,9 @@ def check_qkv(q, k, v, varlen: bool):
             f"key/value heads ({nheads_k}) (GQA/MQA)"
         )
     if varlen:
-        return None, q_lead[0], k_lead[0], nheads, nheads_k, head_dim
-    batch, seqlen_q = q_lead
-    batch_k, seqlen_k = k_lead
+        return None, q_shape[0], k_shape[0], nheads, nheads_k, head_dim
+    batch, seqlen_q = q_shape[0], q_shape[1]
+    batch_k, seqlen_k = k_shape[0], k_shape[1]
     if batch_k != batch:
         raise ValueError(f"q and k must have the same batch size, got {batch} and {batch_k}")
     return batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim
