@@ -243,6 +243,31 @@ PORTATTN_SOFTMAX_HD void online_softmax_step_lazy(float (&s)[kRows][kCols],
   }
 }
 
+// The deferred step (online_softmax_step_deferred, for pipelines whose O is still being
+// accumulated) with Note [portattn lazy rescale]'s bound, decided per row: a row whose maximum grew
+// by more than kLazyRescaleLog2 moves to the new maximum (its correction below 1), every other row
+// keeps its stale one (correction 1), so no row waits for a vote before its exponentials. Returns
+// whether any row of the warp moved (warp-uniform): false lets the caller skip O's multiplies.
+template <int kRows, int kCols, class RowReduce, int kPolyEvery = 0>
+PORTATTN_SOFTMAX_HD bool online_softmax_step_deferred_lazy(float (&s)[kRows][kCols], RowState<kRows>& state,
+                                                           float scale_log2, float (&correction)[kRows]) {
+  bool moved = false;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float block_max = block_row_max<RowReduce>(s[r], state.max[r]);
+    // (NaN while the row has seen nothing finite: compares false; a first finite maximum moves.)
+    const bool grow = block_max * scale_log2 - state.max[r] * scale_log2 > kLazyRescaleLog2;
+    const float row_max = grow ? block_max : state.max[r];
+    const float subtract = max_offset(row_max, scale_log2);
+    correction[r] = grow ? exp2_fast(state.max[r] * scale_log2 - subtract) : 1.f;
+    state.sum[r] *= correction[r];
+    state.max[r] = row_max;
+    moved |= grow;
+    state.sum[r] += exp2_row<kCols, kPolyEvery>(s[r], scale_log2, subtract);
+  }
+  return RowReduce::any(moved);
+}
+
 // Normalises O (optionally times an extra factor, e.g. dropout's 1/(1-p)) and
 // returns the natural-log LSE per row in `lse`.
 template <int kRows, int kOCols, class RowReduce>

@@ -259,6 +259,21 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_MASK_REL
 #define PORTATTN_HOPPER_FWD_MASK_REL 1
 #endif
+// Note [portattn hopper lazy rescale]
+// The pipelined loop of the hd128 kernels with 128-key blocks rescales O only when some row of
+// the warp sees its maximum grow by more than 2^8 (online_softmax_step_deferred_lazy, after
+// Note [portattn lazy rescale] in online_softmax.h; each row decides for itself, so no vote sits
+// before the exponentials): the 64 multiplies a thread does between a block's P V landing and the
+// next issue mostly disappear. P may then reach 2^8, exact in bf16 / fp16 and cancelled by the
+// row sum, which uses the same maximum. Where (same-call A/Bs on an H100, docs/hopper_notes.md,
+// session 14, three rounds each): hd128 with 128-key blocks (512-4k keys) +0.2 to +4.4%, every
+// cell; hd128 with 176-key blocks (8k-16k) -1 to -7%; hd64 -10 to +1% (-7 to -10% at 512-1k without
+// a mask). A first form that voted across the warp before the exponentials (one decision for all
+// rows) lost 2-3% at hd128 512-1k and 3-7% at hd64. =0 builds the per-block rescale everywhere,
+// =2 the lazy one in every pipelined kernel (A/B).
+#ifndef PORTATTN_HOPPER_FWD_LAZY_RESCALE
+#define PORTATTN_HOPPER_FWD_LAZY_RESCALE 1
+#endif
 constexpr int hopper_fwd_block_n(int head_dim) {
   return head_dim <= 128 ? 128 : PORTATTN_HOPPER_FWD_HD256_BLOCK_N;
 }
@@ -320,6 +335,9 @@ struct HopperFwdTraits {
   // Note [portattn hopper paired tiles]: an order of a persistent launch's tiles.
   static constexpr bool kPairedTiles = (kSchedule & kSchedPairedTiles) != 0;
   static_assert(!kPairedTiles || kPersistent, "paired tiles are an order of the persistent grid's walk");
+  // Note [portattn hopper lazy rescale].
+  static constexpr bool kLazyRescale =
+      PORTATTN_HOPPER_FWD_LAZY_RESCALE == 2 || (PORTATTN_HOPPER_FWD_LAZY_RESCALE == 1 && kHeadDim == 128 && !kWideKeys);
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "kBlockN: whole k16 steps of P V, and a wgmma N (multiple of 8, <= 256) for S = Q K^T");
@@ -883,13 +901,19 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::fence_operands(s);
             release(bar_k_empty(stage_of(it)));
             mask(s, it, tile);
-            softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
-                s, state, args.scale_log2, correction);
+            bool rescale = true;  // (Note [portattn hopper lazy rescale])
+            if constexpr (Traits::kLazyRescale) {
+              rescale = softmax::online_softmax_step_deferred_lazy<2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
+                  s, state, args.scale_log2, correction);
+            } else {
+              softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
+                  s, state, args.scale_log2, correction);
+            }
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
             sm90::fence_fragment(p);
             release(bar_v_empty(stage_of(it - 1)));
-            softmax::rescale_rows(o, correction);
+            if (rescale) softmax::rescale_rows(o, correction);
             pack_p(p, s);
           }
           // Every S of the tile is done: Q can be refilled for the next tile.

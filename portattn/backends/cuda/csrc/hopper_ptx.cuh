@@ -341,6 +341,8 @@ __device__ __forceinline__ void quad_transpose_pairs(uint32_t (&v)[4], int q4) {
 struct QuadReduce {
   static __device__ __forceinline__ float max(float x) { return ptx::quad_allreduce_max(x); }
   static __device__ __forceinline__ float sum(float x) { return ptx::quad_allreduce_sum(x); }
+  // Across the warp (Note [portattn lazy rescale]: the branch it decides is the warp's).
+  static __device__ __forceinline__ bool any(bool x) { return __any_sync(0xffffffffu, x) != 0; }
 };
 
 
