@@ -260,6 +260,38 @@ def test_hopper_forward_causal_key_offsets(head_dim, dtype, shape):
     _check(out, lse, q, k, v, True)
 
 
+# Note [portattn hopper lazy rescale] (csrc/hopper_fwd_kernel.cuh): rows whose maximum grows from one
+# key block to the next by about `growth` (log2 units of the scaled score; the noise moves it by ~10%),
+# next to rows in the same warps whose maximum never grows (odd rows). 1.0: rows keep a stale maximum
+# for ~8 blocks, then move; 6.0: they move every second block (12 past the stale one); 10.0 and 30.0:
+# every block. So the stale-maximum path, the move and warps that mix both all run. The kernel visits
+# key blocks from the last down, so the scores grow toward the first keys. Every head dim (the bound is
+# in the hd128 128-key kernels; the others must stay exact on the same inputs); 1000 keys: 128-key
+# blocks, 4500: 176-key blocks at hd128.
+@pytest.mark.parametrize("growth", [1.0, 6.0, 10.0, 30.0])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (300, 4500)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_growing_row_maxima(head_dim, dtype, causal, seqlens, growth):
+    seqlen_q, seqlen_k = seqlens
+    scale = 1.0 / math.sqrt(head_dim)
+    direction = torch.nn.functional.normalize(torch.randn(head_dim, device="cuda"), dim=0)
+    rows = torch.arange(seqlen_q, device="cuda")
+    magnitude = 4.0 * (rows % 2 == 0)  # even rows see the ramp, odd rows only noise
+    blocks_from_end = ((seqlen_k - 1 - torch.arange(seqlen_k, device="cuda")) // 128).float()
+    # q_i . k_j * scale * log2(e) = growth * blocks_from_end[j] for the even rows (plus noise).
+    ramp = growth * blocks_from_end / (4.0 * scale * math.log2(math.e))
+    q = (0.3 * torch.randn(2, seqlen_q, 3, head_dim, device="cuda")
+         + magnitude[None, :, None, None] * direction).to(dtype)
+    k = (0.3 * torch.randn(2, seqlen_k, 3, head_dim, device="cuda")
+         + ramp[None, :, None, None] * direction).to(dtype)
+    v = rand(2, seqlen_k, 3, head_dim, dtype=dtype)
+    out, lse = hopper_forward(q, k, v, causal=causal, scale=scale)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, causal)
+
+
 # The paired walk under softcap (short causal calls keep it; at hd256 and hd64's three consumers softcap
 # runs the serial loop, schedule_for): odd query-block and head counts, more tiles than SMs.
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
