@@ -89,6 +89,17 @@ def _check(out, lse, q, k, v, causal, window=(-1, -1), softcap=0.0):
     assert_lse(lse, ref_lse, low_lse)
 
 
+def _random_call_checked(shape, head_dim, dtype, causal):
+    """The kernel on fresh random q, k, v of shape (batch, seqlen_q, seqlen_k, heads, heads_k), checked."""
+    batch, seqlen_q, seqlen_k, heads, heads_k = shape
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = rand(batch, seqlen_k, heads_k, head_dim, dtype=dtype)
+    v = rand(batch, seqlen_k, heads_k, head_dim, dtype=dtype)
+    out, lse = hopper_forward(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -96,12 +107,7 @@ def _check(out, lse, q, k, v, causal, window=(-1, -1), softcap=0.0):
 def test_hopper_forward_grid(dtype, head_dim, seqlens, causal):
     seqlen_q, seqlen_k = seqlens
     batch, heads = (2, 3) if seqlen_q * seqlen_k < 2**20 else (1, 2)
-    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
-    k = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
-    v = rand(batch, seqlen_k, heads, head_dim, dtype=dtype)
-    out, lse = hopper_forward(q, k, v, causal=causal)
-    torch.cuda.synchronize()
-    _check(out, lse, q, k, v, causal)
+    _random_call_checked((batch, seqlen_q, seqlen_k, heads, heads), head_dim, dtype, causal)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -251,13 +257,7 @@ def test_hopper_forward_single_block_calls_chain_tiles(shape):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_forward_causal_key_offsets(head_dim, dtype, shape):
-    batch, seqlen_q, seqlen_k, heads, heads_k = shape
-    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype)
-    k = rand(batch, seqlen_k, heads_k, head_dim, dtype=dtype)
-    v = rand(batch, seqlen_k, heads_k, head_dim, dtype=dtype)
-    out, lse = hopper_forward(q, k, v, causal=True)
-    torch.cuda.synchronize()
-    _check(out, lse, q, k, v, True)
+    _random_call_checked(shape, head_dim, dtype, causal=True)
 
 
 # Note [portattn hopper lazy rescale] (csrc/hopper_fwd_kernel.cuh): rows whose maximum grows from one
