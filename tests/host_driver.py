@@ -12,8 +12,9 @@ import pytest
 COMMON = os.path.join(os.path.dirname(__file__), "..", "portattn", "backends", "common")
 
 
-def compile_driver(tmp_path_factory, name: str, source: str) -> str:
-    """Path of the driver built from `source` (skips the test module without a C++ compiler)."""
+def compile_driver(tmp_path_factory, name: str, source: str, flags: tuple = ()) -> str:
+    """Path of the driver built from `source` (skips the test module without a C++ compiler).
+    `flags`: extra compiler flags (e.g. -Wno-unknown-pragmas for headers with `#pragma unroll`)."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")
@@ -21,7 +22,7 @@ def compile_driver(tmp_path_factory, name: str, source: str) -> str:
     path = folder / "driver.cpp"
     path.write_text(source)
     binary = folder / "driver"
-    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", f"-I{COMMON}", str(path), "-o", str(binary)],
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", *flags, f"-I{COMMON}", str(path), "-o", str(binary)],
                    check=True, capture_output=True, text=True)
     return str(binary)
 
