@@ -268,9 +268,9 @@ def test_hopper_forward_causal_key_offsets(head_dim, dtype, shape):
 # visits key blocks from the last down, so the scores grow toward the first keys. Every head dim (the
 # bound is in the hd128 128-key kernels; the others must stay exact on the same inputs); 2100 keys:
 # 17 blocks (three consumers at hd64). The largest score stays at most ~42 log2 units (~30 in natural
-# units) above the smallest block's: a first version drove it to 150-700, where fp16 LSEs of kernels
-# without the lazy rescale (hd192 / hd256, hd128's 176-key blocks) were 3-4x torch's float32 error
-# (session 14's closing note).
+# units) above the smallest block's. A first version drove it to 150-700. There a plain tensor-core GEMM
+# of the same inputs misses the LSE rule as our kernels do: the fp32 accumulation of the products
+# (bench/results/runs/2026-11-26-a55d02d-probe).
 @pytest.mark.parametrize("case", [((1000, 1000), 1.0), ((1000, 1000), 3.0), ((1000, 1000), 6.0),
                                   ((500, 500), 10.0), ((300, 2100), 1.0), ((300, 2100), 2.0)],
                          ids=lambda c: f"{c[0][0]}x{c[0][1]}-g{c[1]:g}")
