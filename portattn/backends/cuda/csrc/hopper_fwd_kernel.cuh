@@ -259,6 +259,33 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_MASK_REL
 #define PORTATTN_HOPPER_FWD_MASK_REL 1
 #endif
+// Note [portattn hopper softmax under P V]
+// The pipelined loop issues S(j) and P(j-1) V(j-1) together, waits for S(j) (wgmma.wait_group 1),
+// runs block j's softmax, and only then waits for P V (wait_group 0), so that the softmax runs
+// while P V is on the tensor cores. Until session 14 it did not. In every pipelined kernel, ptxas
+// (13.0) scheduled the P V wait (WARPGROUP.DEPBAR.LE gsb0, 0x0) to the top of the basic block that
+// holds the softmax, which is ahead of all 64-88 exponentials: the PTX had them in program order;
+// cuobjdump of the SASS showed DEPBAR 0x1, the K release, DEPBAR 0x0, the V release, then the
+// MUFU.EX2s. So a warpgroup's softmax never overlapped its own P V, only the other warpgroup's
+// products. ptxas does not move the wait across a basic-block boundary: it already stayed below the
+// mask's `if (edge)`. So the softmax sits in a block of its own, a branch on a value that is true
+// in every launch but that neither compiler can know (the launch's dynamic shared memory size,
+// read from %dynamic_smem_size). What was tried and failed: a branch around the wait itself
+// serialised every wgmma (C7514); a __syncwarp or an inline-PTX branch to the next instruction
+// before the wait was optimised away; a condition on a kernel argument was folded by the compiler
+// where it could prove it (num_tiles > 0 inside the tile loop). After the change, SASS: DEPBAR
+// 0x1, the K release, the MUFU.EX2s, DEPBAR 0x0 in the kernels that take it; no C75xx; 0 spills.
+// Where: the hd128 kernels with 176-key blocks (8k-16k keys) only. Same-call A/B on an H100, two
+// rounds (docs/hopper_notes.md, session 14): there 8k causal +7.0% (both rounds), 16k causal +4.7%,
+// 16k no mask +7.2%, 8k no mask -1.0%; elsewhere it lost: hd64 causal -2.5 to -7.2% in every round,
+// hd128 128-key blocks -0.7 to -2.6% without a mask at 512-2k. With ping-pong or two warpgroups
+// already sharing the tensor cores, a warpgroup that waits for its own P V lets the other issue;
+// the longer blocks are where the wait cost more than it gave back (not profiled).
+// PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV=0 builds it nowhere, =2 in every pipelined kernel (A/B).
+#ifndef PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV
+#define PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV 1
+#endif
+
 // Note [portattn hopper lazy rescale]
 // The pipelined loop of the hd128 kernels with 128-key blocks rescales O only when some row of
 // the warp sees its maximum grow by more than 2^8 (online_softmax_step_deferred_lazy, after
@@ -335,6 +362,9 @@ struct HopperFwdTraits {
   // Note [portattn hopper paired tiles]: an order of a persistent launch's tiles.
   static constexpr bool kPairedTiles = (kSchedule & kSchedPairedTiles) != 0;
   static_assert(!kPairedTiles || kPersistent, "paired tiles are an order of the persistent grid's walk");
+  // Note [portattn hopper softmax under P V].
+  static constexpr bool kSoftmaxUnderPv =
+      PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV == 2 || (PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV == 1 && kWideKeys);
   // Note [portattn hopper lazy rescale].
   static constexpr bool kLazyRescale =
       PORTATTN_HOPPER_FWD_LAZY_RESCALE == 2 || (PORTATTN_HOPPER_FWD_LAZY_RESCALE == 1 && kHeadDim == 128 && !kWideKeys);
@@ -847,6 +877,9 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       }
       return false;
     };
+    // Note [portattn hopper softmax under P V]: true in every launch (the kernel always has dynamic
+    // shared memory), which only the launch knows.
+    const bool softmax_block = sm90::dynamic_smem_bytes() != 0;
     int q_uses = 0, kv_uses = 0;
     int round = 0;
     HopperTile tile, next;
@@ -902,12 +935,15 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             release(bar_k_empty(stage_of(it)));
             mask(s, it, tile);
             bool rescale = true;  // (Note [portattn hopper lazy rescale])
-            if constexpr (Traits::kLazyRescale) {
-              rescale = softmax::online_softmax_step_deferred_lazy<2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
-                  s, state, args.scale_log2, correction);
-            } else {
-              softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
-                  s, state, args.scale_log2, correction);
+            // Note [portattn hopper softmax under P V]: always taken; it keeps the P V wait below.
+            if (Traits::kSoftmaxUnderPv ? softmax_block : true) {
+              if constexpr (Traits::kLazyRescale) {
+                rescale = softmax::online_softmax_step_deferred_lazy<2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
+                    s, state, args.scale_log2, correction);
+              } else {
+                softmax::online_softmax_step_deferred<false, 2, kSCols, sm90::QuadReduce, Traits::kPolyEvery>(
+                    s, state, args.scale_log2, correction);
+              }
             }
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);

@@ -337,6 +337,15 @@ __device__ __forceinline__ void quad_transpose_pairs(uint32_t (&v)[4], int q4) {
   if (upper) { v[0] = got0; v[1] = got1; } else { v[2] = got0; v[3] = got1; }
 }
 
+// The launch's dynamic shared memory in bytes (%dynamic_smem_size): a value neither the compiler
+// nor ptxas can know, so a branch on it is a real basic-block boundary (Note [portattn hopper
+// softmax under P V], hopper_fwd_kernel.cuh). Not volatile: the read may be hoisted and shared.
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+  uint32_t bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+}
+
 // Row max / sum over the 4 threads (one quad) that share a row of the fragment.
 struct QuadReduce {
   static __device__ __forceinline__ float max(float x) { return ptx::quad_allreduce_max(x); }
