@@ -278,9 +278,10 @@ namespace hopper {
 // Where: the hd128 kernels with 176-key blocks (8k-16k keys) only. Same-call A/B on an H100, two
 // rounds (docs/hopper_notes.md, session 14): there 8k causal +7.0% (both rounds), 16k causal +4.7%,
 // 16k no mask +7.2%, 8k no mask -1.0%; elsewhere it lost: hd64 causal -2.5 to -7.2% in every round,
-// hd128 128-key blocks -0.7 to -2.6% without a mask at 512-2k. With ping-pong or two warpgroups
-// already sharing the tensor cores, a warpgroup that waits for its own P V lets the other issue;
-// the longer blocks are where the wait cost more than it gave back (not profiled).
+// hd128 128-key blocks -0.7 to -2.6% without a mask at 512-2k. With two warpgroups sharing the
+// tensor cores (and taking turns under ping-pong), a warpgroup that waits for its own P V leaves the
+// issue slots and the tensor cores to the other. Only the long 176-key blocks gained from
+// overlapping their own P V instead (not profiled).
 // PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV=0 builds it nowhere, =2 in every pipelined kernel (A/B).
 #ifndef PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV
 #define PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV 1
