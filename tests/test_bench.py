@@ -17,6 +17,14 @@ def _run(args, env=None, **kwargs):
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, **kwargs)
 
 
+def _tool_result(tmp_path, script, *args, result="") -> dict:
+    """Run bench/<script> with `args` and --out tmp_path; assert it succeeded; its <result>.json."""
+    done = _run([sys.executable, f"bench/{script}", *args, "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / f"{result}.json") as handle:
+        return json.load(handle)
+
+
 def _dry_grid(tmp_path, *extra):
     done = _run([sys.executable, "bench/bench_attention.py", "--dry-run", "--backward", "--seqlens", "64,128",
                  "--head-dims", "64", "--impls", "portattn,sdpa_cudnn,fa4", "--out", str(tmp_path), *extra],
@@ -65,11 +73,8 @@ def test_determinism_dry_run_reports_the_ratio(tmp_path):
 
 
 def test_short_sequence_dry_run_uses_its_own_batch_and_heads(tmp_path):
-    done = _run([sys.executable, "bench/bench_short.py", "--dry-run", "--seqlens", "50,64", "--head-dims", "16",
-                 "--impls", "portattn,sdpa_cudnn", "--out", str(tmp_path)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(tmp_path / "short_seq.json") as handle:
-        result = json.load(handle)
+    result = _tool_result(tmp_path, "bench_short.py", "--dry-run", "--seqlens", "50,64", "--head-dims", "16",
+                          "--impls", "portattn,sdpa_cudnn", result="short_seq")
     assert [(r["head_dim"], r["seqlen"], r["causal"]) for r in result["grid"]] == [
         (16, 50, False), (16, 50, True), (16, 64, False), (16, 64, True)]
     assert {(r["batch"], r["heads"]) for r in result["grid"]} == {(512, 16)}
@@ -78,10 +83,7 @@ def test_short_sequence_dry_run_uses_its_own_batch_and_heads(tmp_path):
 
 
 def test_varlen_dry_run_writes_every_scenario(tmp_path):
-    done = _run([sys.executable, "bench/bench_varlen.py", "--dry-run", "--head-dims", "64", "--out", str(tmp_path)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(tmp_path / "varlen.json") as handle:
-        result = json.load(handle)
+    result = _tool_result(tmp_path, "bench_varlen.py", "--dry-run", "--head-dims", "64", result="varlen")
     assert [(r["scenario"], r["causal"]) for r in result["rows"]] == [
         (name, causal) for name in ("equal 16x1k", "equal 4x4k", "mixed 64-4096", "short 32-300")
         for causal in (False, True)]
@@ -191,10 +193,7 @@ def test_stage_scripts_parse(script):
 
 
 def test_ring_proxy_dry_run_writes_json_and_markdown(tmp_path):
-    done = _run([sys.executable, "bench/bench_ring_proxy.py", "--dry-run", "--ranks", "2,4", "--out", str(tmp_path)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(tmp_path / "ring_proxy.json") as handle:
-        result = json.load(handle)
+    result = _tool_result(tmp_path, "bench_ring_proxy.py", "--dry-run", "--ranks", "2,4", result="ring_proxy")
     assert result["dry_run"] and result["device"] == "cpu"
     assert {(r["ranks"], r["backward"]) for r in result["rows"]} == {(2, False), (4, False), (2, True), (4, True)}
     for row in result["rows"]:
@@ -228,11 +227,8 @@ def test_result_and_doc_links_resolve():
 
 
 def test_process_variance_probe_dry_run_reports_every_process(tmp_path):
-    done = _run([sys.executable, "bench/probe_process_variance.py", "--dry-run", "--short", "16:50:causal",
-                 "--processes", "2", "--out", str(tmp_path)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(tmp_path / "process_variance.json") as handle:
-        result = json.load(handle)
+    result = _tool_result(tmp_path, "probe_process_variance.py", "--dry-run", "--short", "16:50:causal",
+                          "--processes", "2", result="process_variance")
     assert result["cell"] == "short 16:50:causal, portattn" and len(result["processes"]) == 2
     for row in result["processes"]:
         assert "error" not in row, row
@@ -244,11 +240,8 @@ def test_process_variance_probe_dry_run_reports_every_process(tmp_path):
 
 
 def test_profile_host_dry_run_reports_issue_times_and_profiles(tmp_path):
-    done = _run([sys.executable, "bench/profile_host.py", "--dry-run", "--short", "16:50:causal", "--steps", "20",
-                 "--impls", "portattn", "--out", str(tmp_path)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(tmp_path / "host_profile.json") as handle:
-        result = json.load(handle)
+    result = _tool_result(tmp_path, "profile_host.py", "--dry-run", "--short", "16:50:causal", "--steps", "20",
+                          "--impls", "portattn", result="host_profile")
     times = result["impls"]["portattn"]
     assert times["forward_us"] > 0 and times["backward_us"] > 0
     assert times["step_us"] >= max(times["forward_us"], times["backward_us"])
