@@ -90,6 +90,33 @@ PORTATTN_SOFTMAX_HD float log2_accurate(float x) {
 #endif
 }
 
+// Note [portattn fast finalize]
+// A tile's end: the LSE's log2 of the row sum and O's 1 / row sum. log2f and an IEEE division
+// each carry a range-reduction and a slow path (about 25 instructions a row with their branches,
+// session 15's SASS of the Hopper forward) where one MUFU instruction does: lg2.approx has an
+// absolute error below 2^-22 (the LSE is stored in float32, whose spacing is 2^-21 at 8), and
+// rcp.approx a relative one of about 1 ulp, which the rounding of O to 16 bits hides. The row
+// sum is a sum of exponentials that includes the row maximum's exp2(0) = 1, so it is a normal
+// number whenever it is used. Other targets keep the accurate forms.
+PORTATTN_SOFTMAX_HD float log2_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return log2_accurate(x);
+#endif
+}
+PORTATTN_SOFTMAX_HD float rcp_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return 1.f / x;
+#endif
+}
+
 // expf / logf: the device libraries' and <math.h>'s alike (not the fast intrinsics).
 PORTATTN_SOFTMAX_HD float exp_accurate(float x) { return expf(x); }
 PORTATTN_SOFTMAX_HD float log_accurate(float x) { return logf(x); }
@@ -269,8 +296,8 @@ PORTATTN_SOFTMAX_HD bool online_softmax_step_deferred_lazy(float (&s)[kRows][kCo
 }
 
 // Normalises O (optionally times an extra factor, e.g. dropout's 1/(1-p)) and
-// returns the natural-log LSE per row in `lse`.
-template <int kRows, int kOCols, class RowReduce>
+// returns the natural-log LSE per row in `lse`. kFast: Note [portattn fast finalize].
+template <int kRows, int kOCols, class RowReduce, bool kFast = false>
 PORTATTN_SOFTMAX_HD void online_softmax_finalize(float (&o)[kRows][kOCols], RowState<kRows>& state,
                                                  float scale_log2, float out_scale,
                                                  float (&lse)[kRows]) {
@@ -278,8 +305,9 @@ PORTATTN_SOFTMAX_HD void online_softmax_finalize(float (&o)[kRows][kOCols], RowS
   for (int r = 0; r < kRows; ++r) {
     const float sum = RowReduce::sum(state.sum[r]);
     const bool empty = sum == 0.f || state.max[r] == neg_inf();
-    lse[r] = empty ? neg_inf() : (state.max[r] * scale_log2 + log2_accurate(sum)) * kLn2;
-    const float factor = empty ? 0.f : out_scale / sum;
+    const float log2_sum = kFast ? log2_fast(sum) : log2_accurate(sum);
+    lse[r] = empty ? neg_inf() : (state.max[r] * scale_log2 + log2_sum) * kLn2;
+    const float factor = empty ? 0.f : (kFast ? out_scale * rcp_fast(sum) : out_scale / sum);
 #pragma unroll
     for (int c = 0; c < kOCols; ++c) o[r][c] *= factor;
   }

@@ -171,6 +171,12 @@
 // cost more than the stores did. With three consumers at hd64 the staging made
 // the 160-register kernels spill (8-40 B), and hd256 or three stages at hd128
 // leave no room for the buffer.
+// Session 15: the staging by stmatrix (Note [portattn hopper O stmatrix]: 4 instructions a
+// thread at hd64 where the 16-byte direct stores took ~90 with their quad transposes) made
+// the hd64 two-consumer kernels gain from it too (bench/results/runs/2026-11-26-9f6c246-s15b:
+// 512 causal +4.6%, many short hd64 sequences +2 to +4% over the direct stores, 512 no
+// mask -2.4%), so PORTATTN_HOPPER_FWD_TMA_STORE defaults to 3: hd128, and hd64 with two
+// consumers (three still spill: 4-12 B).
 //
 // Note [portattn hopper 176-key blocks]
 // kSchedWideKeys, hd128 only: key blocks of 176 (FlashAttention-3's hd128 tile) instead of
@@ -216,6 +222,7 @@
 #include <type_traits>
 
 #include "../../common/fast_divide.h"
+#include "../../common/mask_bits.h"
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/seq_bounds.h"
@@ -239,9 +246,10 @@ namespace hopper {
 #endif
 // PORTATTN_HOPPER_FWD_TMA_STORE=0 builds the direct-store epilogue everywhere (A/B
 // against Note [portattn hopper O store]); =2 the TMA store at every head dim whose
-// shared memory has room for the staging tile (A/B for hd64).
+// shared memory has room for the staging tile (A/B for hd64); =3 also at hd64 with two
+// consumer warpgroups (with three, 160 registers a thread, the staging spills 4-12 B).
 #ifndef PORTATTN_HOPPER_FWD_TMA_STORE
-#define PORTATTN_HOPPER_FWD_TMA_STORE 1
+#define PORTATTN_HOPPER_FWD_TMA_STORE 3
 #endif
 // PORTATTN_HOPPER_FWD_O_VEC=1 (the default since session 12) builds the direct O stores (hd64,
 // hd256, varlen tails) as 16-byte stores after a quad transpose instead of each thread's 4-byte
@@ -254,8 +262,30 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_O_VEC
 #define PORTATTN_HOPPER_FWD_O_VEC 1
 #endif
-// PORTATTN_HOPPER_FWD_MASK_REL=0 builds the edge blocks' mask with each column's index compared
-// to both bounds (the form before session 9; A/B).
+// The edge blocks' mask: 1 with the bounds moved to each column's constant offset, a compare with an
+// immediate an element (session 9); 2 as one bit per fragment column (Note [portattn hopper mask
+// bits]: ~50 fewer instructions a masked block, yet 0 to -1.5% at hd64 512-1k causal in two calls of
+// session 15, within 1% elsewhere, so not the default); 0 with each column's index compared to both
+// bounds (before session 9). Kept for A/B.
+// 1: the pipelined loop's first P V of a tile writes O (Note [portattn hopper O by the first P V]);
+// 0 (the default): O zeroed at the tile's start. Kept for A/B; it lost (the Note says where).
+#ifndef PORTATTN_HOPPER_FWD_O_BY_FIRST_PV
+#define PORTATTN_HOPPER_FWD_O_BY_FIRST_PV 0
+#endif
+// 1: O staged for the TMA store by stmatrix (Note [portattn hopper O stmatrix]); 0: by 32-bit stores.
+#ifndef PORTATTN_HOPPER_FWD_STMATRIX
+#define PORTATTN_HOPPER_FWD_STMATRIX 1
+#endif
+// 1: the tile's LSE and 1 / row sum by the approximate MUFU forms (Note [portattn fast finalize] in
+// online_softmax.h); 0: log2f and an IEEE division. Kept for A/B.
+#ifndef PORTATTN_HOPPER_FWD_FAST_FINALIZE
+#define PORTATTN_HOPPER_FWD_FAST_FINALIZE 1
+#endif
+// 1: descriptors by compile-time advances (Note [portattn hopper forward descriptors]); 0: one
+// smem_desc_at a k16 step (before session 15). Kept for A/B.
+#ifndef PORTATTN_HOPPER_FWD_DESC_ADVANCE
+#define PORTATTN_HOPPER_FWD_DESC_ADVANCE 1
+#endif
 #ifndef PORTATTN_HOPPER_FWD_MASK_REL
 #define PORTATTN_HOPPER_FWD_MASK_REL 1
 #endif
@@ -349,10 +379,12 @@ struct HopperFwdTraits {
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
   static constexpr int kMainSmemBytes = kQBuffers * kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers +
                                         1024;  // slack to align the tiles to the 1 KiB swizzle atom
-  // The output tile staged for TMA stores (Note [portattn hopper O store]) at hd128, where
-  // it measured faster and fits beside the rest (also with two Q buffers; not with three stages).
+  // The output tile staged for TMA stores (Note [portattn hopper O store]) where it measured
+  // faster and fits beside the rest: hd128 (also with two Q buffers; not with three stages), and
+  // hd64 with two consumers.
   static constexpr int kOBytes = kBlockM * kHeadDim * 2;
-  static constexpr bool kTmaStoreO = (PORTATTN_HOPPER_FWD_TMA_STORE == 2 || (PORTATTN_HOPPER_FWD_TMA_STORE != 0 && kHeadDim == 128)) &&
+  static constexpr bool kTmaStoreO = (PORTATTN_HOPPER_FWD_TMA_STORE == 2 || (PORTATTN_HOPPER_FWD_TMA_STORE != 0 && kHeadDim == 128) ||
+                                      (PORTATTN_HOPPER_FWD_TMA_STORE == 3 && kHeadDim == 64 && !kThreeConsumers)) &&
                                      kMainSmemBytes + kOBytes <= kSmemLimit;
   static constexpr int kSmemBytes = kMainSmemBytes + (kTmaStoreO ? kOBytes : 0);
   // Note [portattn hopper cross-tile phase]: the next tile's Q must arrive in the other
@@ -686,6 +718,36 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     auto v_offset = [&](int stage) {
       return __shfl_sync(0xffffffffu, (s_v - smem_base) + stage * Traits::kKVBytes, 0);
     };
+    // Note [portattn hopper forward descriptors]: a product's first descriptor from the runtime
+    // offset, every later k16 step's by a compile-time advance of it. Written as one
+    // smem_desc_at(base, offset + step) a step, ptxas added the step to the offset and then
+    // shifted, a dependent pair of uniform operations (UIADD3, ULEA.HI) before each of the 12
+    // wgmma a block at hd64; an advance is one add with an immediate.
+#if PORTATTN_HOPPER_FWD_DESC_ADVANCE
+    auto issue_s = [&](float (&s)[2][kSCols], uint32_t k_stage_off) {
+      const uint64_t desc_q0 = sm90::smem_desc_at(desc_base, q_off_wg, 16);
+      const uint64_t desc_k0 = sm90::smem_desc_at(desc_base, k_stage_off, 16);
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint32_t offset = (kk % 4) * 32;  // k16 step inside the 128-byte panel row
+        const uint64_t desc_q = sm90::smem_desc_advance(desc_q0, (kk / 4) * kPanelBytesQ + offset);
+        const uint64_t desc_k = sm90::smem_desc_advance(desc_k0, (kk / 4) * kPanelBytesKV + offset);
+        sm90::wgmma_ss<Elem, 0, 0, kSCols>(s, desc_q, desc_k, kk > 0 ? 1 : 0);  // N = kBlockN
+      }
+      sm90::wgmma_commit();
+    };
+    // accumulate = 0: the tile's first P V, which writes O rather than adding to it (Note [portattn
+    // hopper O by the first P V]).
+    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], uint32_t v_stage_off,
+                        int accumulate = 1) {
+      const uint64_t desc_v0 = sm90::smem_desc_at(desc_base, v_stage_off, kPanelBytesKV);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        sm90::wgmma_rs<Elem>(o, p[kk], sm90::smem_desc_advance(desc_v0, kk * 16 * 128), kk == 0 ? accumulate : 1);
+      }
+      sm90::wgmma_commit();
+    };
+#else
     auto issue_s = [&](float (&s)[2][kSCols], uint32_t k_stage_off) {
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -696,14 +758,16 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       }
       sm90::wgmma_commit();
     };
-    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], uint32_t v_stage_off) {
+    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], uint32_t v_stage_off,
+                        int accumulate = 1) {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         const uint64_t desc_v = sm90::smem_desc_at(desc_base, v_stage_off + kk * 16 * 128, kPanelBytesKV);
-        sm90::wgmma_rs<Elem>(o, p[kk], desc_v);
+        sm90::wgmma_rs<Elem>(o, p[kk], desc_v, kk == 0 ? accumulate : 1);
       }
       sm90::wgmma_commit();
     };
+#endif
     // P as the A fragment of k16 step kk: columns 16kk..16kk+15 = chunks 2kk, 2kk+1.
     auto pack_p = [&](uint32_t (&p)[kBlockN / 16][4], const float (&s)[2][kSCols]) {
       sm90::pack_a_fragment<Elem>(p, s);
@@ -716,11 +780,24 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     float s[2][kSCols];
     uint32_t p[kBlockN / 16][4];
     float correction[2];
-    auto start_tile = [&]() {
+    // Note [portattn hopper O by the first P V]: the pipelined loop's first P V of a tile is issued
+    // with scale-d 0, which writes O instead of adding to it, so O needs no zeroing at the tile's
+    // start (32-64 register moves a thread a tile, which ptxas emitted one register at a time). O's
+    // registers are read before that product only by the rescale of the block-1 phase, whose result
+    // the product then overwrites. A tile without a visible key runs no P V, so it zeroes O itself.
+    // Measured (session 15, bench/results/runs/2026-11-26-9f6c246-s15c, three rounds): hd64 512 no
+    // mask -2.9%, many short hd64 sequences of 200 rows -9% (no mask), most other cells within 1-2%.
+    // ncu: the moves went, but each block's P V now turns its scale-d flag into a uniform register
+    // (R2UR, ~20 more instructions a steady block). Off by default.
+    constexpr bool kOByFirstPv = Traits::kPipelined && PORTATTN_HOPPER_FWD_O_BY_FIRST_PV;
+    auto zero_o = [&]() {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int c = 0; c < kOCols; ++c) o[r][c] = 0.f;
+    };
+    auto start_tile = [&]() {
+      if constexpr (!kOByFirstPv) zero_o();
       state.init();
     };
     // Softcap, then the mask: keys past seqlen_k (TMA zero-filled them)
@@ -751,7 +828,14 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
           const int row = row0 + 8 * r;
           const int hi = right_bound ? min(tile.seqlen_k - 1, row + diag + right) : tile.seqlen_k - 1;
           const int lo = left_bound ? row + diag - args.window_left : 0;
-#if PORTATTN_HOPPER_FWD_MASK_REL
+#if PORTATTN_HOPPER_FWD_MASK_REL == 2
+          // Note [portattn hopper mask bits]: the columns this row keeps, one bit per fragment column.
+          const int first = col_base + 2 * q4;
+          const auto keep = mask_bits::row_keep<kSCols>(hi - first, left_bound ? lo - first : 0);
+#pragma unroll
+          for (int c = 0; c < kSCols; ++c)
+            if (!mask_bits::kept(keep, c)) s[r][c] = softmax::neg_inf();
+#elif PORTATTN_HOPPER_FWD_MASK_REL
           // Column c of this thread is col_base + 2 q4 + a constant: the bounds are moved to that
           // constant's side once per row, so an element costs a compare with an immediate and a
           // select; the left bound is tested only where there is one (columns are never negative).
@@ -776,8 +860,8 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       const int m0 = tile.m_block * kBlockM;
       const int row0 = m0 + wg * 64 + warp * 16 + g;
       float lse[2];
-      softmax::online_softmax_finalize<2, kOCols, sm90::QuadReduce>(o, state, args.scale_log2, 1.f,
-                                                                     lse);
+      softmax::online_softmax_finalize<2, kOCols, sm90::QuadReduce, PORTATTN_HOPPER_FWD_FAST_FINALIZE != 0>(
+          o, state, args.scale_log2, 1.f, lse);
       // Note [portattn hopper O store]: this warpgroup's 64 rows through shared memory
       // and one TMA store per panel, unless a varlen tile's rows run past its sequence
       // (the packed map would write the next sequence's rows there).
@@ -786,6 +870,26 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
         const uint32_t s_o_wg = s_o + wg * 64 * 128;
         if (tid == 0) sm90::bulk_wait_group_read<0>();  // the last tile's store has read the buffer
         sm90::named_barrier_sync(kOStoreBarrier + wg, 128);
+#if PORTATTN_HOPPER_FWD_STMATRIX
+        // Note [portattn hopper O stmatrix]: each stmatrix.x4 writes four 8 x 8 matrices of the
+        // warp's 16 rows: (rows 0-7, chunk 2k), (rows 8-15, chunk 2k), (0-7, 2k + 1), (8-15, 2k + 1),
+        // 8-column chunks, in the order of its registers. Lane l addresses row l % 8 of matrix l / 8.
+        // Every 8-row group starts at a multiple of 8, so a row's index mod 8 is l % 8 and the 128B
+        // swizzle puts chunk c of it at c ^ (l % 8); the chunk's parity is the matrix's
+        // ((l / 16) & 1), so the swizzled position is (2k mod 8) ^ lane_x with lane_x below. One
+        // instruction for 4 of the 32-bit stores before (hd128: 8 a thread instead of 32).
+        const uint32_t lane_x = static_cast<uint32_t>(((lane >> 4) & 1) ^ (lane & 7));
+        const uint32_t s_o_lane = s_o_wg + (warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * 128;
+#pragma unroll
+        for (int k = 0; k < kOCols / 4; ++k) {
+          const int chunk = 2 * k;
+          const uint32_t addr = s_o_lane + (chunk / 8) * kPanelBytesQ + (((chunk % 8) ^ lane_x) << 4);
+          sm90::stmatrix_x4(addr, ptx::ElemTraits<Elem>::pack(o[0][4 * k], o[0][4 * k + 1]),
+                            ptx::ElemTraits<Elem>::pack(o[1][4 * k], o[1][4 * k + 1]),
+                            ptx::ElemTraits<Elem>::pack(o[0][4 * k + 2], o[0][4 * k + 3]),
+                            ptx::ElemTraits<Elem>::pack(o[1][4 * k + 2], o[1][4 * k + 3]));
+        }
+#else
         // Row warp * 16 + g (+ 8) of the warpgroup's 64, so the row mod 8 is g: the 128B
         // swizzle puts 16-byte chunk k of a 128-byte panel row at chunk k ^ g.
         const uint32_t s_o_thread = s_o_wg + (warp * 16 + g) * 128 + q4 * 4;
@@ -800,6 +904,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
                                 ptx::ElemTraits<Elem>::pack(o[r][c], o[r][c + 1]));
           }
         }
+#endif
         sm90::fence_proxy_async_smem();  // the writes above, before the copy engine reads them
         sm90::named_barrier_sync(kOStoreBarrier + wg, 128);
         if (tid == 0) {
@@ -929,7 +1034,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::fence_operands(o);
             sm90::wgmma_fence();
             issue_s(s, k_off);
-            issue_pv(o, p, v_off);
+            issue_pv(o, p, v_off, !kOByFirstPv || it > 1);
             turn_pass(false);
             sm90::wgmma_wait<1>();  // S(it) has landed; P V may still run
             sm90::fence_operands(s);
@@ -970,7 +1075,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::mbar_wait(bar_k_full(stage_of(n_blocks)), parity_of(n_blocks));
             sm90::fence_operands(o);
             sm90::wgmma_fence();
-            issue_pv(o, p, v_off);
+            issue_pv(o, p, v_off, !kOByFirstPv || n_blocks > 1);
             issue_s(s, k_off);
             turn_pass(false);
             sm90::wgmma_wait<1>();  // P V has landed; S(0) of the next tile may still run
@@ -995,7 +1100,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
             sm90::fence_operands(o);
             sm90::wgmma_fence();
-            issue_pv(o, p, v_off);
+            issue_pv(o, p, v_off, !kOByFirstPv || n_blocks > 1);
             turn_pass(true);
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
@@ -1039,6 +1144,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
         }
       }
       // (The fused phase wrote this tile's O already. A tile without a visible key: O = 0, LSE = -inf.)
+      if (kOByFirstPv && n_blocks <= 0) zero_o();
       if (!fuse) finish_tile(tile);
       entered = fuse;
       ++round;

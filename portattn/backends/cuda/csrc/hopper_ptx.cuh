@@ -263,24 +263,24 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "               \
                PORTATTN_WGMMA_D64_REGS ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"   \
                : PORTATTN_WGMMA_D64_OPERANDS(d)                                         \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
 #define PORTATTN_WGMMA_RS_N128(TY)                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                               \
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "              \
                PORTATTN_WGMMA_D128_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"  \
                : PORTATTN_WGMMA_D128_OPERANDS(d)                                        \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
 
 #define PORTATTN_WGMMA_RS_N256(TY)                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                              \
                "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "              \
                PORTATTN_WGMMA_D256_REGS ", {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n" \
                : PORTATTN_WGMMA_D256_OPERANDS(d)                                        \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
 
 template <typename Elem, int kCols>
 __device__ __forceinline__ void wgmma_rs(float (&d)[2][kCols], const uint32_t (&a)[4],
-                                         uint64_t desc_b) {
+                                         uint64_t desc_b, int scale_d = 1) {
   constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
   static_assert(kCols == 16 || kCols == 32 || kCols == 64, "wgmma_rs is instantiated for N = 64, 128 and 256");
   if constexpr (kCols == 16) {
@@ -475,6 +475,16 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
+}
+
+// Four 8 x 8 b16 matrices from the warp's accumulator fragments into shared memory: register i
+// of every lane is its pair of matrix i (row lane / 4, columns 2 (lane % 4) and + 1, the mma /
+// wgmma accumulator layout once packed), and lanes 8i .. 8i + 7 give the addresses of matrix i's
+// eight 16-byte rows.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
 }
 
 __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float x, float y) {
