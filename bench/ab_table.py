@@ -1,6 +1,6 @@
 """Same-call A/B of two builds from their benchmark files, round by round.
 
-  python bench/ab_table.py DIR KIND A B ROUNDS [--peer sdpa_cudnn]
+  python bench/ab_table.py DIR KIND A B ROUNDS [--peer sdpa_cudnn] [--impl portattn]
 
 An A/B device call runs one benchmark (bench_attention.py --grid-only or bench_short.py) for build A
 and build B in turns, ROUNDS times, each writing <DIR>/<KIND>_<build>_r<round>/*.json (KIND is the
@@ -32,9 +32,9 @@ def load(directory: str, impl: str) -> dict:
     return out
 
 
-def table(directory: str, kind: str, a: str, b: str, rounds: int, peer: str) -> str:
-    runs_a = [load(os.path.join(directory, f"{kind}_{a}_r{r}"), "portattn") for r in range(1, rounds + 1)]
-    runs_b = [load(os.path.join(directory, f"{kind}_{b}_r{r}"), "portattn") for r in range(1, rounds + 1)]
+def table(directory: str, kind: str, a: str, b: str, rounds: int, peer: str, impl: str = "portattn") -> str:
+    runs_a = [load(os.path.join(directory, f"{kind}_{a}_r{r}"), impl) for r in range(1, rounds + 1)]
+    runs_b = [load(os.path.join(directory, f"{kind}_{b}_r{r}"), impl) for r in range(1, rounds + 1)]
     peer_b = load(os.path.join(directory, f"{kind}_{b}_r1"), peer)
     lines = []
     for mode in sorted({key[3] for key in runs_a[0]}):
@@ -61,8 +61,9 @@ def main():
     parser.add_argument("b")
     parser.add_argument("rounds", type=int)
     parser.add_argument("--peer", default="sdpa_cudnn")
+    parser.add_argument("--impl", default="portattn", help="the column compared (e.g. portattn_sm80)")
     args = parser.parse_args()
-    print(table(args.directory, args.kind, args.a, args.b, args.rounds, args.peer))
+    print(table(args.directory, args.kind, args.a, args.b, args.rounds, args.peer, args.impl))
 
 
 if __name__ == "__main__":

@@ -282,12 +282,15 @@ def test_ab_table_rounds_and_ratios(tmp_path):
         grid = [{"head_dim": 64, "seqlen": 512, "causal": True, "tflops": {"fwd": tflops}}]
         (folder / "x.json").write_text(json.dumps({"grid": grid}))
 
-    write("grid_A_r1", {"portattn": 100.0})
-    write("grid_A_r2", {"portattn": 110.0})
-    write("grid_B_r1", {"portattn": 126.0, "sdpa_cudnn": 120.0})
-    write("grid_B_r2", {"portattn": 126.0})
+    write("grid_A_r1", {"portattn": 100.0, "portattn_sm80": 50.0})
+    write("grid_A_r2", {"portattn": 110.0, "portattn_sm80": 50.0})
+    write("grid_B_r1", {"portattn": 126.0, "sdpa_cudnn": 120.0, "portattn_sm80": 60.0, "sdpa_flash": 40.0})
+    write("grid_B_r2", {"portattn": 126.0, "portattn_sm80": 40.0})
     text = ab_table.table(str(tmp_path), "grid", "A", "B", 2, "sdpa_cudnn")
     assert "| 64 | 512 | causal | 100.0 110.0 | 126.0 126.0 | 1.200 | 1.050 |" in text
+    # Another column (the sm80+ path), against another peer.
+    text = ab_table.table(str(tmp_path), "grid", "A", "B", 2, "sdpa_flash", impl="portattn_sm80")
+    assert "| 64 | 512 | causal | 50.0 50.0 | 60.0 40.0 | 1.000 | 1.250 |" in text
 
 
 def test_grid_in_several_processes_reports_medians_and_spread(tmp_path):

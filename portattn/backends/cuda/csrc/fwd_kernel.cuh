@@ -388,8 +388,13 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim, kNarrow>::kThreads,
   // ---- epilogue: normalise, stage O through shared memory, store -------------
   float lse[kRows];
   const float out_scale = (kExtras && params.dropout_p > 0.f) ? 1.f / (1.f - params.dropout_p) : 1.f;
-  softmax::online_softmax_finalize<kRows, kOCols, QuadReduce>(o, state, softmax_scale_log2,
-                                                              out_scale, lse);
+  // The approximate log2 and reciprocal (Note [portattn fast finalize]); PORTATTN_FWD_FAST_FINALIZE=0
+  // builds the accurate ones (A/B).
+#ifndef PORTATTN_FWD_FAST_FINALIZE
+#define PORTATTN_FWD_FAST_FINALIZE 1
+#endif
+  softmax::online_softmax_finalize<kRows, kOCols, QuadReduce, PORTATTN_FWD_FAST_FINALIZE != 0>(
+      o, state, softmax_scale_log2, out_scale, lse);
 
   // A null lse means the caller does not want it (inference): skip the store.
   if (params.lse != nullptr && lane % 4 == 0) {
