@@ -39,13 +39,19 @@ DRY_PROXY_SEQLEN = 64
 
 # ---- run metadata -----------------------------------------------------------------------
 def commit() -> str:
+    """The commit a result is labelled with: PORTATTN_COMMIT if set, else git's HEAD, marked "+dirty" when
+    tracked files differ from it. (Session 15: a device copy's stale .git labelled c64176e's results with the
+    session's first HEAD; the mark makes such a label visibly not the tree that ran.)"""
     if os.environ.get("PORTATTN_COMMIT"):
         return os.environ["PORTATTN_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+dirty" if changed else "")
 
 
 def _version(distribution: str) -> Optional[str]:

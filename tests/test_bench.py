@@ -3,6 +3,7 @@ summary, and the flash-attn-4 staging script's failure paths. The measurements t
 need the GPU machine (bench/gpu_suite.sh)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -319,3 +320,31 @@ def test_merge_processes_takes_each_cells_median():
     assert rows[0]["tflops"]["fwd"] == {"portattn": 110.0}
     assert rows[0]["spread"]["fwd"]["portattn"] == [100.0, 130.0]
     assert rows[0]["ms"]["fwd"]["portattn"] == 1 / 110.0
+
+
+def test_commit_label_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import peers
+    finally:
+        sys.path.pop(0)
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    monkeypatch.delenv("PORTATTN_COMMIT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "x"]):
+        if args[0] == "add":
+            (tmp_path / "f.txt").write_text("one")
+        subprocess.run(["git", *args], check=True, env=env)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    assert peers.commit() == head
+    (tmp_path / "f.txt").write_text("two")
+    assert peers.commit() == head + "+dirty"
+    (tmp_path / "new.txt").write_text("untracked files do not count")
+    (tmp_path / "f.txt").write_text("one")
+    assert peers.commit() == head
+    monkeypatch.setenv("PORTATTN_COMMIT", "abc1234")
+    assert peers.commit() == "abc1234"

@@ -98,24 +98,19 @@ PORTATTN_SOFTMAX_HD float log2_accurate(float x) {
 // rcp.approx a relative one of about 1 ulp, which the rounding of O to 16 bits hides. The row
 // sum is a sum of exponentials that includes the row maximum's exp2(0) = 1, so it is a normal
 // number whenever it is used. Other targets keep the accurate forms.
-PORTATTN_SOFTMAX_HD float log2_fast(float x) {
+// (Inline PTX, not __log2f / __fdividef: __fdividef adds a range check for huge divisors.)
 #if defined(__CUDA_ARCH__)
-  float y;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
+#define PORTATTN_PTX_F32(INSTR) \
+  float y;                      \
+  asm(INSTR " %0, %1;" : "=f"(y) : "f"(x)); \
+  return y
+PORTATTN_SOFTMAX_HD float log2_fast(float x) { PORTATTN_PTX_F32("lg2.approx.f32"); }
+PORTATTN_SOFTMAX_HD float rcp_fast(float x) { PORTATTN_PTX_F32("rcp.approx.ftz.f32"); }
+#undef PORTATTN_PTX_F32
 #else
-  return log2_accurate(x);
+PORTATTN_SOFTMAX_HD float log2_fast(float x) { return log2_accurate(x); }
+PORTATTN_SOFTMAX_HD float rcp_fast(float x) { return 1.f / x; }
 #endif
-}
-PORTATTN_SOFTMAX_HD float rcp_fast(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return 1.f / x;
-#endif
-}
 
 // expf / logf: the device libraries' and <math.h>'s alike (not the fast intrinsics).
 PORTATTN_SOFTMAX_HD float exp_accurate(float x) { return expf(x); }
