@@ -262,16 +262,6 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_O_VEC
 #define PORTATTN_HOPPER_FWD_O_VEC 1
 #endif
-// The edge blocks' mask: 1 with the bounds moved to each column's constant offset, a compare with an
-// immediate an element (session 9); 2 as one bit per fragment column (Note [portattn hopper mask
-// bits]: ~50 fewer instructions a masked block, yet 0 to -1.5% at hd64 512-1k causal in two calls of
-// session 15, within 1% elsewhere, so not the default); 0 with each column's index compared to both
-// bounds (before session 9). Kept for A/B.
-// 1: the pipelined loop's first P V of a tile writes O (Note [portattn hopper O by the first P V]);
-// 0 (the default): O zeroed at the tile's start. Kept for A/B; it lost (the Note says where).
-#ifndef PORTATTN_HOPPER_FWD_O_BY_FIRST_PV
-#define PORTATTN_HOPPER_FWD_O_BY_FIRST_PV 0
-#endif
 // 1: O staged for the TMA store by stmatrix (Note [portattn hopper O stmatrix]); 0: by 32-bit stores.
 #ifndef PORTATTN_HOPPER_FWD_STMATRIX
 #define PORTATTN_HOPPER_FWD_STMATRIX 1
@@ -281,11 +271,11 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_FAST_FINALIZE
 #define PORTATTN_HOPPER_FWD_FAST_FINALIZE 1
 #endif
-// 1: descriptors by compile-time advances (Note [portattn hopper forward descriptors]); 0: one
-// smem_desc_at a k16 step (before session 15). Kept for A/B.
-#ifndef PORTATTN_HOPPER_FWD_DESC_ADVANCE
-#define PORTATTN_HOPPER_FWD_DESC_ADVANCE 1
-#endif
+// The edge blocks' mask: 1 with the bounds moved to each column's constant offset, a compare with an
+// immediate an element (session 9); 2 as one bit per fragment column (Note [portattn hopper mask
+// bits]: ~50 fewer instructions a masked block, yet 0 to -1.5% at hd64 512-1k causal in two calls of
+// session 15, within 1% elsewhere, so not the default); 0 with each column's index compared to both
+// bounds (before session 9). Kept for A/B.
 #ifndef PORTATTN_HOPPER_FWD_MASK_REL
 #define PORTATTN_HOPPER_FWD_MASK_REL 1
 #endif
@@ -723,7 +713,6 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     // smem_desc_at(base, offset + step) a step, ptxas added the step to the offset and then
     // shifted, a dependent pair of uniform operations (UIADD3, ULEA.HI) before each of the 12
     // wgmma a block at hd64; an advance is one add with an immediate.
-#if PORTATTN_HOPPER_FWD_DESC_ADVANCE
     auto issue_s = [&](float (&s)[2][kSCols], uint32_t k_stage_off) {
       const uint64_t desc_q0 = sm90::smem_desc_at(desc_base, q_off_wg, 16);
       const uint64_t desc_k0 = sm90::smem_desc_at(desc_base, k_stage_off, 16);
@@ -736,38 +725,13 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
       }
       sm90::wgmma_commit();
     };
-    // accumulate = 0: the tile's first P V, which writes O rather than adding to it (Note [portattn
-    // hopper O by the first P V]).
-    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], uint32_t v_stage_off,
-                        int accumulate = 1) {
+    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], uint32_t v_stage_off) {
       const uint64_t desc_v0 = sm90::smem_desc_at(desc_base, v_stage_off, kPanelBytesKV);
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        sm90::wgmma_rs<Elem>(o, p[kk], sm90::smem_desc_advance(desc_v0, kk * 16 * 128), kk == 0 ? accumulate : 1);
-      }
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        sm90::wgmma_rs<Elem>(o, p[kk], sm90::smem_desc_advance(desc_v0, kk * 16 * 128));
       sm90::wgmma_commit();
     };
-#else
-    auto issue_s = [&](float (&s)[2][kSCols], uint32_t k_stage_off) {
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint32_t offset = (kk % 4) * 32;  // k16 step inside the 128-byte panel row
-        const uint64_t desc_q = sm90::smem_desc_at(desc_base, q_off_wg + (kk / 4) * kPanelBytesQ + offset, 16);
-        const uint64_t desc_k = sm90::smem_desc_at(desc_base, k_stage_off + (kk / 4) * kPanelBytesKV + offset, 16);
-        sm90::wgmma_ss<Elem, 0, 0, kSCols>(s, desc_q, desc_k, kk > 0 ? 1 : 0);  // N = kBlockN
-      }
-      sm90::wgmma_commit();
-    };
-    auto issue_pv = [&](float (&o)[2][kOCols], const uint32_t (&p)[kBlockN / 16][4], uint32_t v_stage_off,
-                        int accumulate = 1) {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t desc_v = sm90::smem_desc_at(desc_base, v_stage_off + kk * 16 * 128, kPanelBytesKV);
-        sm90::wgmma_rs<Elem>(o, p[kk], desc_v, kk == 0 ? accumulate : 1);
-      }
-      sm90::wgmma_commit();
-    };
-#endif
     // P as the A fragment of k16 step kk: columns 16kk..16kk+15 = chunks 2kk, 2kk+1.
     auto pack_p = [&](uint32_t (&p)[kBlockN / 16][4], const float (&s)[2][kSCols]) {
       sm90::pack_a_fragment<Elem>(p, s);
@@ -780,24 +744,11 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     float s[2][kSCols];
     uint32_t p[kBlockN / 16][4];
     float correction[2];
-    // Note [portattn hopper O by the first P V]: the pipelined loop's first P V of a tile is issued
-    // with scale-d 0, which writes O instead of adding to it, so O needs no zeroing at the tile's
-    // start (32-64 register moves a thread a tile, which ptxas emitted one register at a time). O's
-    // registers are read before that product only by the rescale of the block-1 phase, whose result
-    // the product then overwrites. A tile without a visible key runs no P V, so it zeroes O itself.
-    // Measured (session 15, bench/results/runs/2026-11-26-9f6c246-s15c, three rounds): hd64 512 no
-    // mask -2.9%, many short hd64 sequences of 200 rows -9% (no mask), most other cells within 1-2%.
-    // ncu: the moves went, but each block's P V now turns its scale-d flag into a uniform register
-    // (R2UR, ~20 more instructions a steady block). Off by default.
-    constexpr bool kOByFirstPv = Traits::kPipelined && PORTATTN_HOPPER_FWD_O_BY_FIRST_PV;
-    auto zero_o = [&]() {
+    auto start_tile = [&]() {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int c = 0; c < kOCols; ++c) o[r][c] = 0.f;
-    };
-    auto start_tile = [&]() {
-      if constexpr (!kOByFirstPv) zero_o();
       state.init();
     };
     // Softcap, then the mask: keys past seqlen_k (TMA zero-filled them)
@@ -1034,7 +985,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::fence_operands(o);
             sm90::wgmma_fence();
             issue_s(s, k_off);
-            issue_pv(o, p, v_off, !kOByFirstPv || it > 1);
+            issue_pv(o, p, v_off);
             turn_pass(false);
             sm90::wgmma_wait<1>();  // S(it) has landed; P V may still run
             sm90::fence_operands(s);
@@ -1075,7 +1026,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::mbar_wait(bar_k_full(stage_of(n_blocks)), parity_of(n_blocks));
             sm90::fence_operands(o);
             sm90::wgmma_fence();
-            issue_pv(o, p, v_off, !kOByFirstPv || n_blocks > 1);
+            issue_pv(o, p, v_off);
             issue_s(s, k_off);
             turn_pass(false);
             sm90::wgmma_wait<1>();  // P V has landed; S(0) of the next tile may still run
@@ -1100,7 +1051,7 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
             sm90::mbar_wait(bar_v_full(stage_of(n_blocks - 1)), parity_of(n_blocks - 1));
             sm90::fence_operands(o);
             sm90::wgmma_fence();
-            issue_pv(o, p, v_off, !kOByFirstPv || n_blocks > 1);
+            issue_pv(o, p, v_off);
             turn_pass(true);
             sm90::wgmma_wait<0>();
             sm90::fence_operands(o);
@@ -1144,7 +1095,6 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
         }
       }
       // (The fused phase wrote this tile's O already. A tile without a visible key: O = 0, LSE = -inf.)
-      if (kOByFirstPv && n_blocks <= 0) zero_o();
       if (!fuse) finish_tile(tile);
       entered = fuse;
       ++round;

@@ -263,24 +263,24 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "               \
                PORTATTN_WGMMA_D64_REGS ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"   \
                : PORTATTN_WGMMA_D64_OPERANDS(d)                                         \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
 #define PORTATTN_WGMMA_RS_N128(TY)                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                               \
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "              \
                PORTATTN_WGMMA_D128_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"  \
                : PORTATTN_WGMMA_D128_OPERANDS(d)                                        \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
 
 #define PORTATTN_WGMMA_RS_N256(TY)                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                              \
                "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "              \
                PORTATTN_WGMMA_D256_REGS ", {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n" \
                : PORTATTN_WGMMA_D256_OPERANDS(d)                                        \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
 
 template <typename Elem, int kCols>
 __device__ __forceinline__ void wgmma_rs(float (&d)[2][kCols], const uint32_t (&a)[4],
-                                         uint64_t desc_b, int scale_d = 1) {
+                                         uint64_t desc_b) {
   constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
   static_assert(kCols == 16 || kCols == 32 || kCols == 64, "wgmma_rs is instantiated for N = 64, 128 and 256");
   if constexpr (kCols == 16) {
