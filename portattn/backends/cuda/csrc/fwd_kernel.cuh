@@ -405,8 +405,13 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim, kNarrow>::kThreads,
       if (m0 + row_of(r) < seqlen_q) gLse[row_of(r)] = lse[r];
   }
 
-  // Each warp overwrites only its own Q rows (no other warp reads them), so no
-  // barrier is needed before the staging writes; the one after them is.
+  // Each warp overwrites only its own Q rows (no other warp reads them), so no CTA
+  // barrier is needed before the staging writes; the one after them is. The warp's own
+  // lanes last read those rows in the last key block's S = Q K^T (ldmatrix), with no
+  // barrier between those reads and these writes: __syncwarp orders them for the memory
+  // model (independent thread scheduling), and for racecheck, which otherwise may report
+  // the pair as an intra-warp hazard.
+  __syncwarp();
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll

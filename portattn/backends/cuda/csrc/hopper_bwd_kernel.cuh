@@ -183,6 +183,16 @@
 // Measured on an H100 (main kernel alone, same device call, bench/results/runs/
 // 2026-11-24-1c5ca0e): 1-5% less time at hd64 than the serial loop, within the spread
 // (-1 to +2%) at hd128; with K / V in registers at hd64, 5-8%.
+//
+// Note [portattn hopper late dK]
+// Where a step's dQ is staged relative to dK's product. With dK issued before the dS^T
+// barrier (the default), the step's last product in the tensor pipe is dQ, so the pipe
+// idles from dQ's completion through the consumer's wait, its staging stores and the
+// next step's first issue. With PORTATTN_HOPPER_BWD_LATE_DK=1, dK is queued behind dQ
+// (FA3 / flash-attn-4's order): wait<1> retires dV and dQ, the staging stores run under
+// dK, and only then wait<0>. The cost: nothing of this consumer's own is left in the
+// pipe under the dS^T stores and barrier (dV, issued before the dS^T math, has usually
+// retired by then). Measured: docs/hopper_notes.md, session 16.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
@@ -214,6 +224,11 @@
 // the kernel says why and what it measured); 0 reads them after it everywhere (A/B).
 #ifndef PORTATTN_HOPPER_BWD_LSE_EARLY
 #define PORTATTN_HOPPER_BWD_LSE_EARLY 1
+#endif
+// 1: dK += dS^T Q issued after the dQ product, so a step's dQ is staged while dK runs on the
+// tensor cores (Note [portattn hopper late dK]); 0 issues dK before the dS^T barrier (A/B).
+#ifndef PORTATTN_HOPPER_BWD_LATE_DK
+#define PORTATTN_HOPPER_BWD_LATE_DK 0
 #endif
 
 namespace portattn {
@@ -410,6 +425,9 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // (hd64 1k +2%, hd128 4k +0.9%: 16 more live registers across the wait, no second copy to share).
   // Not with softcap (not measured; its hd128 kernels already spill a few words).
   constexpr bool kLseEarly = PORTATTN_HOPPER_BWD_LSE_EARLY != 0 && kMask != kBwdMaskNone && !kSoftcap;
+  // Note [portattn hopper late dK]. Not with dQ by step, where whether a consumer has a dQ
+  // group in flight depends on the step's parity: ptxas then serialises every wgmma (C7514).
+  constexpr bool kLateDk = PORTATTN_HOPPER_BWD_LATE_DK != 0 && !Traits::kDqByStep;
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -894,8 +912,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         }
         sm90::pack_a_fragment<Elem>(ds, dp);
 
-        // ---- dK += dS^T Q ----
-        accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
+        // ---- dK += dS^T Q (here, under the dS^T stores and barrier; or after dQ) ----
+        if constexpr (!kLateDk) accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
 
         // ---- dS^T to shared memory, then both consumers' keys are visible ----
 #pragma unroll
@@ -923,6 +941,17 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
                                        desc_at(k_dq_offset + kk * 16 * 128, Traits::kPanelBytesKV), kk > 0 ? 1 : 0);
           sm90::wgmma_commit();
         }
+        if constexpr (kLateDk) {
+          // Note [portattn hopper late dK]: dK queued behind dQ; dQ (and dV) complete at
+          // wait<1>, staged while dK runs.
+          accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
+          if (my_dq) {
+            sm90::wgmma_wait<1>();
+            sm90::fence_operands(dq);
+            stage_dq(step, head, m0);
+            if constexpr (Traits::kAhead == 0) publish_dq(step);
+          }
+        }
         sm90::wgmma_wait<0>();
         sm90::fence_operands(dq);
         sm90::fence_operands(dv);
@@ -933,7 +962,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
 
-        if (my_dq) {
+        if (!kLateDk && my_dq) {
           stage_dq(step, head, m0);
           if constexpr (Traits::kAhead == 0) publish_dq(step);
         }
