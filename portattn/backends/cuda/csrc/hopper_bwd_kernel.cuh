@@ -192,7 +192,11 @@
 // (FA3 / flash-attn-4's order): wait<1> retires dV and dQ, the staging stores run under
 // dK, and only then wait<0>. The cost: nothing of this consumer's own is left in the
 // pipe under the dS^T stores and barrier (dV, issued before the dS^T math, has usually
-// retired by then). Measured: docs/hopper_notes.md, session 16.
+// retired by then). Measured on an H100 (same-call A/B, three rounds, bench/results/runs/
+// 2026-11-26-6cdf00c-s16a): hd128 forward+backward without a mask +1.2 to +2.5% at 1k-8k,
+// every round above every round of the old order at 1k and 4k; causal -1.0 to +1.2% (its
+// kernel also spills 4 bytes with it), so causal, windowed and softcap kernels keep the
+// old order. hd64's no-mask and causal kernels compute dQ by step and cannot take it.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
@@ -225,10 +229,11 @@
 #ifndef PORTATTN_HOPPER_BWD_LSE_EARLY
 #define PORTATTN_HOPPER_BWD_LSE_EARLY 1
 #endif
-// 1: dK += dS^T Q issued after the dQ product, so a step's dQ is staged while dK runs on the
-// tensor cores (Note [portattn hopper late dK]); 0 issues dK before the dS^T barrier (A/B).
+// 1: in kernels without a mask or softcap, dK += dS^T Q issued after the dQ product, so a
+// step's dQ is staged while dK runs on the tensor cores (Note [portattn hopper late dK]);
+// 0 issues dK before the dS^T barrier everywhere (A/B).
 #ifndef PORTATTN_HOPPER_BWD_LATE_DK
-#define PORTATTN_HOPPER_BWD_LATE_DK 0
+#define PORTATTN_HOPPER_BWD_LATE_DK 1
 #endif
 
 namespace portattn {
@@ -425,9 +430,11 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // (hd64 1k +2%, hd128 4k +0.9%: 16 more live registers across the wait, no second copy to share).
   // Not with softcap (not measured; its hd128 kernels already spill a few words).
   constexpr bool kLseEarly = PORTATTN_HOPPER_BWD_LSE_EARLY != 0 && kMask != kBwdMaskNone && !kSoftcap;
-  // Note [portattn hopper late dK]. Not with dQ by step, where whether a consumer has a dQ
-  // group in flight depends on the step's parity: ptxas then serialises every wgmma (C7514).
-  constexpr bool kLateDk = PORTATTN_HOPPER_BWD_LATE_DK != 0 && !Traits::kDqByStep;
+  // Note [portattn hopper late dK]: kernels without a mask or softcap (where it was measured
+  // to pay). Never with dQ by step, where whether a consumer has a dQ group in flight depends
+  // on the step's parity: ptxas then serialises every wgmma (C7514).
+  constexpr bool kLateDk =
+      PORTATTN_HOPPER_BWD_LATE_DK != 0 && !Traits::kDqByStep && kMask == kBwdMaskNone && !kSoftcap;
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_addr(smem_raw);
