@@ -1,13 +1,14 @@
 """The `profile` stage's two halves (driven by bench/ncu_stage.sh):
 
-  python bench/ncu_profile.py case {fwd,bwd,bwd_sm80}   the program ncu runs
+  python bench/ncu_profile.py case {fwd,fwd_cudnn,bwd,bwd_sm80,bwd_fa4,bwd_cudnn}   the program ncu runs
   python bench/ncu_profile.py summarize RAW.csv --title T --flops F   ncu's raw page -> a short text
 
 The case is B=1, H=16, seqlen 16k, hd 128, bf16, not causal (issue #6's largest point).
 Everything before the one profiled call (imports, dispatch, self-check, a full warm-up
 step, and for the backward cases the forward) runs outside cudaProfilerStart/Stop, so
 `ncu --profile-from-start off` sees only the call under study; bwd_sm80 forces the sm80+
-path (`cuda`) so its backward kernel can be compared with the Hopper one.
+path (`cuda`) so its backward kernel can be compared with the Hopper one; bwd_fa4 and bwd_cudnn profile
+flash-attn-4's and SDPA cuDNN's backward on the same case.
 """
 from __future__ import annotations
 
@@ -59,6 +60,35 @@ def run_case(mode: str) -> None:
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStop()
         print(f"ncu_profile case {mode}: {CASE}, SDPA cuDNN", flush=True)
+        return
+    if mode in ("bwd_fa4", "bwd_cudnn"):
+        # The backward peers on the same case: flash-attn-4's (bench/fa4_stage.sh installs it on the
+        # device) and SDPA's cuDNN, each profiled over its own backward only, as ours is.
+        if mode == "bwd_fa4":
+            from flash_attn.cute import flash_attn_func as fa4_func
+
+            def peer():
+                out = fa4_func(q, k, v, causal=CASE["causal"])
+                return out[0] if isinstance(out, tuple) else out
+            grads = (q, k, v)
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+            dout = dout.transpose(1, 2).contiguous()
+
+            def peer():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=CASE["causal"])
+            grads = (qt, kt, vt)
+        torch.autograd.grad(peer(), grads, dout)
+        out = peer()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        torch.autograd.grad(out, grads, dout)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"ncu_profile case {mode}: {CASE}", flush=True)
         return
     if mode == "fwd":
         with torch.no_grad():
@@ -169,11 +199,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     case = sub.add_parser("case", help="run the profiled program")
-    case.add_argument("mode", choices=("fwd", "fwd_cudnn", "bwd", "bwd_sm80"))
+    case.add_argument("mode", choices=("fwd", "fwd_cudnn", "bwd", "bwd_sm80", "bwd_fa4", "bwd_cudnn"))
     summary = sub.add_parser("summarize", help="print a short summary of ncu's raw csv page")
     summary.add_argument("raw_csv")
     summary.add_argument("--title", default="kernel")
-    summary.add_argument("--mode", choices=("fwd", "fwd_cudnn", "bwd", "bwd_sm80"), default="fwd",
+    summary.add_argument("--mode", choices=("fwd", "fwd_cudnn", "bwd", "bwd_sm80", "bwd_fa4", "bwd_cudnn"), default="fwd",
                          help="which case's FLOPs turn the duration into TFLOP/s")
     args = parser.parse_args()
     if args.command == "case":

@@ -5,6 +5,7 @@
 #   fwd        the Hopper forward (regex:hopper)              -> $OUT/ncu_fwd.txt
 #   bwd        the Hopper backward, if present (regex:hopper_bwd) -> $OUT/ncu_bwd_hopper.txt
 #   bwd_sm80   the sm80+ backward, path forced (regex:bwd_kernel) -> $OUT/ncu_bwd_sm80.txt
+#   bwd_fa4, bwd_cudnn  flash-attn-4's / SDPA cuDNN's main backward kernel (regex:BackwardSm90 / bprop)
 # Each: .txt (short summary, also printed), _details.txt (ncu's section text), _raw.csv,
 # .ncu-rep (open in the Nsight Compute GUI) and .log. Clocks are left to the GPU
 # (--clock-control none) so durations match the benchmark's conditions.
@@ -70,6 +71,9 @@ for what in ${@:-fwd bwd bwd_sm80}; do
         echo "== Hopper backward: none in this build (no hopper_bwd symbol in libportattn_cuda.so)" | tee "$OUT/ncu_bwd_hopper.txt"
       fi ;;
     bwd_sm80) profile "bwd_sm80$SUFFIX" bwd_sm80 bwd_kernel "sm80+ backward (cuda forced), $SHAPE" ;;
-    *) echo "profile: unknown kernel '$what' (fwd, bwd, bwd_sm80)" ;;
+    # The peers' main backward kernels on the same case (flash-attn-4: bench/fa4_stage.sh installs it).
+    bwd_fa4) profile "bwd_fa4$SUFFIX" bwd_fa4 BackwardSm90 "flash-attn-4 backward, $SHAPE" ;;
+    bwd_cudnn) profile "bwd_cudnn$SUFFIX" bwd_cudnn bprop "SDPA cuDNN backward, $SHAPE" ;;
+    *) echo "profile: unknown kernel '$what' (fwd, bwd, bwd_sm80, bwd_fa4, bwd_cudnn)" ;;
   esac
 done
