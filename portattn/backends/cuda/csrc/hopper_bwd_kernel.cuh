@@ -184,6 +184,22 @@
 // 2026-11-24-1c5ca0e): 1-5% less time at hd64 than the serial loop, within the spread
 // (-1 to +2%) at hd128; with K / V in registers at hd64, 5-8%.
 //
+// Note [portattn hopper staging addresses]
+// A step's 16 dS^T stores (b32) and 16 (hd128) dQ staging stores (v2) each took their
+// address from the swizzle formula (swizzle128, dq_chunk_swizzle), ~2-4 integer
+// instructions a store, part of the ~580 instructions a consumer warp issued per hd128
+// step against ~440 for flash-attn-4's 80-query step (ncu, hd128 2k, session 16). Both
+// swizzles only permute 16-byte chunks inside aligned groups of eight by a key that is
+// fixed per thread (the row mod 8 is g for both of a thread's rows), so:
+// - dS^T: the tile base and key_row * 128 keep bits 4-6 clear; ds_lane puts g there, and
+//   chunk c of the thread's row is then (s_ds + ds_lane) ^ (16 c), plus 1024 for row + 8.
+// - dQ: chunk 2 j + (q4 >> 1) of row warp * 16 + g goes to ((2 j + (q4 >> 1)) ^ key) with
+//   key = dq_chunk_swizzle's key of g: for j = 4 jh + jl that is 8 jh + ((2 jl + (q4 >> 1)) ^
+//   key), so four per-thread offsets (dq_stage_off, by jl) plus compile-time immediates
+//   (jh * 128 bytes, and 8 rows further for the second row) give every store.
+// The same bytes land at the same places (checked against both formulas for every lane,
+// row and step, hd64 and hd128, while writing this; the GPU tests compare dQ with the
+// reference).//
 // Note [portattn hopper late dK]
 // Where a step's dQ is staged relative to dK's product. With dK issued before the dS^T
 // barrier (the default), the step's last product in the tensor pipe is dQ, so the pipe
@@ -308,6 +324,8 @@ struct HopperBwdTraits {
   static_assert(kDqCols == 32 || kDqCols == 64, "dQ wgmma is instantiated for N = 32 and 64");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared-memory opt-in limit");
   static_assert(kDqPitch % 128 == 0, "the bulk dQ swizzle assumes rows that start on the same bank");
+  static_assert(kOffDs % 128 == 0 && kDsBytes % 128 == 0,
+                "dS^T tiles start on 128-byte rows (Note [portattn hopper staging addresses])");
   // Named barriers: 0 __syncthreads, 1-2 dS^T (consumers, by step parity); bulk dQ:
   // full[b] (consumers arrive, the reducing warp waits) and empty[b] (the reverse).
   // dS^T takes two ids because with kDqByStep one consumer only arrives: on one id, its
@@ -674,6 +692,15 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     // (deterministic mode).
     auto computes_dq = [&](int at_step) { return !Traits::kDqByStep || (at_step & 1) == wg; };
     const bool dq_leader = tid == 0 && (Traits::kDqByStep || wg == 0);
+    // Note [portattn hopper staging addresses]: this thread's parts of the dS^T and dQ staging
+    // addresses, fixed for the kernel.
+    const uint32_t ds_lane = static_cast<uint32_t>(key_row) * 128 + 4 * q4 + 16 * g;
+    const int dq_key = ((g & 3) << 1) | ((g >> 2) & 1);  // cuda::dq_chunk_swizzle's key of rows g, g + 8
+    uint32_t dq_stage_off[4];
+#pragma unroll
+    for (int jl = 0; jl < 4; ++jl)
+      dq_stage_off[jl] = static_cast<uint32_t>((warp * 16 + g) * Traits::kDqPitch + 4 * dq_col0 +
+                                               16 * ((2 * jl + (q4 >> 1)) ^ dq_key) + 8 * (q4 & 1));
     const float scale_log2 = f.softmax_scale * softmax::kLog2e;
     // One dQ accumulator in both modes: the deterministic mode orders its adds
     // (Note [portattn hopper ordered dQ]) instead of adding into per-split slices.
@@ -763,15 +790,14 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             }
           }
           const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes;
+          // Rows warp * 16 + g (+ 8; rows past len_q are staged, never copied), at
+          // dq_chunk_swizzle's offsets (Note [portattn hopper staging addresses]).
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = warp * 16 + g + 8 * r;  // rows past len_q are staged, never copied
+          for (int r = 0; r < 2; ++r)
 #pragma unroll
             for (int j = 0; j < kQCols / 2; ++j)
-              sm90::st_shared_v2_f32(s_dq + row * Traits::kDqPitch +
-                                         cuda::dq_chunk_swizzle(row, (dq_col0 + 8 * j + 2 * q4) * 4),
+              sm90::st_shared_v2_f32(s_dq + dq_stage_off[j & 3] + r * 8 * Traits::kDqPitch + (j >> 2) * 128,
                                      dq[r][2 * j], dq[r][2 * j + 1]);
-          }
         } else {
           float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + dq_col0;
           int* order = nullptr;
@@ -923,14 +949,17 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         if constexpr (!kLateDk) accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
 
         // ---- dS^T to shared memory, then both consumers' keys are visible ----
+        // Element (key_row + 8 (e & 1), 16 kk + 8 (e >> 1) + 2 q4) of the swizzled tile: s_ds and
+        // key_row * 128 keep bits 4-6 clear, ds_lane puts g there, and the 128B swizzle's XOR of
+        // the 16-byte chunk index 2 kk + (e >> 1) with g is one XOR with a constant (Note
+        // [portattn hopper staging addresses]).
+        const uint32_t ds_row = s_ds + ds_lane;
 #pragma unroll
         for (int kk = 0; kk < kMSteps; ++kk)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = key_row + 8 * (e & 1);
-            const int col = 16 * kk + 8 * (e >> 1) + 2 * q4;
-            cuda::st_shared_b32(s_ds + swizzle128(row, col), ds[kk][e]);
-          }
+          for (int e = 0; e < 4; ++e)
+            cuda::st_shared_b32((ds_row ^ static_cast<uint32_t>(16 * (2 * kk + (e >> 1)))) + (e & 1) * 8 * 128,
+                                ds[kk][e]);
         sm90::fence_proxy_async_smem();
         // The consumer that computes this step's dQ waits for both halves of dS^T; the
         // other only contributes its half (Note [portattn hopper dQ by step]).
