@@ -185,21 +185,26 @@
 // (-1 to +2%) at hd128; with K / V in registers at hd64, 5-8%.
 //
 // Note [portattn hopper staging addresses]
-// A step's 16 dS^T stores (b32) and 16 (hd128) dQ staging stores (v2) each took their
-// address from the swizzle formula (swizzle128, dq_chunk_swizzle), ~2-4 integer
-// instructions a store, part of the ~580 instructions a consumer warp issued per hd128
-// step against ~440 for flash-attn-4's 80-query step (ncu, hd128 2k, session 16). Both
-// swizzles only permute 16-byte chunks inside aligned groups of eight by a key that is
-// fixed per thread (the row mod 8 is g for both of a thread's rows), so:
-// - dS^T: the tile base and key_row * 128 keep bits 4-6 clear; ds_lane puts g there, and
-//   chunk c of the thread's row is then (s_ds + ds_lane) ^ (16 c), plus 1024 for row + 8.
-// - dQ: chunk 2 j + (q4 >> 1) of row warp * 16 + g goes to ((2 j + (q4 >> 1)) ^ key) with
-//   key = dq_chunk_swizzle's key of g: for j = 4 jh + jl that is 8 jh + ((2 jl + (q4 >> 1)) ^
-//   key), so four per-thread offsets (dq_stage_off, by jl) plus compile-time immediates
-//   (jh * 128 bytes, and 8 rows further for the second row) give every store.
-// The same bytes land at the same places (checked against both formulas for every lane,
-// row and step, hd64 and hd128, while writing this; the GPU tests compare dQ with the
-// reference).//
+// A consumer's shared-memory traffic per step, other than the wgmma operands: the dS^T tile
+// (16 4-byte stores a thread), the dQ staging (16 8-byte stores at hd128) and the LSE / delta
+// reads (8 + 8 8-byte loads). Each store took its address from the swizzle formula
+// (swizzle128, dq_chunk_swizzle), 2-4 integer instructions; a hd128 step issued ~580
+// instructions a consumer warp against ~440 for flash-attn-4's 80-query step, and 1.5x its
+// load/store-pipe instructions (ncu, hd128 2k, session 16). Both swizzles only permute 16-byte
+// chunks inside aligned groups of eight by a key fixed per thread, so:
+// - dS^T is written by stmatrix, 4 x4 stores a step: a lane gives the address of one 16-byte
+//   row of one 8x8 matrix; the tile base and the row offset keep bits 4-6 clear, ds_lane holds
+//   the lane's swizzled chunk for the first k16 block, and block kk's is that XOR 32 kk (chunk
+//   index 2 kk + (lane >> 4), XOR the row's low three bits).
+// - dQ: chunk 2 j + (q4 >> 1) of row warp * 16 + g goes to (2 j + (q4 >> 1)) ^ key, with key
+//   dq_chunk_swizzle's key of g: for j = 4 jh + jl that is 8 jh + ((2 jl + (q4 >> 1)) ^ key),
+//   so four per-thread offsets (dq_stage_off, by jl) plus immediates (jh * 128 bytes, 8 rows
+//   further for the second row) give every store.
+// - Not adopted: LSE / delta stored permuted so a thread's 16 are contiguous (four 16-byte
+//   loads each instead of eight 8-byte ones): the 16-byte loads' register quads pushed the
+//   hd64 bulk kernels' consumers to 20-40 bytes of spills (nvcc 13.0).
+// The addresses were checked against both swizzle formulas for every lane, row and step (hd64,
+// hd128) while writing this; the GPU tests compare every gradient with the reference.//
 // Note [portattn hopper late dK]
 // Where a step's dQ is staged relative to dK's product. With dK issued before the dS^T
 // barrier (the default), the step's last product in the tensor pipe is dQ, so the pipe
@@ -248,6 +253,9 @@
 // 1: in kernels without a mask or softcap, dK += dS^T Q issued after the dQ product, so a
 // step's dQ is staged while dK runs on the tensor cores (Note [portattn hopper late dK]);
 // 0 issues dK before the dS^T barrier everywhere (A/B).
+#ifndef PORTATTN_HOPPER_BWD_DS_STMATRIX
+#define PORTATTN_HOPPER_BWD_DS_STMATRIX 1
+#endif
 #ifndef PORTATTN_HOPPER_BWD_LATE_DK
 #define PORTATTN_HOPPER_BWD_LATE_DK 1
 #endif
@@ -694,7 +702,13 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     const bool dq_leader = tid == 0 && (Traits::kDqByStep || wg == 0);
     // Note [portattn hopper staging addresses]: this thread's parts of the dS^T and dQ staging
     // addresses, fixed for the kernel.
-    const uint32_t ds_lane = static_cast<uint32_t>(key_row) * 128 + 4 * q4 + 16 * g;
+    // dS^T by stmatrix: this lane gives row wg * 64 + warp * 16 + (lane & 7) + 8 ((lane >> 3) & 1)
+    // of matrix lane / 8, whose 16-byte chunk 2 kk + (lane >> 4) the 128B swizzle XORs with the
+    // row's low three bits, lane & 7.
+    const uint32_t ds_lane =
+        static_cast<uint32_t>(wg * 64 + warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128 +
+        16 * static_cast<uint32_t>((lane & 7) ^ (lane >> 4));
+    const uint32_t ds_lane_b32 = static_cast<uint32_t>(key_row) * 128 + 4 * q4 + 16 * g;
     const int dq_key = ((g & 3) << 1) | ((g >> 2) & 1);  // cuda::dq_chunk_swizzle's key of rows g, g + 8
     uint32_t dq_stage_off[4];
 #pragma unroll
@@ -949,17 +963,24 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         if constexpr (!kLateDk) accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
 
         // ---- dS^T to shared memory, then both consumers' keys are visible ----
-        // Element (key_row + 8 (e & 1), 16 kk + 8 (e >> 1) + 2 q4) of the swizzled tile: s_ds and
-        // key_row * 128 keep bits 4-6 clear, ds_lane puts g there, and the 128B swizzle's XOR of
-        // the 16-byte chunk index 2 kk + (e >> 1) with g is one XOR with a constant (Note
-        // [portattn hopper staging addresses]).
+        // One stmatrix.x4 per k16 block of keys x queries: register e of every lane is 8x8 matrix
+        // e (rows + 8 (e & 1), columns 16 kk + 8 (e >> 1)), whose row addresses lanes 8e .. 8e + 7
+        // give; ds_lane is that address at kk = 0 and the swizzle makes later blocks one XOR
+        // with a constant (Note [portattn hopper staging addresses]).
+#if PORTATTN_HOPPER_BWD_DS_STMATRIX
         const uint32_t ds_row = s_ds + ds_lane;
+#pragma unroll
+        for (int kk = 0; kk < kMSteps; ++kk)
+          sm90::stmatrix_x4(ds_row ^ static_cast<uint32_t>(32 * kk), ds[kk][0], ds[kk][1], ds[kk][2], ds[kk][3]);
+#else
+        const uint32_t ds_row = s_ds + ds_lane_b32;
 #pragma unroll
         for (int kk = 0; kk < kMSteps; ++kk)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
             cuda::st_shared_b32((ds_row ^ static_cast<uint32_t>(16 * (2 * kk + (e >> 1)))) + (e & 1) * 8 * 128,
                                 ds[kk][e]);
+#endif
         sm90::fence_proxy_async_smem();
         // The consumer that computes this step's dQ waits for both halves of dS^T; the
         // other only contributes its half (Note [portattn hopper dQ by step]).
