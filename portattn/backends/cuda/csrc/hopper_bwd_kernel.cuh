@@ -192,10 +192,13 @@
 // instructions a consumer warp against ~440 for flash-attn-4's 80-query step, and 1.5x its
 // load/store-pipe instructions (ncu, hd128 2k, session 16). Both swizzles only permute 16-byte
 // chunks inside aligned groups of eight by a key fixed per thread, so:
-// - dS^T is written by stmatrix, 4 x4 stores a step: a lane gives the address of one 16-byte
-//   row of one 8x8 matrix; the tile base and the row offset keep bits 4-6 clear, ds_lane holds
-//   the lane's swizzled chunk for the first k16 block, and block kk's is that XOR 32 kk (chunk
-//   index 2 kk + (lane >> 4), XOR the row's low three bits).
+// - dS^T: the tile base and key_row * 128 keep bits 4-6 clear; ds_lane_b32 puts g there, and
+//   chunk c of the thread's row is then (s_ds + ds_lane_b32) ^ (16 c), plus 1024 for row + 8.
+//   PORTATTN_HOPPER_BWD_DS_STMATRIX=1 writes the tile by stmatrix instead, 4 x4 stores a step: a
+//   lane gives the address of one 16-byte row of one 8x8 matrix, ds_lane its swizzled chunk for
+//   the first k16 block, and block kk's is that XOR 32 kk. 13 fewer instructions a hd128 step,
+//   within the spread on an H100 (two rounds, hd64 / hd128 1k-8k: 0.990-1.029 of the 4-byte
+//   stores, runs/2026-11-26-550e392-s16h), so not the default.
 // - dQ: chunk 2 j + (q4 >> 1) of row warp * 16 + g goes to (2 j + (q4 >> 1)) ^ key, with key
 //   dq_chunk_swizzle's key of g: for j = 4 jh + jl that is 8 jh + ((2 jl + (q4 >> 1)) ^ key),
 //   so four per-thread offsets (dq_stage_off, by jl) plus immediates (jh * 128 bytes, 8 rows
@@ -253,8 +256,10 @@
 // 1: in kernels without a mask or softcap, dK += dS^T Q issued after the dQ product, so a
 // step's dQ is staged while dK runs on the tensor cores (Note [portattn hopper late dK]);
 // 0 issues dK before the dS^T barrier everywhere (A/B).
+// 1: dS^T written by stmatrix (4 x4 stores a step instead of 16 4-byte ones); measured
+// within the spread (Note [portattn hopper staging addresses]), so 0 keeps the 4-byte stores.
 #ifndef PORTATTN_HOPPER_BWD_DS_STMATRIX
-#define PORTATTN_HOPPER_BWD_DS_STMATRIX 1
+#define PORTATTN_HOPPER_BWD_DS_STMATRIX 0
 #endif
 #ifndef PORTATTN_HOPPER_BWD_LATE_DK
 #define PORTATTN_HOPPER_BWD_LATE_DK 1
