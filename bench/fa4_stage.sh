@@ -1,22 +1,24 @@
 #!/bin/bash
 # flash-attn-4 on the device machine, for benchmarking only (never a portattn dependency;
 # see /work/shared/BENCH_PEERS.md). The device has no network and one call carries at most
-# 64 MiB, so the wheels travel in two calls and are joined on the device:
+# 64 MiB (the working tree included, ~14 MiB in session 16), so the wheels travel in three
+# calls of ~33 MiB each, which leaves room for a library in the same call, and are joined on
+# the device:
 #
 #   On the dev machine (once; /.whl/ is in .git/info/exclude):
-#     .whl/a: flash_attn_4, quack_kernels, apache_tvm_ffi, torch_c_dlpack_ext, nvidia_cutlass_dsl,
-#             and nvidia_cutlass_dsl_libs_cu13-*.whl.part00          (~49 MiB)
-#     .whl/b: nvidia_cutlass_dsl_libs_base, nvidia_cutlass_dsl_libs_core,
-#             and nvidia_cutlass_dsl_libs_cu13-*.whl.part01          (~48 MiB)
-#     (the 92 MB cu13 wheel cut by `split -n 2 -d WHEEL WHEEL.part`)
-#   Device call 1, carry [".whl/a", <library>]:
+#     .whl/a: flash_attn_4, quack_kernels, torch_c_dlpack_ext, nvidia_cutlass_dsl,
+#             nvidia_cutlass_dsl_libs_core and nvidia_cutlass_dsl_libs_cu13-*.whl.part00
+#     .whl/b: nvidia_cutlass_dsl_libs_base and nvidia_cutlass_dsl_libs_cu13-*.whl.part01
+#     .whl/c: apache_tvm_ffi and nvidia_cutlass_dsl_libs_cu13-*.whl.part02
+#     (the 92 MB cu13 wheel cut by `split -n 3 -d WHEEL WHEEL.part`)
+#   Device calls 1 and 2, carry [".whl/a", <library>] then [".whl/b"]:
 #     bash bench/fa4_stage.sh stash .whl/a; <other work>
-#   Device call 2 (back to back, while the machine is warm), carry [".whl/b", <library>]:
-#     bash bench/fa4_stage.sh stash .whl/b && eval "$(bash bench/fa4_stage.sh install)" && bash bench/gpu_suite.sh bench ...
+#   Device call 3 (back to back, while the machine is warm), carry [".whl/c"]:
+#     bash bench/fa4_stage.sh stash .whl/c && eval "$(bash bench/fa4_stage.sh install)" && bash bench/gpu_suite.sh bench ...
 #
 # Verbs:
 #   stash DIR  copy DIR's files into /tmp/fa4parts (survives between calls on a warm machine)
-#   install    join the .partNN halves, test every wheel (python3 -m zipfile -t), install
+#   install    join the .partNN pieces, test every wheel (python3 -m zipfile -t), install
 #              them with pip --no-index --no-deps --target /tmp/site, check the import;
 #              stdout is only the line to eval: the PYTHONPATH export (a --target install
 #              skips the cutlass DSL's .pth file, hence its dsl_packages folder on the path).
