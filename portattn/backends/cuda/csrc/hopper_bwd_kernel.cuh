@@ -188,9 +188,9 @@
 // A consumer's shared-memory traffic per step, other than the wgmma operands: the dS^T tile
 // (16 4-byte stores a thread), the dQ staging (16 8-byte stores at hd128) and the LSE / delta
 // reads (8 + 8 8-byte loads). Each store took its address from the swizzle formula
-// (swizzle128, dq_chunk_swizzle), 2-4 integer instructions; a hd128 step issued ~580
-// instructions a consumer warp against ~440 for flash-attn-4's 80-query step, and 1.5x its
-// load/store-pipe instructions (ncu, hd128 2k, session 16). Both swizzles only permute 16-byte
+// (swizzle128, dq_chunk_swizzle), 2-4 integer instructions: a hd128 step issued ~580
+// instructions a consumer warp (cuobjdump), and the kernel 18.4 a wgmma against flash-attn-4's
+// 15.0 at the same tile (ncu, hd128 2k causal, session 16). Both swizzles only permute 16-byte
 // chunks inside aligned groups of eight by a key fixed per thread, so:
 // - dS^T: the tile base and key_row * 128 keep bits 4-6 clear; ds_lane_b32 puts g there, and
 //   chunk c of the thread's row is then (s_ds + ds_lane_b32) ^ (16 c), plus 1024 for row + 8.
@@ -207,7 +207,8 @@
 //   loads each instead of eight 8-byte ones): the 16-byte loads' register quads pushed the
 //   hd64 bulk kernels' consumers to 20-40 bytes of spills (nvcc 13.0).
 // The addresses were checked against both swizzle formulas for every lane, row and step (hd64,
-// hd128) while writing this; the GPU tests compare every gradient with the reference.//
+// hd128) while writing this; the GPU tests compare every gradient with the reference.
+//
 // Note [portattn hopper late dK]
 // Where a step's dQ is staged relative to dK's product. With dK issued before the dS^T
 // barrier (the default), the step's last product in the tensor pipe is dQ, so the pipe
@@ -256,13 +257,13 @@
 // 1: in kernels without a mask or softcap, dK += dS^T Q issued after the dQ product, so a
 // step's dQ is staged while dK runs on the tensor cores (Note [portattn hopper late dK]);
 // 0 issues dK before the dS^T barrier everywhere (A/B).
+#ifndef PORTATTN_HOPPER_BWD_LATE_DK
+#define PORTATTN_HOPPER_BWD_LATE_DK 1
+#endif
 // 1: dS^T written by stmatrix (4 x4 stores a step instead of 16 4-byte ones); measured
 // within the spread (Note [portattn hopper staging addresses]), so 0 keeps the 4-byte stores.
 #ifndef PORTATTN_HOPPER_BWD_DS_STMATRIX
 #define PORTATTN_HOPPER_BWD_DS_STMATRIX 0
-#endif
-#ifndef PORTATTN_HOPPER_BWD_LATE_DK
-#define PORTATTN_HOPPER_BWD_LATE_DK 1
 #endif
 
 namespace portattn {
@@ -707,13 +708,18 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     const bool dq_leader = tid == 0 && (Traits::kDqByStep || wg == 0);
     // Note [portattn hopper staging addresses]: this thread's parts of the dS^T and dQ staging
     // addresses, fixed for the kernel.
+#if PORTATTN_HOPPER_BWD_DS_STMATRIX
     // dS^T by stmatrix: this lane gives row wg * 64 + warp * 16 + (lane & 7) + 8 ((lane >> 3) & 1)
     // of matrix lane / 8, whose 16-byte chunk 2 kk + (lane >> 4) the 128B swizzle XORs with the
     // row's low three bits, lane & 7.
     const uint32_t ds_lane =
         static_cast<uint32_t>(wg * 64 + warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128 +
         16 * static_cast<uint32_t>((lane & 7) ^ (lane >> 4));
+#else
+    // dS^T by 4-byte stores: rows key_row (+ 8); bits 4-6 hold the row's low bits g, which the
+    // swizzle XORs with the chunk index.
     const uint32_t ds_lane_b32 = static_cast<uint32_t>(key_row) * 128 + 4 * q4 + 16 * g;
+#endif
     const int dq_key = ((g & 3) << 1) | ((g >> 2) & 1);  // cuda::dq_chunk_swizzle's key of rows g, g + 8
     uint32_t dq_stage_off[4];
 #pragma unroll
@@ -968,10 +974,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         if constexpr (!kLateDk) accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
 
         // ---- dS^T to shared memory, then both consumers' keys are visible ----
-        // One stmatrix.x4 per k16 block of keys x queries: register e of every lane is 8x8 matrix
-        // e (rows + 8 (e & 1), columns 16 kk + 8 (e >> 1)), whose row addresses lanes 8e .. 8e + 7
-        // give; ds_lane is that address at kk = 0 and the swizzle makes later blocks one XOR
-        // with a constant (Note [portattn hopper staging addresses]).
+        // Element (key_row + 8 (e & 1), 16 kk + 8 (e >> 1) + 2 q4) of the swizzled tile is one XOR
+        // with a constant away from the thread's base (Note [portattn hopper staging addresses]).
+        // The stmatrix option: register e of every lane is 8x8 matrix e, whose row addresses lanes
+        // 8e .. 8e + 7 give, one stmatrix.x4 per k16 block.
 #if PORTATTN_HOPPER_BWD_DS_STMATRIX
         const uint32_t ds_row = s_ds + ds_lane;
 #pragma unroll
