@@ -47,7 +47,11 @@ for stage in "$@"; do
         # reductions, our preprocess) writes memory it never sees written, so every later read
         # of it is reported (session 7: 100 such reports with kns=hopper, 0 without).
         if [ $tool = initcheck ]; then envs="PYTORCH_NO_CUDA_MEMORY_CACHING=1" filter=""; fi
-        env $envs timeout 300 compute-sanitizer --tool $tool $filter python3 tests/gpu/sanitize_cuda.py 2>&1 | tail -3 | tee -a "$RUN/sanitize.log"
+        # racecheck's whole output is kept (racecheck.log.gz): its one intermittent warning (sessions 15-17) has
+        # shown up only inside this stage, and its summary line alone does not say where.
+        env $envs timeout 300 compute-sanitizer --tool $tool $filter python3 tests/gpu/sanitize_cuda.py > "/tmp/sanitize_$tool.log" 2>&1
+        tail -3 "/tmp/sanitize_$tool.log" | tee -a "$RUN/sanitize.log"
+        if [ $tool = racecheck ]; then gzip -c "/tmp/sanitize_$tool.log" > "$RUN/racecheck.log.gz"; fi
       done
       # synccheck (barrier misuse) on the Hopper kernels: named barriers, mbarriers, setmaxnreg.
       echo "== synccheck (hopper kernels)" >> "$RUN/sanitize.log"
