@@ -161,7 +161,8 @@ def test_hopper_head_dims_are_the_specs():
     assert set(variants.HOPPER_FWD_HEAD_DIMS) <= set(variants.HEAD_DIMS)  # PORTATTN_HEADDIMS can name them
     assert spec.head_dims_exact  # no masked head-dim tail: a partial build serves only its own
     # Padded serving (Note [portattn hopper padded head dims]): the forward's 96 and 192, the
-    # backward's 96 only (no hd256 backward kernel: 192 is forward-only); each padded kernel is one
+    # backward's 96 only (192 is forward-only: hopper_bwd_acc_head_dim rounds it to 192, not to its
+    # kernel's 256); each padded kernel is one
     # of its family's own.
     padded = _family("hopper_fwd").padded
     assert padded == variants.HOPPER_FWD_PADDED == {96: 128, 192: 256}
@@ -173,8 +174,8 @@ def test_hopper_head_dims_are_the_specs():
     assert tuple(variants.DTYPES[d][2] for d in variants.DTYPES) == spec.dtypes
 
 
-@pytest.mark.parametrize("head_dim", [192, 256])
-def test_hd192_256_are_forward_only_hopper_head_dims(head_dim):
+@pytest.mark.parametrize("head_dim", [192])
+def test_hd192_is_a_forward_only_hopper_head_dim(head_dim):
     from portattn.capability import matrix, probe
     from portattn.capability.callspec import CallSpec
 
@@ -190,6 +191,17 @@ def test_hd192_256_are_forward_only_hopper_head_dims(head_dim):
     assert matrix.check_call("cuda", h100, training) == []  # where it goes instead
 
 
+def test_hd256_trains_on_the_hopper_path():
+    # Both passes at 256 (the backward with the head dim split over two CTAs), in the default build.
+    from portattn.capability import matrix, probe
+    from portattn.capability.callspec import CallSpec
+
+    training = CallSpec("bfloat16", 256, 256, "cuda", frozenset({"forward", "backward", "causal"}))
+    built = variants.plan_from_env({}).build_config()["hopper"]
+    assert 256 in variants.HOPPER_BWD_HEAD_DIMS and 256 in built["head_dims"]
+    assert matrix.check_call("cuda-sm90", probe.fake_device("h100"), training, built) == []
+
+
 def test_head_dims_without_a_hopper_serving_are_refused():
     from portattn.capability import matrix, probe
     from portattn.capability.callspec import CallSpec
@@ -199,7 +211,7 @@ def test_head_dims_without_a_hopper_serving_are_refused():
     hd160 = CallSpec("bfloat16", 160, 160, "cuda", frozenset({"forward"}))
     assert matrix.check_call("cuda-sm90", probe.fake_device("h100"), hd160) == [
         "head_dim 160 is not one of 64, 96, 128, 192, 256 (cuda-sm90 supports head dims 64, 96, 128, 192, 256 "
-        "(192, 256 forward only))"]
+        "(192 forward only))"]
 
 
 def test_default_plan_generates_every_hopper_variant_and_its_tables():
@@ -214,7 +226,9 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
         "hopper_bwd_hd64_fp16.cu"]
     assert "template cudaError_t portattn::hopper::run_hopper_fwd<256, __nv_bfloat16>(" in sources[
         "hopper_fwd_hd256_bf16.cu"]
-    assert "hopper_bwd_hd256_bf16.cu" not in sources  # the backward has no hd256
+    # The backward's hd256 kernel splits the head dim over two CTAs (Note [portattn hopper split head dim]).
+    assert "template cudaError_t portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>(" in sources[
+        "hopper_bwd_hd256_bf16.cu"]
     assert not any("_hd96_" in name or "_hd192_" in name for name in sources)  # padded: no kernel of their own
     table = sources[variants.HOPPER_TABLE_SOURCE]
     for family in variants.HOPPER_FAMILIES:
@@ -227,7 +241,8 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
     assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_fwd<128, __nv_bfloat16>}" in table
     assert "{192, PORTATTN_FP16, &portattn::hopper::run_hopper_fwd<256, __half>}" in table
     assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<128, __nv_bfloat16>}" in table
-    assert "run_hopper_bwd<256" not in table and "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd" not in table
+    assert "{256, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>}" in table
+    assert "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd" not in table
     # The sm80+ table stays free of Hopper symbols (it is compiled for every arch).
     assert "hopper" not in variants.generated_sources(variants.plan_from_env({}))["variants_generated.cu"]
 

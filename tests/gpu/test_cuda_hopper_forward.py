@@ -560,11 +560,12 @@ def _check_causal_training_call(q, k, v):
     assert_within("dq", q.grad, ref_q.grad, low_q.grad, GRAD_FACTOR)
 
 
-def test_dispatch_serves_hd256_forward_on_hopper_and_hd256_training_on_sm80():
+def test_dispatch_serves_hd256_forward_and_training_on_hopper(monkeypatch):
     import portattn
 
     if 256 not in _C.build_config()["hopper"]["head_dims"]:
         pytest.skip("this build has no hd256 Hopper kernels (restricted build, PORTATTN_HEADDIMS)")
+    passes = _record_passes(monkeypatch)
     q, k, v = (rand(2, 300, 4, 256, dtype=torch.bfloat16) for _ in range(3))
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, softcap=5.0, window_size=(64, 0)).chosen == "cuda-sm90"
@@ -572,13 +573,13 @@ def test_dispatch_serves_hd256_forward_on_hopper_and_hd256_training_on_sm80():
     ref = naive_attention(q.double(), k.double(), v.double(), causal=True)[0]
     low = naive_attention(q, k, v, causal=True, compute_dtype=torch.bfloat16)[0]
     assert_output(out, ref, low)
-    # A training call goes whole to the sm80+ path: the Hopper backward has no hd256
-    # (capability/specs/cuda_sm90.py, forward_only_head_dims).
+    # A training call runs both passes here: the backward's hd256 kernel splits the head dim over
+    # two CTAs (Note [portattn hopper split head dim] in csrc/hopper_bwd_kernel.cuh).
     q.requires_grad_()
-    explanation = portattn.explain(q, k, v, causal=True)
-    assert explanation.chosen == "cuda"
-    assert any("head_dim 256 is forward-only on cuda-sm90" in r for r in explanation.reasons["cuda-sm90"])
+    assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
+    passes.clear()
     _check_causal_training_call(q, k, v)
+    assert passes == [("forward", "cuda-sm90"), ("backward", "cuda-sm90")]
 
 
 # ---- padded head dims (96 on the hd128 kernel, 192 on the hd256 one) -------------------------
@@ -627,7 +628,8 @@ def _record_passes(monkeypatch):
 @pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
 def test_dispatch_serves_padded_head_dims_on_hopper_where_a_pass_has_them(monkeypatch, head_dim):
     # 96: both passes on cuda-sm90 (the hd128 forward and backward kernels, padded); 192: the
-    # forward on cuda-sm90 (hd256 kernel), the backward on the sm80+ path (no hd256 backward).
+    # forward on cuda-sm90 (hd256 kernel), the backward on the sm80+ path (the hd256 backward
+    # kernel does not serve it padded: variants.HOPPER_BWD_PADDED).
     import portattn
 
     hopper_backward = head_dim in variants.HOPPER_BWD_PADDED

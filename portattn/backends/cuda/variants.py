@@ -280,8 +280,9 @@ HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
 # table, not "the smallest one >= it": 80 or 160 have no Hopper serving). The forward has hd256
 # (Note [portattn hopper hd256] in csrc/hopper_fwd_kernel.cuh) and hd96 / hd192 padded (Note
 # [portattn hopper padded head dims] in csrc/hopper_fwd_launch.cuh); the backward has hd96 padded
-# on its hd128 kernel, and neither hd192 nor hd256 (there is no hd256 backward kernel): training
-# at those runs its backward on the sm80+ path. The spec says the same
+# on its hd128 kernel and hd256 with its head dim split over two CTAs (Note [portattn hopper split
+# head dim] in csrc/hopper_bwd_kernel.cuh), not hd192: training there runs its backward on the
+# sm80+ path. The spec says the same
 # (capability/specs/cuda_sm90.py: head_dims and forward_only_head_dims);
 # tests/test_cuda_hopper_build.py checks the two agree.
 # PORTATTN_HEADDIMS names served head dims: "96" builds the hd128 kernels (forward and backward)
@@ -290,7 +291,7 @@ HOPPER_FWD_PADDED: Mapping[int, int] = {96: 128, 192: 256}  # served head dim ->
 HOPPER_FWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
 HOPPER_FWD_HEAD_DIMS: Tuple[int, ...] = tuple(sorted(HOPPER_FWD_KERNEL_HEAD_DIMS + tuple(HOPPER_FWD_PADDED)))
 HOPPER_BWD_PADDED: Mapping[int, int] = {96: 128}  # served head dim -> kernel head dim
-HOPPER_BWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128)
+HOPPER_BWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
 HOPPER_BWD_HEAD_DIMS: Tuple[int, ...] = tuple(sorted(HOPPER_BWD_KERNEL_HEAD_DIMS + tuple(HOPPER_BWD_PADDED)))
 HOPPER_HEAD_DIMS: Tuple[int, ...] = HOPPER_FWD_HEAD_DIMS  # every head dim a Hopper kernel serves
 HOPPER_FAMILIES: Tuple[Family, ...] = (

@@ -4,7 +4,8 @@
 // What it serves is declared in capability/specs/cuda_sm90.py (the Hopper
 // forward's calls, varlen included, at head dims 64, 128 and 96 on the hd128 kernel,
 // padded: Note [portattn hopper padded head dims] in hopper_fwd_launch.cuh, backward
-// part), in the default (atomic or bulk dQ) and the deterministic mode. Other calls stay on the sm80+ backward
+// part) and 256 with the head dim split over two CTAs (Note [portattn hopper split head dim]),
+// in the default (atomic or bulk dQ) and the deterministic mode. Other calls stay on the sm80+ backward
 // (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
 // sequence, workspace and math are those of Note [portattn cuda backward]:
 // the same preprocess (delta = rowsum(dO * O)) and convert kernels run around
@@ -135,6 +136,22 @@
 // Before, each split added into its own fp32 copy of dQ (the sm80+ scheme): ~2
 // GiB of slices at 16k tokens whose reductions missed the L2 (1.55-1.78x the
 // default's forward+backward time).
+//
+// Note [portattn hopper split head dim]
+// Head dim 256 (Gemma). A consumer's dK and dV for 64 keys over all 256 columns would be 256
+// fp32 registers a thread, so the head dim is split over two CTAs per key block, as the sm80+
+// backward does (BwdTileConfig::kDSplit): blockIdx.x = key block * 2 + half. Each CTA loads K, V,
+// Q and dO at full width and computes S^T and dP^T over all 256 columns, then keeps dK, dV and
+// dQ for its 128 columns only (the dV / dK products' B operands start at its half's first panel
+// of dO / Q, dQ's at its K panels, the stores and the accumulators at column half * 128): the
+// registers are the hd128 kernel's, the MMA work 1.4x an unsplit kernel's (S^T and dP^T twice).
+// Shared memory: K 64 + V 64 + one Q / dO stage 32 + 32 + dS^T 2 x 16 = 224 KiB, so one stage
+// (the next query block loads after the step releases the stage) and dQ added per element from
+// registers (the bulk path's two 32 KiB staging tiles do not fit: kBulkDqFits). The deterministic
+// mode orders dQ's adds per key block as before (Note [portattn hopper ordered dQ]); the two halves
+// write disjoint columns, so each waits until the count has passed both halves of every later
+// block (kHalves x the turn, wait_count_at_least) and counts up once. Head dim 192 is not served
+// padded here: hopper_bwd_acc_head_dim rounds it to 192, not to this kernel's 256.
 //
 // Note [portattn hopper dK/dV store]
 // The epilogue writes dK (scaled) and dV through shared memory: once both
@@ -274,9 +291,16 @@ namespace hopper {
 template <int kHeadDim_, bool kBulkDq_ = false, bool kDqByStepWanted = false>
 struct HopperBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  // Note [portattn hopper split head dim]: above 128 two CTAs share a key block, each owning
+  // kOutDim = 128 of dK / dV / dQ's columns (blockIdx.x = key block * kHalves + half).
+  static constexpr int kHalves = kHeadDim > 128 ? 2 : 1;
+  static constexpr int kOutDim = kHeadDim / kHalves;
+  // The bulk dQ path's two staging tiles fit only without the split (Note as above).
+  static constexpr bool kBulkDqFits = kHalves == 1;
   // dQ into the fp32 accumulator: false = v2 reductions from the consumers'
   // registers; true = Note [portattn hopper bulk dQ].
   static constexpr bool kBulkDq = kBulkDq_;
+  static_assert(!kBulkDq || kBulkDqFits, "bulk dQ does not fit the split head dim's shared memory");
   static constexpr int kBlockN = 128;  // two consumer warpgroups x wgmma M (64 keys)
   // dK/dV written through the K/V buffers and TMA stores (Note [portattn hopper dK/dV store]);
   // -DPORTATTN_HOPPER_BWD_TMA_STORE=0 builds the direct stores (A/B).
@@ -292,8 +316,9 @@ struct HopperBwdTraits {
   // 5-8% less main-kernel time on an H100, bench/results/runs/2026-11-24-1c5ca0e).
   // -DPORTATTN_HOPPER_BWD_KV_REGS=0 keeps them in shared memory (A/B).
   static constexpr bool kKvInRegs = PORTATTN_HOPPER_BWD_KV_REGS != 0 && kHeadDim == 64;
-  // hd64's Q/dO tiles are half the size: twice the stages in a smaller budget.
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
+  // hd64's Q/dO tiles are half the size: twice the stages in a smaller budget; hd256's
+  // full-width K and V leave room for one (Note [portattn hopper split head dim]).
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : kHeadDim <= 128 ? 2 : 1;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
@@ -309,7 +334,7 @@ struct HopperBwdTraits {
   // builds the column split everywhere (A/B).
   static constexpr bool kDqByStep = PORTATTN_HOPPER_BWD_DQ_BY_STEP != 0 && kHeadDim == 64 && kDqByStepWanted;
   static constexpr int kDqConsumers = kDqByStep ? 1 : kConsumers;  // consumers computing a step's dQ
-  static constexpr int kDqCols = kHeadDim / kDqConsumers;  // dQ columns per computing consumer
+  static constexpr int kDqCols = kOutDim / kDqConsumers;  // dQ columns per computing consumer
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kKVBytes;
   static constexpr int kOffQ = 2 * kKVBytes;
@@ -412,7 +437,7 @@ __device__ __forceinline__ void product_ss(float (&acc)[2][HopperBwdTraits<kHead
 // tile (64 queries x head dim: Q or dO of a stage, MN-major = transpose-B; its
 // descriptor: LBO = one panel, SBO 1024), issued and committed as one wgmma group.
 template <int kHeadDim, typename Elem>
-__device__ __forceinline__ void accumulate_rs(float (&acc)[2][kHeadDim / 4],
+__device__ __forceinline__ void accumulate_rs(float (&acc)[2][HopperBwdTraits<kHeadDim>::kOutDim / 4],
                                               uint32_t (&a)[HopperBwdTraits<kHeadDim>::kBlockM / 16][4],
                                               uint64_t desc_tile) {
   using Traits = HopperBwdTraits<kHeadDim>;
@@ -451,7 +476,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kPanels = kHeadDim / Traits::kPanel;
   constexpr int kSCols = kBlockM / 4;   // S^T fragment columns per thread row
-  constexpr int kOCols = kHeadDim / 4;  // dK/dV fragment columns per thread row
+  constexpr int kOCols = Traits::kOutDim / 4;  // dK/dV fragment columns per thread row
+  constexpr int kHalves = Traits::kHalves;
   constexpr int kQCols = Traits::kDqCols / 4;
   constexpr int kMSteps = kBlockM / 16;  // k16 steps of the dV/dK products
   // A step's LSE columns read into registers before its S^T wait, in masked kernels: there the
@@ -505,7 +531,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   const int diag = len_k - len_q;
   const int n_blocks = (len_k + kBlockN - 1) / kBlockN;
   // One key block per CTA in both modes (the grid covers the longest sequence's blocks).
-  const int n_step = static_cast<int>(gridDim.x);
+  const int n_step = static_cast<int>(gridDim.x) / kHalves;
   const int m_total = (len_q + kBlockM - 1) / kBlockM;
   // The masking rule, written out here rather than through common/block_range.h
   // (Note [portattn visible keys]): the port to the helpers measured 7-11% slower
@@ -537,8 +563,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // (P2R/LOP3 in cuobjdump's SASS), the largest difference to 1f09d2a's kernel,
   // which measured 7-10% faster at hd64 causal (runs/2026-11-24-7b49e7e/ab_old_*).
   auto n_first = [] {
-    return kOrderedDq ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
-                      : static_cast<int>(blockIdx.x);
+    const int x = static_cast<int>(blockIdx.x) / kHalves;
+    return kOrderedDq ? static_cast<int>(gridDim.x) / kHalves - 1 - x : x;
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -688,8 +714,14 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     // B operand of dQ = dS K: this warpgroup's half of K's columns (a panel for
     // hd128; 32 columns = 64 bytes into the one panel for hd64, where the
     // hardware's XOR applies to the final address as for the k16 steps).
+    // Split head dim: this CTA's half of the columns (Note [portattn hopper split head dim]).
+    const int half = kHalves > 1 ? static_cast<int>(blockIdx.x) % kHalves : 0;
     const uint32_t s_k_dq =
-        s_k + (Traits::kDqByStep ? 0 : kHeadDim == 128 ? wg * Traits::kPanelBytesKV : wg * 64);
+        s_k + (Traits::kDqByStep        ? 0
+               : Traits::kDqCols == 64 ? (half * (Traits::kOutDim / 64) + wg) * Traits::kPanelBytesKV
+                                        : wg * 64);
+    // The dV / dK products' B operands (dO, Q) start at this half's first panel.
+    const uint32_t half_panels_q = static_cast<uint32_t>(half * (Traits::kOutDim / 64)) * Traits::kPanelBytesQ;
     // The operands' descriptors (Note [portattn hopper backward descriptors]), all from
     // one base: K-major tiles (LBO unused, 16 by convention) and MN-major ones (LBO = one
     // panel), SBO 1024 and the 128B swizzle for every one of them.
@@ -701,7 +733,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     const uint32_t k_rows_offset = Traits::kOffK + wg * 64 * 128;
     const uint32_t v_rows_offset = Traits::kOffV + wg * 64 * 128;
     const uint32_t k_dq_cols_offset = s_k_dq - base;
-    const int dq_col0 = Traits::kDqByStep ? 0 : wg * Traits::kDqCols;  // this consumer's first dQ column
+    const int dq_col0 = half * Traits::kOutDim + (Traits::kDqByStep ? 0 : wg * Traits::kDqCols);  // this consumer's first dQ column
     // Whether this consumer computes step at_step's dQ, and the thread that writes its turn
     // (deterministic mode).
     auto computes_dq = [&](int at_step) { return !Traits::kDqByStep || (at_step & 1) == wg; };
@@ -828,7 +860,12 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           int* order = nullptr;
           if constexpr (kOrderedDq) {
             order = dq_order_count();
-            if (dq_leader) sm90::wait_count_equals(order, dq_turn());
+            // Split head dim: both halves of every later key block add (disjoint columns) and count
+            // up, so this half waits until all of theirs have, whatever this block's other half did.
+            if (dq_leader) {
+              if constexpr (kHalves > 1) sm90::wait_count_at_least(order, kHalves * dq_turn());
+              else sm90::wait_count_equals(order, dq_turn());
+            }
             sm90::named_barrier_sync(Traits::kBarDqOrder, 128 * Traits::kDqConsumers);
           }
 #pragma unroll
@@ -870,8 +907,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
       for (int it = 0; it < iters; ++it, ++step) {
         const int stage = step % kStages;
         const int m0 = (m_begin + m_index) * kBlockM;
-        const uint64_t desc_q_mn = desc_at(Traits::kOffQ + stage * Traits::kQBytes, Traits::kPanelBytesQ);
-        const uint64_t desc_do_mn = desc_at(Traits::kOffDo + stage * Traits::kQBytes, Traits::kPanelBytesQ);
+        const uint64_t desc_q_mn = desc_at(Traits::kOffQ + stage * Traits::kQBytes + half_panels_q, Traits::kPanelBytesQ);
+        const uint64_t desc_do_mn = desc_at(Traits::kOffDo + stage * Traits::kQBytes + half_panels_q, Traits::kPanelBytesQ);
         const uint32_t s_ds = base + Traits::kOffDs + (step & 1) * Traits::kDsBytes;
         const uint64_t desc_ds = desc_at(Traits::kOffDs + (step & 1) * Traits::kDsBytes, Traits::kDsBytes);
         const float* lse2 = s_lse + stage * kBlockM;
@@ -1074,9 +1111,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         if (tid == 0) {
           const int row = bounds.k_start + n0 + wg * 64;  // dense: rows past seqlen_k are clipped
 #pragma unroll
-          for (int p = 0; p < kPanels; ++p) {
-            sm90::tma_store_4d(&tm_dk, s_k_wg + p * Traits::kPanelBytesKV, p * Traits::kPanel, row, head_k, tma_batch);
-            sm90::tma_store_4d(&tm_dv, s_v_wg + p * Traits::kPanelBytesKV, p * Traits::kPanel, row, head_k, tma_batch);
+          for (int p = 0; p < Traits::kOutDim / Traits::kPanel; ++p) {
+            const int col = half * Traits::kOutDim + p * Traits::kPanel;  // staged in panels 0.. of K / V
+            sm90::tma_store_4d(&tm_dk, s_k_wg + p * Traits::kPanelBytesKV, col, row, head_k, tma_batch);
+            sm90::tma_store_4d(&tm_dv, s_v_wg + p * Traits::kPanelBytesKV, col, row, head_k, tma_batch);
           }
           sm90::bulk_commit_group();
           sm90::bulk_wait_group_read<0>();  // the buffers stay until the copy engine has read them
@@ -1101,12 +1139,13 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         if (row >= n_valid) continue;
 #pragma unroll
         for (int j = 0; j < kOCols / 2; ++j) {
-          const int col = 8 * j + 2 * q4;
+          const int col = half * Traits::kOutDim + 8 * j + 2 * q4;
           // Padded serving (96 on the hd128 kernel): columns at or past the call's head dim are
           // the padding's zeros and, for the direct stores, the next head's or row's elements.
           // Only the last 64-column panel can hold them (hopper_bwd_acc_head_dim: the head dim
-          // is above kHeadDim - 64), so the test is compiled there only and hd64 has none.
-          if (8 * j + 8 > kHeadDim - 64 && kHeadDim > 64 && col >= f.headdim) continue;
+          // is above kHeadDim - 64), so the test is compiled there only and hd64 has none
+          // (with the split head dim, in every column of the halves).
+          if ((kHalves > 1 || 8 * j + 8 > kHeadDim - 64) && kHeadDim > 64 && col >= f.headdim) continue;
           const float dk0 = dk[r][2 * j] * f.softmax_scale, dk1 = dk[r][2 * j + 1] * f.softmax_scale;
           if (gqa_atomic) {
             const int64_t at = acc_offset + row * acc_stride + col;

@@ -49,7 +49,8 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   // sum in registers; dQ adds ordered by key block (Note [portattn hopper ordered dQ]).
   // The dependences point to lower blockIdx.x of the same (y, z), which the hardware
   // starts first, so a waiting CTA's predecessors are running or done.
-  const dim3 grid(n_blocks, det ? args.heads_k : args.heads, f.batch);
+  // Split head dim (Note [portattn hopper split head dim]): the key block's halves side by side.
+  const dim3 grid(n_blocks * Traits::kHalves, det ? args.heads_k : args.heads, f.batch);
   if (grid.x == 0) return cudaSuccess;
   // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
   // the same value; a kernel parameter, read from the constant bank, holds no register.
@@ -115,19 +116,22 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
   // Both modes take the bulk or per-element adds as PORTATTN_HOPPER_BWD_DQ says; the
   // deterministic one orders either by key block (Note [portattn hopper ordered dQ]).
   const bool det = params.deterministic != 0;
-  const bool bulk = hopper_bwd_bulk_dq(kHeadDim);
+  // The split head dim adds dQ per element (its staging tiles do not fit).
+  const bool bulk = Traits::kBulkDqFits && hopper_bwd_bulk_dq(kHeadDim);
   return cuda::run_bwd_sequence<Elem>(
       params,
       [&maps, softcap, bulk, det](const cuda::BwdArgs& args, cudaStream_t stream) {
-        if (det && bulk)
-          return softcap ? launch_masked<kHeadDim, Elem, true, true, true>(maps, args, stream)
-                         : launch_masked<kHeadDim, Elem, false, true, true>(maps, args, stream);
+        if constexpr (Traits::kBulkDqFits) {
+          if (det && bulk)
+            return softcap ? launch_masked<kHeadDim, Elem, true, true, true>(maps, args, stream)
+                           : launch_masked<kHeadDim, Elem, false, true, true>(maps, args, stream);
+          if (bulk)
+            return softcap ? launch_masked<kHeadDim, Elem, true, true, false>(maps, args, stream)
+                           : launch_masked<kHeadDim, Elem, false, true, false>(maps, args, stream);
+        }
         if (det)
           return softcap ? launch_masked<kHeadDim, Elem, true, false, true>(maps, args, stream)
                          : launch_masked<kHeadDim, Elem, false, false, true>(maps, args, stream);
-        if (bulk)
-          return softcap ? launch_masked<kHeadDim, Elem, true, true, false>(maps, args, stream)
-                         : launch_masked<kHeadDim, Elem, false, true, false>(maps, args, stream);
         return softcap ? launch_masked<kHeadDim, Elem, true, false, false>(maps, args, stream)
                        : launch_masked<kHeadDim, Elem, false, false, false>(maps, args, stream);
       },

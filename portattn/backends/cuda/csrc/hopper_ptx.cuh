@@ -458,6 +458,14 @@ __device__ __forceinline__ void wait_count_equals(const int* count, int value) {
   } while (seen != value);
 }
 
+// As wait_count_equals, for counts that more than one adder moves on at a turn.
+__device__ __forceinline__ void wait_count_at_least(const int* count, int value) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(count) : "memory");
+  } while (seen < value);
+}
+
 __device__ __forceinline__ void count_up_release(int* count) {
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
   asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(count) : "memory");
