@@ -481,31 +481,30 @@ def test_forward_only_features_must_be_declared_supported():
                     forward_only={"window": "runs elsewhere"})
 
 
-@pytest.mark.parametrize("head_dim", [192])
-def test_forward_only_head_dims_serve_inference_and_refuse_training_calls(head_dim):
-    # cuda-sm90's forward has hd256 and hd192 (padded), its backward only hd256 (the head dim split
-    # over two CTAs): a training call at 192 goes whole to the sm80+ path.
+def test_forward_only_head_dims_serve_inference_and_refuse_training_calls(monkeypatch):
+    # A backend whose forward serves a head dim its backward does not (cuda-sm90 declared 192 and
+    # 256 so until both passes had them): an inference call stays on it, a training call goes
+    # whole elsewhere with the reason.
+    spec = dataclasses.replace(matrix.get_spec("cuda-sm90"), name="fwd-only-hd",
+                               forward_only_head_dims={192: "runs its backward on the sm80+ path (cuda)"})
+    monkeypatch.setitem(matrix._SPECS, "fwd-only-hd", spec)
     h100 = fake_device("h100")
-    assert check_call("cuda-sm90", h100, call(head_dim=head_dim, features=("forward", "causal"))) == []
-    training = call(head_dim=head_dim, features=("forward", "backward", "causal"))
-    assert check_call("cuda-sm90", h100, training) == [
-        f"head_dim {head_dim} is forward-only on cuda-sm90; with a backward it runs its backward on the sm80+ path "
-        "(cuda)"]
+    assert check_call("fwd-only-hd", h100, call(head_dim=192, features=("forward", "causal"))) == []
+    training = call(head_dim=192, features=("forward", "backward", "causal"))
+    assert check_call("fwd-only-hd", h100, training) == [
+        "head_dim 192 is forward-only on fwd-only-hd; with a backward it runs its backward on the sm80+ path (cuda)"]
     assert check_call("cuda", h100, training) == []
-    assert check_call("cuda-sm90", h100, call(head_dim=128, features=("forward", "backward"))) == []
-    # hd96 is served padded by both passes (the hd128 kernels), hd256 by both passes' hd256 kernels.
-    assert check_call("cuda-sm90", h100, call(head_dim=96, features=("forward", "backward", "causal"))) == []
-    assert check_call("cuda-sm90", h100, call(head_dim=256, features=("forward", "backward", "causal"))) == []
+    # cuda-sm90 itself trains at every head dim it admits: 96 / 192 padded on the hd128 / hd256 kernels.
+    for head_dim in (64, 96, 128, 192, 256):
+        assert check_call("cuda-sm90", h100, call(head_dim=head_dim, features=("forward", "backward", "causal"))) == []
 
 
 def test_an_explicit_head_dim_list_admits_nothing_between_its_entries():
     h100 = fake_device("h100")
     assert check_call("cuda-sm90", h100, call(head_dim=160)) == [
-        "head_dim 160 is not one of 64, 96, 128, 192, 256 (cuda-sm90 supports head dims 64, 96, 128, 192, 256 "
-        "(192 forward only))"]
+        "head_dim 160 is not one of 64, 96, 128, 192, 256 (cuda-sm90 supports head dims 64, 96, 128, 192, 256)"]
     assert check_call("cuda-sm90", h100, call(head_dim=80)) == [
-        "head_dim 80 is not a multiple of 32 (cuda-sm90 supports head dims 64, 96, 128, 192, 256 "
-        "(192 forward only))"]
+        "head_dim 80 is not a multiple of 32 (cuda-sm90 supports head dims 64, 96, 128, 192, 256)"]
 
 
 def test_head_dims_must_follow_the_rule_and_forward_only_head_dims_be_admitted():

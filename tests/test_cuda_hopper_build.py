@@ -160,45 +160,29 @@ def test_hopper_head_dims_are_the_specs():
     assert both_passes == variants.HOPPER_BWD_HEAD_DIMS == _family("hopper_bwd").head_dims
     assert set(variants.HOPPER_FWD_HEAD_DIMS) <= set(variants.HEAD_DIMS)  # PORTATTN_HEADDIMS can name them
     assert spec.head_dims_exact  # no masked head-dim tail: a partial build serves only its own
-    # Padded serving (Note [portattn hopper padded head dims]): the forward's 96 and 192, the
-    # backward's 96 only (192 is forward-only: hopper_bwd_acc_head_dim rounds it to 192, not to its
-    # kernel's 256); each padded kernel is one
-    # of its family's own.
+    # Padded serving (Note [portattn hopper padded head dims]): both passes serve 96 and 192 (on
+    # the hd128 / hd256 kernels); each padded kernel is one of its family's own.
     padded = _family("hopper_fwd").padded
     assert padded == variants.HOPPER_FWD_PADDED == {96: 128, 192: 256}
     assert set(padded.values()) <= set(variants.HOPPER_FWD_KERNEL_HEAD_DIMS) <= set(admitted)
     bwd_padded = _family("hopper_bwd").padded
-    assert bwd_padded == variants.HOPPER_BWD_PADDED == {96: 128}
+    assert bwd_padded == variants.HOPPER_BWD_PADDED == {96: 128, 192: 256}
+    assert all(variants.hopper_bwd_acc_head_dim(d) == k for d, k in bwd_padded.items())
     assert set(bwd_padded.values()) <= set(variants.HOPPER_BWD_KERNEL_HEAD_DIMS) <= set(both_passes)
     assert set(padded) - set(bwd_padded) <= set(spec.forward_only_head_dims)
     assert tuple(variants.DTYPES[d][2] for d in variants.DTYPES) == spec.dtypes
 
 
-@pytest.mark.parametrize("head_dim", [192])
-def test_hd192_is_a_forward_only_hopper_head_dim(head_dim):
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_hd192_256_train_on_the_hopper_path(head_dim):
+    # Both passes at 256 (the backward with the head dim split over two CTAs) and at 192 (padded on
+    # the same kernels), in the default build.
     from portattn.capability import matrix, probe
     from portattn.capability.callspec import CallSpec
 
-    h100 = probe.fake_device("h100")
-    forward = CallSpec("bfloat16", head_dim, head_dim, "cuda", frozenset({"forward"}))
-    training = CallSpec("bfloat16", head_dim, head_dim, "cuda", frozenset({"forward", "backward"}))
+    training = CallSpec("bfloat16", head_dim, head_dim, "cuda", frozenset({"forward", "backward", "causal"}))
     built = variants.plan_from_env({}).build_config()["hopper"]
-    assert head_dim in built["head_dims"]
-    assert matrix.check_call("cuda-sm90", h100, forward, built) == []
-    assert matrix.check_call("cuda-sm90", h100, training, built) == [
-        f"head_dim {head_dim} is forward-only on cuda-sm90; with a backward it runs its backward on the sm80+ path "
-        "(cuda)"]
-    assert matrix.check_call("cuda", h100, training) == []  # where it goes instead
-
-
-def test_hd256_trains_on_the_hopper_path():
-    # Both passes at 256 (the backward with the head dim split over two CTAs), in the default build.
-    from portattn.capability import matrix, probe
-    from portattn.capability.callspec import CallSpec
-
-    training = CallSpec("bfloat16", 256, 256, "cuda", frozenset({"forward", "backward", "causal"}))
-    built = variants.plan_from_env({}).build_config()["hopper"]
-    assert 256 in variants.HOPPER_BWD_HEAD_DIMS and 256 in built["head_dims"]
+    assert head_dim in variants.HOPPER_BWD_HEAD_DIMS and head_dim in built["head_dims"]
     assert matrix.check_call("cuda-sm90", probe.fake_device("h100"), training, built) == []
 
 
@@ -210,8 +194,7 @@ def test_head_dims_without_a_hopper_serving_are_refused():
     # table names 96 and 192 only, not "the smallest kernel >= it").
     hd160 = CallSpec("bfloat16", 160, 160, "cuda", frozenset({"forward"}))
     assert matrix.check_call("cuda-sm90", probe.fake_device("h100"), hd160) == [
-        "head_dim 160 is not one of 64, 96, 128, 192, 256 (cuda-sm90 supports head dims 64, 96, 128, 192, 256 "
-        "(192 forward only))"]
+        "head_dim 160 is not one of 64, 96, 128, 192, 256 (cuda-sm90 supports head dims 64, 96, 128, 192, 256)"]
 
 
 def test_default_plan_generates_every_hopper_variant_and_its_tables():
@@ -242,7 +225,7 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
     assert "{192, PORTATTN_FP16, &portattn::hopper::run_hopper_fwd<256, __half>}" in table
     assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<128, __nv_bfloat16>}" in table
     assert "{256, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>}" in table
-    assert "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd" not in table
+    assert "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>}" in table
     # The sm80+ table stays free of Hopper symbols (it is compiled for every arch).
     assert "hopper" not in variants.generated_sources(variants.plan_from_env({}))["variants_generated.cu"]
 
@@ -297,10 +280,12 @@ def test_a_padded_head_dim_builds_the_kernel_that_serves_it(monkeypatch, tmp_pat
     for family in ("fwd", "bwd"):
         assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_%s<128" % family in table
         assert "{128, PORTATTN_BF16, &portattn::hopper::run_hopper_%s<128" % family in table
-    # 192 stays forward-only: its hd256 forward kernel, no backward.
+    # 192 builds the hd256 kernels of both passes and serves 192 only.
     only192 = _hopper_sources(dict(env, PORTATTN_HEADDIMS="192"))
-    assert sorted(only192) == ["hopper_fwd_hd256_bf16.cu", variants.HOPPER_TABLE_SOURCE]
-    assert "const int kNumHopperBwdVariants = 0;" in only192[variants.HOPPER_TABLE_SOURCE]
+    assert sorted(only192) == ["hopper_bwd_hd256_bf16.cu", "hopper_fwd_hd256_bf16.cu", variants.HOPPER_TABLE_SOURCE]
+    assert "const int kNumHopperBwdVariants = 1;" in only192[variants.HOPPER_TABLE_SOURCE]
+    assert "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>}" in only192[
+        variants.HOPPER_TABLE_SOURCE]
 
 
 def test_a_plan_without_hopper_head_dims_builds_empty_tables(monkeypatch, tmp_path):

@@ -242,11 +242,12 @@ def main() -> int:
         q = torch.randn(1, 300, 2, 128, **bf16)
         k, v = (torch.randn(1, 8200, 2, 128, **bf16) for _ in range(2))
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
-    # Head dims 96 / 192 on the hd128 / hd256 kernels (Note [portattn hopper padded head dims]):
-    # sequence tails, GQA, causal and a window with softcap; the backward too where the Hopper
-    # path has it (96: both modes, GQA's fp32 dK/dV accumulators in the default mode, MHA's TMA
+    # Head dims 96 / 192 on the hd128 / hd256 kernels (Note [portattn hopper padded head dims]) and
+    # 256 itself (the backward's head dim split over two CTAs, Note [portattn hopper split head
+    # dim]): sequence tails, GQA, causal and a window with softcap; the backward too where the
+    # Hopper path has it (both modes, GQA's fp32 dK/dV accumulators in the default mode, MHA's TMA
     # stores, varlen blocks past their sequence's end with the direct stores).
-    for head_dim in (96, 192):
+    for head_dim in (96, 192, 256):
         if not hopper_serves_forward(head_dim):
             print(f"sanitize_cuda: sm_90a head dim {head_dim} skipped (not served by this build or device)")
             continue

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.gpu
 
 from cuda_gpu_setup import BACKEND, HOPPER_DTYPES, HOPPER_HEAD_DIMS, rand, skip_unless_hopper  # noqa: E402  (skips without a GPU or without the CUDA backend)
 
-from portattn.backends.cuda import _C, CudaSm90Backend  # noqa: E402
+from portattn.backends.cuda import _C, CudaSm90Backend, variants  # noqa: E402
 from test_cuda_backward import _backward, _check_grads, _forward, _options  # noqa: E402
 from test_cuda_hopper_forward import _median_ms  # noqa: E402
 
@@ -283,28 +283,33 @@ def _in_wider(x, width, fill):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("gqa", [1, 2], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_hopper_backward_hd96_reads_and_writes_only_its_columns(varlen, gqa, mode):
-    # hd96 runs padded on the hd128 kernel (Note [portattn hopper padded head dims], backward part).
-    # Every operand is the first 96 columns of a 128-column buffer: NaN past them in q, k, v, dout
-    # (the loads must zero-fill there, not read the buffer), and a sentinel in dq, dk, dv that must
-    # survive (the dK/dV TMA stores clip at 96, the direct stores of varlen partial blocks skip those
-    # columns, the convert kernels write 96). GQA in the default mode adds dK/dV through the
-    # 128-float accumulator rows; varlen puts key blocks past their sequence's end.
-    head_dim, sentinel = 96, 7.0
+@pytest.mark.parametrize("head_dim", sorted(variants.HOPPER_BWD_PADDED))
+def test_hopper_backward_padded_head_dims_read_and_write_only_their_columns(head_dim, varlen, gqa, mode):
+    # hd96 / hd192 run padded on the hd128 / hd256 kernels (Note [portattn hopper padded head dims],
+    # backward part; hd256 splits the head dim over two CTAs, Note [portattn hopper split head dim]).
+    # Every operand is the first head_dim columns of a kernel-wide buffer: NaN past them in q, k,
+    # v, dout (the loads must zero-fill there, not read the buffer), and a sentinel in dq, dk, dv
+    # that must survive (the dK/dV TMA stores clip at head_dim, the direct stores of varlen partial
+    # blocks skip those columns, the convert kernels write head_dim). GQA in the default mode adds
+    # dK/dV through the kernel-wide fp32 accumulator rows; varlen puts key blocks past their
+    # sequence's end.
+    if head_dim not in _C.build_config()["hopper"]["head_dims"]:
+        pytest.skip(f"this build does not serve head dim {head_dim} on the Hopper path (PORTATTN_HEADDIMS)")
+    sentinel, width = 7.0, variants.HOPPER_BWD_PADDED[head_dim]
     if varlen:
         q, k, v, packed = _varlen_inputs("mixed", head_dim, gqa)
     else:
         (q, k, v), packed = _inputs(torch.bfloat16, head_dim, (300, 1000), gqa), {}
-    q, k, v = (_in_wider(x, 128, float("nan")) for x in (q, k, v))
+    q, k, v = (_in_wider(x, width, float("nan")) for x in (q, k, v))
     opts = _options(q, window=(-1, 0), **packed)
     with _dq_path(mode) as deterministic:
         out, lse = _forward(HOPPER, q, k, v, opts)
-        dout = _in_wider(torch.randn_like(out), 128, float("nan"))
-        grads = [_in_wider(torch.full_like(x, float("nan")), 128, sentinel) for x in (q, k, v)]
+        dout = _in_wider(torch.randn_like(out), width, float("nan"))
+        grads = [_in_wider(torch.full_like(x, float("nan")), width, sentinel) for x in (q, k, v)]
         HOPPER.backward(dout, q, k, v, out, lse, *grads, deterministic=deterministic, **opts)
         torch.cuda.synchronize()
     for name, grad in zip(("dq", "dk", "dv"), grads):
-        assert bool((grad._base[..., head_dim:] == sentinel).all()), f"{name}: columns 96..127 of its buffer written"
+        assert bool((grad._base[..., head_dim:] == sentinel).all()), f"{name}: columns past {head_dim} written"
     naive = dict(causal=True)
     if varlen:
         naive.update(cu_seqlens_q=packed["cu_q"], cu_seqlens_k=packed["cu_k"])

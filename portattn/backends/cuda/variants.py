@@ -280,9 +280,8 @@ HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
 # table, not "the smallest one >= it": 80 or 160 have no Hopper serving). The forward has hd256
 # (Note [portattn hopper hd256] in csrc/hopper_fwd_kernel.cuh) and hd96 / hd192 padded (Note
 # [portattn hopper padded head dims] in csrc/hopper_fwd_launch.cuh); the backward has hd96 padded
-# on its hd128 kernel and hd256 with its head dim split over two CTAs (Note [portattn hopper split
-# head dim] in csrc/hopper_bwd_kernel.cuh), not hd192: training there runs its backward on the
-# sm80+ path. The spec says the same
+# on its hd128 kernel, hd256 with its head dim split over two CTAs (Note [portattn hopper split
+# head dim] in csrc/hopper_bwd_kernel.cuh) and hd192 padded on that kernel. The spec says the same
 # (capability/specs/cuda_sm90.py: head_dims and forward_only_head_dims);
 # tests/test_cuda_hopper_build.py checks the two agree.
 # PORTATTN_HEADDIMS names served head dims: "96" builds the hd128 kernels (forward and backward)
@@ -290,7 +289,7 @@ HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
 HOPPER_FWD_PADDED: Mapping[int, int] = {96: 128, 192: 256}  # served head dim -> kernel head dim
 HOPPER_FWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
 HOPPER_FWD_HEAD_DIMS: Tuple[int, ...] = tuple(sorted(HOPPER_FWD_KERNEL_HEAD_DIMS + tuple(HOPPER_FWD_PADDED)))
-HOPPER_BWD_PADDED: Mapping[int, int] = {96: 128}  # served head dim -> kernel head dim
+HOPPER_BWD_PADDED: Mapping[int, int] = {96: 128, 192: 256}  # served head dim -> kernel head dim
 HOPPER_BWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
 HOPPER_BWD_HEAD_DIMS: Tuple[int, ...] = tuple(sorted(HOPPER_BWD_KERNEL_HEAD_DIMS + tuple(HOPPER_BWD_PADDED)))
 HOPPER_HEAD_DIMS: Tuple[int, ...] = HOPPER_FWD_HEAD_DIMS  # every head dim a Hopper kernel serves
@@ -306,10 +305,14 @@ assert set(HOPPER_BWD_HEAD_DIMS) <= set(HOPPER_FWD_HEAD_DIMS), "build_config()['
 assert all(kernel in HOPPER_FWD_KERNEL_HEAD_DIMS and kernel > 64 and kernel - 64 <= served < kernel
            and served % 8 == 0 for served, kernel in HOPPER_FWD_PADDED.items()), HOPPER_FWD_PADDED
 # The backward's rule (hopper_bwd_acc_head_dim in csrc/bwd_kernel.cuh, which run_hopper_bwd checks):
-# the kernel is the served head dim rounded up to 64, since the workspace Python sizes without
-# knowing the table has accumulator rows of that width; a padded head dim is a multiple of 32
-# (bwd_convert_dq reads whole groups of 8 swizzled 16-byte chunks of a row).
-assert all(kernel in HOPPER_BWD_KERNEL_HEAD_DIMS and kernel == (served + 63) // 64 * 64 and served % 32 == 0
+# the kernel is the first of 64, 128, 256 at or above the served head dim, since the workspace
+# Python sizes without knowing the table has accumulator rows of that width; a padded head dim
+# is a multiple of 32 (bwd_convert_dq reads whole groups of 8 swizzled 16-byte chunks of a row).
+def hopper_bwd_acc_head_dim(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+assert all(kernel in HOPPER_BWD_KERNEL_HEAD_DIMS and kernel == hopper_bwd_acc_head_dim(served) and served % 32 == 0
            for served, kernel in HOPPER_BWD_PADDED.items()), HOPPER_BWD_PADDED
 HOPPER_TABLE_SOURCE = "hopper_variants_generated.cu"
 

@@ -1,7 +1,7 @@
 """The Hopper path of the CUDA backend (csrc/hopper_*: TMA + wgmma, sm_90a), forward and backward.
 
 Dispatch tries it before the sm80+ path; every call it does not declare here
-(ALiBi, dropout, seqused_k, other head dims; head dim 192 in training calls) goes to the sm80+ path
+(ALiBi, dropout, seqused_k, other head dims) goes to the sm80+ path
 ("cuda"), never silently served differently. The kernel is built
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
@@ -46,17 +46,13 @@ SPEC = BackendSpec(
     # sm80+ path's forward, bench/results/runs/2026-11-24-ee2d963/padded_head_dims.md). The backward
     # serves hd96 the same way, on its hd128 kernel (the sm80+ backward at 96 held training at
     # 0.84-0.88x SDPA's FlashAttention-2, while the Hopper backward at 128 runs 1.5-1.8x the sm80+
-    # one), and hd256 with the head dim split over two CTAs (Note [portattn hopper split head dim]
-    # in csrc/hopper_bwd_kernel.cuh). Not 192: a training call there runs its forward here (the
-    # Hopper forward's out and LSE are what the sm80+ backward reads) and its backward on the
-    # sm80+ path.
+    # one), hd256 with the head dim split over two CTAs (Note [portattn hopper split head dim]
+    # in csrc/hopper_bwd_kernel.cuh) and 192 padded on that kernel: both passes serve every head
+    # dim here (forward_only_head_dims would name one that trains elsewhere).
     head_dim_multiple=32,
     head_dim_max=256,
     head_dims_exact=True,
     head_dims=(64, 96, 128, 192, 256),
-    forward_only_head_dims={
-        192: "runs its backward on the sm80+ path (cuda)",
-    },
     supported=SUPPORTED,
     verified=VERIFIED,
     unsupported_notes={

@@ -139,7 +139,7 @@ extern "C" long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* 
 }
 
 // The Hopper backward's (its deterministic mode orders dQ: one slice and the counts), with
-// the accumulator rows as wide as its kernel's (96 -> 128; hopper_bwd_acc_head_dim, the
+// the accumulator rows as wide as its kernel's (96 -> 128, 192 -> 256; hopper_bwd_acc_head_dim, the
 // rule run_hopper_bwd checks and lays its workspace out with).
 extern "C" long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdParams* params) {
   return bwd_workspace_layout(*params, /*ordered_dq=*/true, hopper_bwd_acc_head_dim(params->fwd.headdim)).total;

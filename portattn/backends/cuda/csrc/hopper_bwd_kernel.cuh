@@ -150,8 +150,9 @@
 // registers (the bulk path's two 32 KiB staging tiles do not fit: kBulkDqFits). The deterministic
 // mode orders dQ's adds per key block as before (Note [portattn hopper ordered dQ]); the two halves
 // write disjoint columns, so each waits until the count has passed both halves of every later
-// block (kHalves x the turn, wait_count_at_least) and counts up once. Head dim 192 is not served
-// padded here: hopper_bwd_acc_head_dim rounds it to 192, not to this kernel's 256.
+// block (kHalves x the turn, wait_count_at_least) and counts up once. Head dim 192 runs here
+// padded (Note [portattn hopper padded head dims]): its half 1 holds columns 128-191 and the
+// padding's zeros, which the stores skip (every column of a half is tested against f.headdim).
 //
 // Note [portattn hopper dK/dV store]
 // The epilogue writes dK (scaled) and dV through shared memory: once both
