@@ -55,7 +55,7 @@ COVERAGE = {
         "forward": [f"{_HFWD}::test_hopper_forward_grid", f"{_HFWD}::test_hopper_forward_every_launched_schedule",
                     f"{_HFWD}::test_hopper_forward_padded_head_dims_read_and_write_only_their_columns"],
         "backward": [f"{_HBWD}::test_hopper_backward_grid",
-                     f"{_HBWD}::test_hopper_backward_hd96_reads_and_writes_only_its_columns"],
+                     f"{_HBWD}::test_hopper_backward_padded_head_dims_read_and_write_only_their_columns"],
         "causal": [f"{_HFWD}::test_hopper_forward_grid", f"{_HBWD}::test_hopper_backward_grid"],
         "window": [f"{_HFWD}::test_hopper_forward_windows_and_softcap", f"{_HFWD}::test_hopper_forward_every_launched_schedule",
                    f"{_HBWD}::test_hopper_backward_windows_and_softcap"],

@@ -28,6 +28,9 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # (bench/results/runs/2026-11-24-4507308/summary.md): 4321 GPU tests passed (the Hopper backward grids at hd96
 # included: tests/gpu/test_cuda_hopper_backward.py's grids are this spec's both-pass head dims); memcheck,
 # initcheck and synccheck clean.
+# The hd256 backward (head dim split over two CTAs) and hd192 on it, run at 27e080f
+# (bench/results/runs/2026-11-26-27e080f/summary.md): 6313 GPU tests passed (the Hopper backward grids at 192 and
+# 256 included); memcheck, initcheck and synccheck clean.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(

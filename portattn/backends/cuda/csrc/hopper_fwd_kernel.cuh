@@ -79,9 +79,9 @@
 //   setmaxnreg. 168 at entry, 0 spills in every kernel a call launches (nvcc 13.0).
 //
 // Note [portattn hopper hd256]
-// Head dim 256 (Gemma) on the same kernel, forward only (the Hopper backward
-// stays at hd64/128; training at hd256 runs both passes on the sm80+ path:
-// capability/specs/cuda_sm90.py, forward_only_head_dims). Decisions:
+// Head dim 256 (Gemma) on the same kernel (the backward's hd256 kernel splits the
+// head dim over two CTAs: Note [portattn hopper split head dim] in
+// hopper_bwd_kernel.cuh). Decisions:
 //  * kBlockM stays 128 (two consumer warpgroups x 64 rows): Q is 64 KiB.
 //  * kBlockN = 80 (hopper_fwd_block_n). Shared memory: K + V are 80 KiB a
 //    stage, two stages + Q = 224 KiB of the 227 KiB opt-in; no third stage

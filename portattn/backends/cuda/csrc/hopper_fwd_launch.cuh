@@ -171,11 +171,11 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 }
 
 // Note [portattn hopper padded head dims]
-// Head dims 96 and 192 run on the hd128 and hd256 forward kernels, and 96 on the hd128
-// backward kernel too (192 trains with the sm80+ backward: there is no hd256 backward).
-// The tables "served head dim -> kernel head dim" are data: variants.HOPPER_FWD_PADDED and
-// HOPPER_BWD_PADDED; the generated tables' hd96 entries point at run_hopper_fwd<128, ...>
-// and run_hopper_bwd<128, ...>.
+// Head dims 96 and 192 run on the hd128 and hd256 forward kernels, and on the hd128 and hd256
+// backward kernels too (the hd256 backward splits the head dim over two CTAs: Note [portattn
+// hopper split head dim] in hopper_bwd_kernel.cuh). The tables "served head dim -> kernel head
+// dim" are data: variants.HOPPER_FWD_PADDED and HOPPER_BWD_PADDED; the generated tables' hd96
+// entries point at run_hopper_fwd<128, ...> and run_hopper_bwd<128, ...>, hd192's at <256, ...>.
 //  * Why it is exact: Q, K and V's tensor maps are encoded with the call's head dim
 //    as the innermost extent, so TMA zero-fills every box column past it (the
 //    second half of hd128's last panel at 96; hd256's whole last panel at 192).
