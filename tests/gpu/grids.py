@@ -23,8 +23,8 @@ CUDA_HEAD_DIMS = sorted(set(variants.HEAD_DIMS) | set(PADDED_HEAD_DIMS))
 CUDA_DTYPES = list(cuda.SPEC.dtypes)  # torch dtype names
 
 # Hopper path (variants.HOPPER_FWD_HEAD_DIMS / HOPPER_BWD_HEAD_DIMS; tests/test_cuda_hopper_build.py
-# checks they agree with the spec): the forward grid is every head dim the spec admits (96 and
-# 192 included, served padded by the hd128 / hd256 kernels: variants.HOPPER_FWD_PADDED); the
+# checks they agree with the spec): the forward grid is every head dim the spec admits (96
+# included, served padded by the hd128 kernel: variants.HOPPER_FWD_PADDED); the
 # backward grid (HOPPER_HEAD_DIMS, served by both passes: 96 included, on the hd128 backward
 # kernel, variants.HOPPER_BWD_PADDED) leaves out its forward-only head dims.
 HOPPER_FWD_HEAD_DIMS = _head_dims(cuda_sm90.SPEC)

@@ -54,11 +54,12 @@ def forward_schedule(request, monkeypatch):
     return request.param
 
 DTYPES = HOPPER_DTYPES  # capability/specs/cuda_sm90.py, through tests/gpu/grids.py
-# The forward's: hd256 too (forward only, Note [portattn hopper hd256]), and hd96 / hd192, served
-# padded by the hd128 / hd256 kernels (Note [portattn hopper padded head dims]), so every test with
-# a head_dim parameter covers the padded serving (tails, windows, softcap, GQA, varlen, schedules).
+# The forward's: hd192 and hd256 on their own kernels (Notes [portattn hopper hd192] and [portattn
+# hopper hd256]), and hd96, served padded by the hd128 kernel (Note [portattn hopper padded head
+# dims]), so every test with a head_dim parameter covers the padded serving (tails, windows,
+# softcap, GQA, varlen, schedules).
 HEAD_DIMS = HOPPER_FWD_HEAD_DIMS
-PADDED_HEAD_DIMS = sorted(variants.HOPPER_FWD_PADDED)  # 96, 192
+PADDED_HEAD_DIMS = sorted(variants.HOPPER_FWD_PADDED)  # 96
 SEQLENS = [(1, 1), (17, 113), (113, 17), (128, 128), (1000, 1000), (1, 4097), (4097, 1000), (2048, 2048)]
 
 
@@ -560,21 +561,27 @@ def _check_causal_training_call(q, k, v):
     assert_within("dq", q.grad, ref_q.grad, low_q.grad, GRAD_FACTOR)
 
 
-def test_dispatch_serves_hd256_forward_and_training_on_hopper(monkeypatch):
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_dispatch_serves_hd192_hd256_forward_and_training_on_hopper(monkeypatch, head_dim):
     import portattn
 
-    if 256 not in _C.build_config()["hopper"]["head_dims"]:
-        pytest.skip("this build has no hd256 Hopper kernels (restricted build, PORTATTN_HEADDIMS)")
+    if head_dim not in _C.build_config()["hopper"]["head_dims"]:
+        pytest.skip(f"this build has no hd{head_dim} Hopper kernels (restricted build, PORTATTN_HEADDIMS)")
     passes = _record_passes(monkeypatch)
-    q, k, v = (rand(2, 300, 4, 256, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (rand(2, 300, 4, head_dim, dtype=torch.bfloat16) for _ in range(3))
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
     assert portattn.explain(q, k, v, softcap=5.0, window_size=(64, 0)).chosen == "cuda-sm90"
-    out = portattn.flash_attn_func(q, k, v, causal=True)
+    # Each head dim's forward on its own kernel (Notes [portattn hopper hd192], [portattn hopper hd256]).
+    results = []
+    kernels = _kernels_of(lambda: results.append(portattn.flash_attn_func(q, k, v, causal=True)))
+    assert any(f"portattn::hopper::hopper_fwd_kernel<{head_dim}," in name for name in kernels), kernels
+    out = results[0]
     ref = naive_attention(q.double(), k.double(), v.double(), causal=True)[0]
     low = naive_attention(q, k, v, causal=True, compute_dtype=torch.bfloat16)[0]
     assert_output(out, ref, low)
     # A training call runs both passes here: the backward's hd256 kernel splits the head dim over
-    # two CTAs (Note [portattn hopper split head dim] in csrc/hopper_bwd_kernel.cuh).
+    # two CTAs (Note [portattn hopper split head dim] in csrc/hopper_bwd_kernel.cuh); 192 runs
+    # padded on it.
     q.requires_grad_()
     assert portattn.explain(q, k, v, causal=True).chosen == "cuda-sm90"
     passes.clear()
@@ -582,7 +589,7 @@ def test_dispatch_serves_hd256_forward_and_training_on_hopper(monkeypatch):
     assert passes == [("forward", "cuda-sm90"), ("backward", "cuda-sm90")]
 
 
-# ---- padded head dims (96 on the hd128 kernel, 192 on the hd256 one) -------------------------
+# ---- padded head dims (96 on the hd128 kernel) ------------------------------------------------
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(17, 113), (113, 17), (300, 777)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -627,9 +634,9 @@ def _record_passes(monkeypatch):
 
 @pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
 def test_dispatch_serves_padded_head_dims_on_hopper_where_a_pass_has_them(monkeypatch, head_dim):
-    # 96: both passes on cuda-sm90 (the hd128 forward and backward kernels, padded); 192: the
-    # forward on cuda-sm90 (hd256 kernel), the backward on the sm80+ path (the hd256 backward
-    # kernel does not serve it padded: variants.HOPPER_BWD_PADDED).
+    # 96: both passes on cuda-sm90 (the hd128 forward and backward kernels, padded). A padded
+    # head dim whose backward has no Hopper kernel (none today: variants.HOPPER_BWD_PADDED) would
+    # train with the forward on cuda-sm90 and the backward on the sm80+ path.
     import portattn
 
     hopper_backward = head_dim in variants.HOPPER_BWD_PADDED

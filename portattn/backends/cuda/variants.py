@@ -277,17 +277,17 @@ HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
 # Exactly these, per family: the Hopper kernels have no masked head-dim tail, so a call is
 # served only at a head dim named here, by its own kernel or, for the forward, by the larger
 # kernel HOPPER_FWD_PADDED names (as the sm80+ path serves 40 with its hd64 kernel, but as a
-# table, not "the smallest one >= it": 80 or 160 have no Hopper serving). The forward has hd256
-# (Note [portattn hopper hd256] in csrc/hopper_fwd_kernel.cuh) and hd96 / hd192 padded (Note
-# [portattn hopper padded head dims] in csrc/hopper_fwd_launch.cuh); the backward has hd96 padded
+# table, not "the smallest one >= it": 80 or 160 have no Hopper serving). The forward has hd192
+# and hd256 (Notes [portattn hopper hd192] and [portattn hopper hd256] in csrc/hopper_fwd_kernel.cuh)
+# and hd96 padded (Note [portattn hopper padded head dims] in csrc/hopper_fwd_launch.cuh); the backward has hd96 padded
 # on its hd128 kernel, hd256 with its head dim split over two CTAs (Note [portattn hopper split
 # head dim] in csrc/hopper_bwd_kernel.cuh) and hd192 padded on that kernel. The spec says the same
 # (capability/specs/cuda_sm90.py: head_dims and forward_only_head_dims);
 # tests/test_cuda_hopper_build.py checks the two agree.
 # PORTATTN_HEADDIMS names served head dims: "96" builds the hd128 kernels (forward and backward)
 # and serves 96 only.
-HOPPER_FWD_PADDED: Mapping[int, int] = {96: 128, 192: 256}  # served head dim -> kernel head dim
-HOPPER_FWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
+HOPPER_FWD_PADDED: Mapping[int, int] = {96: 128}  # served head dim -> kernel head dim
+HOPPER_FWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 192, 256)
 HOPPER_FWD_HEAD_DIMS: Tuple[int, ...] = tuple(sorted(HOPPER_FWD_KERNEL_HEAD_DIMS + tuple(HOPPER_FWD_PADDED)))
 HOPPER_BWD_PADDED: Mapping[int, int] = {96: 128, 192: 256}  # served head dim -> kernel head dim
 HOPPER_BWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)

@@ -6,9 +6,26 @@
 // entry (hopper_fwd_entry.cu) refuses such calls with a message as a second line.
 //
 // CTA = 3 warpgroups (384 threads); a tile is (128-row query block, head, batch)
-// and a key block has kBlockN keys (128; 80 at hd256, Note [portattn hopper hd256]; 176 at
+// and a key block has kBlockN keys (128; 112 at hd192, Note [portattn hopper hd192]; 80 at
+// hd256, Note [portattn hopper hd256]; 176 at
 // hd128 for long calls, Note [portattn hopper 176-key blocks]).
 // (kSchedThreeConsumers: 4 warpgroups, 512 threads, 192-row tiles at hd64,
+// Note [portattn hopper hd192]
+// Head dim 192 on its own kernel (until session 18 it ran padded on the hd256 one, 256 columns
+// of work for 192: Note [portattn hopper padded head dims]). Decisions, as at hd256 above:
+//  * kBlockM 128, kBlockN = 112 (FlashAttention-3's hd192 tile). Shared memory: Q 48 KiB +
+//    2 stages x (K 42 + V 42 KiB) = 216 KiB (+1 KiB); 128 keys would need 240. Each K / V
+//    panel is 112 rows x 128 bytes = 14 KiB, a whole number of the 1 KiB swizzle atoms.
+//  * S = Q K^T by wgmma m64n112k16 SS (12 k16 steps), O += P V by m64n192k16 RS (7 k16
+//    steps over the 112 keys; B = V MN-major across its 3 panels, LBO = 14 KiB).
+//  * Registers: S 56 + P 28 + O 96 a thread in the pipelined loop, 8 fewer than the hd256
+//    kernel's S 40 + P 20 + O 128, and enough fewer: nvcc 13.0 (-Xptxas -v, bf16) reports 0
+//    spills in every schedule, softcap and window included, and no C75xx serialisation. So
+//    unlike hd256, softcap and window calls keep the pipelined loop (schedule_for's `tight`
+//    is hd256's only); the schedules are otherwise hd256's, which session 18 measured at 192.
+//  * The backward keeps hd192 padded on the hd256 kernel (HOPPER_BWD_PADDED): the two
+//    kernels share nothing but the LSE and O they pass through global memory.
+//
 // Note [portattn hopper hd64 192 rows].)
 //   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then
 //                its K/V blocks into a kStages-deep ring); setmaxnreg drops it
@@ -73,6 +90,7 @@
 //   hd64:  Q 16 KiB + 4 stages x (K 16 + V 16 KiB) = 144 KiB (+1 KiB alignment, barriers)
 //          (three consumers: Q 24 KiB, 152 KiB; Note [portattn hopper hd64 192 rows])
 //   hd128: Q 32 KiB + 2 (3) stages x (K 32 + V 32 KiB) = 160 (224) KiB (+1 KiB)
+//   hd192: Q 48 KiB + 2 stages x (K 42 + V 42 KiB) = 216 KiB (+1 KiB)
 //   hd256: Q 64 KiB + 2 stages x (K 40 + V 40 KiB) = 224 KiB (+1 KiB)
 //   consumer registers per thread: S 64 fp32 (hd256: 40) + O 32 (hd64) / 64 (hd128)
 //   / 128 (hd256) fp32 + P 32 (hd256: 20) packed + softmax state; 240 allowed after
@@ -244,6 +262,11 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_HD256_BLOCK_N
 #define PORTATTN_HOPPER_FWD_HD256_BLOCK_N 80
 #endif
+// hd192 (Note [portattn hopper hd192]): 112 keys; 80 or 128 (which does not fit two stages)
+// for experiments.
+#ifndef PORTATTN_HOPPER_FWD_HD192_BLOCK_N
+#define PORTATTN_HOPPER_FWD_HD192_BLOCK_N 112
+#endif
 // PORTATTN_HOPPER_FWD_TMA_STORE=0 builds the direct-store epilogue everywhere (A/B
 // against Note [portattn hopper O store]); =2 the TMA store at every head dim whose
 // shared memory has room for the staging tile (A/B for hd64); =3 also at hd64 with two
@@ -323,7 +346,7 @@ namespace hopper {
 #define PORTATTN_HOPPER_FWD_LAZY_RESCALE 1
 #endif
 constexpr int hopper_fwd_block_n(int head_dim) {
-  return head_dim <= 128 ? 128 : PORTATTN_HOPPER_FWD_HD256_BLOCK_N;
+  return head_dim <= 128 ? 128 : head_dim <= 192 ? PORTATTN_HOPPER_FWD_HD192_BLOCK_N : PORTATTN_HOPPER_FWD_HD256_BLOCK_N;
 }
 
 template <int kHeadDim, int kSchedule>

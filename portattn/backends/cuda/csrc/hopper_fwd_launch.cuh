@@ -145,7 +145,8 @@ constexpr int kDefaultAddedBits = 0;
 // the serial loop (persistence kept; ping-pong needs the pipelined loop, so
 // it goes too; nvcc 13.0, -Xptxas -v):
 //   hd256 (Note [portattn hopper hd256]): O is 128 registers a thread of 240;
-//     8-88 bytes at kBlockN = 80.
+//     8-88 bytes at kBlockN = 80. (hd192's 112-key blocks spill nothing, so hd192 keeps the
+//     pipelined loop: Note [portattn hopper hd192].)
 //   three consumers at hd64 (Note [portattn hopper hd64 192 rows]): S 64 +
 //     P 32 + O 32 of 160 registers; 80-148 bytes.
 // Calls without softcap and window keep the measured choices above (0 spills).
@@ -171,14 +172,15 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 }
 
 // Note [portattn hopper padded head dims]
-// Head dims 96 and 192 run on the hd128 and hd256 forward kernels, and on the hd128 and hd256
-// backward kernels too (the hd256 backward splits the head dim over two CTAs: Note [portattn
-// hopper split head dim] in hopper_bwd_kernel.cuh). The tables "served head dim -> kernel head
-// dim" are data: variants.HOPPER_FWD_PADDED and HOPPER_BWD_PADDED; the generated tables' hd96
-// entries point at run_hopper_fwd<128, ...> and run_hopper_bwd<128, ...>, hd192's at <256, ...>.
+// Head dim 96 runs on the hd128 forward kernel; 96 and 192 run on the hd128 and hd256 backward
+// kernels (the hd256 backward splits the head dim over two CTAs: Note [portattn hopper split head
+// dim] in hopper_bwd_kernel.cuh). hd192's forward ran on the hd256 kernel too until it got its own
+// (Note [portattn hopper hd192], session 18). The tables "served head dim -> kernel head dim" are
+// data: variants.HOPPER_FWD_PADDED and HOPPER_BWD_PADDED; the generated tables' hd96 entries
+// point at run_hopper_fwd<128, ...> and run_hopper_bwd<128, ...>, hd192's backward at <256, ...>.
 //  * Why it is exact: Q, K and V's tensor maps are encoded with the call's head dim
 //    as the innermost extent, so TMA zero-fills every box column past it (the
-//    second half of hd128's last panel at 96; hd256's whole last panel at 192).
+//    second half of hd128's last panel at 96; in the backward, hd256's whole last panel at 192).
 //    Q K^T then sums zeros over the padding, and P V's extra output columns are
 //    zero: the kernel stores only columns below args.head_dim (the O map's extent
 //    clips the TMA stores; a guard in the direct store loop). Nothing else reads the kernel's head
@@ -187,8 +189,8 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 //    row strides: 96 * 2 and 192 * 2 bytes are.
 //  * Cost: the kernel's full work. hd96 computes 128 columns, 33% more MMA work
 //    than a native hd96 kernel would (the same for both products); hd192 on the
-//    hd256 kernel computes 256 columns, 33% more, with 80-key blocks where a native
-//    tile would fit more keys in the shared memory the zero panel takes.
+//    hd256 kernel computes 256 columns, 33% more (what its own forward kernel, with
+//    112-key blocks in the shared memory the zero panel took, removed for the forward).
 //  * Why it is declared anyway: the sm80+ path's native hd96/hd192 kernels run
 //    mma.sync without TMA or warp specialization, and the padded Hopper kernels beat
 //    them. Measured on an H100 (session 7): forward 1.19-1.51x at hd96, 1.22-1.94x at

@@ -227,6 +227,18 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
       "+f"(d[0][16]), "+f"(d[0][17]), "+f"(d[1][16]), "+f"(d[1][17]), \
       "+f"(d[0][18]), "+f"(d[0][19]), "+f"(d[1][18]), "+f"(d[1][19])
 
+// N = 112 (56 fp32 a thread: the hd192 forward's S = Q K^T, Note [portattn hopper hd192]) and
+// N = 192 (96 a thread: its O += P V).
+#define PORTATTN_WGMMA_D112_REGS \
+  "{" PORTATTN_WGMMA_REGS_0_31 "," \
+  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55" "}"
+#define PORTATTN_WGMMA_D112_OPERANDS(d) \
+      PORTATTN_WGMMA_D80_OPERANDS(d), \
+      "+f"(d[0][20]), "+f"(d[0][21]), "+f"(d[1][20]), "+f"(d[1][21]), \
+      "+f"(d[0][22]), "+f"(d[0][23]), "+f"(d[1][22]), "+f"(d[1][23]), \
+      "+f"(d[0][24]), "+f"(d[0][25]), "+f"(d[1][24]), "+f"(d[1][25]), \
+      "+f"(d[0][26]), "+f"(d[0][27]), "+f"(d[1][26]), "+f"(d[1][27])
+
 // N = 176 (88 fp32 a thread): the hd128 forward's 176-key blocks (Note [portattn hopper 176-key
 // blocks], hopper_fwd_kernel.cuh).
 #define PORTATTN_WGMMA_D176_REGS \
@@ -239,6 +251,14 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
       "+f"(d[0][38]), "+f"(d[0][39]), "+f"(d[1][38]), "+f"(d[1][39]), \
       "+f"(d[0][40]), "+f"(d[0][41]), "+f"(d[1][40]), "+f"(d[1][41]), \
       "+f"(d[0][42]), "+f"(d[0][43]), "+f"(d[1][42]), "+f"(d[1][43])
+
+#define PORTATTN_WGMMA_D192_REGS \
+  "{" PORTATTN_WGMMA_REGS_0_31 "," PORTATTN_WGMMA_REGS_32_63 "," PORTATTN_WGMMA_REGS_64_87 "," \
+  "%88,%89,%90,%91,%92,%93,%94,%95" "}"
+#define PORTATTN_WGMMA_D192_OPERANDS(d) \
+      PORTATTN_WGMMA_D176_OPERANDS(d), \
+      "+f"(d[0][44]), "+f"(d[0][45]), "+f"(d[1][44]), "+f"(d[1][45]), \
+      "+f"(d[0][46]), "+f"(d[0][47]), "+f"(d[1][46]), "+f"(d[1][47])
 
 #define PORTATTN_WGMMA_D256_REGS \
   "{" PORTATTN_WGMMA_REGS_0_31 "," PORTATTN_WGMMA_REGS_32_63 "," PORTATTN_WGMMA_REGS_64_87 "," \
@@ -271,6 +291,13 @@ __device__ __forceinline__ void fence_operands(float (&d)[kRows][kCols]) {
                : PORTATTN_WGMMA_D128_OPERANDS(d)                                        \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
 
+#define PORTATTN_WGMMA_RS_N192(TY)                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"                              \
+               "wgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "              \
+               PORTATTN_WGMMA_D192_REGS ", {%96, %97, %98, %99}, %100, p, 1, 1, 1;\n}\n" \
+               : PORTATTN_WGMMA_D192_OPERANDS(d)                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+
 #define PORTATTN_WGMMA_RS_N256(TY)                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                              \
                "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "              \
@@ -282,11 +309,14 @@ template <typename Elem, int kCols>
 __device__ __forceinline__ void wgmma_rs(float (&d)[2][kCols], const uint32_t (&a)[4],
                                          uint64_t desc_b) {
   constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
-  static_assert(kCols == 16 || kCols == 32 || kCols == 64, "wgmma_rs is instantiated for N = 64, 128 and 256");
+  static_assert(kCols == 16 || kCols == 32 || kCols == 48 || kCols == 64,
+                "wgmma_rs is instantiated for N = 64, 128, 192 and 256");
   if constexpr (kCols == 16) {
     if constexpr (kBf16) { PORTATTN_WGMMA_RS_N64("bf16"); } else { PORTATTN_WGMMA_RS_N64("f16"); }
   } else if constexpr (kCols == 32) {
     if constexpr (kBf16) { PORTATTN_WGMMA_RS_N128("bf16"); } else { PORTATTN_WGMMA_RS_N128("f16"); }
+  } else if constexpr (kCols == 48) {
+    if constexpr (kBf16) { PORTATTN_WGMMA_RS_N192("bf16"); } else { PORTATTN_WGMMA_RS_N192("f16"); }
   } else {
     if constexpr (kBf16) { PORTATTN_WGMMA_RS_N256("bf16"); } else { PORTATTN_WGMMA_RS_N256("f16"); }
   }
@@ -370,8 +400,8 @@ struct QuadReduce {
 // D (64 x N) (+)= A (64 x 16) * B (16 x N), both from shared memory, with the
 // instruction's transpose flags: 0 = K-major (Q, K as S = Q K^T reads them),
 // 1 = MN-major (legal for 16-bit types only; the backward's dS^T as A and K
-// as B of dQ = dS K). N = 4 * kCols (32, 64, 80 or 128). scale_d = 0 overwrites D.
-// The forward's S = Q K^T uses it too (N = kBlockN: 128, or 80 at hd256).
+// as B of dQ = dS K). N = 4 * kCols (32, 64, 80, 112, 128 or 176). scale_d = 0 overwrites D.
+// The forward's S = Q K^T uses it too (N = kBlockN: 128, 176, or 112 at hd192 and 80 at hd256).
 // A, B, S, TA, TB: the operand numbers of desc_a, desc_b, scale_d and the two flags.
 #define PORTATTN_WGMMA_SS(N, TY, REGS, OPERANDS, A, B, S, TA, TB)                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                             \
@@ -384,8 +414,8 @@ template <typename Elem, int kTransA, int kTransB, int kCols>
 __device__ __forceinline__ void wgmma_ss(float (&d)[2][kCols], uint64_t desc_a, uint64_t desc_b,
                                          int scale_d) {
   constexpr bool kBf16 = std::is_same<Elem, __nv_bfloat16>::value;
-  static_assert(kCols == 8 || kCols == 16 || kCols == 20 || kCols == 32 || kCols == 44,
-                "wgmma_ss is instantiated for N = 32, 64, 80, 128, 176");
+  static_assert(kCols == 8 || kCols == 16 || kCols == 20 || kCols == 28 || kCols == 32 || kCols == 44,
+                "wgmma_ss is instantiated for N = 32, 64, 80, 112, 128, 176");
   if constexpr (kCols == 8) {
     if constexpr (kBf16) {
       PORTATTN_WGMMA_SS("32", "bf16", PORTATTN_WGMMA_D32_REGS, PORTATTN_WGMMA_D32_OPERANDS, "16", "17", "18", "19", "20");
@@ -403,6 +433,12 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[2][kCols], uint64_t desc_a, 
       PORTATTN_WGMMA_SS("80", "bf16", PORTATTN_WGMMA_D80_REGS, PORTATTN_WGMMA_D80_OPERANDS, "40", "41", "42", "43", "44");
     } else {
       PORTATTN_WGMMA_SS("80", "f16", PORTATTN_WGMMA_D80_REGS, PORTATTN_WGMMA_D80_OPERANDS, "40", "41", "42", "43", "44");
+    }
+  } else if constexpr (kCols == 28) {
+    if constexpr (kBf16) {
+      PORTATTN_WGMMA_SS("112", "bf16", PORTATTN_WGMMA_D112_REGS, PORTATTN_WGMMA_D112_OPERANDS, "56", "57", "58", "59", "60");
+    } else {
+      PORTATTN_WGMMA_SS("112", "f16", PORTATTN_WGMMA_D112_REGS, PORTATTN_WGMMA_D112_OPERANDS, "56", "57", "58", "59", "60");
     }
   } else if constexpr (kCols == 44) {
     if constexpr (kBf16) {
