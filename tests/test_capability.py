@@ -494,7 +494,7 @@ def test_forward_only_head_dims_serve_inference_and_refuse_training_calls(monkey
     assert check_call("fwd-only-hd", h100, training) == [
         "head_dim 192 is forward-only on fwd-only-hd; with a backward it runs its backward on the sm80+ path (cuda)"]
     assert check_call("cuda", h100, training) == []
-    # cuda-sm90 itself trains at every head dim it admits: 96 / 192 padded on the hd128 / hd256 kernels.
+    # cuda-sm90 itself trains at every head dim it admits: 96 padded on the hd128 kernels.
     for head_dim in (64, 96, 128, 192, 256):
         assert check_call("cuda-sm90", h100, call(head_dim=head_dim, features=("forward", "backward", "causal"))) == []
 

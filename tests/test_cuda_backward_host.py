@@ -101,10 +101,10 @@ def test_hopper_layout_pads_accumulator_rows_to_its_kernel_head_dim(module):
         assert module.bwd_workspace_bytes(b, h, hk, 96, sq, sk, deterministic, ordered_dq=True) == padded
         assert module.bwd_workspace_bytes(b, h, hk, 128, sq, sk, deterministic, ordered_dq=True) == padded
     assert module.bwd_workspace_bytes(b, h, h, 96, sq, sk, False) == 2 * _align(rows * 4) + _align(rows * 96 * 4)
-    # hd192 runs on the hd256 kernel: 256-float rows, as hd256's own.
+    # hd192 and hd256 on their own kernels (Note [portattn hopper hd192 backward]): rows of their width.
     for head_dim in (192, 256):
         assert module.bwd_workspace_bytes(b, h, h, head_dim, sq, sk, False, ordered_dq=True) == (
-            2 * _align(rows * 4) + _align(rows * 256 * 4))
+            2 * _align(rows * 4) + _align(rows * head_dim * 4))
 
 
 def test_large_calls_are_chunked_by_kv_heads(module):

@@ -160,15 +160,16 @@ def test_hopper_head_dims_are_the_specs():
     assert both_passes == variants.HOPPER_BWD_HEAD_DIMS == _family("hopper_bwd").head_dims
     assert set(variants.HOPPER_FWD_HEAD_DIMS) <= set(variants.HEAD_DIMS)  # PORTATTN_HEADDIMS can name them
     assert spec.head_dims_exact  # no masked head-dim tail: a partial build serves only its own
-    # Padded serving (Note [portattn hopper padded head dims]): the forward serves 96 on the
-    # hd128 kernel (192 has its own, Note [portattn hopper hd192]); the backward 96 and 192 on
-    # its hd128 / hd256 kernels; each padded kernel is one of its family's own.
+    # Padded serving (Note [portattn hopper padded head dims]): both passes serve 96 on their
+    # hd128 kernels (192 has its own: Notes [portattn hopper hd192] and [portattn hopper hd192
+    # backward]); each padded kernel is one of its family's own.
     padded = _family("hopper_fwd").padded
     assert padded == variants.HOPPER_FWD_PADDED == {96: 128}
     assert 192 in variants.HOPPER_FWD_KERNEL_HEAD_DIMS
     assert set(padded.values()) <= set(variants.HOPPER_FWD_KERNEL_HEAD_DIMS) <= set(admitted)
     bwd_padded = _family("hopper_bwd").padded
-    assert bwd_padded == variants.HOPPER_BWD_PADDED == {96: 128, 192: 256}
+    assert bwd_padded == variants.HOPPER_BWD_PADDED == {96: 128}
+    assert 192 in variants.HOPPER_BWD_KERNEL_HEAD_DIMS and variants.hopper_bwd_acc_head_dim(192) == 192
     assert all(variants.hopper_bwd_acc_head_dim(d) == k for d, k in bwd_padded.items())
     assert set(bwd_padded.values()) <= set(variants.HOPPER_BWD_KERNEL_HEAD_DIMS) <= set(both_passes)
     assert set(padded) - set(bwd_padded) <= set(spec.forward_only_head_dims)
@@ -178,7 +179,7 @@ def test_hopper_head_dims_are_the_specs():
 @pytest.mark.parametrize("head_dim", [192, 256])
 def test_hd192_256_train_on_the_hopper_path(head_dim):
     # Both passes at 256 (the backward with the head dim split over two CTAs) and at 192 (its own
-    # forward kernel, the backward padded on hd256's), in the default build.
+    # kernels; the backward in two launches), in the default build.
     from portattn.capability import matrix, probe
     from portattn.capability.callspec import CallSpec
 
@@ -214,9 +215,10 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
     # The backward's hd256 kernel splits the head dim over two CTAs (Note [portattn hopper split head dim]).
     assert "template cudaError_t portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>(" in sources[
         "hopper_bwd_hd256_bf16.cu"]
-    # hd192's forward has its own kernel (Note [portattn hopper hd192]); its backward is padded.
+    # hd192 has its own kernels (Notes [portattn hopper hd192], [portattn hopper hd192 backward]).
     assert "template cudaError_t portattn::hopper::run_hopper_fwd<192, __half>(" in sources["hopper_fwd_hd192_fp16.cu"]
-    assert not any("_hd96_" in name or name.startswith("hopper_bwd_hd192") for name in sources)  # padded: no kernel of their own
+    assert "template cudaError_t portattn::hopper::run_hopper_bwd<192, __half>(" in sources["hopper_bwd_hd192_fp16.cu"]
+    assert not any("_hd96_" in name for name in sources)  # padded: no kernel of its own
     table = sources[variants.HOPPER_TABLE_SOURCE]
     for family in variants.HOPPER_FAMILIES:
         assert f"const int {family.count} = {2 * len(family.head_dims)};" in table
@@ -229,7 +231,7 @@ def test_default_plan_generates_every_hopper_variant_and_its_tables():
     assert "{192, PORTATTN_FP16, &portattn::hopper::run_hopper_fwd<192, __half>}" in table
     assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<128, __nv_bfloat16>}" in table
     assert "{256, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>}" in table
-    assert "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>}" in table
+    assert "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<192, __nv_bfloat16>}" in table
     # The sm80+ table stays free of Hopper symbols (it is compiled for every arch).
     assert "hopper" not in variants.generated_sources(variants.plan_from_env({}))["variants_generated.cu"]
 
@@ -284,11 +286,11 @@ def test_a_padded_head_dim_builds_the_kernel_that_serves_it(monkeypatch, tmp_pat
     for family in ("fwd", "bwd"):
         assert "{96, PORTATTN_BF16, &portattn::hopper::run_hopper_%s<128" % family in table
         assert "{128, PORTATTN_BF16, &portattn::hopper::run_hopper_%s<128" % family in table
-    # 192 builds its own forward kernel and the hd256 backward kernel, and serves 192 only.
+    # 192 builds its own kernels, and serves 192 only.
     only192 = _hopper_sources(dict(env, PORTATTN_HEADDIMS="192"))
-    assert sorted(only192) == ["hopper_bwd_hd256_bf16.cu", "hopper_fwd_hd192_bf16.cu", variants.HOPPER_TABLE_SOURCE]
+    assert sorted(only192) == ["hopper_bwd_hd192_bf16.cu", "hopper_fwd_hd192_bf16.cu", variants.HOPPER_TABLE_SOURCE]
     assert "const int kNumHopperBwdVariants = 1;" in only192[variants.HOPPER_TABLE_SOURCE]
-    assert "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<256, __nv_bfloat16>}" in only192[
+    assert "{192, PORTATTN_BF16, &portattn::hopper::run_hopper_bwd<192, __nv_bfloat16>}" in only192[
         variants.HOPPER_TABLE_SOURCE]
 
 

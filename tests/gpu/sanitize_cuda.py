@@ -242,9 +242,9 @@ def main() -> int:
         q = torch.randn(1, 300, 2, 128, **bf16)
         k, v = (torch.randn(1, 8200, 2, 128, **bf16) for _ in range(2))
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
-    # Head dim 96 on the hd128 kernels and 192's backward on the hd256 one (Note [portattn hopper
-    # padded head dims]), 192's own forward (Note [portattn hopper hd192], 112-key blocks), and
-    # 256 itself (the backward's head dim split over two CTAs, Note [portattn hopper split head
+    # Head dim 96 on the hd128 kernels (Note [portattn hopper padded head dims]), 192 on its own
+    # (Notes [portattn hopper hd192], 112-key blocks, and [portattn hopper hd192 backward], two
+    # launches), and 256 itself (the backward's head dim split over two CTAs, Note [portattn hopper split head
     # dim]): sequence tails, GQA, causal and a window with softcap; the backward too where the
     # Hopper path has it (both modes, GQA's fp32 dK/dV accumulators in the default mode, MHA's TMA
     # stores, varlen blocks past their sequence's end with the direct stores).

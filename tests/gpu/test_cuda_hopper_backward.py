@@ -285,8 +285,7 @@ def _in_wider(x, width, fill):
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("head_dim", sorted(variants.HOPPER_BWD_PADDED))
 def test_hopper_backward_padded_head_dims_read_and_write_only_their_columns(head_dim, varlen, gqa, mode):
-    # hd96 / hd192 run padded on the hd128 / hd256 kernels (Note [portattn hopper padded head dims],
-    # backward part; hd256 splits the head dim over two CTAs, Note [portattn hopper split head dim]).
+    # hd96 runs padded on the hd128 kernel (Note [portattn hopper padded head dims], backward part).
     # Every operand is the first head_dim columns of a kernel-wide buffer: NaN past them in q, k,
     # v, dout (the loads must zero-fill there, not read the buffer), and a sentinel in dq, dk, dv
     # that must survive (the dK/dV TMA stores clip at head_dim, the direct stores of varlen partial

@@ -289,8 +289,8 @@ HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
 HOPPER_FWD_PADDED: Mapping[int, int] = {96: 128}  # served head dim -> kernel head dim
 HOPPER_FWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 192, 256)
 HOPPER_FWD_HEAD_DIMS: Tuple[int, ...] = tuple(sorted(HOPPER_FWD_KERNEL_HEAD_DIMS + tuple(HOPPER_FWD_PADDED)))
-HOPPER_BWD_PADDED: Mapping[int, int] = {96: 128, 192: 256}  # served head dim -> kernel head dim
-HOPPER_BWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 256)
+HOPPER_BWD_PADDED: Mapping[int, int] = {96: 128}  # served head dim -> kernel head dim
+HOPPER_BWD_KERNEL_HEAD_DIMS: Tuple[int, ...] = (64, 128, 192, 256)
 HOPPER_BWD_HEAD_DIMS: Tuple[int, ...] = tuple(sorted(HOPPER_BWD_KERNEL_HEAD_DIMS + tuple(HOPPER_BWD_PADDED)))
 HOPPER_HEAD_DIMS: Tuple[int, ...] = HOPPER_FWD_HEAD_DIMS  # every head dim a Hopper kernel serves
 HOPPER_FAMILIES: Tuple[Family, ...] = (
@@ -305,11 +305,11 @@ assert set(HOPPER_BWD_HEAD_DIMS) <= set(HOPPER_FWD_HEAD_DIMS), "build_config()['
 assert all(kernel in HOPPER_FWD_KERNEL_HEAD_DIMS and kernel > 64 and kernel - 64 <= served < kernel
            and served % 8 == 0 for served, kernel in HOPPER_FWD_PADDED.items()), HOPPER_FWD_PADDED
 # The backward's rule (hopper_bwd_acc_head_dim in csrc/bwd_kernel.cuh, which run_hopper_bwd checks):
-# the kernel is the first of 64, 128, 256 at or above the served head dim, since the workspace
+# the kernel is the first of 64, 128, 192, 256 at or above the served head dim, since the workspace
 # Python sizes without knowing the table has accumulator rows of that width; a padded head dim
 # is a multiple of 32 (bwd_convert_dq reads whole groups of 8 swizzled 16-byte chunks of a row).
 def hopper_bwd_acc_head_dim(head_dim: int) -> int:
-    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 192 if head_dim <= 192 else 256
 
 
 assert all(kernel in HOPPER_BWD_KERNEL_HEAD_DIMS and kernel == hopper_bwd_acc_head_dim(served) and served % 32 == 0

@@ -160,14 +160,14 @@ __host__ __device__ __forceinline__ int dq_chunk_swizzle(int row, int byte) {
 }
 
 // The accumulator row pitch (elements) of the Hopper backward at `head_dim`: its kernel's
-// head dim, the first of 64, 128, 256 at or above it (96 runs on the hd128 kernel, 192 on the
-// hd256 one; Note [portattn hopper padded head dims], backward part, in hopper_fwd_launch.cuh). The kernel adds whole
+// head dim, the first of 64, 128, 192, 256 at or above it (96 runs on the hd128 kernel; Note
+// [portattn hopper padded head dims], backward part, in hopper_fwd_launch.cuh). The kernel adds whole
 // kHeadDim-wide rows (one bulk copy per 64-row tile, rows swizzled by 16-byte chunk), so the
 // workspace is laid out with that pitch; one rule here for the size Python allocates
 // (portattn_cuda_hopper_bwd_workspace_bytes) and the launch (run_hopper_bwd checks that its
 // kHeadDim equals it, so a table entry that broke the rule fails instead of overrunning).
 __host__ __device__ constexpr int hopper_bwd_acc_head_dim(int head_dim) {
-  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 192 ? 192 : 256;
 }
 
 // The deterministic Hopper backward orders its dQ adds per query block of this

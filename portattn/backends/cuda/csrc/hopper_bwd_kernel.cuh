@@ -150,9 +150,32 @@
 // registers (the bulk path's two 32 KiB staging tiles do not fit: kBulkDqFits). The deterministic
 // mode orders dQ's adds per key block as before (Note [portattn hopper ordered dQ]); the two halves
 // write disjoint columns, so each waits until the count has passed both halves of every later
-// block (kHalves x the turn, wait_count_at_least) and counts up once. Head dim 192 runs here
-// padded (Note [portattn hopper padded head dims]): its half 1 holds columns 128-191 and the
-// padding's zeros, which the stores skip (every column of a half is tested against f.headdim).
+// block (kHalves x the turn, wait_count_at_least) and counts up once. Head dim 192 ran here
+// padded until session 18 (a third more MMA work than its own columns need); it now has its own
+// kernel, next Note.
+//
+// Note [portattn hopper hd192 backward]
+// Head dim 192 does not split into two halves of whole 64-column panels (the MN-major B operands
+// of dV = P^T dO and dK = dS^T Q, and the dQ columns of K, must start at a panel), so its output
+// columns go to two launches of the same kernel, one after the other on the stream (launch_main's
+// kPart): part 0 keeps dK / dV / dQ for columns 0-127 (the hd256 half's registers), part 1 for
+// columns 128-191 (hd64's: dK / dV 32 fp32 each, dQ N = 32 per consumer). Each CTA still loads
+// K, V, Q and dO at full width and computes S^T and dP^T over all 192 columns (12 k16 steps).
+//  * Work: per key block 192 + 192 + 3 x 128 and 192 + 192 + 3 x 64 (S^T, dP^T, dV, dK, dQ, in
+//    units of 64 x 64 x 16 products) = 1344, against 2 x (256 + 256 + 3 x 128) = 1792 padded on
+//    the hd256 kernel: a quarter less.
+//  * Shared memory: K 48 + V 48 + two Q / dO stages of 24 + 24 + dS^T 2 x 16 = 224 KiB (+ LSE /
+//    delta, barriers and the 1 KiB alignment: 231,472 of 232,448 bytes), so two stages where
+//    hd256 has one.
+//  * Why two launches and not two CTAs of one: the parts differ in their accumulators' shapes,
+//    which are compile-time (wgmma N, register arrays); one kernel would hold both bodies behind a
+//    branch on blockIdx. The cost is a second launch and its tail; the two launches read K, V, Q
+//    and dO each, as the two CTAs of a split key block do.
+//  * The deterministic mode orders each launch's dQ adds by key block as at every head dim (Note
+//    [portattn hopper ordered dQ]); the parts write disjoint columns, so launch_main zeroes the
+//    counts between them (a memset on the stream) and part 1 orders its adds from zero again.
+//  * The accumulators' pitch is 192 (hopper_bwd_acc_head_dim), their rows unswizzled: dQ is added
+//    per element (the bulk path's two 48 KiB staging tiles do not fit beside the two stages).
 //
 // Note [portattn hopper dK/dV store]
 // The epilogue writes dK (scaled) and dV through shared memory: once both
@@ -289,15 +312,21 @@ namespace hopper {
 
 // kDqByStepWanted: the kernel's mask admits kDqByStep (no mask only, see there). The shared
 // memory layout and the launch shape do not depend on it.
-template <int kHeadDim_, bool kBulkDq_ = false, bool kDqByStepWanted = false>
+// kPart: which launch of the hd192 backward (Note [portattn hopper hd192 backward]): 0 the
+// columns 0-127, 1 the columns 128-191; 0 at every other head dim.
+template <int kHeadDim_, bool kBulkDq_ = false, bool kDqByStepWanted = false, int kPart = 0>
 struct HopperBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  // Note [portattn hopper split head dim]: above 128 two CTAs share a key block, each owning
+  // Note [portattn hopper split head dim]: at 256 two CTAs share a key block, each owning
   // kOutDim = 128 of dK / dV / dQ's columns (blockIdx.x = key block * kHalves + half).
-  static constexpr int kHalves = kHeadDim > 128 ? 2 : 1;
-  static constexpr int kOutDim = kHeadDim / kHalves;
-  // The bulk dQ path's two staging tiles fit only without the split (Note as above).
-  static constexpr bool kBulkDqFits = kHalves == 1;
+  static constexpr int kHalves = kHeadDim == 256 ? 2 : 1;
+  // Note [portattn hopper hd192 backward]: two launches, of 128 and 64 output columns.
+  static constexpr int kParts = kHeadDim == 192 ? 2 : 1;
+  static_assert(kPart >= 0 && kPart < kParts, "kPart names one of the head dim's launches");
+  static constexpr int kOutDim = kHeadDim == 192 ? (kPart == 0 ? 128 : 64) : kHeadDim / kHalves;
+  static constexpr int kColOffset = kPart * 128;  // this launch's first output column (hd192 part 1: 128)
+  // The bulk dQ path's two staging tiles (64 rows of kHeadDim fp32 each) fit up to hd128 only.
+  static constexpr bool kBulkDqFits = kHeadDim <= 128;
   // dQ into the fp32 accumulator: false = v2 reductions from the consumers'
   // registers; true = Note [portattn hopper bulk dQ].
   static constexpr bool kBulkDq = kBulkDq_;
@@ -318,8 +347,9 @@ struct HopperBwdTraits {
   // -DPORTATTN_HOPPER_BWD_KV_REGS=0 keeps them in shared memory (A/B).
   static constexpr bool kKvInRegs = PORTATTN_HOPPER_BWD_KV_REGS != 0 && kHeadDim == 64;
   // hd64's Q/dO tiles are half the size: twice the stages in a smaller budget; hd256's
-  // full-width K and V leave room for one (Note [portattn hopper split head dim]).
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : kHeadDim <= 128 ? 2 : 1;
+  // full-width K and V leave room for one (Note [portattn hopper split head dim]), hd192's
+  // for two (226 KiB: Note [portattn hopper hd192 backward]).
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : kHeadDim <= 192 ? 2 : 1;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
@@ -437,8 +467,8 @@ __device__ __forceinline__ void product_ss(float (&acc)[2][HopperBwdTraits<kHead
 // acc (64 keys x head dim) += a (64 keys x 64 queries, packed registers) *
 // tile (64 queries x head dim: Q or dO of a stage, MN-major = transpose-B; its
 // descriptor: LBO = one panel, SBO 1024), issued and committed as one wgmma group.
-template <int kHeadDim, typename Elem>
-__device__ __forceinline__ void accumulate_rs(float (&acc)[2][HopperBwdTraits<kHeadDim>::kOutDim / 4],
+template <int kHeadDim, typename Elem, int kOCols>
+__device__ __forceinline__ void accumulate_rs(float (&acc)[2][kOCols],
                                               uint32_t (&a)[HopperBwdTraits<kHeadDim>::kBlockM / 16][4],
                                               uint64_t desc_tile) {
   using Traits = HopperBwdTraits<kHeadDim>;
@@ -458,7 +488,7 @@ enum HopperBwdMask : int { kBwdMaskNone = 0, kBwdMaskCausal = 1, kBwdMaskLocal =
 // kOrderedDq: the deterministic mode's dQ adds (Note [portattn hopper ordered dQ]),
 // a separate instantiation so the default mode's add loop stays as it was (a
 // run-time branch around it cost the hd64 atomic-dQ backward ~25% on an H100).
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart>
 __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
@@ -471,7 +501,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // masked loop then moved its predicates through registers: 26 P2R in cuobjdump's SASS).
   using Traits = HopperBwdTraits<kHeadDim, kBulkDq,
                                  kMask == kBwdMaskNone || (kMask == kBwdMaskCausal && !kSoftcap &&
-                                                           PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL != 0)>;
+                                                           PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL != 0),
+                                 kPart>;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
@@ -715,14 +746,16 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     // B operand of dQ = dS K: this warpgroup's half of K's columns (a panel for
     // hd128; 32 columns = 64 bytes into the one panel for hd64, where the
     // hardware's XOR applies to the final address as for the k16 steps).
-    // Split head dim: this CTA's half of the columns (Note [portattn hopper split head dim]).
+    // Split head dim: this CTA's half of the columns (Note [portattn hopper split head dim]);
+    // hd192: this launch's (Note [portattn hopper hd192 backward]). Always a whole 64-column panel.
     const int half = kHalves > 1 ? static_cast<int>(blockIdx.x) % kHalves : 0;
+    const int col0 = kHalves > 1 ? half * Traits::kOutDim : Traits::kColOffset;  // this CTA's first output column
     const uint32_t s_k_dq =
         s_k + (Traits::kDqByStep        ? 0
-               : Traits::kDqCols == 64 ? (half * (Traits::kOutDim / 64) + wg) * Traits::kPanelBytesKV
-                                        : wg * 64);
-    // The dV / dK products' B operands (dO, Q) start at this half's first panel.
-    const uint32_t half_panels_q = static_cast<uint32_t>(half * (Traits::kOutDim / 64)) * Traits::kPanelBytesQ;
+               : Traits::kDqCols == 64 ? (col0 / 64 + wg) * Traits::kPanelBytesKV
+                                        : (col0 / 64) * Traits::kPanelBytesKV + wg * 64);
+    // The dV / dK products' B operands (dO, Q) start at this CTA's first panel.
+    const uint32_t half_panels_q = static_cast<uint32_t>(col0 / 64) * Traits::kPanelBytesQ;
     // The operands' descriptors (Note [portattn hopper backward descriptors]), all from
     // one base: K-major tiles (LBO unused, 16 by convention) and MN-major ones (LBO = one
     // panel), SBO 1024 and the 128B swizzle for every one of them.
@@ -734,7 +767,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     const uint32_t k_rows_offset = Traits::kOffK + wg * 64 * 128;
     const uint32_t v_rows_offset = Traits::kOffV + wg * 64 * 128;
     const uint32_t k_dq_cols_offset = s_k_dq - base;
-    const int dq_col0 = half * Traits::kOutDim + (Traits::kDqByStep ? 0 : wg * Traits::kDqCols);  // this consumer's first dQ column
+    const int dq_col0 = col0 + (Traits::kDqByStep ? 0 : wg * Traits::kDqCols);  // this consumer's first dQ column
     // Whether this consumer computes step at_step's dQ, and the thread that writes its turn
     // (deterministic mode).
     auto computes_dq = [&](int at_step) { return !Traits::kDqByStep || (at_step & 1) == wg; };
@@ -1113,7 +1146,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
           const int row = bounds.k_start + n0 + wg * 64;  // dense: rows past seqlen_k are clipped
 #pragma unroll
           for (int p = 0; p < Traits::kOutDim / Traits::kPanel; ++p) {
-            const int col = half * Traits::kOutDim + p * Traits::kPanel;  // staged in panels 0.. of K / V
+            const int col = col0 + p * Traits::kPanel;  // staged in panels 0.. of K / V
             sm90::tma_store_4d(&tm_dk, s_k_wg + p * Traits::kPanelBytesKV, col, row, head_k, tma_batch);
             sm90::tma_store_4d(&tm_dv, s_v_wg + p * Traits::kPanelBytesKV, col, row, head_k, tma_batch);
           }
@@ -1140,7 +1173,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         if (row >= n_valid) continue;
 #pragma unroll
         for (int j = 0; j < kOCols / 2; ++j) {
-          const int col = half * Traits::kOutDim + 8 * j + 2 * q4;
+          const int col = col0 + 8 * j + 2 * q4;
           // Padded serving (96 on the hd128 kernel): columns at or past the call's head dim are
           // the padding's zeros and, for the direct stores, the next head's or row's elements.
           // Only the last 64-column panel can hold them (hopper_bwd_acc_head_dim: the head dim

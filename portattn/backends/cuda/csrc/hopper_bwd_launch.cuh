@@ -18,12 +18,12 @@
 namespace portattn {
 namespace hopper {
 
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart>
 struct HopperBwdSmemOptIn {
   static cuda::SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
-cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq>::state = {0ull};
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart>
+cuda::SmemOptInState HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart>::state = {0ull};
 
 // Whether the default (non-deterministic) mode adds dQ with bulk reductions at this head
 // dim (Note [portattn hopper bulk dQ]; PORTATTN_HOPPER_BWD_DQ, hopper_bwd_entry.cu).
@@ -34,15 +34,25 @@ struct TensorMaps {
   CUtensorMap dk, dv;  // 64-row boxes: one consumer warpgroup's keys (Note [portattn hopper dK/dV store])
 };
 
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq>
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart = 0>
 cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
-  using Traits = HopperBwdTraits<kHeadDim, kBulkDq>;
-  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq>;
+  using Traits = HopperBwdTraits<kHeadDim, kBulkDq, false, kPart>;
+  const PortattnFwdParams& f = args.p.fwd;
+  if constexpr (kPart > 0) {
+    // hd192's second launch (Note [portattn hopper hd192 backward]) orders its dQ adds from a
+    // count of zero again; the first launch left each count at its query block's key blocks.
+    if (args.dq_order != nullptr) {
+      const int64_t counts = static_cast<int64_t>(f.batch) * args.heads *
+                             ((f.seqlen_q + cuda::kDqOrderRows - 1) / cuda::kDqOrderRows);
+      const cudaError_t err = cudaMemsetAsync(args.dq_order, 0, counts * sizeof(int), stream);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart>;
   const cudaError_t err = cuda::ensure_dynamic_smem(
       reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
-      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq>::state);
+      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart>::state);
   if (err != cudaSuccess) return err;
-  const PortattnFwdParams& f = args.p.fwd;
   const int n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const bool det = args.p.deterministic != 0;
   // Deterministic: per (key block, KV head), walking the group's query heads, so dK/dV
@@ -57,7 +67,12 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   const float softcap_scale = kSoftcap ? f.softmax_scale / f.softcap : 0.f;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, maps.dk,
                                                                  maps.dv, args, softcap_scale);
-  return cudaGetLastError();
+  const cudaError_t launched = cudaGetLastError();
+  if constexpr (kPart + 1 < Traits::kParts) {
+    if (launched != cudaSuccess) return launched;
+    return launch_main<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart + 1>(maps, args, stream);
+  }
+  return launched;
 }
 
 // The main kernel of this call's mask (window) with or without softcap.
