@@ -31,6 +31,9 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # The hd256 backward (head dim split over two CTAs) and hd192 on it, run at 27e080f
 # (bench/results/runs/2026-11-26-27e080f/summary.md): 6313 GPU tests passed (the Hopper backward grids at 192 and
 # 256 included); memcheck, initcheck and synccheck clean.
+# hd192 on its own forward and backward kernels (session 18), run at e182cd6 and abc5ed9
+# (bench/results/runs/2026-11-26-abc5ed9/summary.md): every hd192 gpu test passed (751); memcheck,
+# initcheck and synccheck clean.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
@@ -43,15 +46,16 @@ SPEC = BackendSpec(
     dtypes=("float16", "bfloat16"),
     # Exactly the Hopper families' head dims (backends/cuda/variants.HOPPER_FWD_HEAD_DIMS and
     # HOPPER_BWD_HEAD_DIMS; a CPU test checks they agree): the kernels have no masked head-dim
-    # tail, so only these are served. The forward has hd256 (Note [portattn hopper hd256]) and
-    # hd96 / hd192 on the hd128 / hd256 kernels, padded by TMA's zero fill (Note [portattn hopper
-    # padded head dims]: 33% more MMA work than native kernels; measured on an H100 at 1.2-1.9x the
-    # sm80+ path's forward, bench/results/runs/2026-11-24-ee2d963/padded_head_dims.md). The backward
-    # serves hd96 the same way, on its hd128 kernel (the sm80+ backward at 96 held training at
-    # 0.84-0.88x SDPA's FlashAttention-2, while the Hopper backward at 128 runs 1.5-1.8x the sm80+
-    # one), hd256 with the head dim split over two CTAs (Note [portattn hopper split head dim]
-    # in csrc/hopper_bwd_kernel.cuh) and 192 padded on that kernel: both passes serve every head
-    # dim here (forward_only_head_dims would name one that trains elsewhere).
+    # tail, so only these are served. The forward has hd192 and hd256 (Notes [portattn hopper
+    # hd192] and [portattn hopper hd256]) and hd96 on the hd128 kernel, padded by TMA's zero fill
+    # (Note [portattn hopper padded head dims]: 33% more MMA work than a native kernel; measured on
+    # an H100 at 1.2-1.5x the sm80+ path's forward, bench/results/runs/2026-11-24-ee2d963/
+    # padded_head_dims.md). The backward serves hd96 the same way, on its hd128 kernel (the sm80+
+    # backward at 96 held training at 0.84-0.88x SDPA's FlashAttention-2, while the Hopper backward
+    # at 128 runs 1.5-1.8x the sm80+ one), hd256 with the head dim split over two CTAs (Note
+    # [portattn hopper split head dim] in csrc/hopper_bwd_kernel.cuh) and hd192 in two launches
+    # of its own kernel (Note [portattn hopper hd192 backward]): both passes serve every head dim
+    # here (forward_only_head_dims would name one that trains elsewhere).
     head_dim_multiple=32,
     head_dim_max=256,
     head_dims_exact=True,
