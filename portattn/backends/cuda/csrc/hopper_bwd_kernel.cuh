@@ -176,6 +176,11 @@
 //    counts between them (a memset on the stream) and part 1 orders its adds from zero again.
 //  * The accumulators' pitch is 192 (hopper_bwd_acc_head_dim), their rows unswizzled: dQ is added
 //    per element (the bulk path's two 48 KiB staging tiles do not fit beside the two stages).
+//  * Part 1 has hd64's output width, and like hd64 (Note [portattn hopper dQ by step]) its
+//    consumers take turns at the whole 64-column dQ tile where the mask admits it (no mask; causal
+//    without softcap). Same-call A/B on an H100, three rounds (bench/results/runs/
+//    2026-11-26-9ea1fe4-s18x): hd192 forward+backward +2.1 to +3.6% unmasked, +3.6 to +5.6%
+//    causal, every round, against the two consumers splitting its 64 columns.
 //
 // Note [portattn hopper dK/dV store]
 // The epilogue writes dK (scaled) and dV through shared memory: once both
@@ -303,6 +308,26 @@
 #endif
 // 1: dS^T written by stmatrix (4 x4 stores a step instead of 16 4-byte ones); measured
 // within the spread (Note [portattn hopper staging addresses]), so 0 keeps the 4-byte stores.
+// Note [portattn hopper one-stage release]
+// The hd256 kernel has one Q / dO stage (Note [portattn hopper split head dim]), so each step's
+// loads start only when the consumers release the stage, and the step waits for them (the
+// largest stall in ncu's source page: 19% of samples unmasked, 14% causal; session 17). Its
+// consumers release the stage as soon as their dV and dK are complete, with dQ (the step's last
+// product, which reads dS^T and K only) still on the tensor cores, and, without a mask, in the
+// order dV, dK, dQ instead of Note [portattn hopper late dK]'s (whose dQ adds came before the
+// release). Same-call A/B on an H100, three rounds (bench/results/runs/2026-11-26-5555396-s18rel):
+// hd256 forward+backward +6 to +8% unmasked (the order alone: +5 to +7%), +1.5 to +3.4% causal,
+// every round. At hd192 (two stages) it measured -1 to -2.4% unmasked and +0.5 to +1.1% causal, so
+// the kernels with more than one stage keep the release at the step's end. =0 builds it nowhere
+// (and late dK wherever it applies), =2 in every kernel without late dK or dQ by step (A/B).
+// hd192's part 1 (Note [portattn hopper hd192 backward]) computes dQ by step as hd64 does; =0
+// splits its 64 dQ columns over the two consumers instead (A/B).
+#ifndef PORTATTN_HOPPER_BWD_HD192_DQ_BY_STEP
+#define PORTATTN_HOPPER_BWD_HD192_DQ_BY_STEP 1
+#endif
+#ifndef PORTATTN_HOPPER_BWD_EARLY_RELEASE
+#define PORTATTN_HOPPER_BWD_EARLY_RELEASE 1
+#endif
 #ifndef PORTATTN_HOPPER_BWD_DS_STMATRIX
 #define PORTATTN_HOPPER_BWD_DS_STMATRIX 0
 #endif
@@ -363,7 +388,11 @@ struct HopperBwdTraits {
   // hd64 without a mask: the consumers take turns (by step parity) computing the whole
   // 64 x 64 dQ tile (Note [portattn hopper dQ by step]). -DPORTATTN_HOPPER_BWD_DQ_BY_STEP=0
   // builds the column split everywhere (A/B).
-  static constexpr bool kDqByStep = PORTATTN_HOPPER_BWD_DQ_BY_STEP != 0 && kHeadDim == 64 && kDqByStepWanted;
+  // hd192's part 1 has hd64's 64 output columns, and dQ by step measured ahead there too (Note
+  // [portattn hopper hd192 backward]).
+  static constexpr bool kDqByStep =
+      PORTATTN_HOPPER_BWD_DQ_BY_STEP != 0 && kDqByStepWanted &&
+      (kHeadDim == 64 || (PORTATTN_HOPPER_BWD_HD192_DQ_BY_STEP != 0 && kHeadDim == 192 && kPart == 1));
   static constexpr int kDqConsumers = kDqByStep ? 1 : kConsumers;  // consumers computing a step's dQ
   static constexpr int kDqCols = kOutDim / kDqConsumers;  // dQ columns per computing consumer
   static constexpr int kOffK = 0;
@@ -523,8 +552,13 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   // Note [portattn hopper late dK]: kernels without a mask or softcap (where it was measured
   // to pay). Never with dQ by step, where whether a consumer has a dQ group in flight depends
   // on the step's parity: ptxas then serialises every wgmma (C7514).
-  constexpr bool kLateDk =
-      PORTATTN_HOPPER_BWD_LATE_DK != 0 && !Traits::kDqByStep && kMask == kBwdMaskNone && !kSoftcap;
+  // Not in the one-stage kernels (hd256), where the stage's early release below pays more.
+  constexpr bool kLateDk = PORTATTN_HOPPER_BWD_LATE_DK != 0 && !Traits::kDqByStep && kMask == kBwdMaskNone &&
+                           !kSoftcap && (Traits::kStages > 1 || PORTATTN_HOPPER_BWD_EARLY_RELEASE == 0);
+  // Note [portattn hopper one-stage release].
+  constexpr bool kEarlyRelease =
+      (PORTATTN_HOPPER_BWD_EARLY_RELEASE == 2 || (PORTATTN_HOPPER_BWD_EARLY_RELEASE == 1 && Traits::kStages == 1)) &&
+      !kLateDk && !Traits::kDqByStep;
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = ptx::smem_addr(smem_raw);
@@ -751,7 +785,7 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     const int half = kHalves > 1 ? static_cast<int>(blockIdx.x) % kHalves : 0;
     const int col0 = kHalves > 1 ? half * Traits::kOutDim : Traits::kColOffset;  // this CTA's first output column
     const uint32_t s_k_dq =
-        s_k + (Traits::kDqByStep        ? 0
+        s_k + (Traits::kDqByStep        ? (col0 / 64) * Traits::kPanelBytesKV
                : Traits::kDqCols == 64 ? (col0 / 64 + wg) * Traits::kPanelBytesKV
                                         : (col0 / 64) * Traits::kPanelBytesKV + wg * 64);
     // The dV / dK products' B operands (dO, Q) start at this CTA's first panel.
@@ -1091,6 +1125,17 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
             if constexpr (Traits::kAhead == 0) publish_dq(step);
           }
         }
+        if constexpr (kEarlyRelease) {
+          // dV and dK complete, dQ (the last group) may still run: the stage is free (Note
+          // [portattn hopper one-stage release]).
+          sm90::wgmma_wait<1>();
+          sm90::fence_operands(dv);
+          sm90::fence_operands(dk);
+          sm90::fence_fragment(pp);
+          sm90::fence_fragment(ds);
+          __syncwarp();
+          if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
+        }
         sm90::wgmma_wait<0>();
         sm90::fence_operands(dq);
         sm90::fence_operands(dv);
@@ -1098,8 +1143,10 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
         sm90::fence_fragment(pp);
         sm90::fence_fragment(ds);
         // This warp no longer reads the stage (Q, dO, LSE, delta).
-        __syncwarp();
-        if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
+        if constexpr (!kEarlyRelease) {
+          __syncwarp();
+          if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
+        }
 
         if (!kLateDk && my_dq) {
           stage_dq(step, head, m0);
