@@ -179,7 +179,7 @@
 //  * Part 1 has hd64's output width, and like hd64 (Note [portattn hopper dQ by step]) its
 //    consumers take turns at the whole 64-column dQ tile where the mask admits it (no mask; causal
 //    without softcap). Same-call A/B on an H100, three rounds (bench/results/runs/
-//    2026-11-26-9ea1fe4-s18x): hd192 forward+backward +2.1 to +3.6% unmasked, +3.6 to +5.6%
+//    2026-11-26-614d1ef-s18x): hd192 forward+backward +2.1 to +3.6% unmasked, +3.6 to +5.6%
 //    causal, every round, against the two consumers splitting its 64 columns.
 //
 // Note [portattn hopper dK/dV store]
