@@ -157,23 +157,28 @@
 // Note [portattn hopper hd192 backward]
 // Head dim 192 does not split into two halves of whole 64-column panels (the MN-major B operands
 // of dV = P^T dO and dK = dS^T Q, and the dQ columns of K, must start at a panel), so its output
-// columns go to two launches of the same kernel, one after the other on the stream (launch_main's
-// kPart): part 0 keeps dK / dV / dQ for columns 0-127 (the hd256 half's registers), part 1 for
-// columns 128-191 (hd64's: dK / dV 32 fp32 each, dQ N = 32 per consumer). Each CTA still loads
-// K, V, Q and dO at full width and computes S^T and dP^T over all 192 columns (12 k16 steps).
+// columns go to two parts of unequal width: part 0 keeps dK / dV / dQ for columns 0-127 (the hd256
+// half's registers), part 1 for columns 128-191 (hd64's: dK / dV 32 fp32 each, dQ N = 64 or 32).
+// Each CTA still loads K, V, Q and dO at full width and computes S^T and dP^T over all 192
+// columns (12 k16 steps). The parts' accumulators differ in shape (compile-time wgmma N, register
+// arrays), so each is its own instantiation of the kernel's body (hopper_bwd_body's kPart), and
+// they run either
+//  * in one launch (kBothParts; the default where it compiles without spills: hd192_one_launch),
+//    blockIdx.x = key block * 2 + part, a branch on its parity choosing the body, the two CTAs of
+//    a key block side by side like hd256's halves (and its dQ order: wait_count_at_least); or
+//  * in two launches one after the other on the stream (launch_main's kPart 0, then 1), where the
+//    deterministic mode zeroes the dQ order counts between them (a memset on the stream).
+//  One launch against two, same-call A/B on an H100, three rounds (bench/results/runs/
+//  2026-11-26-7e565ef-s18ol): forward+backward causal +1.9 to +7.3% at 512-8k (-0.7% at 16k),
+//  unmasked +4.3 / +1.6% at 512 / 1k, -1.1 to +0.6% from 2k: the parts of a key block share
+//  their loads in L2 and one launch has one tail, which matter most where key blocks have few
+//  steps.
 //  * Work: per key block 192 + 192 + 3 x 128 and 192 + 192 + 3 x 64 (S^T, dP^T, dV, dK, dQ, in
 //    units of 64 x 64 x 16 products) = 1344, against 2 x (256 + 256 + 3 x 128) = 1792 padded on
 //    the hd256 kernel: a quarter less.
 //  * Shared memory: K 48 + V 48 + two Q / dO stages of 24 + 24 + dS^T 2 x 16 = 224 KiB (+ LSE /
 //    delta, barriers and the 1 KiB alignment: 231,472 of 232,448 bytes), so two stages where
 //    hd256 has one.
-//  * Why two launches and not two CTAs of one: the parts differ in their accumulators' shapes,
-//    which are compile-time (wgmma N, register arrays); one kernel would hold both bodies behind a
-//    branch on blockIdx. The cost is a second launch and its tail; the two launches read K, V, Q
-//    and dO each, as the two CTAs of a split key block do.
-//  * The deterministic mode orders each launch's dQ adds by key block as at every head dim (Note
-//    [portattn hopper ordered dQ]); the parts write disjoint columns, so launch_main zeroes the
-//    counts between them (a memset on the stream) and part 1 orders its adds from zero again.
 //  * The accumulators' pitch is 192 (hopper_bwd_acc_head_dim), their rows unswizzled: dQ is added
 //    per element (the bulk path's two 48 KiB staging tiles do not fit beside the two stages).
 //  * Part 1 has hd64's output width, and like hd64 (Note [portattn hopper dQ by step]) its
@@ -322,6 +327,11 @@
 // (and late dK wherever it applies), =2 in every kernel without late dK or dQ by step (A/B).
 // hd192's part 1 (Note [portattn hopper hd192 backward]) computes dQ by step as hd64 does; =0
 // splits its 64 dQ columns over the two consumers instead (A/B).
+// hd192's two parts in one launch, interleaved by key block (kBothParts), where that kernel compiles
+// without spills (hd192_one_launch); =0 never, =2 in every kernel (A/B).
+#ifndef PORTATTN_HOPPER_BWD_HD192_ONE_LAUNCH
+#define PORTATTN_HOPPER_BWD_HD192_ONE_LAUNCH 1
+#endif
 #ifndef PORTATTN_HOPPER_BWD_HD192_DQ_BY_STEP
 #define PORTATTN_HOPPER_BWD_HD192_DQ_BY_STEP 1
 #endif
@@ -337,7 +347,7 @@ namespace hopper {
 
 // kDqByStepWanted: the kernel's mask admits kDqByStep (no mask only, see there). The shared
 // memory layout and the launch shape do not depend on it.
-// kPart: which launch of the hd192 backward (Note [portattn hopper hd192 backward]): 0 the
+// kPart: which part of the hd192 backward (Note [portattn hopper hd192 backward]): 0 the
 // columns 0-127, 1 the columns 128-191; 0 at every other head dim.
 template <int kHeadDim_, bool kBulkDq_ = false, bool kDqByStepWanted = false, int kPart = 0>
 struct HopperBwdTraits {
@@ -345,7 +355,7 @@ struct HopperBwdTraits {
   // Note [portattn hopper split head dim]: at 256 two CTAs share a key block, each owning
   // kOutDim = 128 of dK / dV / dQ's columns (blockIdx.x = key block * kHalves + half).
   static constexpr int kHalves = kHeadDim == 256 ? 2 : 1;
-  // Note [portattn hopper hd192 backward]: two launches, of 128 and 64 output columns.
+  // Note [portattn hopper hd192 backward]: two parts, of 128 and 64 output columns.
   static constexpr int kParts = kHeadDim == 192 ? 2 : 1;
   static_assert(kPart >= 0 && kPart < kParts, "kPart names one of the head dim's launches");
   static constexpr int kOutDim = kHeadDim == 192 ? (kPart == 0 ? 128 : 64) : kHeadDim / kHalves;
@@ -517,14 +527,15 @@ enum HopperBwdMask : int { kBwdMaskNone = 0, kBwdMaskCausal = 1, kBwdMaskLocal =
 // kOrderedDq: the deterministic mode's dQ adds (Note [portattn hopper ordered dQ]),
 // a separate instantiation so the default mode's add loop stays as it was (a
 // run-time branch around it cost the hd64 atomic-dQ backward ~25% on an H100).
-template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart>
-__global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
-    hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
-                      const __grid_constant__ CUtensorMap tm_k,
-                      const __grid_constant__ CUtensorMap tm_v,
-                      const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dk,
-                      const __grid_constant__ CUtensorMap tm_dv, const cuda::BwdArgs args,
-                      const float softcap_scale) {
+// The kernel's body, for one part of the head dim's columns (kPart; Note [portattn hopper hd192
+// backward]). kOneLaunch: hd192's two parts share one launch, blockIdx.x = key block * 2 + part
+// (PORTATTN_HOPPER_BWD_HD192_ONE_LAUNCH).
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart,
+          bool kOneLaunch>
+__device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const CUtensorMap& tm_k,
+                                                const CUtensorMap& tm_v, const CUtensorMap& tm_do,
+                                                const CUtensorMap& tm_dk, const CUtensorMap& tm_dv,
+                                                const cuda::BwdArgs& args, const float softcap_scale) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   // dQ by step (Note [portattn hopper dQ by step]) without a mask, and causal without softcap (whose
   // masked loop then moved its predicates through registers: 26 P2R in cuobjdump's SASS).
@@ -538,7 +549,8 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
   constexpr int kPanels = kHeadDim / Traits::kPanel;
   constexpr int kSCols = kBlockM / 4;   // S^T fragment columns per thread row
   constexpr int kOCols = Traits::kOutDim / 4;  // dK/dV fragment columns per thread row
-  constexpr int kHalves = Traits::kHalves;
+  // CTAs per key block: hd256's halves, or hd192's parts in one launch.
+  constexpr int kHalves = kOneLaunch ? 2 : Traits::kHalves;
   constexpr int kQCols = Traits::kDqCols / 4;
   constexpr int kMSteps = kBlockM / 16;  // k16 steps of the dV/dK products
   // A step's LSE columns read into registers before its S^T wait, in masked kernels: there the
@@ -781,9 +793,9 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     // hd128; 32 columns = 64 bytes into the one panel for hd64, where the
     // hardware's XOR applies to the final address as for the k16 steps).
     // Split head dim: this CTA's half of the columns (Note [portattn hopper split head dim]);
-    // hd192: this launch's (Note [portattn hopper hd192 backward]). Always a whole 64-column panel.
+    // hd192: this part's (Note [portattn hopper hd192 backward]). Always a whole 64-column panel.
     const int half = kHalves > 1 ? static_cast<int>(blockIdx.x) % kHalves : 0;
-    const int col0 = kHalves > 1 ? half * Traits::kOutDim : Traits::kColOffset;  // this CTA's first output column
+    const int col0 = Traits::kParts > 1 ? Traits::kColOffset : half * Traits::kOutDim;  // this CTA's first output column
     const uint32_t s_k_dq =
         s_k + (Traits::kDqByStep        ? (col0 / 64) * Traits::kPanelBytesKV
                : Traits::kDqCols == 64 ? (col0 / 64 + wg) * Traits::kPanelBytesKV
@@ -1243,6 +1255,40 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
     }
   }
 #endif
+}
+
+// kPart = kBothParts: hd192's two parts in one launch, by blockIdx.x's parity.
+constexpr int kBothParts = -1;
+
+// Whether hd192's kernel of this mask / softcap / mode runs both parts in one launch (Note
+// [portattn hopper hd192 backward]). With both bodies in one function ptxas spilled 96-300 bytes in
+// the softcap kernels and the deterministic window ones (nvcc 13.0, -Xptxas -v), 0 elsewhere;
+// those keep one launch per part.
+constexpr bool hd192_one_launch(bool window, bool softcap, bool ordered_dq) {
+  return PORTATTN_HOPPER_BWD_HD192_ONE_LAUNCH == 2 ||
+         (PORTATTN_HOPPER_BWD_HD192_ONE_LAUNCH == 1 && !softcap && !(ordered_dq && window));
+}
+
+template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart>
+__global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
+    hopper_bwd_kernel(const __grid_constant__ CUtensorMap tm_q,
+                      const __grid_constant__ CUtensorMap tm_k,
+                      const __grid_constant__ CUtensorMap tm_v,
+                      const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dk,
+                      const __grid_constant__ CUtensorMap tm_dv, const cuda::BwdArgs args,
+                      const float softcap_scale) {
+  if constexpr (kPart == kBothParts) {
+    if (blockIdx.x % 2 == 0)
+      hopper_bwd_body<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, 0, true>(tm_q, tm_k, tm_v, tm_do, tm_dk,
+                                                                                     tm_dv, args, softcap_scale);
+    else
+      hopper_bwd_body<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, 1, true>(tm_q, tm_k, tm_v, tm_do, tm_dk,
+                                                                                     tm_dv, args, softcap_scale);
+  } else {
+    hopper_bwd_body<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart, false>(tm_q, tm_k, tm_v, tm_do,
+                                                                                         tm_dk, tm_dv, args,
+                                                                                         softcap_scale);
+  }
 }
 
 }  // namespace hopper

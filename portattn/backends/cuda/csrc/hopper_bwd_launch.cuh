@@ -37,8 +37,12 @@ struct TensorMaps {
 template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart = 0>
 cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
   using Traits = HopperBwdTraits<kHeadDim, kBulkDq, false, kPart>;
+  // hd192 in one launch of both parts (kBothParts), or one launch per part (Note [portattn hopper
+  // hd192 backward]); the shared memory layout is the same for both parts.
+  constexpr bool kOneLaunch = Traits::kParts > 1 && hd192_one_launch(kMask == kBwdMaskLocal, kSoftcap, kOrderedDq);
+  constexpr int kKernelPart = kOneLaunch ? kBothParts : kPart;
   const PortattnFwdParams& f = args.p.fwd;
-  if constexpr (kPart > 0) {
+  if constexpr (kPart > 0 && !kOneLaunch) {
     // hd192's second launch (Note [portattn hopper hd192 backward]) orders its dQ adds from a
     // count of zero again; the first launch left each count at its query block's key blocks.
     if (args.dq_order != nullptr) {
@@ -48,10 +52,10 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
       if (err != cudaSuccess) return err;
     }
   }
-  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart>;
+  auto kernel = &hopper_bwd_kernel<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kKernelPart>;
   const cudaError_t err = cuda::ensure_dynamic_smem(
       reinterpret_cast<const void*>(kernel), Traits::kSmemBytes,
-      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart>::state);
+      &HopperBwdSmemOptIn<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kKernelPart>::state);
   if (err != cudaSuccess) return err;
   const int n_blocks = (f.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const bool det = args.p.deterministic != 0;
@@ -60,7 +64,7 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   // The dependences point to lower blockIdx.x of the same (y, z), which the hardware
   // starts first, so a waiting CTA's predecessors are running or done.
   // Split head dim (Note [portattn hopper split head dim]): the key block's halves side by side.
-  const dim3 grid(n_blocks * Traits::kHalves, det ? args.heads_k : args.heads, f.batch);
+  const dim3 grid(n_blocks * (kOneLaunch ? 2 : Traits::kHalves), det ? args.heads_k : args.heads, f.batch);
   if (grid.x == 0) return cudaSuccess;
   // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
   // the same value; a kernel parameter, read from the constant bank, holds no register.
@@ -68,7 +72,7 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, maps.dk,
                                                                  maps.dv, args, softcap_scale);
   const cudaError_t launched = cudaGetLastError();
-  if constexpr (kPart + 1 < Traits::kParts) {
+  if constexpr (!kOneLaunch && kPart + 1 < Traits::kParts) {
     if (launched != cudaSuccess) return launched;
     return launch_main<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart + 1>(maps, args, stream);
   }
