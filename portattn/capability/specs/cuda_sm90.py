@@ -31,9 +31,9 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # The hd256 backward (head dim split over two CTAs) and hd192 on it, run at 27e080f
 # (bench/results/runs/2026-11-26-27e080f/summary.md): 6313 GPU tests passed (the Hopper backward grids at 192 and
 # 256 included); memcheck, initcheck and synccheck clean.
-# hd192 on its own forward and backward kernels (session 18), run at e182cd6 and abc5ed9
-# (bench/results/runs/2026-11-26-abc5ed9/summary.md): every hd192 gpu test passed (751); memcheck,
-# initcheck and synccheck clean.
+# hd192 on its own forward and backward kernels (session 18), run at e182cd6, abc5ed9 and 81b5fdf
+# (bench/results/runs/2026-11-26-81b5fdf/summary.md): every hd192 gpu test passed (751); memcheck,
+# initcheck and synccheck clean; the whole suite at 551beec (6291 passed).
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
