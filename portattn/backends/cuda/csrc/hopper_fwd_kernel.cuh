@@ -22,7 +22,10 @@
 //    kernel's S 40 + P 20 + O 128, and enough fewer: nvcc 13.0 (-Xptxas -v, bf16) reports 0
 //    spills in every schedule, softcap and window included, and no C75xx serialisation. So
 //    unlike hd256, softcap and window calls keep the pipelined loop (schedule_for's `tight`
-//    is hd256's only); the schedules are otherwise hd256's, which session 18 measured at 192.
+//    is hd256's only); the schedules are otherwise hd256's. Session 18 timed every schedule a tuning
+//    build carries at 192 (bench/results/runs/2026-11-26-e19aed5-s18tune): these defaults are the
+//    best or within 2% of it at every point of the grid but 16k causal, where two others were 2-5%
+//    ahead in one repeat only.
 //  * The backward keeps hd192 padded on the hd256 kernel (HOPPER_BWD_PADDED): the two
 //    kernels share nothing but the LSE and O they pass through global memory.
 //
