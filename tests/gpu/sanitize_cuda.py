@@ -54,7 +54,7 @@ def _forward(backend, q, k, v, **options):
 
 
 def unwritten_forward_padded(q, k, v, backend, **options) -> int:
-    """A forward (the Hopper path serves head dims 96 and 192 padded), into an
+    """A forward (the Hopper path serves head dim 96 padded; 192 and 256 run the same check), into an
     output whose rows are 64 columns wider and NaN there: 1 if it left a NaN in its columns or
     wrote one past them (a padded kernel's zero columns), else 0."""
     head_dim = q.shape[-1]

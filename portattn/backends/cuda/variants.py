@@ -281,7 +281,8 @@ HOPPER_BINDING_DEFINE = "-DPORTATTN_WITH_HOPPER"
 # and hd256 (Notes [portattn hopper hd192] and [portattn hopper hd256] in csrc/hopper_fwd_kernel.cuh)
 # and hd96 padded (Note [portattn hopper padded head dims] in csrc/hopper_fwd_launch.cuh); the backward has hd96 padded
 # on its hd128 kernel, hd256 with its head dim split over two CTAs (Note [portattn hopper split
-# head dim] in csrc/hopper_bwd_kernel.cuh) and hd192 padded on that kernel. The spec says the same
+# head dim] in csrc/hopper_bwd_kernel.cuh) and hd192 in two parts of its own kernel (Note [portattn
+# hopper hd192 backward]). The spec says the same
 # (capability/specs/cuda_sm90.py: head_dims and forward_only_head_dims);
 # tests/test_cuda_hopper_build.py checks the two agree.
 # PORTATTN_HEADDIMS names served head dims: "96" builds the hd128 kernels (forward and backward)

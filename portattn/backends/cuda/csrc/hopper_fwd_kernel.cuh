@@ -26,8 +26,8 @@
 //    build carries at 192 (bench/results/runs/2026-11-26-e19aed5-s18tune): these defaults are the
 //    best or within 2% of it at every point of the grid but 16k causal, where two others were 2-5%
 //    ahead in one repeat only.
-//  * The backward keeps hd192 padded on the hd256 kernel (HOPPER_BWD_PADDED): the two
-//    kernels share nothing but the LSE and O they pass through global memory.
+//  * The backward has its own hd192 kernel too (Note [portattn hopper hd192 backward]); the
+//    two share nothing but the LSE and O they pass through global memory.
 //
 // Note [portattn hopper hd64 192 rows].)
 //   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then
