@@ -37,7 +37,7 @@ import peers  # noqa: E402  (bench/, next to this file)
 from portattn.backends.abi import fwd_args  # noqa: E402
 from portattn.backends.cuda import _C  # noqa: E402
 
-BITS = ((1, "pipe"), (2, "pp"), (4, "pers"), (8, "3st"), (16, "poly4"), (32, "poly8"), (64, "3wg"), (128, "xtile"), (256, "n176"), (512, "pairs"))
+BITS = ((1, "pipe"), (2, "pp"), (4, "pers"), (8, "3st"), (16, "poly4"), (32, "poly8"), (64, "3wg"), (128, "xtile"), (256, "n176"), (512, "pairs"), (1024, "n80"))
 
 
 def schedule_name(schedule: str) -> str:

@@ -26,6 +26,9 @@
 //    build carries at 192 (bench/results/runs/2026-11-26-e19aed5-s18tune): these defaults are the
 //    best or within 2% of it at every point of the grid but 16k causal, where two others were 2-5%
 //    ahead in one repeat only.
+//  * kSchedNarrowKeys: 80-key blocks (Q 48 KiB x 2 + 2 stages x 60 KiB = 216 KiB), so the persistent
+//    schedule double-buffers Q and can take the cross-tile phase (Note [portattn hopper cross-tile
+//    phase]); the short causal calls take both (hopper_fwd_launch.cuh, short_causal_added_bits).
 //  * The backward has its own hd192 kernel too (Note [portattn hopper hd192 backward]); the
 //    two share nothing but the LSE and O they pass through global memory.
 //
@@ -371,7 +374,10 @@ struct HopperFwdTraits {
   // kSchedWideKeys: 176 at hd128 (Note [portattn hopper 176-key blocks]).
   static constexpr bool kWideKeys = (kSchedule & kSchedWideKeys) != 0;
   static_assert(!kWideKeys || kHeadDim == 128, "176-key blocks are an hd128 shape (admitted_bits)");
-  static constexpr int kBlockN = kWideKeys ? 176 : hopper_fwd_block_n(kHeadDim);
+  // kSchedNarrowKeys: 80 at hd192 (Note [portattn hopper hd192]).
+  static constexpr bool kNarrowKeys = (kSchedule & kSchedNarrowKeys) != 0;
+  static_assert(!kNarrowKeys || kHeadDim == 192, "80-key blocks are an hd192 shape here (admitted_bits)");
+  static constexpr int kBlockN = kWideKeys ? 176 : kNarrowKeys ? 80 : hopper_fwd_block_n(kHeadDim);
   // hd64 tiles are half the size, so twice the stages fit: deeper prefetch for free.
   // kSchedStages3 exists at hd128 only (hd64 has 4 stages; hd256's third would need 288 KiB).
   static constexpr int kStages =

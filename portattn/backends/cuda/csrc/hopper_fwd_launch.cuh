@@ -106,7 +106,19 @@ constexpr bool paired_walk_for_many_short(int kernel_head_dim, int num_m_blocks)
 // default pipe+pers (pipe+pers+xtile) and only matched the default with ping-pong as well
 // (pipe+pp+pers+xtile, within 1% at 512-1k); hd128 short causal calls were within the spread
 // (-3 to +0%).
-constexpr int short_causal_added_bits(int kernel_head_dim) { return kernel_head_dim == 64 ? kSchedCrossTile : 0; }
+// hd192's short causal calls on 80-key blocks, whose smaller K / V stages leave room for the
+// persistent schedule's second Q buffer and so for the cross-tile phase (Note [portattn hopper
+// hd192]). Same-call A/B on an H100, four rounds (bench/results/runs/2026-11-26-a0722e3-s18nw):
+// forward 512 causal +2.8% (every round), 1k causal -0.1%; forward+backward +0.4 / 0.0%. =0 keeps
+// them on 112-key blocks.
+#ifndef PORTATTN_HOPPER_FWD_HD192_SHORT_NARROW
+#define PORTATTN_HOPPER_FWD_HD192_SHORT_NARROW 1
+#endif
+constexpr int short_causal_added_bits(int kernel_head_dim) {
+  return kernel_head_dim == 64 ? kSchedCrossTile
+         : (kernel_head_dim == 192 && PORTATTN_HOPPER_FWD_HD192_SHORT_NARROW != 0) ? kSchedNarrowKeys | kSchedCrossTile
+                                                                                   : 0;
+}
 // Calls without a mask whose keys fit one block (seqlen_k <= kBlockN): every tile is one S and
 // one P V, so a warpgroup's tile is a serial chain (S, softmax, P V, epilogue) unless the next
 // tile's S runs under it. At hd64 they take ping-pong and the cross-tile phase, as short causal

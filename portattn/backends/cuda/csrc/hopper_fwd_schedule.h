@@ -26,6 +26,7 @@ enum HopperFwdScheduleBits : int {
   kSchedCrossTile = 128,  // a tile's last P V issued with the next tile's first S (Note [portattn hopper cross-tile phase])
   kSchedWideKeys = 256,   // hd128: 176-key blocks (Note [portattn hopper 176-key blocks])
   kSchedPairedTiles = 512,  // masked persistent launches: equal-cost tile pairs per CTA (Note [portattn hopper paired tiles])
+  kSchedNarrowKeys = 1024,  // hd192: 80-key blocks, room for a second Q buffer (Note [portattn hopper hd192])
 };
 
 // The bits of `bits` a head dim's kernels can take: three consumer warpgroups
@@ -33,9 +34,12 @@ enum HopperFwdScheduleBits : int {
 // cross-tile phase needs the persistent schedule's second Q buffer, which hd256's
 // shared memory has no room for; 176-key blocks are an hd128 shape.
 // Three stages leave room for the cross-tile phase's second Q buffer at head dim 64 only.
+// 80-key blocks are an hd192 shape, and with them hd192 has room for the second Q buffer.
 constexpr int admitted_bits(int head_dim, int bits) {
-  return (head_dim == 64 ? bits : bits & ~kSchedThreeConsumers) & (head_dim <= 128 ? ~0 : ~kSchedCrossTile) &
-         (head_dim == 128 ? ~0 : ~kSchedWideKeys) &
+  const bool narrow = head_dim == 192 && (bits & kSchedNarrowKeys) != 0;
+  return (head_dim == 64 ? bits : bits & ~kSchedThreeConsumers) &
+         (head_dim <= 128 || narrow ? ~0 : ~kSchedCrossTile) & (head_dim == 128 ? ~0 : ~kSchedWideKeys) &
+         (head_dim == 192 ? ~0 : ~kSchedNarrowKeys) &
          (head_dim > 64 && (bits & kSchedStages3) != 0 ? ~kSchedCrossTile : ~0);
 }
 
