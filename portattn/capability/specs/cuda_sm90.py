@@ -33,7 +33,8 @@ SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal"
 # 256 included); memcheck, initcheck and synccheck clean.
 # hd192 on its own forward and backward kernels (session 18), run at e182cd6, abc5ed9 and 81b5fdf
 # (bench/results/runs/2026-11-26-81b5fdf/summary.md): every hd192 gpu test passed (751); memcheck,
-# initcheck and synccheck clean; the whole suite at 551beec (6291 passed).
+# initcheck and synccheck clean; the whole suite at 551beec (6291 passed). The 80-key short causal hd192
+# forward (6e31fc8): the hd192 tests (751) and the sanitizers clean (runs/2026-11-26-6e31fc8).
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
