@@ -357,9 +357,9 @@ struct HopperBwdTraits {
   static constexpr int kHalves = kHeadDim == 256 ? 2 : 1;
   // Note [portattn hopper hd192 backward]: two parts, of 128 and 64 output columns.
   static constexpr int kParts = kHeadDim == 192 ? 2 : 1;
-  static_assert(kPart >= 0 && kPart < kParts, "kPart names one of the head dim's launches");
+  static_assert(kPart >= 0 && kPart < kParts, "kPart names one of the head dim's parts");
   static constexpr int kOutDim = kHeadDim == 192 ? (kPart == 0 ? 128 : 64) : kHeadDim / kHalves;
-  static constexpr int kColOffset = kPart * 128;  // this launch's first output column (hd192 part 1: 128)
+  static constexpr int kColOffset = kPart * 128;  // this part's first output column (hd192 part 1: 128)
   // The bulk dQ path's two staging tiles (64 rows of kHeadDim fp32 each) fit up to hd128 only.
   static constexpr bool kBulkDqFits = kHeadDim <= 128;
   // dQ into the fp32 accumulator: false = v2 reductions from the consumers'
