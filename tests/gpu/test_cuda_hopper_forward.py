@@ -452,8 +452,9 @@ def test_tuning_build_refuses_what_it_did_not_build(monkeypatch, value, detail):
 
 
 # Every kernel run_default (hopper_fwd_launch.cuh) can launch: mask x softcap x the short /
-# long causal split at seqlen_k 1024 x the 176-key blocks of hd128 calls from 4097 keys (Note
-# [portattn hopper 176-key blocks]; 4500 keys end in a ragged block) x the paired persistent causal
+# long causal split at seqlen_k 1024 x the 176-key blocks of hd128 calls from 4097 keys, 2048 without
+# a mask (Note [portattn hopper 176-key blocks]; 4500 keys end in a ragged block, as does SEQLENS'
+# 2048 x 2048 in the grid above) x the paired persistent causal
 # walk up to 8192 keys and one CTA per tile past it (8200). At hd256 softcap and windows
 # take the serial loop (schedule_for), the rest the pipelined ones, so each of its schedules runs here.
 @pytest.mark.parametrize("seqlens", [(777, 1000), (1100, 1500), (1500, 4500), (300, 8200)],

@@ -55,6 +55,7 @@
 #include <stdint.h>
 
 #include "../../common/block_range.h"
+#include "../../common/dq_swizzle.h"
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/philox.h"
@@ -141,23 +142,7 @@ struct BwdArgs {
   bool dq_swizzled;
 };
 
-// Byte offset in a dQ accumulator row of the byte at `byte` (a multiple of 8 here)
-// when the row's 16-byte chunks are stored swizzled by the row's index in its
-// sequence: chunk c at c ^ key(row), key = ((row & 3) << 1) | ((row >> 2) & 1), a
-// permutation of 0..7 (so every aligned group of 8 chunks maps onto itself).
-// Why this key: the Hopper backward stages dQ with 8-byte stores (STS.64), where lane
-// (g, q4) of a warp writes row g (mod 8), chunk 2j + (q4 >> 1), and the hardware
-// serves a 64-bit store a half warp (rows g = 0-3, then 4-7) at a time. Each half
-// warp must spread its 4 rows x 2 chunks over 8 different 16-byte bank slots: the
-// key's bits 1-2 differ across the 4 rows and bit 0 is the chunk's own parity bit.
-// The earlier key, row & 7, mapped both of a row's chunks onto slots another row of
-// the same half warp used: 4 wavefronts a store where 2 do (ncu source page, hd128
-// 2k causal: 16 stores a step at 2x the ideal, 8.9M excess wavefronts, 8.6% of the
-// kernel's shared-memory wavefronts; bench/results/runs/2026-11-26-53ce50d).
-__host__ __device__ __forceinline__ int dq_chunk_swizzle(int row, int byte) {
-  const int key = ((row & 3) << 1) | ((row >> 2) & 1);
-  return ((byte >> 4) ^ key) << 4 | (byte & 15);
-}
+// dq_chunk_key / dq_chunk_swizzle (the bulk dQ rows' layout): common/dq_swizzle.h.
 
 // The accumulator row pitch (elements) of the Hopper backward at `head_dim`: its kernel's
 // head dim, the first of 64, 128, 192, 256 at or above it (96 runs on the hd128 kernel; Note

@@ -341,6 +341,15 @@
 #ifndef PORTATTN_HOPPER_BWD_DS_STMATRIX
 #define PORTATTN_HOPPER_BWD_DS_STMATRIX 0
 #endif
+// 1: hd128 kernels without a mask take 80-query steps (Note [portattn hopper 80-query steps]);
+// measured at parity, so 0 keeps 64 everywhere.
+#ifndef PORTATTN_HOPPER_BWD_WIDE_STEPS
+#define PORTATTN_HOPPER_BWD_WIDE_STEPS 0
+#endif
+// Key blocks a CTA of the default mode walks (Note [portattn hopper key blocks per CTA]).
+#ifndef PORTATTN_HOPPER_BWD_BLOCKS_PER_CTA
+#define PORTATTN_HOPPER_BWD_BLOCKS_PER_CTA 1
+#endif
 
 namespace portattn {
 namespace hopper {
@@ -349,7 +358,11 @@ namespace hopper {
 // memory layout and the launch shape do not depend on it.
 // kPart: which part of the hd192 backward (Note [portattn hopper hd192 backward]): 0 the
 // columns 0-127, 1 the columns 128-191; 0 at every other head dim.
-template <int kHeadDim_, bool kBulkDq_ = false, bool kDqByStepWanted = false, int kPart = 0>
+constexpr int kHopperBwdBlocksPerCta = PORTATTN_HOPPER_BWD_BLOCKS_PER_CTA;
+
+// kWide: 80-query steps (Note [portattn hopper 80-query steps]); wide_steps says where.
+constexpr int kWideStepRows = 80;
+template <int kHeadDim_, bool kBulkDq_ = false, bool kDqByStepWanted = false, int kPart = 0, bool kWide_ = false>
 struct HopperBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   // Note [portattn hopper split head dim]: at 256 two CTAs share a key block, each owning
@@ -370,8 +383,11 @@ struct HopperBwdTraits {
   // dK/dV written through the K/V buffers and TMA stores (Note [portattn hopper dK/dV store]);
   // -DPORTATTN_HOPPER_BWD_TMA_STORE=0 builds the direct stores (A/B).
   static constexpr bool kTmaStoreDkv = PORTATTN_HOPPER_BWD_TMA_STORE != 0;
-  // 64 queries keep S^T and dP^T at 32 fp32 each next to the 128 of dK + dV (hd128).
-  static constexpr int kBlockM = 64;
+  // 64 queries keep S^T and dP^T at 32 fp32 each next to the 128 of dK + dV (hd128); 80 where
+  // the kernel has no mask to keep live (Note [portattn hopper 80-query steps]).
+  static constexpr bool kWide = kWide_;
+  static_assert(!kWide || kHeadDim == 128, "80-query steps are built at hd128 only");
+  static constexpr int kBlockM = kWide ? kWideStepRows : 64;
   // How many of step i's two products (S^T, then dP^T) are issued before step i - 1's
   // staged dQ is handed to the reducing warp (Note [portattn hopper backward pipeline]).
   // -DPORTATTN_HOPPER_BWD_PIPELINE=0 builds the serial loop, =1 issues S^T only first (A/B).
@@ -392,7 +408,8 @@ struct HopperBwdTraits {
   static constexpr int kPanel = 64;  // elements per 128-byte swizzled row
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: keys x queries
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: keys x queries (kWide: dS, queries x keys)
+  static constexpr int kDsPanelBytes = kBlockM * 128;  // kWide: dS's 64-key panels of kBlockM query rows
   static constexpr int kPanelBytesKV = kBlockN * 128;
   static constexpr int kPanelBytesQ = kBlockM * 128;
   // hd64 without a mask: the consumers take turns (by step parity) computing the whole
@@ -416,7 +433,8 @@ struct HopperBwdTraits {
   // the next step fills the other.
   static constexpr int kDqPitch = kHeadDim * 4;
   static constexpr int kDqBytes = kBlockM * kDqPitch;
-  static constexpr int kDqStages = kBulkDq ? 2 : 0;
+  // (kWide: one, the 40 KiB tile of 80 rows; two do not fit next to two Q / dO stages.)
+  static constexpr int kDqStages = kBulkDq ? (kWide ? 1 : 2) : 0;
   static constexpr int kOffDq = kOffDs + 2 * kDsBytes;
   static constexpr int kOffLse = kOffDq + kDqStages * kDqBytes;
   static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
@@ -429,7 +447,8 @@ struct HopperBwdTraits {
   static constexpr int kDqTurnBytes = 16;
   static constexpr int kSmemBytes = kOffDqTurn + kDqStages * kDqTurnBytes + 1024;  // + alignment to the 1 KiB atom
   static_assert(kHeadDim % kPanel == 0, "head dim must be a multiple of 64");
-  static_assert(kBlockM == kPanel, "dS^T rows are one 128-byte swizzled row of queries");
+  static_assert(kWide || kBlockM == kPanel, "dS^T rows are one 128-byte swizzled row of queries");
+  static_assert(!kWide || (kBulkDq && !kDqByStep), "80-query steps stage dQ^T for the bulk reduction");
   static_assert(kDqCols == 32 || kDqCols == 64, "dQ wgmma is instantiated for N = 32 and 64");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared-memory opt-in limit");
   static_assert(kDqPitch % 128 == 0, "the bulk dQ swizzle assumes rows that start on the same bank");
@@ -449,7 +468,7 @@ struct HopperBwdTraits {
   // Deterministic mode with per-element adds: the consumers' barrier around the
   // ordered dQ adds (Note [portattn hopper ordered dQ]).
   static constexpr int kBarDqOrder = kBarDqEmpty + kDqStages;
-  static_assert(kBlockM == cuda::kDqOrderRows, "dq_order counts are per 64-query block");
+  static_assert(kWide || kBlockM == cuda::kDqOrderRows, "dq_order counts are per 64-query block");
   // The epilogue's staging (Note [portattn hopper dK/dV store]): both consumers past K and
   // V, then each warpgroup's staging written.
   static constexpr int kBarEpilogue = kBarDqOrder + 1;
@@ -488,10 +507,9 @@ __device__ __forceinline__ uint32_t swizzle128(int row, int col) {
 // contracting over the head dim (both K-major, in 64-column panels of kBlockN and
 // kBlockM rows: descriptors of the panels' first rows, SBO 1024), issued and committed
 // as one wgmma group.
-template <int kHeadDim, typename Elem>
-__device__ __forceinline__ void product_ss(float (&acc)[2][HopperBwdTraits<kHeadDim>::kBlockM / 4],
-                                           uint64_t desc_a, uint64_t desc_b) {
-  using Traits = HopperBwdTraits<kHeadDim>;
+template <typename Traits, typename Elem>
+__device__ __forceinline__ void product_ss(float (&acc)[2][Traits::kBlockM / 4], uint64_t desc_a, uint64_t desc_b) {
+  constexpr int kHeadDim = Traits::kHeadDim;
   sm90::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -506,11 +524,9 @@ __device__ __forceinline__ void product_ss(float (&acc)[2][HopperBwdTraits<kHead
 // acc (64 keys x head dim) += a (64 keys x 64 queries, packed registers) *
 // tile (64 queries x head dim: Q or dO of a stage, MN-major = transpose-B; its
 // descriptor: LBO = one panel, SBO 1024), issued and committed as one wgmma group.
-template <int kHeadDim, typename Elem, int kOCols>
-__device__ __forceinline__ void accumulate_rs(float (&acc)[2][kOCols],
-                                              uint32_t (&a)[HopperBwdTraits<kHeadDim>::kBlockM / 16][4],
+template <typename Traits, typename Elem, int kOCols>
+__device__ __forceinline__ void accumulate_rs(float (&acc)[2][kOCols], uint32_t (&a)[Traits::kBlockM / 16][4],
                                               uint64_t desc_tile) {
-  using Traits = HopperBwdTraits<kHeadDim>;
   sm90::fence_operands(acc);
   sm90::wgmma_fence();
 #pragma unroll
@@ -523,6 +539,14 @@ __device__ __forceinline__ void accumulate_rs(float (&acc)[2][kOCols],
 // window (-1, 0), kBwdMaskLocal any other window with a bound. The forward's
 // choice (hopper_fwd_kernel.cuh: HopperFwdMask) made on the same rule.
 enum HopperBwdMask : int { kBwdMaskNone = 0, kBwdMaskCausal = 1, kBwdMaskLocal = 2 };
+
+// Whether a kernel takes 80-query steps (Note [portattn hopper 80-query steps]): hd128 without a
+// mask or softcap, the default mode's bulk dQ. The kernel's Traits, its launch and the Q / dO
+// maps' boxes (run_hopper_bwd) all ask here.
+__host__ __device__ constexpr bool wide_steps(int head_dim, int mask, bool softcap, bool bulk_dq, bool ordered_dq) {
+  return PORTATTN_HOPPER_BWD_WIDE_STEPS != 0 && head_dim == 128 && mask == kBwdMaskNone && !softcap && bulk_dq &&
+         !ordered_dq;
+}
 
 // kOrderedDq: the deterministic mode's dQ adds (Note [portattn hopper ordered dQ]),
 // a separate instantiation so the default mode's add loop stays as it was (a
@@ -542,7 +566,8 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
   using Traits = HopperBwdTraits<kHeadDim, kBulkDq,
                                  kMask == kBwdMaskNone || (kMask == kBwdMaskCausal && !kSoftcap &&
                                                            PORTATTN_HOPPER_BWD_DQ_BY_STEP_CAUSAL != 0),
-                                 kPart>;
+                                 kPart, wide_steps(kHeadDim, kMask, kSoftcap, kBulkDq, kOrderedDq)>;
+  constexpr bool kWide = Traits::kWide;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
@@ -551,7 +576,8 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
   constexpr int kOCols = Traits::kOutDim / 4;  // dK/dV fragment columns per thread row
   // CTAs per key block: hd256's halves, or hd192's parts in one launch.
   constexpr int kHalves = kOneLaunch ? 2 : Traits::kHalves;
-  constexpr int kQCols = Traits::kDqCols / 4;
+  // dQ's accumulator columns a thread row: kDqCols of the 64 queries, or (kWide) dQ^T's 80 queries.
+  constexpr int kQCols = kWide ? kBlockM / 4 : Traits::kDqCols / 4;
   constexpr int kMSteps = kBlockM / 16;  // k16 steps of the dV/dK products
   // A step's LSE columns read into registers before its S^T wait, in masked kernels: there the
   // P^T loop has an edge and a plain copy, each with its own loads after the wait, and the first
@@ -667,48 +693,56 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
     if constexpr (kBulkDq) {
       if (warp == 2) {
         // ---- bulk dQ: warp 2 adds each step's staged dQ tile to the accumulator ----
-        // Default mode: this CTA's one key block, the consumers' step sequence.
+        // The consumers' step sequence over this CTA's key blocks (one, unless the launch gives a
+        // CTA several: Note [portattn hopper key blocks per CTA]).
         // (Written to fit the 24 registers: pointers stepped, no per-step ws_row.)
-        // The consumers' steps exactly: none where this CTA's key block lies past the
+        // The consumers' steps exactly: none where a key block lies past the
         // sequence's keys (varlen: a short sequence in a grid sized by the longest),
         // else this warp would wait at kBarDqFull for arrivals that never come.
-        int m_begin = 0, m_blocks = 0;
-        if (n_first() < n_blocks) m_range(n_first(), m_begin, m_blocks);
-        int left = heads * m_blocks;  // steps not yet reduced
+        int left = 0;  // steps not yet reduced, over all of the CTA's key blocks
+        for (int n_block = n_first(); n_block < n_blocks; n_block += n_step) {
+          int m_begin, m_blocks;
+          m_range(n_block, m_begin, m_blocks);
+          left += heads * m_blocks;
+        }
         int b = 0;
-        for (int h = 0; h < heads; ++h) {
-          // The first query block of head h, and its rows left in the sequence.
-          float* g_dq = args.dq_accum + cuda::ws_row(args, batch, head_first + h, m_begin * kBlockM) * kHeadDim;
-          int rows = len_q - m_begin * kBlockM;
-          for (int mb = 0; mb < m_blocks; ++mb, --left) {
-            sm90::named_barrier_sync(Traits::kBarDqFull + b, Traits::kDqBarThreads);
-            if (lane == 0) {
-              // Rows at or past len_q belong to the padding or the next head: never added.
-              const uint32_t bytes = static_cast<uint32_t>(min(rows, kBlockM)) * Traits::kDqPitch;
-              if constexpr (kOrderedDq) {
-                // Deterministic: this tile's turn (the consumers wrote it with the tile),
-                // the add, its completion, then the turn passed on.
-                const uint8_t* turn = base_ptr + Traits::kOffDqTurn + b * Traits::kDqTurnBytes;
-                int* const order = *reinterpret_cast<int* const*>(turn);
-                sm90::wait_count_equals(order, *reinterpret_cast<const int*>(turn + 8));
-                sm90::fence_proxy_async_global();  // the adds before ours, then ours (async proxy)
-                sm90::bulk_reduce_add_f32(g_dq, base + Traits::kOffDq + b * Traits::kDqBytes, bytes);
-                sm90::bulk_commit_group();
-                sm90::bulk_wait_group<0>();  // performed, not only read
-                sm90::fence_proxy_async_global();
-                sm90::count_up_release(order);
-              } else {
-                sm90::bulk_reduce_add_f32(g_dq, base + Traits::kOffDq + b * Traits::kDqBytes, bytes);
-                sm90::bulk_commit_group();
-                sm90::bulk_wait_group_read<0>();  // the copy has read the buffer
+        for (int n_block = n_first(); n_block < n_blocks; n_block += n_step) {
+          int m_begin, m_blocks;
+          m_range(n_block, m_begin, m_blocks);
+          for (int h = 0; h < heads; ++h) {
+            // The first query block of head h, and its rows left in the sequence.
+            float* g_dq = args.dq_accum + cuda::ws_row(args, batch, head_first + h, m_begin * kBlockM) * kHeadDim;
+            int rows = len_q - m_begin * kBlockM;
+            for (int mb = 0; mb < m_blocks; ++mb, --left) {
+              sm90::named_barrier_sync(Traits::kBarDqFull + b, Traits::kDqBarThreads);
+              if (lane == 0) {
+                // Rows at or past len_q belong to the padding or the next head: never added.
+                const uint32_t bytes = static_cast<uint32_t>(min(rows, kBlockM)) * Traits::kDqPitch;
+                if constexpr (kOrderedDq) {
+                  // Deterministic: this tile's turn (the consumers wrote it with the tile),
+                  // the add, its completion, then the turn passed on.
+                  const uint8_t* turn = base_ptr + Traits::kOffDqTurn + b * Traits::kDqTurnBytes;
+                  int* const order = *reinterpret_cast<int* const*>(turn);
+                  sm90::wait_count_equals(order, *reinterpret_cast<const int*>(turn + 8));
+                  sm90::fence_proxy_async_global();  // the adds before ours, then ours (async proxy)
+                  sm90::bulk_reduce_add_f32(g_dq, base + Traits::kOffDq + b * Traits::kDqBytes, bytes);
+                  sm90::bulk_commit_group();
+                  sm90::bulk_wait_group<0>();  // performed, not only read
+                  sm90::fence_proxy_async_global();
+                  sm90::count_up_release(order);
+                } else {
+                  sm90::bulk_reduce_add_f32(g_dq, base + Traits::kOffDq + b * Traits::kDqBytes, bytes);
+                  sm90::bulk_commit_group();
+                  sm90::bulk_wait_group_read<0>();  // the copy has read the buffer
+                }
               }
+              __syncwarp();
+              if (left > Traits::kDqStages)  // the consumers wait only for buffers they reuse
+                sm90::named_barrier_arrive(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
+              b = b + 1 == Traits::kDqStages ? 0 : b + 1;
+              g_dq += kBlockM * kHeadDim;
+              rows -= kBlockM;
             }
-            __syncwarp();
-            if (left > Traits::kDqStages)  // the consumers wait only for buffers they reuse
-              sm90::named_barrier_arrive(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
-            b = b + 1 == Traits::kDqStages ? 0 : b + 1;
-            g_dq += kBlockM * kHeadDim;
-            rows -= kBlockM;
           }
         }
         sm90::bulk_wait_group<0>();  // every reduction performed before the CTA retires
@@ -832,12 +866,26 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
     // swizzle XORs with the chunk index.
     const uint32_t ds_lane_b32 = static_cast<uint32_t>(key_row) * 128 + 4 * q4 + 16 * g;
 #endif
-    const int dq_key = ((g & 3) << 1) | ((g >> 2) & 1);  // cuda::dq_chunk_swizzle's key of rows g, g + 8
+    const int dq_key = cuda::dq_chunk_key(g);  // the swizzle key of rows g, g + 8
     uint32_t dq_stage_off[4];
 #pragma unroll
     for (int jl = 0; jl < 4; ++jl)
       dq_stage_off[jl] = static_cast<uint32_t>((warp * 16 + g) * Traits::kDqPitch + 4 * dq_col0 +
                                                16 * ((2 * jl + (q4 >> 1)) ^ dq_key) + 8 * (q4 & 1));
+    // kWide: dQ^T's element (column dq_col0 + warp * 16 + g + 8 r, query 8 j + 2 q4 + h) goes to
+    // row 8 j + 2 q4 + h of the staging tile, at dq_chunk_swizzle's offset of its byte 4 column:
+    // the row's low three bits are 2 q4 + h whatever j, so the swizzle key is fixed per (thread, h).
+    // + 8 r moves the column's chunk by 2 (bit 1 of the chunk is r: column bits 3-4 are 2 r + (g >> 2)
+    // up to warp's), and h flips the key's bit 1 (row bit 0 is key bit 1), so all four offsets are
+    // dqt_stage_off ^ 32 (r ^ h) + kDqPitch h (the XOR and the add touch different bits).
+    const uint32_t dqt_stage_off = static_cast<uint32_t>(
+        2 * q4 * Traits::kDqPitch + cuda::dq_chunk_swizzle(2 * q4, 4 * (dq_col0 + warp * 16 + g)));
+    // kWide: dS by stmatrix.trans, lane l giving memory row l & 7 (query 8 ((l >> 3) >> 1) + (l & 7) of
+    // the k16 block) of matrix l >> 3, whose 8 keys start at chunk 2 warp + ((l >> 3) & 1) of this
+    // consumer's 64-key panel; the 128B swizzle XORs the chunk with the query's low bits, l & 7.
+    const uint32_t dsw_lane = static_cast<uint32_t>(wg * Traits::kDsPanelBytes +
+                                                    (8 * ((lane >> 3) >> 1) + (lane & 7)) * 128 +
+                                                    16 * ((2 * warp + ((lane >> 3) & 1)) ^ (lane & 7)));
     const float scale_log2 = f.softmax_scale * softmax::kLog2e;
     // One dQ accumulator in both modes: the deterministic mode orders its adds
     // (Note [portattn hopper ordered dQ]) instead of adding into per-split slices.
@@ -868,24 +916,26 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
       constexpr int kKvSteps = kKvRegs ? kHeadDim / 16 : 1;
       uint32_t ka[kKvSteps][4], va[kKvSteps][4];
       auto product_rs = [&](float (&acc)[2][kSCols], const uint32_t (&a)[kKvSteps][4], uint64_t desc_tile) {
-        sm90::wgmma_fence();
+        if constexpr (kKvRegs) {  // (hd64 only: N = 64)
+          sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kKvSteps; ++kk)
-          sm90::wgmma_rs_kmajor_n64<Elem>(
-              acc, a[kk], sm90::smem_desc_advance(desc_tile, (kk / 4) * Traits::kPanelBytesQ + (kk % 4) * 32),
-              kk > 0 ? 1 : 0);
-        sm90::wgmma_commit();
+          for (int kk = 0; kk < kKvSteps; ++kk)
+            sm90::wgmma_rs_kmajor_n64<Elem>(
+                acc, a[kk], sm90::smem_desc_advance(desc_tile, (kk / 4) * Traits::kPanelBytesQ + (kk % 4) * 32),
+                kk > 0 ? 1 : 0);
+          sm90::wgmma_commit();
+        }
       };
       auto issue_s = [&](int at) {
         sm90::mbar_wait(bar_full(at % kStages), (at / kStages) & 1u);
         const uint64_t desc_q = desc_at(Traits::kOffQ + (at % kStages) * Traits::kQBytes, 16);
         if constexpr (kKvRegs) product_rs(s, ka, desc_q);
-        else product_ss<kHeadDim, Elem>(s, desc_at(uniform(k_rows_offset), 16), desc_q);
+        else product_ss<Traits, Elem>(s, desc_at(uniform(k_rows_offset), 16), desc_q);
       };
       auto issue_dp = [&](int at) {
         const uint64_t desc_do = desc_at(Traits::kOffDo + (at % kStages) * Traits::kQBytes, 16);
         if constexpr (kKvRegs) product_rs(dp, va, desc_do);
-        else product_ss<kHeadDim, Elem>(dp, desc_at(uniform(v_rows_offset), 16), desc_do);
+        else product_ss<Traits, Elem>(dp, desc_at(uniform(v_rows_offset), 16), desc_do);
       };
       // A step's dQ (64 queries x this consumer's kDqCols).
       float dq[2][kQCols];
@@ -927,6 +977,18 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
             }
           }
           const uint32_t s_dq = base + Traits::kOffDq + b * Traits::kDqBytes;
+          if constexpr (kWide) {
+            // dQ^T transposed back into the tile's rows, one element a store.
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+              for (int j = 0; j < kQCols / 2; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                  cuda::st_shared_b32(s_dq + ((dqt_stage_off ^ static_cast<uint32_t>(32 * (r ^ h))) +
+                                              static_cast<uint32_t>((8 * j + h) * Traits::kDqPitch)),
+                                      __float_as_uint(dq[r][2 * j + h]));
+          } else {
           // Rows warp * 16 + g (+ 8; rows past len_q are staged, never copied), at
           // dq_chunk_swizzle's offsets (Note [portattn hopper staging addresses]).
 #pragma unroll
@@ -935,6 +997,7 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
             for (int j = 0; j < kQCols / 2; ++j)
               sm90::st_shared_v2_f32(s_dq + dq_stage_off[j & 3] + r * 8 * Traits::kDqPitch + (j >> 2) * 128,
                                      dq[r][2 * j], dq[r][2 * j + 1]);
+          }
         } else {
           float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + dq_col0;
           int* order = nullptr;
@@ -1075,26 +1138,49 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         }
 
         // ---- dV += P^T dO (runs while dS^T is computed) ----
-        accumulate_rs<kHeadDim, Elem>(dv, pp, desc_do_mn);
+        accumulate_rs<Traits, Elem>(dv, pp, desc_do_mn);
         sm90::wgmma_wait<1>();  // dP^T complete; dV may still run
         sm90::fence_operands(dp);
 
+        // kWide: P^T read back from its packed 16-bit copy (the dV operand), so the 40 fp32 of s are
+        // free once packed: with them live the 80-query kernel spilled 76 bytes and ptxas serialised
+        // its wgmma (C7512). dS^T is rounded to 16 bits for its products either way.
+        auto p_of = [&](int r, int c) {
+          if constexpr (kWide) {
+            const uint32_t w = pp[c / 4][r + (c & 2)];
+            if constexpr (std::is_same<Elem, __nv_bfloat16>::value) {
+              return __uint_as_float((c & 1) ? (w & 0xffff0000u) : (w << 16));
+            } else {
+              const __half2 h = *reinterpret_cast<const __half2*>(&w);
+              return (c & 1) ? __high2float(h) : __low2float(h);
+            }
+          } else {
+            return s[r][c];
+          }
+        };
 #pragma unroll
         for (int c = 0; c < kSCols; ++c) {
           const float d = delta[(c / 2) * 8 + 2 * q4 + (c % 2)];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) dp[r][c] = s[r][c] * (dp[r][c] - d);
+          for (int r = 0; r < 2; ++r) dp[r][c] = p_of(r, c) * (dp[r][c] - d);
         }
         sm90::pack_a_fragment<Elem>(ds, dp);
 
         // ---- dK += dS^T Q (here, under the dS^T stores and barrier; or after dQ) ----
-        if constexpr (!kLateDk) accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
+        if constexpr (!kLateDk) accumulate_rs<Traits, Elem>(dk, ds, desc_q_mn);
 
         // ---- dS^T to shared memory, then both consumers' keys are visible ----
         // Element (key_row + 8 (e & 1), 16 kk + 8 (e >> 1) + 2 q4) of the swizzled tile is one XOR
         // with a constant away from the thread's base (Note [portattn hopper staging addresses]).
         // The stmatrix option: register e of every lane is 8x8 matrix e, whose row addresses lanes
         // 8e .. 8e + 7 give, one stmatrix.x4 per k16 block.
+        if constexpr (kWide) {
+          // dS (queries x keys): each 8 x 8 matrix of dS^T stored transposed.
+#pragma unroll
+          for (int kk = 0; kk < kMSteps; ++kk)
+            sm90::stmatrix_x4_trans(s_ds + dsw_lane + static_cast<uint32_t>(kk * 16 * 128), ds[kk][0], ds[kk][1],
+                                    ds[kk][2], ds[kk][3]);
+        } else {
 #if PORTATTN_HOPPER_BWD_DS_STMATRIX
         const uint32_t ds_row = s_ds + ds_lane;
 #pragma unroll
@@ -1109,6 +1195,7 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
             cuda::st_shared_b32((ds_row ^ static_cast<uint32_t>(16 * (2 * kk + (e >> 1)))) + (e & 1) * 8 * 128,
                                 ds[kk][e]);
 #endif
+        }
         sm90::fence_proxy_async_smem();
         // The consumer that computes this step's dQ waits for both halves of dS^T; the
         // other only contributes its half (Note [portattn hopper dQ by step]).
@@ -1120,16 +1207,27 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         if (my_dq) {
           const uint32_t k_dq_offset = uniform(k_dq_cols_offset);
           sm90::wgmma_fence();
+          if constexpr (kWide) {
+            // dQ^T (this consumer's 64 columns x 80 queries) = K^T dS^T: A = K^T, MN-major (K's rows
+            // are the keys); B = dS, K-major (its rows are the queries, the keys contiguous).
+            const uint64_t desc_ds_k = desc_at(Traits::kOffDs + (step & 1) * Traits::kDsBytes, 16);
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+              sm90::wgmma_ss<Elem, 1, 0>(
+                  dq, desc_at(k_dq_offset + kk * 16 * 128, Traits::kPanelBytesKV),
+                  sm90::smem_desc_advance(desc_ds_k, (kk / 4) * Traits::kDsPanelBytes + (kk % 4) * 32), kk > 0 ? 1 : 0);
+          } else {
 #pragma unroll
           for (int kk = 0; kk < kBlockN / 16; ++kk)
             sm90::wgmma_ss<Elem, 1, 1>(dq, sm90::smem_desc_advance(desc_ds, kk * 16 * 128),
                                        desc_at(k_dq_offset + kk * 16 * 128, Traits::kPanelBytesKV), kk > 0 ? 1 : 0);
+          }
           sm90::wgmma_commit();
         }
         if constexpr (kLateDk) {
           // Note [portattn hopper late dK]: dK queued behind dQ; dQ (and dV) complete at
           // wait<1>, staged while dK runs.
-          accumulate_rs<kHeadDim, Elem>(dk, ds, desc_q_mn);
+          accumulate_rs<Traits, Elem>(dk, ds, desc_q_mn);
           if (my_dq) {
             sm90::wgmma_wait<1>();
             sm90::fence_operands(dq);

@@ -36,7 +36,8 @@ struct TensorMaps {
 
 template <int kHeadDim, typename Elem, int kMask, bool kSoftcap, bool kBulkDq, bool kOrderedDq, int kPart = 0>
 cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaStream_t stream) {
-  using Traits = HopperBwdTraits<kHeadDim, kBulkDq, false, kPart>;
+  using Traits =
+      HopperBwdTraits<kHeadDim, kBulkDq, false, kPart, wide_steps(kHeadDim, kMask, kSoftcap, kBulkDq, kOrderedDq)>;
   // hd192 in one launch of both parts (kBothParts), or one launch per part (Note [portattn hopper
   // hd192 backward]); the shared memory layout is the same for both parts.
   constexpr bool kOneLaunch = Traits::kParts > 1 && hd192_one_launch(kMask == kBwdMaskLocal, kSoftcap, kOrderedDq);
@@ -64,7 +65,11 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   // The dependences point to lower blockIdx.x of the same (y, z), which the hardware
   // starts first, so a waiting CTA's predecessors are running or done.
   // Split head dim (Note [portattn hopper split head dim]): the key block's halves side by side.
-  const dim3 grid(n_blocks * (kOneLaunch ? 2 : Traits::kHalves), det ? args.heads_k : args.heads, f.batch);
+  // Note [portattn hopper key blocks per CTA]: the default mode may give a CTA several key blocks
+  // (n, n + the grid's width, ...); the deterministic one keeps one, which its dQ order needs.
+  const int per_cta = det ? 1 : kHopperBwdBlocksPerCta;
+  const dim3 grid(((n_blocks + per_cta - 1) / per_cta) * (kOneLaunch ? 2 : Traits::kHalves),
+                  det ? args.heads_k : args.heads, f.batch);
   if (grid.x == 0) return cudaSuccess;
   // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
   // the same value; a kernel parameter, read from the constant bank, holds no register.
@@ -109,15 +114,25 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
   }
   // The call's head dim, not kHeadDim, is every map's innermost extent: loads zero-fill
   // the padded columns, the dK/dV stores clip them.
+  const bool softcap = f.softcap > 0.f;
+  // Both modes take the bulk or per-element adds as PORTATTN_HOPPER_BWD_DQ says; the
+  // deterministic one orders either by key block (Note [portattn hopper ordered dQ]).
+  const bool det = params.deterministic != 0;
+  // The split head dim adds dQ per element (its staging tiles do not fit).
+  const bool bulk = Traits::kBulkDqFits && hopper_bwd_bulk_dq(kHeadDim);
+  // Q / dO boxes of the kernel's query step (Note [portattn hopper 80-query steps]).
+  const bool no_mask = f.window_left < 0 && f.window_right < 0;
+  const int q_box = wide_steps(kHeadDim, no_mask ? kBwdMaskNone : kBwdMaskCausal, softcap, bulk, det)
+                        ? kWideStepRows
+                        : Traits::kBlockM;
   MapExtents extents;
   cudaError_t err = map_extents(f, &extents);
   TensorMaps maps;
   if (err == cudaSuccess)
-    err = encode_bshd(&maps.q, f.q, f.q_strides, f.dtype, extents.batch, extents.rows_q, f.nheads, f.headdim,
-                      Traits::kBlockM);
+    err = encode_bshd(&maps.q, f.q, f.q_strides, f.dtype, extents.batch, extents.rows_q, f.nheads, f.headdim, q_box);
   if (err == cudaSuccess)
     err = encode_bshd(&maps.dout, params.dout, params.dout_strides, f.dtype, extents.batch, extents.rows_q,
-                      f.nheads, f.headdim, Traits::kBlockM);
+                      f.nheads, f.headdim, q_box);
   if (err == cudaSuccess)
     err = encode_bshd(&maps.k, f.k, f.k_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
                       f.headdim, Traits::kBlockN);
@@ -131,12 +146,6 @@ cudaError_t run_hopper_bwd(const PortattnBwdParams& params) {
     err = encode_bshd(&maps.dv, params.dv, params.dv_strides, f.dtype, extents.batch, extents.rows_k, f.nheads_k,
                       f.headdim, 64);
   if (err != cudaSuccess) return err;
-  const bool softcap = f.softcap > 0.f;
-  // Both modes take the bulk or per-element adds as PORTATTN_HOPPER_BWD_DQ says; the
-  // deterministic one orders either by key block (Note [portattn hopper ordered dQ]).
-  const bool det = params.deterministic != 0;
-  // The split head dim adds dQ per element (its staging tiles do not fit).
-  const bool bulk = Traits::kBulkDqFits && hopper_bwd_bulk_dq(kHeadDim);
   return cuda::run_bwd_sequence<Elem>(
       params,
       [&maps, softcap, bulk, det](const cuda::BwdArgs& args, cudaStream_t stream) {

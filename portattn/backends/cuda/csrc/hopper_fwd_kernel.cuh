@@ -216,7 +216,8 @@
 // +1-4% no mask, +4-7% causal; 4k -3% no mask, -1 to +1% causal; 512-2k -5 to -23%
 // (the staging tile and the second Q buffer lost, and the ragged block a larger share).
 // So hopper_fwd_launch.cuh adds it past 4096 keys (kWideKeysMinSeqlenK), without softcap
-// or a sliding window (not measured there).
+// or a sliding window (not measured there). Session 19 moved calls without a mask to 2048 keys
+// and up (kWideKeysMinSeqlenKNoMask: +2.5% at 2k once the softmax ran under P V).
 //
 // Note [portattn hopper cross-tile phase]
 // kSchedCrossTile (persistent pipelined schedules with two Q buffers: hd64 and hd128).

@@ -130,8 +130,19 @@ constexpr int single_block_added_bits(int kernel_head_dim) {
   return kernel_head_dim == 64 ? kSchedPingPong | kSchedCrossTile : 0;
 }
 // Dense calls of this many keys or more take 176-key blocks at hd128 (Note [portattn hopper 176-key
-// blocks]: ahead from 8k keys, behind up to 4k; the boundary sits between the two measured points).
-constexpr int kWideKeysMinSeqlenK = 4097;
+// blocks]). Causal: ahead from 8k keys, behind up to 4k (session 9); the boundary sits between the
+// two measured points. Without a mask the softmax under P V (session 14, 176-key kernels only) moved
+// the break-even down: same-call A/B on an H100, three rounds (bench/results/runs/
+// 2026-11-26-<commit>-s19, fwd_O / fwd_F3): 2k keys +2.5% (647 against 629-634 TFLOP/s, every
+// round), 4k within 0.5%; causal 2k -7%, 4k within 0.6%, so causal calls keep 4097.
+#ifndef PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN
+#define PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN 4097
+#endif
+#ifndef PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN_NO_MASK
+#define PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN_NO_MASK 2048
+#endif
+constexpr int kWideKeysMinSeqlenK = PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN;
+constexpr int kWideKeysMinSeqlenKNoMask = PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN_NO_MASK;
 // Varlen without a mask, longest sequence over kShortCausalMaxSeqlenK keys: tiles
 // cost in proportion to their sequence's keys, so a fixed deal of the tile list
 // (persistent) leaves some CTAs long sequences' tiles and others empty or short
@@ -384,8 +395,9 @@ cudaError_t run_default(const PortattnFwdParams& params) {
           return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kSingleBlockNone>(params);
         return launch<kHeadDim, Elem, kMaskNone, kSoftcap, kShortNone>(params);
       }
-      return params.seqlen_k >= kWideKeysMinSeqlenK ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kLongNone>(params)
-                                                    : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
+      return params.seqlen_k >= kWideKeysMinSeqlenKNoMask
+                 ? launch<kHeadDim, Elem, kMaskNone, kSoftcap, kLongNone>(params)
+                 : launch<kHeadDim, Elem, kMaskNone, kSoftcap, kNone>(params);
     case kMaskCausal:
       if (params.seqlen_k <= kShortCausalMaxSeqlenK)
         return launch<kHeadDim, Elem, kMaskCausal, kSoftcap, kShortCausal>(params);
