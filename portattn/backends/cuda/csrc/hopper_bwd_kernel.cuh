@@ -273,6 +273,38 @@
 // every round above every round of the old order at 1k and 4k; causal -1.0 to +1.2% (its
 // kernel also spills 4 bytes with it), so causal, windowed and softcap kernels keep the
 // old order. hd64's no-mask and causal kernels compute dQ by step and cannot take it.
+//
+// Note [portattn hopper 80-query steps]
+// FlashAttention-3's and flash-attn-4's hd128 tile without a mask: 80 queries a step instead of
+// 64, a quarter more MMA work for the same barriers, waits and hand-offs. Built as an option
+// (PORTATTN_HOPPER_BWD_WIDE_STEPS=1: hd128, no mask or softcap, the default mode's bulk dQ;
+// wide_steps says where), off because it measured at parity:
+//  * S^T and dP^T are m64n80 (40 fp32 each), dV and dK five k16 steps.
+//  * dS^T's 80 queries do not fit one 128-byte swizzled row, so dS is stored queries x keys
+//    (stmatrix.trans; each consumer's 64 keys are one panel) and dQ^T = K^T dS^T: m64n80, A = K
+//    read MN-major, B = dS K-major. dQ^T's 40 fp32 go back into the staging tile's rows with
+//    4-byte stores, one wavefront each under dq_chunk_key (common/dq_swizzle.h).
+//  * Registers: with P^T's 40 fp32 live until dS^T, the consumers spilled 76 bytes and ptxas
+//    serialised every wgmma (C7512), so dS^T reads P^T back from its packed 16-bit copy (the dV
+//    operand; dQ's error 1.9e-3 against 1.5e-3 in a smoke test, within the error rule).
+//  * Shared memory: K 32 + V 32 + two stages of Q 20 + dO 20 + dS 2 x 20 + one dQ staging tile of
+//    40 = 224 KiB, so one staging buffer: a step's staging waits for the previous step's copy.
+// Same-call A/B on an H100, forward+backward hd128 unmasked (bench/results/runs/
+// 2026-11-26-f6a6626-s19): the first form (a wait for dV before dQ, the earlier swizzle key's
+// 2-way conflicts) -2.5 to -8%; the final one 0.93 at 512 (seven steps for 6.4 steps of work),
+// 0.98 at 1k, 0.99-1.02 from 2k, and the same with dQ published right after its staging or dK
+// before dQ. ncu at 2k: 1.165 against 1.166 ms, tensor pipe 62.7 against 61.6% active,
+// instructions 275M against 287M; the wait for the one staging buffer ~2.5% of the samples.
+// flash-attn-4's kernel of this shape is 10% ahead (session 16), so it is not the per-step
+// overhead a wider step spreads that separates the two.
+//
+// Note [portattn hopper key blocks per CTA]
+// PORTATTN_HOPPER_BWD_BLOCKS_PER_CTA=n (default mode): a CTA walks key blocks b, b + the grid's
+// width, ... (n of them), so the producer loads the next block's K / V under the last one's
+// epilogue, which the one-block CTAs leave exposed (one CTA fits an SM). Same-call A/B on an
+// H100 (same run as above): n = 2 forward+backward hd128 -16% at 512, -6% at 1k, -2 to -3% at
+// 2k-4k, -0.3 to -5% from 8k; hd64 -0.5 to -3%; n = 4 worse. Only a CTA's last block stores dK /
+// dV through TMA (earlier ones from registers), and fewer, longer CTAs balance worse. Off (1).
 #pragma once
 #include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>

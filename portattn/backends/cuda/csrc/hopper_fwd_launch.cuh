@@ -133,8 +133,10 @@ constexpr int single_block_added_bits(int kernel_head_dim) {
 // blocks]). Causal: ahead from 8k keys, behind up to 4k (session 9); the boundary sits between the
 // two measured points. Without a mask the softmax under P V (session 14, 176-key kernels only) moved
 // the break-even down: same-call A/B on an H100, three rounds (bench/results/runs/
-// 2026-11-26-<commit>-s19, fwd_O / fwd_F3): 2k keys +2.5% (647 against 629-634 TFLOP/s, every
-// round), 4k within 0.5%; causal 2k -7%, 4k within 0.6%, so causal calls keep 4097.
+// 2026-11-26-f6a6626-s19, ab_fwd_O_F3.md): 2k keys +2.5% (647 against 629-634 TFLOP/s, every
+// round), 4k within 0.5%; causal 2k -7%, 4k within 0.6%, so causal calls keep 4097. Short no-mask
+// calls (at most kShortCausalMaxSeqlenK query rows) stay on 128-key blocks: on 176 they measured
+// -3% at 1k keys and -10% at 512 (same run, ab_fwd_T_S1.md / ab_fwd_T_S5.md).
 #ifndef PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN
 #define PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN 4097
 #endif
