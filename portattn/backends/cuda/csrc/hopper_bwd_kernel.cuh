@@ -94,7 +94,7 @@
 // head dim * 4 bytes (a multiple of 128), so a plain layout would put the 8
 // rows of one v2 store instruction on the same banks (8-way conflicts); instead
 // both the staging buffer and the accumulator (bulk mode only) keep each row's
-// 16-byte chunk c at chunk c ^ key(row) (cuda::dq_chunk_swizzle, bwd_kernel.cuh, says
+// 16-byte chunk c at chunk c ^ key(row) (cuda::dq_chunk_swizzle, common/dq_swizzle.h, says
 // which key and why), which spreads each half warp's rows over all 32 banks, and the convert kernel reads it
 // back (BwdArgs::dq_swizzled). Measured before, with rows padded by 32 bytes
 // and one copy per row: 64 copies a step, and at hd128 room for one buffer only;
