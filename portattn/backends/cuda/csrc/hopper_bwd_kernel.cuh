@@ -1021,14 +1021,14 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
                                               static_cast<uint32_t>((8 * j + h) * Traits::kDqPitch)),
                                       __float_as_uint(dq[r][2 * j + h]));
           } else {
-          // Rows warp * 16 + g (+ 8; rows past len_q are staged, never copied), at
-          // dq_chunk_swizzle's offsets (Note [portattn hopper staging addresses]).
+            // Rows warp * 16 + g (+ 8; rows past len_q are staged, never copied), at
+            // dq_chunk_swizzle's offsets (Note [portattn hopper staging addresses]).
 #pragma unroll
-          for (int r = 0; r < 2; ++r)
+            for (int r = 0; r < 2; ++r)
 #pragma unroll
-            for (int j = 0; j < kQCols / 2; ++j)
-              sm90::st_shared_v2_f32(s_dq + dq_stage_off[j & 3] + r * 8 * Traits::kDqPitch + (j >> 2) * 128,
-                                     dq[r][2 * j], dq[r][2 * j + 1]);
+              for (int j = 0; j < kQCols / 2; ++j)
+                sm90::st_shared_v2_f32(s_dq + dq_stage_off[j & 3] + r * 8 * Traits::kDqPitch + (j >> 2) * 128,
+                                       dq[r][2 * j], dq[r][2 * j + 1]);
           }
         } else {
           float* g_dq = dq_slice + cuda::ws_row(args, batch, head, m0) * kHeadDim + dq_col0;
@@ -1214,18 +1214,18 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
                                     ds[kk][2], ds[kk][3]);
         } else {
 #if PORTATTN_HOPPER_BWD_DS_STMATRIX
-        const uint32_t ds_row = s_ds + ds_lane;
+          const uint32_t ds_row = s_ds + ds_lane;
 #pragma unroll
-        for (int kk = 0; kk < kMSteps; ++kk)
-          sm90::stmatrix_x4(ds_row ^ static_cast<uint32_t>(32 * kk), ds[kk][0], ds[kk][1], ds[kk][2], ds[kk][3]);
+          for (int kk = 0; kk < kMSteps; ++kk)
+            sm90::stmatrix_x4(ds_row ^ static_cast<uint32_t>(32 * kk), ds[kk][0], ds[kk][1], ds[kk][2], ds[kk][3]);
 #else
-        const uint32_t ds_row = s_ds + ds_lane_b32;
+          const uint32_t ds_row = s_ds + ds_lane_b32;
 #pragma unroll
-        for (int kk = 0; kk < kMSteps; ++kk)
+          for (int kk = 0; kk < kMSteps; ++kk)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            cuda::st_shared_b32((ds_row ^ static_cast<uint32_t>(16 * (2 * kk + (e >> 1)))) + (e & 1) * 8 * 128,
-                                ds[kk][e]);
+            for (int e = 0; e < 4; ++e)
+              cuda::st_shared_b32((ds_row ^ static_cast<uint32_t>(16 * (2 * kk + (e >> 1)))) + (e & 1) * 8 * 128,
+                                  ds[kk][e]);
 #endif
         }
         sm90::fence_proxy_async_smem();
@@ -1250,9 +1250,9 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
                   sm90::smem_desc_advance(desc_ds_k, (kk / 4) * Traits::kDsPanelBytes + (kk % 4) * 32), kk > 0 ? 1 : 0);
           } else {
 #pragma unroll
-          for (int kk = 0; kk < kBlockN / 16; ++kk)
-            sm90::wgmma_ss<Elem, 1, 1>(dq, sm90::smem_desc_advance(desc_ds, kk * 16 * 128),
-                                       desc_at(k_dq_offset + kk * 16 * 128, Traits::kPanelBytesKV), kk > 0 ? 1 : 0);
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+              sm90::wgmma_ss<Elem, 1, 1>(dq, sm90::smem_desc_advance(desc_ds, kk * 16 * 128),
+                                         desc_at(k_dq_offset + kk * 16 * 128, Traits::kPanelBytesKV), kk > 0 ? 1 : 0);
           }
           sm90::wgmma_commit();
         }
