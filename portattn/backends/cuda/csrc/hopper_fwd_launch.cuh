@@ -78,6 +78,16 @@ constexpr int kPairedCausalSchedule = kCausalSchedule | kSchedPersistent | kSche
 constexpr int kWindowSchedule = kSchedPipelined | kSchedPingPong;
 constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPersistent | kSchedPairedTiles;
 constexpr int kShortCausalMaxSeqlenK = 1024;
+// hd64's dense causal calls of kShortCausalMaxSeqlenK + 1 to kWideKeysMinSeqlenK - 1 keys (kCausal: three
+// consumers, the paired persistent walk) with the cross-tile phase too (Note [portattn hopper cross-tile phase]).
+// Same-call A/Bs on an H100, three rounds each (bench/results/runs/2026-11-26-f6a6626-s19, ab_fwd_G_C2_*.md):
+// forward 2k causal +2.5% / +1.0% (every round ahead in both calls), 4k -0.7% / +1.5%; 0 spills. From 4097 keys
+// hd64 runs kLongCausal, the same schedule without it (8k in those calls: +0.1%, the unchanged kernel; the phase
+// was not measured there). =0 leaves it out (A/B). (Moving 2k causal calls to the two-consumer short schedule
+// instead measured -1.8%.)
+#ifndef PORTATTN_HOPPER_FWD_HD64_CAUSAL_XTILE
+#define PORTATTN_HOPPER_FWD_HD64_CAUSAL_XTILE 1
+#endif
 constexpr int kPairedCausalMaxSeqlenK = 8192;
 // Many short sequences (at most kShortCausalMaxSeqlenK query rows, more than kPairedMaxTilesPerCta
 // tiles a CTA) walk the paired order too, except at hd128 and up with an odd number of query blocks,
@@ -380,7 +390,9 @@ cudaError_t run_default(const PortattnFwdParams& params) {
       schedule_for(kHeadDim, kMaskCausal, kSoftcap, kShortCausalSchedule | short_causal_added_bits(kHeadDim) | kAdded);
   // Softcap keeps one CTA per tile over 1k keys (paired persistent not measured with it).
   constexpr int kDenseCausal = kSoftcap ? kCausalSchedule : kPairedCausalSchedule;
-  constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kDenseCausal | kAdded);
+  constexpr int kCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap,
+                                       kDenseCausal | kAdded |
+                                           (kHeadDim == 64 && PORTATTN_HOPPER_FWD_HD64_CAUSAL_XTILE ? kSchedCrossTile : 0));
   constexpr int kLongCausal = schedule_for(kHeadDim, kMaskCausal, kSoftcap, kDenseCausal | kSchedWideKeys | kAdded);
   constexpr int kLongestCausal =
       schedule_for(kHeadDim, kMaskCausal, kSoftcap, kCausalSchedule | kSchedWideKeys | kAdded);
