@@ -229,11 +229,13 @@ def main() -> int:
         k, v = (torch.randn(3, 513, 20, 64, **bf16) for _ in range(2))
         failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
         # Causal past 1024 keys with more tiles than CTAs: the paired walk (Note [portattn hopper
-        # paired tiles]), odd query-block counts (11 at hd64's 192 rows, 17 at hd128).
+        # paired tiles]), odd query-block counts (11 at hd64's 192 rows, 17 at hd128); at hd64 up to
+        # 4096 keys with the cross-tile phase (PORTATTN_HOPPER_FWD_HD64_CAUSAL_XTILE).
         for head_dim in (64, 128):
             q, k, v = (torch.randn(2, 2100, 20, head_dim, **bf16) for _ in range(3))
             failures += unwritten(q, k, v, backend=BACKEND_SM90, window_right=0)
-        # hd128 from 4097 keys: 176-key blocks (Note [portattn hopper 176-key blocks]), ragged last block.
+        # hd128 from 4097 keys (2048 without a mask): 176-key blocks (Note [portattn hopper 176-key
+        # blocks]), ragged last block.
         q = torch.randn(1, 1500, 2, 128, **bf16)
         k, v = (torch.randn(1, 4500, 2, 128, **bf16) for _ in range(2))
         failures += unwritten(q, k, v, backend=BACKEND_SM90)
