@@ -295,8 +295,9 @@
 // 0.98 at 1k, 0.99-1.02 from 2k, and the same with dQ published right after its staging or dK
 // before dQ. ncu at 2k: 1.165 against 1.166 ms, tensor pipe 62.7 against 61.6% active,
 // instructions 275M against 287M; the wait for the one staging buffer ~2.5% of the samples.
-// flash-attn-4's kernel of this shape is 10% ahead (session 16), so it is not the per-step
-// overhead a wider step spreads that separates the two.
+// flash-attn-4's kernel is this shape (its SASS: the same HGMMA shapes, as often) and 10% ahead
+// (session 16); it issues 495 instructions a consumer warp and step to this kernel's 680, with
+// the same floating-point work (docs/hopper_notes.md, session 19).
 //
 // Note [portattn hopper key blocks per CTA]
 // PORTATTN_HOPPER_BWD_BLOCKS_PER_CTA=n (default mode): a CTA walks key blocks b, b + the grid's
