@@ -82,8 +82,8 @@ constexpr int kShortCausalMaxSeqlenK = 1024;
 // consumers, the paired persistent walk) with the cross-tile phase too (Note [portattn hopper cross-tile phase]).
 // Same-call A/Bs on an H100, three rounds each (bench/results/runs/2026-11-26-f6a6626-s19, ab_fwd_G_C2_*.md):
 // forward 2k causal +2.5% / +1.0% (every round ahead in both calls), 4k -0.7% / +1.5%; 0 spills. From 4097 keys
-// hd64 runs kLongCausal, the same schedule without it (8k in those calls: +0.1%, the unchanged kernel; the phase
-// was not measured there). =0 leaves it out (A/B). (Moving 2k causal calls to the two-consumer short schedule
+// hd64 runs kLongCausal, the same schedule without it: with the phase there too, 8k causal measured -0.8% (three
+// rounds, ab_fwd_H_X2.md). =0 leaves it out (A/B). (Moving 2k causal calls to the two-consumer short schedule
 // instead measured -1.8%.)
 #ifndef PORTATTN_HOPPER_FWD_HD64_CAUSAL_XTILE
 #define PORTATTN_HOPPER_FWD_HD64_CAUSAL_XTILE 1
