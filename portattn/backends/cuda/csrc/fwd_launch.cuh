@@ -9,6 +9,7 @@
 #endif
 
 #include "fwd_kernel.cuh"
+#include "pdl.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -24,8 +25,8 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
   if (err != cudaSuccess) return err;
   const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.nheads,
                   params.batch);
-  kernel<<<grid, Traits::kThreads, kSmem, static_cast<cudaStream_t>(params.stream)>>>(params);
-  return cudaGetLastError();
+  return launch_overlapped(kernel, grid, dim3(Traits::kThreads), kSmem, static_cast<cudaStream_t>(params.stream),
+                           params);
 }
 
 // Note [portattn sm80 narrow tiles] (fwd_kernel.cuh): when the narrow shape runs
