@@ -26,7 +26,6 @@ int portattn_cuda_bwd_smem_bytes(int head_dim);
 int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len);
 int portattn_cuda_kvcache_append(const PortattnAppendParams* params, char* message, int message_len);
 void portattn_cuda_decode_tile(int head_dim, int* stage_keys, int* threads, int* smem_bytes);
-int portattn_cuda_pdl_enabled();
 #ifdef PORTATTN_WITH_HOPPER
 // Opt-in sm_90a forward (hopper_fwd_entry.cu; build with PORTATTN_CUDA_HOPPER=1).
 int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message, int message_len);
@@ -267,7 +266,4 @@ PYBIND11_MODULE(_C, m) {
   m.def("kvcache_append", &kvcache_append,
         "append new k/v to a cache with rotary, and rotate q (common/params.h: PortattnAppendParams)");
   m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim");
-  m.def("pdl_enabled", []() { return portattn_cuda_pdl_enabled() != 0; },
-        "whether launches on the current device overlap the previous kernel's tail (programmatic dependent "
-        "launch: sm90+, unless PORTATTN_PDL=0)");
 }

@@ -91,7 +91,8 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, cudaStream_t stream) {
   const int lanes_log2 = bwd_preprocess_lanes_log2(f.headdim);
   const int rows_per_block = (256 / 32) << (5 - lanes_log2);
   const dim3 grid((f.seqlen_q + rows_per_block - 1) / rows_per_block, args.heads, f.batch);
-  return launch_overlapped(&bwd_preprocess<Elem>, grid, dim3(256), 0, stream, args, lanes_log2);
+  bwd_preprocess<Elem><<<grid, 256, 0, stream>>>(args, lanes_log2);
+  return cudaGetLastError();
 }
 
 template <typename Elem>
@@ -100,14 +101,14 @@ cudaError_t launch_bwd_convert(const BwdArgs& args, int slices, bool dkv_accum, 
   const int64_t chunks = f.headdim / 8;
   const int64_t dq_threads = static_cast<int64_t>(f.seqlen_q) * args.heads * chunks;
   if (dq_threads > 0) {
-    const cudaError_t err = launch_overlapped(&bwd_convert_dq<Elem>, dim3((dq_threads + 255) / 256, f.batch), dim3(256),
-                                              0, stream, args, slices);
+    bwd_convert_dq<Elem><<<dim3((dq_threads + 255) / 256, f.batch), 256, 0, stream>>>(args, slices);
+    const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   const int64_t dkv_threads = static_cast<int64_t>(f.seqlen_k) * args.heads_k * chunks;
   if (dkv_accum && dkv_threads > 0) {
-    return launch_overlapped(&bwd_convert_dkv<Elem>, dim3((dkv_threads + 255) / 256, f.batch), dim3(256), 0, stream,
-                             args);
+    bwd_convert_dkv<Elem><<<dim3((dkv_threads + 255) / 256, f.batch), 256, 0, stream>>>(args);
+    return cudaGetLastError();
   }
   return cudaSuccess;
 }

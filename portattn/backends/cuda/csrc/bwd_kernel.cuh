@@ -60,7 +60,6 @@
 #include "../../common/params.h"
 #include "../../common/philox.h"
 #include "../../common/seq_bounds.h"
-#include "pdl.cuh"
 #include "ptx.cuh"
 
 namespace portattn {
@@ -194,8 +193,6 @@ __host__ __device__ inline int bwd_preprocess_lanes_log2(int headdim) {
 
 template <typename Elem>
 __global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args, int lanes_log2) {
-  wait_for_previous_grid();  // Note [portattn programmatic dependent launch] (pdl.cuh)
-  allow_next_grid();
   const PortattnFwdParams& f = args.p.fwd;
   const int lanes = 1 << lanes_log2;
   const int lane = threadIdx.x % 32;
@@ -322,8 +319,6 @@ __device__ __forceinline__ uint32_t lane_chunks_first(int lane) {
 // the math, so it costs no extra instantiation.
 template <class Cfg, typename Elem, bool kExtras>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras ? 2 : 1) bwd_kernel(const BwdArgs args) {
-  wait_for_previous_grid();  // Note [portattn programmatic dependent launch] (pdl.cuh)
-  allow_next_grid();
   constexpr int kHeadDim = Cfg::kHeadDim;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kBlockM = Cfg::kBlockM;
@@ -696,8 +691,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
 // One thread per 8 columns of one (b, i, h) row.
 template <typename Elem>
 __global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int slices) {
-  wait_for_previous_grid();  // Note [portattn programmatic dependent launch] (pdl.cuh)
-  allow_next_grid();
   const PortattnFwdParams& f = args.p.fwd;
   const int chunks = f.headdim / 8;
   const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -742,8 +735,6 @@ __global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int sl
 // carries the softmax scale).
 template <typename Elem>
 __global__ void __launch_bounds__(256) bwd_convert_dkv(const BwdArgs args) {
-  wait_for_previous_grid();  // Note [portattn programmatic dependent launch] (pdl.cuh)
-  allow_next_grid();
   const PortattnFwdParams& f = args.p.fwd;
   const int chunks = f.headdim / 8;
   const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

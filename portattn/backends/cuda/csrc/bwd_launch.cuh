@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include "bwd_kernel.cuh"
-#include "pdl.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -123,7 +122,8 @@ cudaError_t launch_bwd_main(const BwdArgs& args, cudaStream_t stream) {
   const bool det = args.p.deterministic != 0;
   const dim3 grid(det ? args.splits : n_blocks, det ? args.heads_k : args.heads, f.batch * Cfg::kDSplit);
   if (grid.x == 0) return cudaSuccess;
-  return launch_overlapped(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, args);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
 }
 
 template <typename Elem, class Cfg, class... Rest>

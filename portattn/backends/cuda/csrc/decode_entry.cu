@@ -2,8 +2,6 @@
 // the split combine, the cache append with rotary, and the per-head-dim tile
 // facts the Python split planner (portattn/decode.py) needs.
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include <mutex>
 
@@ -224,11 +222,6 @@ cudaError_t launch_decode_combine(const PortattnDecodeParams& params) {
 }
 
 bool pdl_supported() {
-  static const bool switched_off = [] {
-    const char* value = getenv("PORTATTN_PDL");
-    return value != nullptr && strcmp(value, "0") == 0;
-  }();
-  if (switched_off) return false;
   static std::mutex mutex;
   static unsigned long long known = 0, supported = 0;  // bit d: device d asked / sm90+
   int device = 0;
@@ -248,10 +241,6 @@ bool pdl_supported() {
 }  // namespace portattn
 
 using namespace portattn::cuda;
-
-// Whether this device's launches take programmatic dependent launch (Note [portattn programmatic
-// dependent launch], pdl.cuh): 1 on sm90+ unless PORTATTN_PDL=0.
-extern "C" int portattn_cuda_pdl_enabled() { return pdl_supported() ? 1 : 0; }
 
 // Tile facts of the decode kernel serving `head_dim` (-1s when none is built).
 extern "C" void portattn_cuda_decode_tile(int head_dim, int* stage_keys, int* threads, int* smem_bytes) {

@@ -34,7 +34,6 @@
 #include "../../common/params.h"
 #include "../../common/decode_sequence.h"
 #include "fwd_kernel.cuh"
-#include "pdl.cuh"
 #include "ptx.cuh"
 
 namespace portattn {
@@ -69,7 +68,20 @@ using decode::KeyRange;
 using decode::KeyRowAddress;
 using DecodeSequence = decode::Sequence;
 
-// wait_for_previous_grid / allow_next_grid: pdl.cuh (Note [portattn programmatic dependent launch]).
+// Programmatic dependent launch (sm90+; decode_launch.cuh sets the launch attribute there):
+// a kernel may be scheduled while the previous one in the stream finishes, and waits for
+// it here before touching memory that kernel may write. Without the attribute (or before
+// sm90) both are no-ops.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
 
 template <int kHeadDim, typename Elem, bool kExtras>
 __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)

@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "decode_kernel.cuh"
-#include "pdl.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -17,7 +16,27 @@ namespace cuda {
 // Merges the num_splits partial results of a decode call (decode_entry.cu).
 cudaError_t launch_decode_combine(const PortattnDecodeParams& params);
 
-// launch_overlapped, pdl_supported: pdl.cuh.
+// Whether the current device takes programmatic dependent launches (sm90+), asked once per device.
+bool pdl_supported();
+
+// Launches `kernel` so that it may be scheduled while the previous kernel of the stream
+// finishes (its prologue then overlaps that kernel's tail and our launch latency); the
+// kernels wait for it (wait_for_previous_grid) before reading anything it may write.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_overlapped(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                              cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl_supported() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_decode(const PortattnDecodeParams& params) {

@@ -43,7 +43,6 @@
 #include "../../common/params.h"
 #include "../../common/philox.h"
 #include "../../common/seq_bounds.h"
-#include "pdl.cuh"
 #include "ptx.cuh"
 
 namespace portattn {
@@ -164,8 +163,6 @@ template <int kHeadDim, typename Elem, bool kExtras, bool kNarrow = false>
 __global__ void __launch_bounds__(FwdTileConfig<kHeadDim, kNarrow>::kThreads,
                                   FwdTileConfig<kHeadDim, kNarrow>::kMinBlocksPerSm)
     fwd_kernel(const PortattnFwdParams params) {
-  wait_for_previous_grid();  // Note [portattn programmatic dependent launch] (pdl.cuh)
-  allow_next_grid();
   using Traits = FwdKernelTraits<kHeadDim, Elem, kNarrow>;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;

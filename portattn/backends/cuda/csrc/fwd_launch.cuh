@@ -9,7 +9,6 @@
 #endif
 
 #include "fwd_kernel.cuh"
-#include "pdl.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -25,8 +24,8 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
   if (err != cudaSuccess) return err;
   const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.nheads,
                   params.batch);
-  return launch_overlapped(kernel, grid, dim3(Traits::kThreads), kSmem, static_cast<cudaStream_t>(params.stream),
-                           params);
+  kernel<<<grid, Traits::kThreads, kSmem, static_cast<cudaStream_t>(params.stream)>>>(params);
+  return cudaGetLastError();
 }
 
 // Note [portattn sm80 narrow tiles] (fwd_kernel.cuh): when the narrow shape runs

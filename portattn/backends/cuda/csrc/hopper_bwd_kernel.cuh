@@ -1408,8 +1408,6 @@ __global__ void __launch_bounds__(HopperBwdTraits<kHeadDim>::kThreads, 1)
                       const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dk,
                       const __grid_constant__ CUtensorMap tm_dv, const cuda::BwdArgs args,
                       const float softcap_scale) {
-  cuda::wait_for_previous_grid();  // Note [portattn programmatic dependent launch] (pdl.cuh)
-  cuda::allow_next_grid();
   if constexpr (kPart == kBothParts) {
     if (blockIdx.x % 2 == 0)
       hopper_bwd_body<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, 0, true>(tm_q, tm_k, tm_v, tm_do, tm_dk,

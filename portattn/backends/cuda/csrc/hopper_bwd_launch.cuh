@@ -74,9 +74,9 @@ cudaError_t launch_main(const TensorMaps& maps, const cuda::BwdArgs& args, cudaS
   // tanhf's argument as the forward computes it (hopper_fwd_launch.cuh), so both see
   // the same value; a kernel parameter, read from the constant bank, holds no register.
   const float softcap_scale = kSoftcap ? f.softmax_scale / f.softcap : 0.f;
-  const cudaError_t launched = cuda::launch_overlapped(kernel, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream,
-                                                      maps.q, maps.k, maps.v, maps.dout, maps.dk, maps.dv, args,
-                                                      softcap_scale);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(maps.q, maps.k, maps.v, maps.dout, maps.dk,
+                                                                 maps.dv, args, softcap_scale);
+  const cudaError_t launched = cudaGetLastError();
   if constexpr (!kOneLaunch && kPart + 1 < Traits::kParts) {
     if (launched != cudaSuccess) return launched;
     return launch_main<kHeadDim, Elem, kMask, kSoftcap, kBulkDq, kOrderedDq, kPart + 1>(maps, args, stream);

@@ -252,7 +252,6 @@
 #include "../../common/params.h"
 #include "../../common/seq_bounds.h"
 #include "hopper_fwd_schedule.h"
-#include "pdl.cuh"
 #include "hopper_ptx.cuh"
 #include "ptx.cuh"
 
@@ -601,8 +600,6 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
                       const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                       const HopperFwdArgs args) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  cuda::wait_for_previous_grid();  // Note [portattn programmatic dependent launch] (pdl.cuh)
-  cuda::allow_next_grid();
   using Traits = HopperFwdTraits<kHeadDim, kSchedule>;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;

@@ -12,7 +12,6 @@
 #include <type_traits>
 #include <utility>
 
-#include "pdl.cuh"
 #include "hopper_fwd_kernel.cuh"
 #include "hopper_host.h"
 #include "variant_table.h"
@@ -350,8 +349,9 @@ cudaError_t launch(const PortattnFwdParams& params) {
                           args.num_tiles > static_cast<int64_t>(kPairedMaxTilesPerCta) * grid;
   const bool group_order = many_short && !paired_walk_for_many_short(kHeadDim, args.num_m_blocks);
   args.paired_tiles = Traits::kPairedTiles && args.num_tiles > grid && !group_order ? 1 : 0;
-  return cuda::launch_overlapped(kernel, dim3(grid), dim3(Traits::kThreads), Traits::kSmemBytes,
-                                 static_cast<cudaStream_t>(params.stream), tm_q, tm_k, tm_v, tm_o, args);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(
+      tm_q, tm_k, tm_v, tm_o, args);
+  return cudaGetLastError();
 }
 
 inline int mask_of(const PortattnFwdParams& params) {
