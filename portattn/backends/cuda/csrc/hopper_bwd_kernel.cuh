@@ -581,6 +581,38 @@ __host__ __device__ constexpr bool wide_steps(int head_dim, int mask, bool softc
          !ordered_dq;
 }
 
+#ifndef PORTATTN_HOPPER_BWD_TIMELINE
+#define PORTATTN_HOPPER_BWD_TIMELINE 0
+#endif
+// Note [portattn hopper backward timeline]
+// A measurement build only (PORTATTN_HOPPER_BWD_TIMELINE=1 on one translation unit:
+// bench/bwd_timeline.py): lane 0 of every warp of timeline::kCtas CTAs in the middle of the
+// launch (blockIdx.x = timeline::kX0 + c, y = gridDim.y / 2, z = gridDim.z / 2) writes the SM's cycle
+// counter at each of a step's landmarks (the event list is bench/bwd_timeline.py's) into a
+// device array that portattn_cuda_hopper_bwd_timeline copies out. The stores add ~15
+// instructions a step; the default build has none of it.
+#if PORTATTN_HOPPER_BWD_TIMELINE
+namespace timeline {
+constexpr int kCtas = 4, kWarps = 12, kSteps = 64, kEvents = 16, kX0 = 8;
+static __device__ unsigned long long stamps[kCtas][kWarps][kSteps][kEvents];
+}  // namespace timeline
+extern "C" int portattn_cuda_hopper_bwd_timeline(unsigned long long* dst, long long count) {
+  const long long all = static_cast<long long>(sizeof(timeline::stamps) / sizeof(unsigned long long));
+  if (dst == nullptr) return static_cast<int>(all);
+  const cudaError_t err = cudaMemcpyFromSymbol(dst, timeline::stamps, (count < all ? count : all) * 8);
+  return err == cudaSuccess ? 0 : -1;
+}
+#define PORTATTN_BWD_STAMP(step_, event_)                                                                   \
+  do {                                                                                                       \
+    if (stamp_cta >= 0 && (threadIdx.x % 32) == 0 && (step_) < timeline::kSteps)                              \
+      timeline::stamps[stamp_cta][threadIdx.x / 32][(step_)][(event_)] = clock64();                         \
+  } while (0)
+#else
+#define PORTATTN_BWD_STAMP(step_, event_) \
+  do {                                     \
+  } while (0)
+#endif
+
 // kOrderedDq: the deterministic mode's dQ adds (Note [portattn hopper ordered dQ]),
 // a separate instantiation so the default mode's add loop stays as it was (a
 // run-time branch around it cost the hd64 atomic-dQ backward ~25% on an H100).
@@ -705,6 +737,12 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
   };
 
   const int warpgroup = threadIdx.x / 128;
+#if PORTATTN_HOPPER_BWD_TIMELINE
+  const int stamp_cta = (blockIdx.y == gridDim.y / 2 && blockIdx.z == gridDim.z / 2 &&
+                         blockIdx.x >= timeline::kX0 && blockIdx.x < timeline::kX0 + timeline::kCtas)
+                            ? static_cast<int>(blockIdx.x) - timeline::kX0
+                            : -1;
+#endif
   if (threadIdx.x == 0) {
     sm90::mbar_init(bar_kv_full, 1);
     sm90::mbar_init(bar_kv_empty, Traits::kConsumers * 4);  // one arrival per consumer warp
@@ -747,7 +785,9 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
             float* g_dq = args.dq_accum + cuda::ws_row(args, batch, head_first + h, m_begin * kBlockM) * kHeadDim;
             int rows = len_q - m_begin * kBlockM;
             for (int mb = 0; mb < m_blocks; ++mb, --left) {
+              PORTATTN_BWD_STAMP(mb, 0);
               sm90::named_barrier_sync(Traits::kBarDqFull + b, Traits::kDqBarThreads);
+              PORTATTN_BWD_STAMP(mb, 1);
               if (lane == 0) {
                 // Rows at or past len_q belong to the padding or the next head: never added.
                 const uint32_t bytes = static_cast<uint32_t>(min(rows, kBlockM)) * Traits::kDqPitch;
@@ -770,6 +810,7 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
                 }
               }
               __syncwarp();
+              PORTATTN_BWD_STAMP(mb, 2);
               if (left > Traits::kDqStages)  // the consumers wait only for buffers they reuse
                 sm90::named_barrier_arrive(Traits::kBarDqEmpty + b, Traits::kDqBarThreads);
               b = b + 1 == Traits::kDqStages ? 0 : b + 1;
@@ -813,7 +854,9 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
       for (int it = 0; it < iters; ++it, ++step) {
         const int stage = step % kStages;
         const int m0 = (m_begin + m_index) * kBlockM;
+        PORTATTN_BWD_STAMP(it, 0);
         sm90::mbar_wait(bar_empty(stage), ((step / kStages) & 1u) ^ 1u);
+        PORTATTN_BWD_STAMP(it, 1);
         if (warp == 0) {
           const uint32_t s_q = base + Traits::kOffQ + stage * Traits::kQBytes;
           const uint32_t s_do = base + Traits::kOffDo + stage * Traits::kQBytes;
@@ -1091,10 +1134,12 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         const float* delta = s_delta + stage * kBlockM;
 
         // ---- S^T and dP^T; pipelined, the last step's staged dQ is handed over under them ----
+        PORTATTN_BWD_STAMP(it, 0);
         issue_s(step);
         if constexpr (Traits::kAhead >= 2) issue_dp(step);
         if (Traits::kAhead > 0 && it > 0 && computes_dq(step - 1)) publish_dq(step - 1);
         if constexpr (Traits::kAhead < 2) issue_dp(step);
+        PORTATTN_BWD_STAMP(it, 2);
         // This thread's LSE columns, read while S^T runs (kLseEarly) or where P^T needs them.
         float lse_cols[kLseEarly ? kSCols : 1];
         if constexpr (kLseEarly) {
@@ -1107,6 +1152,7 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         };
         sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
+        PORTATTN_BWD_STAMP(it, 3);
 
         // ---- P^T: masked only on blocks that straddle len_k or a window edge
         // (the right edge is tightest for the block's first query, the left for
@@ -1171,9 +1217,12 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         }
 
         // ---- dV += P^T dO (runs while dS^T is computed) ----
+        PORTATTN_BWD_STAMP(it, 4);
         accumulate_rs<Traits, Elem>(dv, pp, desc_do_mn);
+        PORTATTN_BWD_STAMP(it, 5);
         sm90::wgmma_wait<1>();  // dP^T complete; dV may still run
         sm90::fence_operands(dp);
+        PORTATTN_BWD_STAMP(it, 6);
 
         // kWide: P^T read back from its packed 16-bit copy (the dV operand), so the 40 fp32 of s are
         // free once packed: with them live the 80-query kernel spilled 76 bytes and ptxas serialised
@@ -1198,6 +1247,7 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
           for (int r = 0; r < 2; ++r) dp[r][c] = p_of(r, c) * (dp[r][c] - d);
         }
         sm90::pack_a_fragment<Elem>(ds, dp);
+        PORTATTN_BWD_STAMP(it, 7);
 
         // ---- dK += dS^T Q (here, under the dS^T stores and barrier; or after dQ) ----
         if constexpr (!kLateDk) accumulate_rs<Traits, Elem>(dk, ds, desc_q_mn);
@@ -1233,8 +1283,10 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         // The consumer that computes this step's dQ waits for both halves of dS^T; the
         // other only contributes its half (Note [portattn hopper dQ by step]).
         const bool my_dq = computes_dq(step);
+        PORTATTN_BWD_STAMP(it, 8);
         if (my_dq) sm90::named_barrier_sync(Traits::kBarDs + (step & 1), 128 * Traits::kConsumers);
         else sm90::named_barrier_arrive(Traits::kBarDs + (step & 1), 128 * Traits::kConsumers);
+        PORTATTN_BWD_STAMP(it, 9);
 
         // ---- dQ (64 queries x kDqCols from dq_col0) = dS K over all 128 keys ----
         if (my_dq) {
@@ -1261,10 +1313,13 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
           // Note [portattn hopper late dK]: dK queued behind dQ; dQ (and dV) complete at
           // wait<1>, staged while dK runs.
           accumulate_rs<Traits, Elem>(dk, ds, desc_q_mn);
+          PORTATTN_BWD_STAMP(it, 10);
           if (my_dq) {
             sm90::wgmma_wait<1>();
             sm90::fence_operands(dq);
+            PORTATTN_BWD_STAMP(it, 11);
             stage_dq(step, head, m0);
+            PORTATTN_BWD_STAMP(it, 12);
             if constexpr (Traits::kAhead == 0) publish_dq(step);
           }
         }
@@ -1285,6 +1340,7 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         sm90::fence_operands(dk);
         sm90::fence_fragment(pp);
         sm90::fence_fragment(ds);
+        PORTATTN_BWD_STAMP(it, 13);
         // This warp no longer reads the stage (Q, dO, LSE, delta).
         if constexpr (!kEarlyRelease) {
           __syncwarp();
