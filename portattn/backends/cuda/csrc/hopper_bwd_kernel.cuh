@@ -581,9 +581,6 @@ __host__ __device__ constexpr bool wide_steps(int head_dim, int mask, bool softc
          !ordered_dq;
 }
 
-#ifndef PORTATTN_HOPPER_BWD_DEFER_DK
-#define PORTATTN_HOPPER_BWD_DEFER_DK 0
-#endif
 #ifndef PORTATTN_HOPPER_BWD_TIMELINE
 #define PORTATTN_HOPPER_BWD_TIMELINE 0
 #endif
@@ -661,10 +658,6 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
   // Not in the one-stage kernels (hd256), where the stage's early release below pays more.
   constexpr bool kLateDk = PORTATTN_HOPPER_BWD_LATE_DK != 0 && !Traits::kDqByStep && kMask == kBwdMaskNone &&
                            !kSoftcap && (Traits::kStages > 1 || PORTATTN_HOPPER_BWD_EARLY_RELEASE == 0);
-  // Deferred dK (PORTATTN_HOPPER_BWD_DEFER_DK, measurement option): step t's dK is issued in step
-  // t + 1 behind its S^T and dP^T, so it runs while both warpgroups exponentiate (the window
-  // session 20's timeline found without wgmma); the stage of step t is released after it.
-  constexpr bool kDeferDk = PORTATTN_HOPPER_BWD_DEFER_DK != 0 && kLateDk && !Traits::kWide;
   // Note [portattn hopper one-stage release].
   constexpr bool kEarlyRelease =
       (PORTATTN_HOPPER_BWD_EARLY_RELEASE == 2 || (PORTATTN_HOPPER_BWD_EARLY_RELEASE == 1 && Traits::kStages == 1)) &&
@@ -1130,36 +1123,6 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
       }
       // Step it's query block and head, counted (it = (head - head_first) * m_blocks + m_index).
       int head = head_first, m_index = 0;
-      // kDeferDk: dK = dS^T Q of the previous step, both operands from shared memory (its dS^T
-      // buffer, this warpgroup's 64 key rows, and its Q stage), so nothing is held in registers
-      // across the step (a 16-register fragment made ptxas serialise every wgmma, C7512). Before
-      // a key block's first step the "previous" dS^T rows are zeros (0 x this step's finite Q).
-      uint64_t desc_q_prev = 0;
-      int stage_prev = 0;
-      auto issue_dk_from_smem = [&](int ds_step, uint64_t desc_q) {
-        const uint64_t desc_a = desc_at(uniform(Traits::kOffDs + (ds_step & 1) * Traits::kDsBytes + wg * 64 * 128), 16);
-        sm90::fence_operands(dk);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kMSteps; ++kk)
-          sm90::wgmma_ss<Elem, 0, 1>(dk, sm90::smem_desc_advance(desc_a, kk * 32),
-                                     sm90::smem_desc_advance(desc_q, kk * 16 * 128), 1);
-        sm90::wgmma_commit();
-      };
-      if constexpr (kDeferDk) {
-        if (iters > 0) {  // this warpgroup's rows of the buffer step - 1 would use: zeros
-          // After an earlier key block of this CTA, both consumers' last dQ (which read every row) retired.
-          if (n_block != n_first()) sm90::named_barrier_sync(Traits::kBarEpilogue, 128 * Traits::kConsumers);
-          const uint32_t rows = base + Traits::kOffDs + ((step - 1) & 1) * Traits::kDsBytes + wg * 64 * 128;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const uint32_t at = rows + static_cast<uint32_t>((i * 128 + tid) * 16);
-            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0u) : "memory");
-          }
-          sm90::fence_proxy_async_smem();
-          sm90::named_barrier_sync(Traits::kBarStaged + wg, 128);
-        }
-      }
       for (int it = 0; it < iters; ++it, ++step) {
         const int stage = step % kStages;
         const int m0 = (m_begin + m_index) * kBlockM;
@@ -1176,9 +1139,6 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         if constexpr (Traits::kAhead >= 2) issue_dp(step);
         if (Traits::kAhead > 0 && it > 0 && computes_dq(step - 1)) publish_dq(step - 1);
         if constexpr (Traits::kAhead < 2) issue_dp(step);
-        // The previous step's dK, behind S^T and dP^T (at the first step a zero fragment times this
-        // step's Q, whose values are finite).
-        if constexpr (kDeferDk) issue_dk_from_smem(step - 1, it > 0 ? desc_q_prev : desc_q_mn);
         PORTATTN_BWD_STAMP(it, 2);
         // This thread's LSE columns, read while S^T runs (kLseEarly) or where P^T needs them.
         float lse_cols[kLseEarly ? kSCols : 1];
@@ -1190,8 +1150,7 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
           if constexpr (kLseEarly) return lse_cols[c];
           else return lse2[(c / 2) * 8 + 2 * q4 + (c % 2)];
         };
-        if constexpr (kDeferDk) sm90::wgmma_wait<2>();
-        else sm90::wgmma_wait<1>();
+        sm90::wgmma_wait<1>();
         sm90::fence_operands(s);
         PORTATTN_BWD_STAMP(it, 3);
 
@@ -1261,13 +1220,8 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         PORTATTN_BWD_STAMP(it, 4);
         accumulate_rs<Traits, Elem>(dv, pp, desc_do_mn);
         PORTATTN_BWD_STAMP(it, 5);
-        sm90::wgmma_wait<1>();  // dP^T complete (kDeferDk: and the previous step's dK); dV may still run
+        sm90::wgmma_wait<1>();  // dP^T complete; dV may still run
         sm90::fence_operands(dp);
-        if constexpr (kDeferDk) {
-          sm90::fence_operands(dk);
-          __syncwarp();
-          if (it > 0 && lane == 0) sm90::mbar_arrive(bar_empty(stage_prev));  // the previous step's stage
-        }
         PORTATTN_BWD_STAMP(it, 6);
 
         // kWide: P^T read back from its packed 16-bit copy (the dV operand), so the 40 fp32 of s are
@@ -1358,11 +1312,10 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         if constexpr (kLateDk) {
           // Note [portattn hopper late dK]: dK queued behind dQ; dQ (and dV) complete at
           // wait<1>, staged while dK runs.
-          if constexpr (!kDeferDk) accumulate_rs<Traits, Elem>(dk, ds, desc_q_mn);
+          accumulate_rs<Traits, Elem>(dk, ds, desc_q_mn);
           PORTATTN_BWD_STAMP(it, 10);
           if (my_dq) {
-            if constexpr (kDeferDk) sm90::wgmma_wait<0>();
-            else sm90::wgmma_wait<1>();
+            sm90::wgmma_wait<1>();
             sm90::fence_operands(dq);
             PORTATTN_BWD_STAMP(it, 11);
             stage_dq(step, head, m0);
@@ -1388,14 +1341,10 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         sm90::fence_fragment(pp);
         sm90::fence_fragment(ds);
         PORTATTN_BWD_STAMP(it, 13);
-        // This warp no longer reads the stage (Q, dO, LSE, delta; kDeferDk: Q until the next step).
-        if constexpr (!kEarlyRelease && !kDeferDk) {
+        // This warp no longer reads the stage (Q, dO, LSE, delta).
+        if constexpr (!kEarlyRelease) {
           __syncwarp();
           if (lane == 0) sm90::mbar_arrive(bar_empty(stage));
-        }
-        if constexpr (kDeferDk) {
-          desc_q_prev = desc_q_mn;
-          stage_prev = stage;
         }
 
         if (!kLateDk && my_dq) {
@@ -1408,15 +1357,6 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
         }
       }
       if (Traits::kAhead > 0 && iters > 0 && computes_dq(step - 1)) publish_dq(step - 1);
-      if constexpr (kDeferDk) {
-        if (iters > 0) {  // the last step's dK, then its stage
-          issue_dk_from_smem(step - 1, desc_q_prev);
-          sm90::wgmma_wait<0>();
-          sm90::fence_operands(dk);
-          __syncwarp();
-          if (lane == 0) sm90::mbar_arrive(bar_empty(stage_prev));
-        }
-      }
       if (iters > 0) {
         ++kv_round;
         __syncwarp();
