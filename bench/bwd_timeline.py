@@ -108,6 +108,9 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--out", default=None, help="JSON file for the raw stamps")
     args = parser.parse_args()
+    if args.seqlen < 512 or args.tokens % args.seqlen:
+        parser.error("--seqlen must be at least 512 (the medians skip each CTA's first and last two steps) "
+                     "and divide --tokens")
     run(args.seqlen, args.tokens, args.causal)
     stamps = fetch_stamps()
     steps = min(STEPS, args.seqlen // 64)
