@@ -142,52 +142,17 @@ struct RowState {
 // P = exp2(S * scale_log2 - subtract) for one row, in place; returns the row's sum.
 // kPolyEvery > 0: every kPolyEvery-th column through exp2_poly (Note
 // [portattn polynomial exp2]), the rest through the hardware unit.
-// Note [portattn softmax reduction chains]
-// A row's maximum and sum over a thread's kCols columns, written as one accumulator, compile to a
-// chain of kCols dependent FMNMX (or FADD): ptxas does not reassociate them. In the Hopper forward
-// the first row's maximum gates every exponential of the block, so that chain (32 FMNMX at 128-key
-// blocks, each waiting ~4 cycles for the last) is issued with nothing beside it. kReduceParts
-// independent accumulators, combined pairwise at the end, cut the chain to kCols / kReduceParts + log2
-// steps. The maximum is exact in any order; the sum's rounding changes (fp32, ~1 ulp a row).
-#ifndef PORTATTN_SOFTMAX_MAX_PARTS
-#define PORTATTN_SOFTMAX_MAX_PARTS 1
-#endif
-#ifndef PORTATTN_SOFTMAX_SUM_PARTS
-#define PORTATTN_SOFTMAX_SUM_PARTS 1
-#endif
-
-struct MaxOp {
-  PORTATTN_SOFTMAX_HD float operator()(float a, float b) const { return max2(a, b); }
-};
-struct SumOp {
-  PORTATTN_SOFTMAX_HD float operator()(float a, float b) const { return a + b; }
-};
-
-// Partial accumulators reduced pairwise: op(parts[0], parts[1], ...) for kParts a power of two.
-template <int kParts, class Op>
-PORTATTN_SOFTMAX_HD float combine_parts(float (&parts)[kParts], Op op) {
-  static_assert((kParts & (kParts - 1)) == 0, "kParts: a power of two");
-#pragma unroll
-  for (int width = kParts / 2; width > 0; width /= 2)
-#pragma unroll
-    for (int i = 0; i < width; ++i) parts[i] = op(parts[i], parts[i + width]);
-  return parts[0];
-}
-
 template <int kCols, int kPolyEvery = 0>
 PORTATTN_SOFTMAX_HD float exp2_row(float (&s)[kCols], float scale_log2, float subtract) {
-  constexpr int kParts = kCols % PORTATTN_SOFTMAX_SUM_PARTS == 0 ? PORTATTN_SOFTMAX_SUM_PARTS : 1;
-  float sums[kParts];
-#pragma unroll
-  for (int i = 0; i < kParts; ++i) sums[i] = 0.f;
+  float row_sum = 0.f;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     const float x = s[c] * scale_log2 - subtract;
     constexpr int kEvery = kPolyEvery > 0 ? kPolyEvery : 1;  // (a zero modulus warns even when unused)
     s[c] = (kPolyEvery > 0 && c % kEvery == kEvery - 1) ? exp2_poly(x) : exp2_fast(x);
-    sums[c % kParts] += s[c];
+    row_sum += s[c];
   }
-  return combine_parts(sums, SumOp());
+  return row_sum;
 }
 
 // The row's running maximum after this block (across the threads that share
@@ -195,14 +160,10 @@ PORTATTN_SOFTMAX_HD float exp2_row(float (&s)[kCols], float scale_log2, float su
 // seen no finite score, so that exp2(-inf - (-inf)) never produces NaN.
 template <class RowReduce, int kCols>
 PORTATTN_SOFTMAX_HD float block_row_max(const float (&s)[kCols], float running_max) {
-  // (Note [portattn softmax reduction chains].)
-  constexpr int kParts = kCols % PORTATTN_SOFTMAX_MAX_PARTS == 0 ? PORTATTN_SOFTMAX_MAX_PARTS : 1;
-  float parts[kParts];
+  float m = running_max;
 #pragma unroll
-  for (int i = 0; i < kParts; ++i) parts[i] = i == 0 ? max2(running_max, s[0]) : s[i];
-#pragma unroll
-  for (int c = kParts; c < kCols; ++c) parts[c % kParts] = max2(parts[c % kParts], s[c]);
-  return RowReduce::max(combine_parts(parts, MaxOp()));
+  for (int c = 0; c < kCols; ++c) m = max2(m, s[c]);
+  return RowReduce::max(m);
 }
 
 PORTATTN_SOFTMAX_HD float max_offset(float row_max, float scale_log2) {
@@ -278,7 +239,10 @@ PORTATTN_SOFTMAX_HD void online_softmax_step_lazy(float (&s)[kRows][kCols],
   bool grow = false;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    block_max[r] = block_row_max<RowReduce>(s[r], state.max[r]);
+    float m = state.max[r];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) m = max2(m, s[r][c]);
+    block_max[r] = RowReduce::max(m);
     // -inf - -inf is NaN and compares false: a row with nothing visible yet
     // never asks for a rescale; a first finite maximum always does.
     grow |= block_max[r] * scale_log2 - state.max[r] * scale_log2 > kLazyRescaleLog2;
