@@ -128,6 +128,10 @@ HEADLINE = (  # (label, metric) in the order printed; absent ones are skipped
     # against the LSU pipe's peak, and issued instructions in total.
     ("shared-memory wavefronts (% peak)", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed"),
     ("shared-memory bank conflicts", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"),
+    ("shared-memory wavefronts", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"),
+    ("  of which wgmma operand reads", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum"),
+    ("  of which loads", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"),
+    ("  of which stores", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum"),
     ("instructions executed", "smsp__inst_executed.sum"),
     ("mma.sync instructions", "sm__inst_executed_pipe_tensor_op_hmma.sum"),
     ("grid", "launch__grid_size"),

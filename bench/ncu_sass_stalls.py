@@ -3,6 +3,12 @@
   ncu --section SourceCounters --section WarpStateStats --import-source no --export REP ...
   ncu --import REP.ncu-rep --page source --csv --print-source sass > SRC.csv
   python bench/ncu_sass_stalls.py SRC.csv [TOP]
+  python bench/ncu_sass_stalls.py SRC.csv --by-opcode [REASON]
+
+The second form sums the samples of one reason (default "wait") and the executed counts by opcode
+(predicate and modifiers dropped: `@!P0 MUFU.EX2` counts as MUFU). A reason spread thin over
+hundreds of instructions shows up there: session 21 found the hd64 forward's "wait" samples on the
+exponentials (MUFU), behind the fixed stalls ptxas puts before them to pace the MUFU unit.
 
 Prints the kernel's warp-stall samples by reason and the TOP instructions (default 25) with the
 most samples, each with its index in the listing, share of all samples, times executed and its
@@ -33,11 +39,33 @@ def stalls(path: str):
     return found
 
 
+def opcode(source: str) -> str:
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else "?"
+
+
+def by_opcode(found, reason: str) -> None:
+    total = sum(samples for _, _, samples, _, _ in found) or 1
+    waits, executed = collections.Counter(), collections.Counter()
+    for _, source, _, count, counts in found:
+        waits[opcode(source)] += counts.get(reason, 0)
+        executed[opcode(source)] += count
+    print(f"samples {total}; '{reason}' {sum(waits.values()) / total:.1%} of them; executed {sum(executed.values())}")
+    print(f"'{reason}' by opcode (share of all samples): " +
+          ", ".join(f"{name} {n / total:.1%}" for name, n in waits.most_common(12)))
+    print("executed by opcode: " + ", ".join(f"{name} {n}" for name, n in executed.most_common(16)))
+
+
 def main(argv) -> int:
     if len(argv) < 2:
         print(__doc__)
         return 2
     found = stalls(argv[1])
+    if len(argv) > 2 and argv[2] == "--by-opcode":
+        by_opcode(found, argv[3] if len(argv) > 3 else "wait")
+        return 0
     top = int(argv[2]) if len(argv) > 2 else 25
     total = sum(samples for _, _, samples, _, _ in found) or 1
     by_reason = collections.Counter()

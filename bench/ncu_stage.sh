@@ -6,6 +6,7 @@
 #   bwd        the Hopper backward, if present (regex:hopper_bwd) -> $OUT/ncu_bwd_hopper.txt
 #   bwd_sm80   the sm80+ backward, path forced (regex:bwd_kernel) -> $OUT/ncu_bwd_sm80.txt
 #   bwd_fa4, bwd_cudnn  flash-attn-4's / SDPA cuDNN's main backward kernel (regex:BackwardSm90 / bprop)
+#   fwd_cudnn  SDPA cuDNN's forward kernel (regex:fprop)
 # Each: .txt (short summary, also printed), _details.txt (ncu's section text), _raw.csv,
 # .ncu-rep (open in the Nsight Compute GUI) and .log. Clocks are left to the GPU
 # (--clock-control none) so durations match the benchmark's conditions.
@@ -26,6 +27,10 @@ SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section War
 # without a suffix let ncu collect whichever roll-ups the metric has.
 STALLS="barrier branch_resolving dispatch_stall drain gmma imc_miss lg_throttle long_scoreboard math_pipe_throttle membar mio_throttle misc no_instruction not_selected selected short_scoreboard sleeping tex_throttle wait"
 METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__inst_executed_pipe_tensor_op_hmma.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum"
+# The shared-memory wavefronts by kind: op_gmma counts the tensor cores' operand reads (session 21: they are
+# part of the LSU data pipe's shared-memory wavefronts, ~73% of them in the hd128 backward), op_ld / op_st the
+# loads and stores.
+METRICS="$METRICS,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum"
 for reason in $STALLS; do METRICS="$METRICS,smsp__average_warp_latency_issue_stalled_$reason"; done
 
 profile() {  # name mode regex title
@@ -74,6 +79,8 @@ for what in ${@:-fwd bwd bwd_sm80}; do
     # The peers' main backward kernels on the same case (flash-attn-4: bench/fa4_stage.sh installs it).
     bwd_fa4) profile "bwd_fa4$SUFFIX" bwd_fa4 BackwardSm90 "flash-attn-4 backward, $SHAPE" ;;
     bwd_cudnn) profile "bwd_cudnn$SUFFIX" bwd_cudnn bprop "SDPA cuDNN backward, $SHAPE" ;;
-    *) echo "profile: unknown kernel '$what' (fwd, bwd, bwd_sm80, bwd_fa4, bwd_cudnn)" ;;
+    # SDPA cuDNN's forward on the same case: the peer of the forward's short cells (issue #11).
+    fwd_cudnn) profile "fwd_cudnn$SUFFIX" fwd_cudnn fprop "SDPA cuDNN forward, $SHAPE" ;;
+    *) echo "profile: unknown kernel '$what' (fwd, bwd, bwd_sm80, bwd_fa4, bwd_cudnn, fwd_cudnn)" ;;
   esac
 done
