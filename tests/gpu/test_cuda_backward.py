@@ -105,6 +105,22 @@ def _alibi(kind, batch, heads):
     return None
 
 
+# Note [portattn backward zeroing] (bwd_kernel.cuh): the preprocess clears the accumulators the
+# main kernel adds into, unless that would leave its CTAs more than 64 KiB each, when a memset
+# does. 256 x 256 with GQA takes the first path; 1 query row against 4096 keys the second (hd128:
+# one preprocess CTA per (batch, head), 8 of them, for 8 MiB of GQA dK / dV accumulators). The
+# workspace starts NaN (_backward poisons the allocator's free memory), so an uncleared byte fails.
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("seqlens", [(256, 256), (1, 4096)], ids=["preprocess_zeroes", "memset_zeroes"])
+def test_backward_accumulators_start_at_zero(seqlens, deterministic):
+    head_dim = 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1]
+    batch, heads, gqa = 2, 4, 4
+    q = rand(batch, seqlens[0], heads, head_dim, dtype=torch.bfloat16)
+    k = rand(batch, seqlens[1], heads // gqa, head_dim, dtype=torch.bfloat16)
+    v = rand(batch, seqlens[1], heads // gqa, head_dim, dtype=torch.bfloat16)
+    _run_and_check(q, k, v, deterministic=deterministic, naive_options={})
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 @pytest.mark.parametrize("gqa", [1, 6], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("seqlens", [(113, 203), (1000, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -88,6 +88,18 @@ def test_hopper_backward_grid(dtype, head_dim, seqlens, causal, gqa, mode):
     _check_grads(grads, q, k, v, dout, dict(causal=causal))
 
 
+# Both ways the accumulators are cleared (Note [portattn backward zeroing]; the sm80+ path's
+# test_backward_accumulators_start_at_zero says which shape takes which), on the Hopper kernels.
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("seqlens", [(256, 256), (1, 4096)], ids=["preprocess_zeroes", "memset_zeroes"])
+def test_hopper_backward_accumulators_start_at_zero(seqlens, mode):
+    head_dim = 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1]
+    q, k, v = _inputs(torch.bfloat16, head_dim, seqlens, 4)
+    with _dq_path(mode) as deterministic:
+        grads, dout, _ = _hopper_grads(q, k, v, deterministic)
+    _check_grads(grads, q, k, v, dout, {})
+
+
 # 64 query steps per key block: the pipelined hand-off of dQ (Note [portattn hopper backward
 # pipeline]) and, without a mask at hd64, the consumers' turns at the whole dQ tile (Note [portattn
 # hopper dQ by step], its two dS^T barrier ids) run for many steps, with GQA's head walk in the

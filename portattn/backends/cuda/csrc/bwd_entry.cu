@@ -84,14 +84,27 @@ BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_
   return ws;
 }
 
+// Note [portattn backward zeroing] (bwd_kernel.cuh): the preprocess clears the accumulators
+// where its grid has the CTAs for it; a call with few query rows and many keys (GQA's dK / dV
+// accumulators are sized by the keys) would leave a few CTAs each a long serial run of stores,
+// so past this many bytes a CTA (hd128 at 16k tokens: 8 KiB) a memset clears them instead.
+constexpr int64_t kMaxZeroBytesPerPreprocessCta = 64 * 1024;
+
 template <typename Elem>
 cudaError_t launch_bwd_preprocess(const BwdArgs& args, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
-  if (f.seqlen_q == 0) return cudaSuccess;
   const int lanes_log2 = bwd_preprocess_lanes_log2(f.headdim);
   const int rows_per_block = (256 / 32) << (5 - lanes_log2);
   const dim3 grid((f.seqlen_q + rows_per_block - 1) / rows_per_block, args.heads, f.batch);
-  bwd_preprocess<Elem><<<grid, 256, 0, stream>>>(args, lanes_log2);
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  BwdArgs launch_args = args;
+  if (args.zero_bytes > 0 && (ctas == 0 || args.zero_bytes > ctas * kMaxZeroBytesPerPreprocessCta)) {
+    const cudaError_t err = cudaMemsetAsync(args.zero_begin, 0, args.zero_bytes, stream);
+    if (err != cudaSuccess) return err;
+    launch_args.zero_bytes = 0;
+  }
+  if (ctas == 0) return cudaSuccess;
+  bwd_preprocess<Elem><<<grid, 256, 0, stream>>>(launch_args, lanes_log2);
   return cudaGetLastError();
 }
 

@@ -140,6 +140,11 @@ struct BwdArgs {
   // The Hopper backward's bulk dQ adds (Note [portattn hopper bulk dQ]): dq_accum's
   // rows hold their 16-byte chunks swizzled (dq_chunk_swizzle); false everywhere else.
   bool dq_swizzled;
+  // The workspace bytes the main kernel adds into (the dq_order counts and the fp32
+  // accumulators; a multiple of 16, 16-byte aligned), which bwd_preprocess zeroes
+  // (Note [portattn backward zeroing]); zero_bytes = 0: cleared by the caller instead.
+  void* zero_begin;
+  int64_t zero_bytes;
 };
 
 // dq_chunk_key / dq_chunk_swizzle (the bulk dQ rows' layout): common/dq_swizzle.h.
@@ -191,9 +196,30 @@ __host__ __device__ inline int bwd_preprocess_lanes_log2(int headdim) {
   return log2;
 }
 
+// Note [portattn backward zeroing]
+// The accumulators the main kernel adds into must start at zero. A cudaMemsetAsync of them was
+// its own pass over the workspace before this kernel (41 us for hd128's 128 MiB dQ accumulator at
+// 16k tokens, next to this kernel's 55 us, bench/results/runs/2026-11-26-dc9be59/kernel_breakdown.md).
+// This kernel is bound by its loads' latency rather than by DRAM bandwidth (~2.4 of ~3.35 TB/s), so
+// each CTA also clears an equal slice of those bytes with 16-byte stores, issued before its loads:
+// the writes share the loads' time instead of taking a pass of their own. The slices cover the whole
+// region whatever its layout (swizzled dQ rows, GQA's dK / dV, the ordered mode's counts); delta and
+// lse2, which this kernel writes, lie before it (bwd_workspace_layout).
+__device__ __forceinline__ void bwd_zero_slice(const BwdArgs& args) {
+  const int64_t vectors = args.zero_bytes / 16;
+  const int64_t ctas = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
+  const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+  const int64_t per_cta = (vectors + ctas - 1) / ctas;
+  const int64_t begin = cta * per_cta;
+  const int64_t end = begin + per_cta < vectors ? begin + per_cta : vectors;
+  uint4* zero = static_cast<uint4*>(args.zero_begin);
+  for (int64_t v = begin + threadIdx.x; v < end; v += blockDim.x) zero[v] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 template <typename Elem>
 __global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args, int lanes_log2) {
   const PortattnFwdParams& f = args.p.fwd;
+  if (args.zero_bytes > 0) bwd_zero_slice(args);
   const int lanes = 1 << lanes_log2;
   const int lane = threadIdx.x % 32;
   const int rows_per_block = (blockDim.x / 32) << (5 - lanes_log2);

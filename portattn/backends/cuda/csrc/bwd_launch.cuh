@@ -175,15 +175,17 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main,
   args.dq_order = ordered_dq && params.deterministic != 0 ? reinterpret_cast<int*>(base + ws.dq_order) : nullptr;
   args.dq_swizzled = dq_swizzled;
   args.acc_head_dim = acc_head_dim;
+  args.zero_begin = base + ws.dq_order;
+  args.zero_bytes = ws.total - ws.dq_order;
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int group = f.nheads / f.nheads_k;
   for (int head_k0 = 0; head_k0 < f.nheads_k; head_k0 += ws.chunk_heads_k) {
     args.heads_k = ws.chunk_heads_k < f.nheads_k - head_k0 ? ws.chunk_heads_k : f.nheads_k - head_k0;
     args.heads = args.heads_k * group;
     args.head0 = head_k0 * group;
-    cudaError_t err = cudaMemsetAsync(base + ws.dq_order, 0, ws.total - ws.dq_order, stream);
-    if (err != cudaSuccess) return err;
-    err = launch_bwd_preprocess<Elem>(args, stream);
+    // The preprocess zeroes the accumulators, or a memset before it does (Note [portattn backward
+    // zeroing] in bwd_kernel.cuh; launch_bwd_preprocess decides).
+    cudaError_t err = launch_bwd_preprocess<Elem>(args, stream);
     if (err != cudaSuccess) return err;
     err = main(static_cast<const BwdArgs&>(args), stream);
     if (err != cudaSuccess) return err;
