@@ -6,7 +6,8 @@
 //      saved LSE in log2 units (lse2) into the workspace next to it, so the
 //      main kernel stages both with cp.async; a fully masked row's -inf
 //      becomes +inf there, so its probabilities exp2(s - lse2) are exactly 0,
-//      never NaN.
+//      never NaN. It also clears the fp32 accumulators the main kernel adds into
+//      (Note [portattn backward zeroing]).
 //   2. bwd_kernel: one CTA per (key block, head, batch[, head-dim half]). K and
 //      V of its key block stay in shared memory; the CTA walks the query blocks
 //      that can see those keys (causal/window ranges skip the rest) and, per

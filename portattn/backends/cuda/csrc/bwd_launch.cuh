@@ -80,8 +80,9 @@ struct BwdConfigsFor<256> {
 // ---- workspace -------------------------------------------------------------------------
 
 // Byte offsets into PortattnBwdParams::workspace, sized for one chunk of
-// heads. Everything from `dq` on is zeroed before each chunk's main kernel
-// (fp32 accumulators).
+// heads. Everything from `dq_order` on (the ordered mode's counts and the fp32 accumulators)
+// is zeroed before each chunk's main kernel, by the preprocess or a memset
+// (Note [portattn backward zeroing]); delta and lse2 come first, outside that region.
 struct BwdWorkspace {
   int64_t delta, lse2, dq_order, dq, dk, dv, total;
   int64_t dq_slice;   // elements of one dQ slice
