@@ -21,9 +21,12 @@ import sys
 # PORTATTN_NCU_HEAD_DIM=64 profiles the hd64 shape of the same grid (hidden 2048: 32 heads).
 # PORTATTN_NCU_SEQLEN=512 (and PORTATTN_NCU_CAUSAL=1) profiles a shorter point of the grid: the batch
 # keeps the 16k tokens (batch = 16384 / seqlen), as bench_attention.py's grid does.
+# PORTATTN_NCU_BATCH / PORTATTN_NCU_HEADS override those two, for shapes off the grid (bench_short.py's many short
+# sequences: batch 512, 16 heads).
 _HEAD_DIM = int(os.environ.get("PORTATTN_NCU_HEAD_DIM", "128"))
 _SEQLEN = int(os.environ.get("PORTATTN_NCU_SEQLEN", "16384"))
-CASE = dict(batch=max(1, 16384 // _SEQLEN), heads=2048 // _HEAD_DIM, seqlen=_SEQLEN, head_dim=_HEAD_DIM,
+CASE = dict(batch=int(os.environ.get("PORTATTN_NCU_BATCH", max(1, 16384 // _SEQLEN))),
+            heads=int(os.environ.get("PORTATTN_NCU_HEADS", 2048 // _HEAD_DIM)), seqlen=_SEQLEN, head_dim=_HEAD_DIM,
             causal=os.environ.get("PORTATTN_NCU_CAUSAL", "0") == "1")
 
 

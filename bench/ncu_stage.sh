@@ -63,7 +63,9 @@ HD=${PORTATTN_NCU_HEAD_DIM:-128}
 SEQ=${PORTATTN_NCU_SEQLEN:-16384}
 MASK=$([ "${PORTATTN_NCU_CAUSAL:-0}" = 1 ] && echo causal || echo full)
 BATCH=$((16384 / SEQ)); [ "$BATCH" -ge 1 ] || BATCH=1
-SHAPE="hd$HD s$SEQ B$BATCH H$((2048 / HD)) $MASK"
+BATCH=${PORTATTN_NCU_BATCH:-$BATCH}  # (bench/ncu_profile.py reads the same two overrides)
+HEADS=${PORTATTN_NCU_HEADS:-$((2048 / HD))}
+SHAPE="hd$HD s$SEQ B$BATCH H$HEADS $MASK"
 SUFFIX=$([ "$HD" = 128 ] || echo "_hd$HD")
 for what in ${@:-fwd bwd bwd_sm80}; do
   case "$what" in
