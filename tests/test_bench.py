@@ -153,6 +153,24 @@ def test_ncu_opcode_mix_weighs_instructions_by_executions(tmp_path):
     assert counts == {"FFMA": 105, "BRA": 7, "SYNCS": 3} and total == 115
 
 
+def test_ncu_sass_stalls_sums_a_reason_by_opcode(tmp_path, capsys):
+    sys.path.insert(0, BENCH)
+    import ncu_sass_stalls
+
+    page = tmp_path / "src.csv"
+    page.write_text('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+                    '"stall_wait","stall_barrier","stall_wait (Not Issued)"\n'
+                    '"0x0","      MUFU.EX2 R1, R2","10","64","7","3","99"\n'
+                    '"0x10","@!P0  MUFU.EX2 R3, R4","4","64","4","0","99"\n'
+                    '"0x20","      F2FP.BF16.F32.PACK_AB R5, R1, R3","6","32","1","5","99"\n')
+    assert ncu_sass_stalls.opcode("@!P0  MUFU.EX2 R3, R4") == "MUFU"
+    assert ncu_sass_stalls.main(["ncu_sass_stalls.py", str(page), "--by-opcode"]) == 0
+    text = capsys.readouterr().out
+    # 12 of 20 samples are "wait" (the "Not Issued" column is not a reason); 11 of them on the MUFUs.
+    assert "'wait' 60.0% of them" in text and "MUFU 55.0%" in text and "F2FP 5.0%" in text
+    assert "executed by opcode: MUFU 128, F2FP 32" in text
+
+
 def test_ncu_summary_reads_the_raw_page(tmp_path):
     sys.path.insert(0, BENCH)
     import ncu_profile
