@@ -87,7 +87,8 @@ BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_
 // Note [portattn backward zeroing] (bwd_kernel.cuh): the preprocess clears the accumulators
 // where its grid has the CTAs for it; a call with few query rows and many keys (GQA's dK / dV
 // accumulators are sized by the keys) would leave a few CTAs each a long serial run of stores,
-// so past this many bytes a CTA (hd128 at 16k tokens: 8 KiB) a memset clears them instead.
+// so past this many bytes a CTA (hd128 at 16k tokens: 8 KiB) a memset clears them instead, as
+// it does a workspace that is not 16-byte aligned (the kernel's stores are 16 bytes wide).
 constexpr int64_t kMaxZeroBytesPerPreprocessCta = 64 * 1024;
 
 template <typename Elem>
@@ -98,7 +99,8 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, cudaStream_t stream) {
   const dim3 grid((f.seqlen_q + rows_per_block - 1) / rows_per_block, args.heads, f.batch);
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
   BwdArgs launch_args = args;
-  if (args.zero_bytes > 0 && (ctas == 0 || args.zero_bytes > ctas * kMaxZeroBytesPerPreprocessCta)) {
+  const bool aligned = reinterpret_cast<uintptr_t>(args.zero_begin) % 16 == 0 && args.zero_bytes % 16 == 0;
+  if (args.zero_bytes > 0 && (ctas == 0 || !aligned || args.zero_bytes > ctas * kMaxZeroBytesPerPreprocessCta)) {
     const cudaError_t err = cudaMemsetAsync(args.zero_begin, 0, args.zero_bytes, stream);
     if (err != cudaSuccess) return err;
     launch_args.zero_bytes = 0;

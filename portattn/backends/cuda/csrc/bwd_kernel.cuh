@@ -201,11 +201,12 @@ __host__ __device__ inline int bwd_preprocess_lanes_log2(int headdim) {
 // The accumulators the main kernel adds into must start at zero. A cudaMemsetAsync of them was
 // its own pass over the workspace before this kernel (41 us for hd128's 128 MiB dQ accumulator at
 // 16k tokens, next to this kernel's 55 us, bench/results/runs/2026-11-26-dc9be59/kernel_breakdown.md).
-// This kernel is bound by its loads' latency rather than by DRAM bandwidth (~2.4 of ~3.35 TB/s), so
-// each CTA also clears an equal slice of those bytes with 16-byte stores, issued before its loads:
-// the writes share the loads' time instead of taking a pass of their own. The slices cover the whole
-// region whatever its layout (swizzled dQ rows, GQA's dK / dV, the ordered mode's counts); delta and
-// lse2, which this kernel writes, lie before it (bwd_workspace_layout).
+// Each CTA of this kernel now also clears an equal slice of those bytes with 16-byte stores, issued
+// before its loads. Measured on an H100 (bench/results/runs/2026-11-26-4b8e76b-s21, call 9): the two
+// took 96-99 us a step, the fused kernel 92-94 us. It moves the same bytes at ~2.9 TB/s, so what it
+// saves is a launch and a few microseconds, as session 12 predicted, not bandwidth. The slices cover
+// the whole region whatever its layout (swizzled dQ rows, GQA's dK / dV, the ordered mode's counts);
+// delta and lse2, which this kernel writes, lie before it (bwd_workspace_layout).
 __device__ __forceinline__ void bwd_zero_slice(const BwdArgs& args) {
   const int64_t vectors = args.zero_bytes / 16;
   const int64_t ctas = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
