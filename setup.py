@@ -94,7 +94,7 @@ ext_modules = [Extension(f"portattn.backends.{name}._C", sources=[]) for name in
 
 setup(
     name="portattn",
-    version="0.1.0",
+    version="0.2.0",
     description="Hardware-portable exact attention (FlashAttention-class kernels) for PyTorch on NVIDIA and AMD GPUs",
     long_description=open(os.path.join(ROOT, "README.md")).read() if os.path.exists(os.path.join(ROOT, "README.md")) else "",
     long_description_content_type="text/markdown",

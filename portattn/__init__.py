@@ -8,7 +8,7 @@ The API follows flash-attn's names and semantics, so switching is an import chan
 `portattn.explain(q, k, v, ...)` says which backend runs a call and why;
 `python -m portattn` (or `portattn-report`) describes this machine's support.
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 try:
     import torch as _torch  # noqa: F401

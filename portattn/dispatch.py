@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from . import selfcheck
 from .backends.base import Backend
 from .backends.reference import ReferenceBackend
 from .capability import matrix
@@ -193,8 +194,6 @@ class Dispatcher:
         index = _device_index(device)
         verdict = slot.selfcheck.get((device.type, index))
         if verdict is None:
-            from . import selfcheck
-
             verdict = selfcheck.ensure_verified(slot.backend, device)
             slot.selfcheck[(device.type, index)] = verdict
             if verdict:

@@ -177,10 +177,11 @@ def _selftest(report_text: bool):
     if not probe.torch_installed():
         return {"error": "self-check not available: torch not installed"}
     try:
+        from .dispatch import DISPATCHER
         from .selfcheck import run_selftest
     except Exception as error:
         return {"error": f"self-check not available ({type(error).__name__}: {error})"}
-    return run_selftest(report=report_text)
+    return run_selftest(DISPATCHER.slots, report=report_text)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -216,13 +216,14 @@ def _check_case(backend, reference, device, dtype, generator, shape, causal, wit
     return "ok"
 
 
-def run_selftest(report: bool = True) -> dict:
-    """`portattn-report --selftest`: check every available compiled backend on every device now."""
-    from . import dispatch
+def run_selftest(slots, report: bool = True) -> dict:
+    """`portattn-report --selftest`: check every available compiled backend on every device now.
 
+    `slots` are the dispatcher's backend slots (`dispatch.DISPATCHER.slots`), passed in so this
+    module never imports the dispatcher that imports it."""
     results = {}
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    for slot in dispatch.DISPATCHER.slots:
+    for slot in slots:
         if slot.name == "reference":
             continue
         if slot.backend is None:
