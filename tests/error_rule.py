@@ -22,7 +22,7 @@ rows as the oracle (never NaN).
 Where it stops holding: at score ranges far beyond attention's (|LSE| in the hundreds), any
 tensor-core kernel's LSE is 2-4x the CUDA-core float32 error. The fp32 accumulation of the
 products keeps fewer bits there; a plain Triton GEMM of the same inputs shows the same error
-(bench/results/runs/2026-11-26-a55d02d-probe). Tests keep scores in realistic ranges
+(archive:2026-11-26-a55d02d-probe/lse_probe.txt). Tests keep scores in realistic ranges
 (tests/gpu/test_cuda_hopper_forward.py, the growing-maxima test).
 """
 from __future__ import annotations

@@ -125,7 +125,7 @@ def run_case(module, case, window=(-1, -1), backward=True, entry="fwd", determin
     dout = torch.randn_like(q)
     out_c = torch.nan_to_num(out)  # unwritten rows (outside every sequence) read as 0
     bwd_args = _args(q, k, v, out_c, lse, cu_q, cu_k, used, window)
-    # The sm_90a forward's calls take the sm_90a backward (varlen since session 5), the rest `bwd`;
+    # The sm_90a forward's calls (varlen included) take the sm_90a backward, the rest `bwd`;
     # each sizes its own workspace.
     hopper = entry == "hopper_fwd"
     workspace_bytes = module.bwd_workspace_bytes(*workspace_shape(bwd_args), deterministic, ordered_dq=hopper)

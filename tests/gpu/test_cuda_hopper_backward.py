@@ -220,7 +220,7 @@ def test_hopper_deterministic_is_bitwise_reproducible(head_dim, gqa, window, sof
 
 
 # Issue 11: compute-sanitizer racecheck reports WAR hazards on the backward's LSE/delta ring
-# (bench/results/runs/2026-11-24-794d271/racecheck_hopper_bwd.log: consumer lanes read
+# (archive:2026-11-24-794d271/racecheck_hopper_bwd.log: consumer lanes read
 # s_lse/s_delta of a stage, producer warp 1 rewrites that stage kStages query blocks later).
 # The two are ordered by the stage's mbarriers, which racecheck does not model: each consumer
 # warp's lanes __syncwarp, lane 0 arrives on bar_empty (mbarrier.arrive: release, CTA scope),

@@ -248,9 +248,8 @@ def test_hopper_forward_single_block_calls_chain_tiles(shape):
 # tile's first key block starts at its first row's diagonal, and their unaligned neighbours: equal
 # lengths (one and several blocks, a partial last tile), offsets of +128, +640 and -128 (rows with no
 # key), +129 and +100, several tiles a CTA (the cross-tile phase and the paired walk), GQA; the
-# short causal schedule up to 1024 keys and the long one past it. (Written for session 14's half
-# diagonal, docs/hopper_notes.md, which was measured and not kept; the cases stay as a regression
-# test of the diagonal's placement.)
+# short causal schedule up to 1024 keys and the long one past it. A regression test of the
+# diagonal's placement (a half-diagonal key block, docs/tried-and-rejected.md, would depend on it).
 @pytest.mark.parametrize("shape", [(2, 128, 128, 3, 3), (2, 512, 512, 3, 3), (2, 300, 300, 3, 1),
                                    (2, 300, 428, 3, 3), (2, 428, 300, 3, 3), (2, 100, 740, 3, 3),
                                    (16, 512, 512, 16, 4), (2, 2000, 2000, 4, 4), (1, 3000, 3128, 3, 3),
@@ -270,9 +269,9 @@ def test_hopper_forward_causal_key_offsets(head_dim, dtype, shape):
 # visits key blocks from the last down, so the scores grow toward the first keys. Every head dim (the
 # bound is in the hd128 128-key kernels; the others must stay exact on the same inputs); 2100 keys:
 # 17 blocks (three consumers at hd64). The largest score stays at most ~42 log2 units (~30 in natural
-# units) above the smallest block's. A first version drove it to 150-700. There a plain tensor-core GEMM
-# of the same inputs misses the LSE rule as our kernels do: the fp32 accumulation of the products
-# (bench/results/runs/2026-11-26-a55d02d-probe).
+# units) above the smallest block's: at 150-700 a plain tensor-core GEMM of the same inputs misses the
+# LSE rule as our kernels do, from the fp32 accumulation of the products
+# (archive:2026-11-26-a55d02d-probe/lse_probe.txt).
 @pytest.mark.parametrize("case", [((1000, 1000), 1.0), ((1000, 1000), 3.0), ((1000, 1000), 6.0),
                                   ((500, 500), 10.0), ((300, 2100), 1.0), ((300, 2100), 2.0)],
                          ids=lambda c: f"{c[0][0]}x{c[0][1]}-g{c[1]:g}")

@@ -4,8 +4,8 @@
 // sm80 forward and backward, the ROCm forward and backward and both vendors'
 // decode kernels, host and device, CUDA and HIP. The Hopper forward and
 // backward keep their own written-out copy on purpose: ported to these helpers
-// they measured slower on an H100 (forward+backward 7-11% at hd 64 causal,
-// forward 0-5%; bench/results/runs/2026-11-24-c4f0d81/hopper_*_ab_*.md), from
+// they measure slower on an H100 (forward+backward 7-11% at hd 64 causal,
+// forward 0-5%; archive:2026-11-24-c4f0d81/hopper_bwd_ab_block_range.md), from
 // code generation, not from the ranges, which are the same (the brute-force
 // test below covers the rule; the Hopper GPU tests cover those kernels). tests/test_block_range.py checks it on the CPU against a brute-force
 // reading of the rule.

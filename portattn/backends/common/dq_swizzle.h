@@ -19,10 +19,10 @@ namespace cuda {
 //    2j + (q4 >> 1), served a half warp (rows 0-3, then 4-7) at a time;
 //  * the 80-query kernel's 4-byte stores of dQ^T (Note [portattn hopper 80-query steps]): lane
 //    (g, q4) writes row 2 q4 + h (mod 8), so rows {0, 2, 4, 6} or {1, 3, 5, 7}.
-// (r1, r0 ^ r2) differs within each of the four sets. The earlier key (r1, r0, r2) served the
-// first pair only (the 80-query stores went at 2 wavefronts where 1 does); before it, row & 7
-// served neither (4 wavefronts a 64-bit store where 2 do: ncu source page, hd128 2k causal,
-// 8.6% of the kernel's shared-memory wavefronts; bench/results/runs/2026-11-26-53ce50d).
+// (r1, r0 ^ r2) differs within each of the four sets. The key (r1, r0, r2) serves the first
+// pair only (the 80-query stores would go at 2 wavefronts where 1 does), and row & 7 serves
+// neither (4 wavefronts a 64-bit store where 2 do: ncu source page, hd128 2k causal, 8.6% of the
+// kernel's shared-memory wavefronts; archive:2026-11-26-53ce50d/ncu_details_bwd_hd128_s2k_causal.txt).
 // tests/test_dq_swizzle.py checks the permutation and both store patterns.
 PORTATTN_HD int dq_chunk_key(int row) {
   return ((row & 2) << 1) | (((row ^ (row >> 2)) & 1) << 1) | ((row >> 2) & 1);

@@ -5,9 +5,8 @@
 // Why it exists: the Hopper forward decodes every tile it takes into (query
 // block, head, batch) with two to four such divisions, and a persistent CTA
 // takes 60-120 one-key-block tiles in a call of many short sequences (batch
-// 512 x 100-200 rows), where those divisions were ~60 of the ~520 warp
-// instructions a tile costs beyond its key blocks (docs/hopper_notes.md,
-// sessions 11-12).
+// 512 x 100-200 rows), where those divisions would be ~60 of the ~520 warp
+// instructions a tile costs beyond its key blocks (docs/kernels-hopper.md).
 //
 // The rule (round-up reciprocal): for a divisor 1 <= d < 2^31 let l = ceil(log2 d)
 // and m = ceil(2^(31 + l) / d), which is below 2^32 for d >= 2. Then for every

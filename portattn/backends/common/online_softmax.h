@@ -93,7 +93,7 @@ PORTATTN_SOFTMAX_HD float log2_accurate(float x) {
 // Note [portattn fast finalize]
 // A tile's end: the LSE's log2 of the row sum and O's 1 / row sum. log2f and an IEEE division
 // each carry a range-reduction and a slow path (about 25 instructions a row with their branches,
-// session 15's SASS of the Hopper forward) where one MUFU instruction does: lg2.approx has an
+// in the SASS of the Hopper forward) where one MUFU instruction does: lg2.approx has an
 // absolute error below 2^-22 (the LSE is stored in float32, whose spacing is 2^-21 at 8), and
 // rcp.approx a relative one of about 1 ulp, which the rounding of O to 16 bits hides. The row
 // sum is a sum of exponentials that includes the row maximum's exp2(0) = 1, so it is a normal

@@ -13,9 +13,9 @@ SUPPORTED = ALL_FEATURES
 
 # arch name -> features our GPU suite passed on that hardware.
 VERIFIED = {
-    # sm90 (H100 80GB HBM3, 2026-11-21): the forward suite (tests/gpu/test_cuda_forward.py, 568 passed,
-    # bench/results/runs/2026-11-21-9ba93e8/cuda_forward_tests.md), then forward and backward suites at
-    # commit 0a4116c (bench/results/runs/2026-11-21-0a4116c/summary.md).
+    # sm90 (H100 80GB HBM3): the forward suite (tests/gpu/test_cuda_forward.py, 568 passed,
+    # archive:2026-11-21-9ba93e8/cuda_forward_tests.md) and the forward and backward suites
+    # (archive:2026-11-21-0a4116c/summary.md).
     "sm90": frozenset({"forward", "backward", "deterministic_backward", "causal", "window", "softcap",
                        "alibi", "dropout", "gqa", "varlen",
                        # the decode kernels: tests/gpu/test_cuda_decode.py, H100, 2026-11-24

@@ -11,30 +11,20 @@ from ..declare import BackendSpec
 SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa", "window", "softcap",
                        "varlen"})
 
-# sm90 (H100 80GB HBM3, 2026-11-21): integrated GPU run 3 at 76e7159 (bench/results/runs/2026-11-21-76e7159/summary.md):
-# tests/gpu/test_cuda_hopper_forward.py (every forward schedule, windows, softcap, varlen,
-# calling the kernel directly; its dispatch test through the public API) and
+# sm90 (H100 80GB HBM3): every feature above passes the GPU suites at every head dim this spec
+# serves, with compute-sanitizer memcheck, initcheck and synccheck clean. The suites are
+# tests/gpu/test_cuda_hopper_forward.py (every forward schedule, windows, softcap, varlen, calling
+# the kernel directly; its dispatch test through the public API) and
 # tests/gpu/test_cuda_hopper_backward.py (the backward and its deterministic mode, windows and
-# softcap), 1917 GPU tests passed in all; compute-sanitizer memcheck and synccheck clean.
-# Session 5 (2026-11-24), integrated run at 654f44a (bench/results/runs/2026-11-24-7b49e7e/summary.md): 3181 GPU
-# tests passed, the hd256 forward (every launched schedule) and the varlen backward included; memcheck and
-# synccheck clean.
-# Head dims 96 and 192 (forward, padded on the hd128 / hd256 kernels) were added after these runs
-# and have not run on a GPU yet: tests/gpu/test_cuda_hopper_forward.py covers them (its grids
-# are this spec's head dims); the forward's mark covers them once that run passes.
-# Session 7 (2026-11-24), integrated run at 4a49676 (bench/results/runs/2026-11-24-4a49676/summary.md): 3753 GPU
-# tests passed (the hd96 / hd192 forward grids included); memcheck, initcheck (every kernel) and synccheck clean.
-# The hd96 backward (padded on the hd128 backward kernel), run at 4507308
-# (bench/results/runs/2026-11-24-4507308/summary.md): 4321 GPU tests passed (the Hopper backward grids at hd96
-# included: tests/gpu/test_cuda_hopper_backward.py's grids are this spec's both-pass head dims); memcheck,
-# initcheck and synccheck clean.
-# The hd256 backward (head dim split over two CTAs) and hd192 on it, run at 27e080f
-# (bench/results/runs/2026-11-26-27e080f/summary.md): 6313 GPU tests passed (the Hopper backward grids at 192 and
-# 256 included); memcheck, initcheck and synccheck clean.
-# hd192 on its own forward and backward kernels (session 18), run at e182cd6, abc5ed9 and 81b5fdf
-# (bench/results/runs/2026-11-26-81b5fdf/summary.md): every hd192 gpu test passed (751); memcheck,
-# initcheck and synccheck clean; the whole suite at 551beec (6291 passed). The 80-key short causal hd192
-# forward (6e31fc8): the hd192 tests (751) and the sanitizers clean (runs/2026-11-26-6e31fc8).
+# softcap); their grids are this spec's head dims. Evidence, by feature:
+#   forward and backward, hd64 / hd128: archive:2026-11-21-76e7159/summary.md (1917 tests);
+#   the hd256 forward and the varlen backward: archive:2026-11-24-7b49e7e/summary.md (3181);
+#   the hd96 forward: archive:2026-11-24-4a49676/summary.md (3753);
+#   the hd96 backward: archive:2026-11-24-4507308/summary.md (4321);
+#   the hd256 backward: archive:2026-11-26-27e080f/summary.md (6313);
+#   hd192 on its own forward and backward kernels: archive:2026-11-26-81b5fdf/summary.md (751
+#   hd192 tests; the whole suite 6291), its 80-key short causal forward:
+#   archive:2026-11-26-6e31fc8/summary.md.
 VERIFIED = {"sm90": SUPPORTED}
 
 SPEC = BackendSpec(
@@ -50,7 +40,7 @@ SPEC = BackendSpec(
     # tail, so only these are served. The forward has hd192 and hd256 (Notes [portattn hopper
     # hd192] and [portattn hopper hd256]) and hd96 on the hd128 kernel, padded by TMA's zero fill
     # (Note [portattn hopper padded head dims]: 33% more MMA work than a native kernel; measured on
-    # an H100 at 1.2-1.5x the sm80+ path's forward, bench/results/runs/2026-11-24-ee2d963/
+    # an H100 at 1.2-1.5x the sm80+ path's forward, archive:2026-11-24-ee2d963/
     # padded_head_dims.md). The backward serves hd96 the same way, on its hd128 kernel (the sm80+
     # backward at 96 held training at 0.84-0.88x SDPA's FlashAttention-2, while the Hopper backward
     # at 128 runs 1.5-1.8x the sm80+ one), hd256 with the head dim split over two CTAs (Note

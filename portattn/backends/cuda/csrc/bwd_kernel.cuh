@@ -86,8 +86,8 @@ struct BwdTileConfig {
   // sequences of head dims 16-32 latency-bound (bench/results/latest/short_seq.md). The
   // extras variant (softcap, ALiBi, dropout) would spill heavily under the cap: it keeps one.
   // Its 49 KB of shared memory (+1 KB reserved per CTA) fits twice in the 100 KB of the
-  // smallest sm80+ parts (sm86/sm89/sm120). At hd 64 the cap spilled 524 B and was 4-10%
-  // slower on the H100 (docs/cuda_bwd_notes.md).
+  // smallest sm80+ parts (sm86/sm89/sm120). At hd 64 the cap spills 524 B and is 4-10%
+  // slower on the H100 (docs/kernels-sm80.md).
   static constexpr bool kTwoCtasPerSm = kHeadDim <= 32;
   // dQ is produced in (kDqRows x kDqChunk) tiles, distributed over the warps: the
   // largest tile that still gives every warp one. 32 columns halve the reloads of the dS
@@ -198,13 +198,12 @@ __host__ __device__ inline int bwd_preprocess_lanes_log2(int headdim) {
 }
 
 // Note [portattn backward zeroing]
-// The accumulators the main kernel adds into must start at zero. A cudaMemsetAsync of them was
-// its own pass over the workspace before this kernel (41 us for hd128's 128 MiB dQ accumulator at
-// 16k tokens, next to this kernel's 55 us, bench/results/runs/2026-11-26-dc9be59/kernel_breakdown.md).
-// Each CTA of this kernel now also clears an equal slice of those bytes with 16-byte stores, issued
-// before its loads. Measured on an H100 (bench/results/runs/2026-11-26-4b8e76b-s21, call 9): the two
-// took 96-99 us a step, the fused kernel 92-94 us. It moves the same bytes at ~2.9 TB/s, so what it
-// saves is a launch and a few microseconds, as session 12 predicted, not bandwidth. The slices cover
+// The accumulators the main kernel adds into must start at zero. Each CTA of this kernel clears
+// an equal slice of those bytes with 16-byte stores, issued before its loads, instead of a
+// cudaMemsetAsync pass over the workspace before it (41 us for hd128's 128 MiB dQ accumulator at
+// 16k tokens, next to this kernel's 55 us). On an H100 the memset and this kernel take 96-99 us a
+// step, the fused kernel 92-94 us (archive:2026-11-26-4b8e76b-s21/c9). It moves the same bytes at
+// ~2.9 TB/s, so what it saves is a launch and a few microseconds, not bandwidth. The slices cover
 // the whole region whatever its layout (swizzled dQ rows, GQA's dK / dV, the ordered mode's counts);
 // delta and lse2, which this kernel writes, lie before it (bwd_workspace_layout).
 __device__ __forceinline__ void bwd_zero_slice(const BwdArgs& args) {

@@ -35,7 +35,7 @@ namespace cuda {
 // Registers (ptxas -v, sm_90, nvcc 13.0, no extras): 255 per thread for every
 // shape except hd 32 (172); spills are small and sit outside the S/dP loop
 // (hd 64: none; hd 96-256: 36-152 bytes of stores). Alternatives measured on
-// an H100 and rejected (docs/cuda_bwd_notes.md): square
+// an H100 and rejected (docs/kernels-sm80.md): square
 // 32x32 warp tiles with P^T/dS^T through shared memory (fewer ldmatrix, one
 // more barrier: 4-20% slower), 64-key CTAs at 2 per SM (3-7% slower),
 // 128x128 blocks at hd 64 (spills inside the main loop).

@@ -3,7 +3,7 @@
 // (kBlockN x head_dim) blocks through shared memory.
 //
 // Tile configuration (FwdTileConfig below; registers/spills from ptxas -v are
-// in docs/cuda_fwd_notes.md):
+// in docs/kernels-sm80.md):
 //   head dim <= 128: 4 warps, each owning 32 query rows (two m16 tiles), so one
 //     K/V fragment read from shared memory feeds two mma's (shared-memory
 //     bandwidth, not the tensor cores, is the limit with 16 rows per warp).
@@ -13,8 +13,8 @@
 //   Short sequences at head dim <= 64: 64 x 64 tiles, four CTAs an SM (Note
 //   [portattn sm80 narrow tiles]; fwd_launch.cuh decides when).
 //   The online softmax rescales O lazily (Note [portattn lazy rescale] in
-//   online_softmax.h); with the FMNMX row max and the removed spill it gained
-//   2-5% on the H100 (docs/cuda_fwd_notes.md).
+//   online_softmax.h); with the FMNMX row max and no spill it gains
+//   2-5% on the H100 (docs/kernels-sm80.md).
 //   Shared memory: Q (kBlockM x D) + K (kBlockN x D) + V (kBlockN x D), bf16/fp16,
 //   XOR-swizzled (ptx.cuh: SwizzledTile): 64 KB at D=128, 128 KB at D=256.
 //
@@ -52,13 +52,13 @@ namespace cuda {
 // kNarrow: 64-row query blocks (one m16 tile per warp) and 64-key blocks, for
 // many short sequences at head dims <= 128 (fwd_launch.cuh decides when).
 // Why: batch 512 x seqlen 50-300 is latency-bound, not throughput-bound: a
-// 128 x 128 tile of a 100-key sequence is mostly padding (one key block, the
-// same time at seqlen 50 as at 100 in session 10's short_seq.md), and
+// 128 x 128 tile of a 100-key sequence is mostly padding (one key block, as
+// long at seqlen 50 as at 100: docs/kernels-sm80.md), and
 // the wide shape's S (64-128 fp32 a thread) holds an SM at two CTAs, eight
 // warps, to hide each tile's load -> S -> softmax -> P V -> store chain. The
 // narrow shape needs a quarter of the registers for S, so four CTAs fit an
 // SM (five at head dim 32), and a 50-row sequence computes a 64 x 64 tile
-// instead of 128 x 128. Measurements: docs/cuda_fwd_notes.md, "Narrow tiles".
+// instead of 128 x 128. Measurements: docs/kernels-sm80.md.
 // It gives up what the wide shape is for (one K/V fragment read feeding two
 // mma's): long sequences keep the wide shape.
 template <int kHeadDim_, bool kNarrow_ = false>
@@ -69,8 +69,8 @@ struct FwdTileConfig {
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   static constexpr int kMTiles = (kHeadDim <= 128 && !kNarrow) ? 2 : 1;  // m16 tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;
-  // Head dim 64 at kBlockN = 64 measured within noise of 128 on the H100
-  // (faster from 2k keys on, slower below; docs/cuda_fwd_notes.md).
+  // Head dim 64 at kBlockN = 64 measures within noise of 128 on the H100
+  // (faster from 2k keys on, slower below; docs/kernels-sm80.md).
   static constexpr int kBlockN = (kHeadDim <= 64 && !kNarrow) ? 128 : 64;
   static constexpr int kThreads = kWarps * 32;
   // Two CTAs per SM hide each other's barriers; the 8-warp configs need all
@@ -78,7 +78,7 @@ struct FwdTileConfig {
   // five at head dim 32 (93-95 registers, 0 spills; 6 spills 16-20 B), four
   // at 64 (128 registers; five spill 52-72 B) and three at 96-128 (168, 0
   // spills): measured on an H100, five against four at hd16/32 +13-16% from
-  // 100 rows (runs/2026-11-26-49058fb), at hd64 -10% to +4%.
+  // 100 rows (archive:2026-11-26-49058fb/summary.md), at hd64 -10% to +4%.
   static constexpr int kMinBlocksPerSm = kNarrow ? (kHeadDim <= 32 ? 5 : kHeadDim <= 64 ? 4 : 3) : (kWarps == 4 ? 2 : 1);
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
   static_assert(kBlockN / 4 <= 32, "dropout keep bits of one row fit one 32-bit word");

@@ -31,7 +31,7 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
 // Note [portattn sm80 narrow tiles] (fwd_kernel.cuh): when the narrow shape runs
 // (head dims <= 128; lengths are the longest of the batch for varlen). Measured on an
 // H100, wide against narrow (with its early V), batch 512, 16 heads, hd 16/32/64, two
-// rounds (bench/sm80_narrow_ab.py, runs/2026-11-26-ea1a3ea/narrow_ab):
+// rounds (archive:2026-11-26-ea1a3ea/narrow_ab):
 //  * masked calls (causal, windows) up to 512 keys: narrow 1.03-2.8x (finer blocks
 //    skip more of the masked triangle, and more CTAs hide each tile's latency);
 //  * unmasked calls up to 256 keys: 1.01-2.8x (at 50 rows a quarter of the padded
@@ -41,14 +41,14 @@ cudaError_t launch_fwd(const PortattnFwdParams& params) {
 // So: masked or <= 256, or an unmasked call whose 64-padded area is at most 7/8 of its
 // 128-padded one; never past kNarrowMaxSeqlen (not measured there). At head dim 32 the
 // narrow kernel runs five CTAs an SM (fwd_kernel.cuh) and wins further
-// (runs/2026-11-26-49058fb): every point up to 512 (1.05-3.1x, unmasked 384-512 included)
+// (archive:2026-11-26-49058fb/summary.md): every point up to 512 (1.05-3.1x, unmasked 384-512 included)
 // and masked calls up to 1024 (768: 1.04-1.17x, 1024: 1.03-1.12x; unmasked 1024 0.97-1.00x,
 // 2048 0.88-0.97x), so there it runs up to 512, and masked up to kNarrowMaskedMaxSeqlenHd32.
 // Tuning builds (-DPORTATTN_FWD_TUNING) take PORTATTN_FWD_SHAPE=wide|narrow on every call
 // instead, so one process can time both shapes.
 constexpr int kNarrowMaxHeadDim = 128;
 constexpr int kNarrowMaxSeqlen = 512;
-// Head dims 96 and 128 (three CTAs an SM, 168 registers, 0 spills; runs/2026-11-26-a27a15a, hd128, the
+// Head dims 96 and 128 (three CTAs an SM, 168 registers, 0 spills; archive:2026-11-26-a27a15a/n128_ab, the
 // same A/B): narrow 1.64x at 50 rows, masked 100-300 1.00-1.42x (512: 0.94), unmasked 1.20x at 150 and
 // 1.01x at 300 where 64-row padding saves a quarter of the area or more, 0.86-0.99x where it does not
 // (100, 200, 256, 512). So there: at most kNarrowMaxSeqlenWide rows, masked or saving a quarter.

@@ -23,14 +23,13 @@ namespace {
 
 // PORTATTN_HOPPER_BWD_DQ (tuning; README): how the default mode adds dQ into its fp32
 // accumulator. "auto" (unset, the default): bulk reductions at every head dim the
-// kernel serves. Measured on the H100 (bench/results/runs/2026-11-24-687cbc7/ab_*.md),
+// kernel serves. Measured on the H100 (archive:2026-11-24-687cbc7/ab_H64.md and ab_H128.md),
 // forward+backward at seqlen 1k-16k: hd64 bulk 1.02-1.11x the per-element v2
-// reductions since bulk adds one swizzled tile a step (before that change bulk was
-// 0.86-0.95x atomic at hd64, runs/2026-11-24-fd1ca80/hopper_bwd_ab.md, hence the
-// threshold kBulkDqMinHeadDim kept for another head dim); "atomic" and "bulk" force
+// reductions, as bulk adds one swizzled tile a step (the threshold kBulkDqMinHeadDim
+// is kept for another head dim); "atomic" and "bulk" force
 // one path (Note [portattn hopper bulk dQ]). Read once, at the first call;
-// portattn_cuda_hopper_bwd_dq_mode changes it afterwards (tests and
-// bench/hopper_bwd_ab.py time both in one process). The deterministic mode always
+// portattn_cuda_hopper_bwd_dq_mode changes it afterwards (tests and A/B
+// scripts time both in one process). The deterministic mode always
 // adds per element.
 enum HopperBwdDqMode : int { kDqModeAtomic = 0, kDqModeBulk = 1, kDqModeAuto = 2, kDqModeInvalid = -1 };
 constexpr const char* kDqModeEnv = "PORTATTN_HOPPER_BWD_DQ";

@@ -67,17 +67,17 @@
 // ptxas (nvcc 13.0): 0 spills at 24 / 240 registers for every variant without
 // softcap (the producer spilled at 24 while one warp did both of its jobs, hence
 // the split over two warps). hd128 with softcap spills a few loop-invariant words
-// (4-12 bytes, docs/hopper_notes.md), hd64 with softcap none; no kernel draws
+// (4-12 bytes, docs/kernels-hopper.md), hd64 with softcap none; no kernel draws
 // ptxas's wgmma-serialisation warnings (C7514-C7517).
-// Measured on an H100 (bench/results/runs/2026-11-21-12f5a57/hopper_bwd_runs.md): 1.5x (hd64) and 1.8x
-// (hd128) the sm80+ backward; what to try next is in docs/hopper_notes.md.
+// Speed on an H100 against its peers: bench/results/latest/hopper_bench.md; analysis
+// in docs/kernels-hopper.md.
 //
 // Note [portattn hopper bulk dQ]
 // The alternative dQ path (PORTATTN_HOPPER_BWD_DQ=bulk, hopper_bwd_entry.cu;
 // in the deterministic mode ordered per query block, Note [portattn hopper
 // ordered dQ]). Why: with per-element `red.global` the consumers' reductions and
 // global loads fill the LSU queue (lg_throttle, long_scoreboard stalls,
-// docs/hopper_notes.md); FA3 stages dQ in shared memory and lets the copy
+// docs/kernels-hopper.md); FA3 stages dQ in shared memory and lets the copy
 // engine add it. Per step (one 64-query block):
 //   consumers  wait empty[b] (not for the first kDqStages steps), write their
 //              64 x kDqCols fp32 fragment into buffer b, fence.proxy.async,
@@ -96,10 +96,10 @@
 // both the staging buffer and the accumulator (bulk mode only) keep each row's
 // 16-byte chunk c at chunk c ^ key(row) (cuda::dq_chunk_swizzle, common/dq_swizzle.h, says
 // which key and why), which spreads each half warp's rows over all 32 banks, and the convert kernel reads it
-// back (BwdArgs::dq_swizzled). Measured before, with rows padded by 32 bytes
-// and one copy per row: 64 copies a step, and at hd128 room for one buffer only;
-// the consumers waited for it at 13% of the kernel's stall samples (ncu, session 6,
-// docs/hopper_notes.md). b = step % kDqStages; the named barrier ids and counts
+// back (BwdArgs::dq_swizzled). Rows padded by 32 bytes instead would need one
+// copy per row (64 a step) and leave room for one buffer only at hd128, where
+// the consumers waited for it at 13% of the kernel's stall samples (ncu,
+// docs/kernels-hopper.md). b = step % kDqStages; the named barrier ids and counts
 // are in HopperBwdTraits.
 //
 // Note [portattn hopper ordered dQ]
@@ -127,15 +127,15 @@
 // Why descending: with a right bound (causal, windows) key block n starts at
 // query block m_begin(n), later than block n - 1 did; adds in ascending order
 // would hold block n until blocks 0..n-1 had swept up to m_begin(n), a wavefront
-// that ran causal calls at 2.1-2.4x the default's backward time on an H100
-// (runs/2026-11-24-e588a72). In descending order the later blocks, which start
+// that runs causal calls at 2.1-2.4x the default's backward time on an H100
+// (archive:2026-11-24-e588a72/determinism.md). In descending order the later blocks, which start
 // further down, are always ahead. CTA n_blocks - 1 - blockIdx.x takes key block
 // n, so the blocks a CTA waits for belong to lower blockIdx.x of the same
 // (head, batch), which the hardware starts first: a waiting CTA's predecessors
 // are running or done, never queued behind it (the deadlock this order avoids).
-// Before, each split added into its own fp32 copy of dQ (the sm80+ scheme): ~2
-// GiB of slices at 16k tokens whose reductions missed the L2 (1.55-1.78x the
-// default's forward+backward time).
+// The sm80+ scheme instead (each split adds into its own fp32 copy of dQ) means ~2 GiB of
+// slices at 16k tokens whose reductions miss the L2: 1.55-1.78x the default's
+// forward+backward time.
 //
 // Note [portattn hopper split head dim]
 // Head dim 256 (Gemma). A consumer's dK and dV for 64 keys over all 256 columns would be 256
@@ -148,11 +148,11 @@
 // Shared memory: K 64 + V 64 + one Q / dO stage 32 + 32 + dS^T 2 x 16 = 224 KiB, so one stage
 // (the next query block loads after the step releases the stage) and dQ added per element from
 // registers (the bulk path's two 32 KiB staging tiles do not fit: kBulkDqFits). The deterministic
-// mode orders dQ's adds per key block as before (Note [portattn hopper ordered dQ]); the two halves
+// mode orders dQ's adds per key block as hd128 does (Note [portattn hopper ordered dQ]); the two halves
 // write disjoint columns, so each waits until the count has passed both halves of every later
-// block (kHalves x the turn, wait_count_at_least) and counts up once. Head dim 192 ran here
-// padded until session 18 (a third more MMA work than its own columns need); it now has its own
-// kernel, next Note.
+// block (kHalves x the turn, wait_count_at_least) and counts up once. Head dim 192 has its own
+// kernel (next Note): padded to this one it would do a third more MMA work than its own columns
+// need.
 //
 // Note [portattn hopper hd192 backward]
 // Head dim 192 does not split into two halves of whole 64-column panels (the MN-major B operands
@@ -168,8 +168,8 @@
 //    a key block side by side like hd256's halves (and its dQ order: wait_count_at_least); or
 //  * in two launches one after the other on the stream (launch_main's kPart 0, then 1), where the
 //    deterministic mode zeroes the dQ order counts between them (a memset on the stream).
-//  One launch against two, same-call A/B on an H100, three rounds (bench/results/runs/
-//  2026-11-26-7e565ef-s18ol): forward+backward causal +1.9 to +7.3% at 512-8k (-0.7% at 16k),
+//  One launch against two, same-call A/B on an H100, three rounds
+//  (archive:2026-11-26-7e565ef-s18ol/ab_O_OL.md): forward+backward causal +1.9 to +7.3% at 512-8k (-0.7% at 16k),
 //  unmasked +4.3 / +1.6% at 512 / 1k, -1.1 to +0.6% from 2k: the parts of a key block share
 //  their loads in L2 and one launch has one tail, which matter most where key blocks have few
 //  steps.
@@ -183,8 +183,8 @@
 //    per element (the bulk path's two 48 KiB staging tiles do not fit beside the two stages).
 //  * Part 1 has hd64's output width, and like hd64 (Note [portattn hopper dQ by step]) its
 //    consumers take turns at the whole 64-column dQ tile where the mask admits it (no mask; causal
-//    without softcap). Same-call A/B on an H100, three rounds (bench/results/runs/
-//    2026-11-26-614d1ef-s18x): hd192 forward+backward +2.1 to +3.6% unmasked, +3.6 to +5.6%
+//    without softcap). Same-call A/B on an H100, three rounds
+//    (archive:2026-11-26-614d1ef-s18x/ab_O_X.md): hd192 forward+backward +2.1 to +3.6% unmasked, +3.6 to +5.6%
 //    causal, every round, against the two consumers splitting its 64 columns.
 //
 // Note [portattn hopper dK/dV store]
@@ -213,11 +213,12 @@
 // arrives on the dS^T barrier and moves on to the next step, so the two also drift
 // out of lockstep by up to a step. The barrier takes an id per step parity (kBarDs,
 // HopperBwdTraits says why). Measured on an H100 (main kernel alone, same device
-// call, bench/results/runs/2026-11-24-aefb5f6): 6-9% less time without a mask. Causal
-// calls first lost 17-25% (runs/2026-11-24-45a4058): the 32 more registers pushed the
-// masked P^T loop's predicates through registers (P2R); with the masked and the plain
-// loop apart they gain 5-8% from 2k (runs/2026-11-24-1d55b4e). Causal with softcap
-// (its own masked loop still spills predicates with it) and windows keep the split.
+// call, archive:2026-11-24-aefb5f6/kbreak_ab.txt): 6-9% less time without a mask; causal
+// 5-8% less from 2k (archive:2026-11-24-1d55b4e/kbreak_ab.txt), with the masked and the plain
+// P^T loop apart: in one loop the 32 more registers push the masked loop's predicates
+// through registers (P2R) and causal loses 17-25% (archive:2026-11-24-45a4058/kbreak_ab.txt).
+// Causal with softcap (its own masked loop still spills predicates with it) and windows keep
+// the split.
 //
 // Note [portattn hopper backward pipeline]
 // Per step a consumer issues S^T and dP^T, waits, computes P^T and dS^T, issues dV, dK
@@ -231,17 +232,17 @@
 // accumulators that cross the loop's back edge, or dQ registers read after the next
 // products are issued, make ptxas serialise every wgmma of the kernel (C7514/C7515) or
 // wait for all of them before the read (C7517), which the kernel budget below checks.
-// Measured on an H100 (main kernel alone, same device call, bench/results/runs/
-// 2026-11-24-1c5ca0e): 1-5% less time at hd64 than the serial loop, within the spread
+// Measured on an H100 (main kernel alone, same device call,
+// archive:2026-11-24-1c5ca0e/kbreak_ab.txt): 1-5% less time at hd64 than the serial loop, within the spread
 // (-1 to +2%) at hd128; with K / V in registers at hd64, 5-8%.
 //
 // Note [portattn hopper staging addresses]
 // A consumer's shared-memory traffic per step, other than the wgmma operands: the dS^T tile
 // (16 4-byte stores a thread), the dQ staging (16 8-byte stores at hd128) and the LSE / delta
-// reads (8 + 8 8-byte loads). Each store took its address from the swizzle formula
-// (swizzle128, dq_chunk_swizzle), 2-4 integer instructions: a hd128 step issued ~580
+// reads (8 + 8 8-byte loads). Taking each store's address from the swizzle formula
+// (swizzle128, dq_chunk_swizzle) costs 2-4 integer instructions: a hd128 step issued ~580
 // instructions a consumer warp (cuobjdump), and the kernel 18.4 a wgmma against flash-attn-4's
-// 15.0 at the same tile (ncu, hd128 2k causal, session 16). Both swizzles only permute 16-byte
+// 15.0 at the same tile (ncu, hd128 2k causal). Both swizzles only permute 16-byte
 // chunks inside aligned groups of eight by a key fixed per thread, so:
 // - dS^T: the tile base and key_row * 128 keep bits 4-6 clear; ds_lane_b32 puts g there, and
 //   chunk c of the thread's row is then (s_ds + ds_lane_b32) ^ (16 c), plus 1024 for row + 8.
@@ -249,7 +250,7 @@
 //   lane gives the address of one 16-byte row of one 8x8 matrix, ds_lane its swizzled chunk for
 //   the first k16 block, and block kk's is that XOR 32 kk. 13 fewer instructions a hd128 step,
 //   within the spread on an H100 (two rounds, hd64 / hd128 1k-8k: 0.990-1.029 of the 4-byte
-//   stores, runs/2026-11-26-550e392-s16h), so not the default.
+//   stores, archive:2026-11-26-550e392-s16h/summary.md), so not the default.
 // - dQ: chunk 2 j + (q4 >> 1) of row warp * 16 + g goes to (2 j + (q4 >> 1)) ^ key, with key
 //   dq_chunk_swizzle's key of g: for j = 4 jh + jl that is 8 jh + ((2 jl + (q4 >> 1)) ^ key),
 //   so four per-thread offsets (dq_stage_off, by jl) plus immediates (jh * 128 bytes, 8 rows
@@ -257,8 +258,8 @@
 // - Not adopted: LSE / delta stored permuted so a thread's 16 are contiguous (four 16-byte
 //   loads each instead of eight 8-byte ones): the 16-byte loads' register quads pushed the
 //   hd64 bulk kernels' consumers to 20-40 bytes of spills (nvcc 13.0).
-// The addresses were checked against both swizzle formulas for every lane, row and step (hd64,
-// hd128) while writing this; the GPU tests compare every gradient with the reference.
+// The addresses agree with both swizzle formulas for every lane, row and step (hd64, hd128);
+// the GPU tests compare every gradient with the reference.
 //
 // Note [portattn hopper late dK]
 // Where a step's dQ is staged relative to dK's product. With dK issued before the dS^T
@@ -268,11 +269,11 @@
 // (FA3 / flash-attn-4's order): wait<1> retires dV and dQ, the staging stores run under
 // dK, and only then wait<0>. The cost: nothing of this consumer's own is left in the
 // pipe under the dS^T stores and barrier (dV, issued before the dS^T math, has usually
-// retired by then). Measured on an H100 (same-call A/B, three rounds, bench/results/runs/
-// 2026-11-26-6cdf00c-s16a): hd128 forward+backward without a mask +1.2 to +2.5% at 1k-8k,
-// every round above every round of the old order at 1k and 4k; causal -1.0 to +1.2% (its
-// kernel also spills 4 bytes with it), so causal, windowed and softcap kernels keep the
-// old order. hd64's no-mask and causal kernels compute dQ by step and cannot take it.
+// retired by then). Measured on an H100 (same-call A/B, three rounds,
+// archive:2026-11-26-6cdf00c-s16a/summary.md): hd128 forward+backward without a mask +1.2 to
+// +2.5% at 1k-8k, every round above every round of the dK-first order at 1k and 4k; causal -1.0
+// to +1.2% (its kernel also spills 4 bytes with it), so causal, windowed and softcap kernels
+// issue dK first. hd64's no-mask and causal kernels compute dQ by step and cannot take it.
 //
 // Note [portattn hopper 80-query steps]
 // FlashAttention-3's and flash-attn-4's hd128 tile without a mask: 80 queries a step instead of
@@ -289,21 +290,21 @@
 //    operand; dQ's error 1.9e-3 against 1.5e-3 in a smoke test, within the error rule).
 //  * Shared memory: K 32 + V 32 + two stages of Q 20 + dO 20 + dS 2 x 20 + one dQ staging tile of
 //    40 = 224 KiB, so one staging buffer: a step's staging waits for the previous step's copy.
-// Same-call A/B on an H100, forward+backward hd128 unmasked (bench/results/runs/
-// 2026-11-26-f6a6626-s19): the first form (a wait for dV before dQ, the earlier swizzle key's
-// 2-way conflicts) -2.5 to -8%; the final one 0.93 at 512 (seven steps for 6.4 steps of work),
-// 0.98 at 1k, 0.99-1.02 from 2k, and the same with dQ published right after its staging or dK
-// before dQ. ncu at 2k: 1.165 against 1.166 ms, tensor pipe 62.7 against 61.6% active,
-// instructions 275M against 287M; the wait for the one staging buffer ~2.5% of the samples.
-// flash-attn-4's kernel is this shape (its SASS: the same HGMMA shapes, as often) and 10% ahead
-// (session 16); it issues 495 instructions a consumer warp and step to this kernel's 680, with
-// the same floating-point work (docs/hopper_notes.md, session 19).
+// Same-call A/B on an H100, forward+backward hd128 unmasked
+// (archive:2026-11-26-f6a6626-s19/ab_bwd_O_N.md): 0.93 at 512 (seven steps for 6.4 steps of
+// work), 0.98 at 1k, 0.99-1.02 from 2k, and the same with dQ published right after its staging
+// or dK before dQ; with a wait for dV before dQ, or 2-way bank conflicts in the staging, -2.5 to
+// -8%. ncu at 2k: 1.165 against 1.166 ms, tensor pipe 62.7 against 61.6% active, instructions
+// 275M against 287M; the wait for the one staging buffer ~2.5% of the samples.
+// flash-attn-4's kernel is this shape (its SASS: the same HGMMA shapes, as often) and 10% ahead;
+// it issues 495 instructions a consumer warp and step to this kernel's 680, with the same
+// floating-point work (docs/kernels-hopper.md).
 //
 // Note [portattn hopper key blocks per CTA]
 // PORTATTN_HOPPER_BWD_BLOCKS_PER_CTA=n (default mode): a CTA walks key blocks b, b + the grid's
 // width, ... (n of them), so the producer loads the next block's K / V under the last one's
 // epilogue, which the one-block CTAs leave exposed (one CTA fits an SM). Same-call A/B on an
-// H100 (same run as above): n = 2 forward+backward hd128 -16% at 512, -6% at 1k, -2 to -3% at
+// H100 (archive:2026-11-26-f6a6626-s19): n = 2 forward+backward hd128 -16% at 512, -6% at 1k, -2 to -3% at
 // 2k-4k, -0.3 to -5% from 8k; hd64 -0.5 to -3%; n = 4 worse. Only a CTA's last block stores dK /
 // dV through TMA (earlier ones from registers), and fewer, longer CTAs balance worse. Off (1).
 #pragma once
@@ -349,13 +350,13 @@
 // Note [portattn hopper one-stage release]
 // The hd256 kernel has one Q / dO stage (Note [portattn hopper split head dim]), so each step's
 // loads start only when the consumers release the stage, and the step waits for them (the
-// largest stall in ncu's source page: 19% of samples unmasked, 14% causal; session 17). Its
+// largest stall in ncu's source page: 19% of samples unmasked, 14% causal). Its
 // consumers release the stage as soon as their dV and dK are complete, with dQ (the step's last
 // product, which reads dS^T and K only) still on the tensor cores, and, without a mask, in the
-// order dV, dK, dQ instead of Note [portattn hopper late dK]'s (whose dQ adds came before the
-// release). Same-call A/B on an H100, three rounds (bench/results/runs/2026-11-26-5555396-s18rel):
+// order dV, dK, dQ instead of Note [portattn hopper late dK]'s (whose dQ adds come before the
+// release). Same-call A/B on an H100, three rounds (archive:2026-11-26-5555396-s18rel/ab_O_E1.md):
 // hd256 forward+backward +6 to +8% unmasked (the order alone: +5 to +7%), +1.5 to +3.4% causal,
-// every round. At hd192 (two stages) it measured -1 to -2.4% unmasked and +0.5 to +1.1% causal, so
+// every round. At hd192 (two stages) it measures -1 to -2.4% unmasked and +0.5 to +1.1% causal, so
 // the kernels with more than one stage keep the release at the step's end. =0 builds it nowhere
 // (and late dK wherever it applies), =2 in every kernel without late dK or dQ by step (A/B).
 // hd192's part 1 (Note [portattn hopper hd192 backward]) computes dQ by step as hd64 does; =0
@@ -427,7 +428,7 @@ struct HopperBwdTraits {
   static constexpr int kAhead = PORTATTN_HOPPER_BWD_PIPELINE < 2 ? PORTATTN_HOPPER_BWD_PIPELINE : 2;
   // hd64: this consumer's 64 rows of K and V as register A operands of S^T and dP^T (32
   // registers), so those products read only Q / dO from shared memory (with the pipeline,
-  // 5-8% less main-kernel time on an H100, bench/results/runs/2026-11-24-1c5ca0e).
+  // 5-8% less main-kernel time on an H100, archive:2026-11-24-1c5ca0e/kbreak_ab.txt).
   // -DPORTATTN_HOPPER_BWD_KV_REGS=0 keeps them in shared memory (A/B).
   static constexpr bool kKvInRegs = PORTATTN_HOPPER_BWD_KV_REGS != 0 && kHeadDim == 64;
   // hd64's Q/dO tiles are half the size: twice the stages in a smaller budget; hd256's
@@ -523,18 +524,18 @@ __device__ __forceinline__ uint32_t swizzle128(int row, int col) {
 // k16 step by a compile-time offset (smem_desc_advance): a 32-bit add of the low word each.
 // The offsets that depend on the warpgroup (its K / V rows, dQ's K columns) are made
 // warp-uniform by a shuffle of lane 0's value where they are used, so the compiler keeps the
-// descriptors in uniform registers. Before, each of a step's 32 wgmma instructions (hd128)
-// rebuilt both descriptors from a byte address (mask, shift, OR with the LBO / SBO words) in
-// per-thread registers, the warpgroup index coming from threadIdx.x, and moved them into
-// uniform registers: ncu's source page (hd128 2k causal,
-// bench/results/runs/2026-11-26-53ce50d-swizzle) counted 772 instructions a consumer warp
-// issued per step, ~240 of them the step's arithmetic, loads, stores and wgmma and ~470
-// integer, move and uniform-datapath instructions, most of them this arithmetic; the step
-// loop's query block and head also came from a signed division per step (now counters).
-// After (runs/2026-11-26-9bb4369-lse): ~580 a step; main kernel hd128 -1.5 to -1.9%, hd64
-// -4.6 to -9.4% (runs/2026-11-26-44a3791-desc). Shuffling the warpgroup index once, at the
-// consumers' start, instead of the offsets at their use made ptxas spill 40-450 bytes in
-// every hd128 variant (the hoisted uniform values stayed live across the loop).
+// descriptors in uniform registers. Rebuilding both descriptors for each of a step's 32 wgmma
+// instructions (hd128) from a byte address (mask, shift, OR with the LBO / SBO words) in
+// per-thread registers, the warpgroup index coming from threadIdx.x, costs: ncu's source page
+// (hd128 2k causal, archive:2026-11-26-53ce50d-swizzle/breakdown_S1_r1) counted 772
+// instructions a consumer warp issued per step, ~240 of them the step's arithmetic, loads,
+// stores and wgmma and ~470 integer, move and uniform-datapath instructions, most of them this
+// arithmetic (the step loop's query block and head, which a signed division per step would
+// give, are counters). With the shared base: ~580 a step (archive:2026-11-26-9bb4369-lse/ncu_bwd.log);
+// main kernel hd128 -1.5 to -1.9%, hd64 -4.6 to -9.4% (archive:2026-11-26-44a3791-desc/breakdown_B1_r1).
+// Shuffling the warpgroup index once, at the consumers' start, instead of the offsets at their
+// use makes ptxas spill 40-450 bytes in every hd128 variant (the hoisted uniform values stay
+// live across the loop).
 
 // acc (64 keys x 64 queries) = a (64 rows of K or V) * b (64 rows of Q or dO)^T,
 // contracting over the head dim (both K-major, in 64-column panels of kBlockN and
@@ -647,8 +648,8 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
   // A step's LSE columns read into registers before its S^T wait, in masked kernels: there the
   // P^T loop has an edge and a plain copy, each with its own loads after the wait, and the first
   // exponent stalled on them (ncu source page, hd128 2k causal: short scoreboard at the first
-  // FFMA). Same-call A/B, three rounds (bench/results/runs/2026-11-26-9bb4369-lse): main kernel
-  // hd128 2k causal -1.8%, 8k causal -2.0%, hd64 causal -0.5 to 0; without a mask it lost
+  // FFMA). Same-call A/B, three rounds (archive:2026-11-26-9bb4369-lse/breakdown_B4_r1): main kernel
+  // hd128 2k causal -1.8%, 8k causal -2.0%, hd64 causal -0.5 to 0; without a mask it loses
   // (hd64 1k +2%, hd128 4k +0.9%: 16 more live registers across the wait, no second copy to share).
   // Not with softcap (not measured; its hd128 kernels already spill a few words).
   constexpr bool kLseEarly = PORTATTN_HOPPER_BWD_LSE_EARLY != 0 && kMask != kBwdMaskNone && !kSoftcap;
@@ -728,9 +729,9 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
   // in descending key-block order (Note [portattn hopper ordered dQ]), so the CTAs
   // a block waits for have lower blockIdx.x, which the hardware starts earlier.
   // Recomputed from the special registers at each use: held in a register from here
-  // on, it grew the hd64 causal kernel by ~200 instructions of predicate shuffling
-  // (P2R/LOP3 in cuobjdump's SASS), the largest difference to 1f09d2a's kernel,
-  // which measured 7-10% faster at hd64 causal (runs/2026-11-24-7b49e7e/ab_old_*).
+  // on, it grows the hd64 causal kernel by ~200 instructions of predicate shuffling
+  // (P2R/LOP3 in cuobjdump's SASS), which cost 7-10% at hd64 causal
+  // (archive:2026-11-24-7b49e7e/ab_old_A.md).
   auto n_first = [] {
     const int x = static_cast<int>(blockIdx.x) / kHalves;
     return kOrderedDq ? static_cast<int>(gridDim.x) / kHalves - 1 - x : x;
@@ -1190,10 +1191,10 @@ __device__ __forceinline__ void hopper_bwd_body(const CUtensorMap& tm_q, const C
             }
         } else {
           // The masked and the plain loop apart: with a per-element `if (edge)` in one loop
-          // the compiler evaluated every element's mask test on every step and, where
-          // registers are tight (dQ by step in the causal kernel), moved the tests'
+          // the compiler evaluates every element's mask test on every step and, where
+          // registers are tight (dQ by step in the causal kernel), moves the tests'
           // predicates through registers (27 P2R and ~250 more LOP3 in cuobjdump's SASS;
-          // the one loop against these two: bench/results/runs/2026-11-24-1d55b4e).
+          // the one loop against these two: archive:2026-11-24-1d55b4e/kbreak_ab.txt).
           if (edge) {
 #pragma unroll
             for (int c = 0; c < kSCols; ++c) {

@@ -29,13 +29,13 @@ namespace {
 // padded area the Hopper kernel is ~1.33x faster (bench_short.py on an H100 at 100 and
 // 200 rows, where both pad alike: 128 against 97, 181 against 134 TFLOP/s), so the narrow
 // tiles win where they pad 3/4 or less: measured at 50 rows 1.8x (no mask) and 2.0x
-// (causal), at 300 rows 1.0x and 1.18x (runs/2026-11-26-ea1a3ea/short). With equal
+// (causal), at 300 rows 1.0x and 1.18x (archive:2026-11-26-ea1a3ea/short). With equal
 // lengths the rule picks 1-64, 129-192 and 257-320 rows; the 129-192 band (9/16 of the
-// area) is a prediction, measured against cuDNN only: 1.15x and 1.30x at 150 rows
-// (runs/2026-11-26-65fc311).
+// area) is extrapolated, measured against cuDNN only: 1.15x and 1.30x at 150 rows
+// (archive:2026-11-26-65fc311/summary.md).
 // Varlen calls are judged by their longest sequences (the only lengths the host knows
-// without reading cu_seqlens): 64k tokens in documents of 32-300 ran 1.32x (no mask) and
-// 1.5x (causal) faster on the narrow tiles (runs/2026-11-26-8afa150). A packed batch
+// without reading cu_seqlens): 64k tokens in documents of 32-300 run 1.32x (no mask) and
+// 1.5x (causal) faster on the narrow tiles (archive:2026-11-26-8afa150/varlen_short_r1.md). A packed batch
 // whose longest document is 193-256 rows stays on the Hopper kernel, which is right for
 // equal lengths and not measured for mixed ones.
 // Windows other than causal and softcap stay on the Hopper kernel (not measured). The
@@ -43,9 +43,9 @@ namespace {
 // Head dims 96 and 128: per padded area the Hopper kernel is 1.3-1.7x the narrow tiles (batch 512,
 // 100 and 200 rows: 143 against 111, 259 against 153 TFLOP/s), so only dense calls of at most 64 rows
 // and keys (a quarter of the area) go: 1.36x (no mask) and 1.5x (causal) at 50 rows; at 150 and 300
-// rows the Hopper kernel was ahead or within 6%, and 64k tokens of documents of 32-300 ran 1.12x faster
+// rows the Hopper kernel is ahead or within 6%, and 64k tokens of documents of 32-300 run 1.12x faster
 // narrow, but a packed batch of equal 200-row documents would run 1.7x slower there, and the host
-// knows only the longest (runs/2026-11-26-a27a15a).
+// knows only the longest (archive:2026-11-26-a27a15a/n128_short).
 bool short_call_prefers_narrow(const PortattnFwdParams& p) {
   if (p.headdim > 128 || p.softcap > 0.f || p.window_left >= 0 || p.window_right > 0) return false;
   if (p.seqlen_q > 512 || p.seqlen_k > 512) return false;

@@ -10,28 +10,6 @@
 // hd256, Note [portattn hopper hd256]; 176 at
 // hd128 for long calls, Note [portattn hopper 176-key blocks]).
 // (kSchedThreeConsumers: 4 warpgroups, 512 threads, 192-row tiles at hd64,
-// Note [portattn hopper hd192]
-// Head dim 192 on its own kernel (until session 18 it ran padded on the hd256 one, 256 columns
-// of work for 192: Note [portattn hopper padded head dims]). Decisions, as at hd256 above:
-//  * kBlockM 128, kBlockN = 112 (FlashAttention-3's hd192 tile). Shared memory: Q 48 KiB +
-//    2 stages x (K 42 + V 42 KiB) = 216 KiB (+1 KiB); 128 keys would need 240. Each K / V
-//    panel is 112 rows x 128 bytes = 14 KiB, a whole number of the 1 KiB swizzle atoms.
-//  * S = Q K^T by wgmma m64n112k16 SS (12 k16 steps), O += P V by m64n192k16 RS (7 k16
-//    steps over the 112 keys; B = V MN-major across its 3 panels, LBO = 14 KiB).
-//  * Registers: S 56 + P 28 + O 96 a thread in the pipelined loop, 8 fewer than the hd256
-//    kernel's S 40 + P 20 + O 128, and enough fewer: nvcc 13.0 (-Xptxas -v, bf16) reports 0
-//    spills in every schedule, softcap and window included, and no C75xx serialisation. So
-//    unlike hd256, softcap and window calls keep the pipelined loop (schedule_for's `tight`
-//    is hd256's only); the schedules are otherwise hd256's. Session 18 timed every schedule a tuning
-//    build carries at 192 (bench/results/runs/2026-11-26-e19aed5-s18tune): these defaults are the
-//    best or within 2% of it at every point of the grid but 16k causal, where two others were 2-5%
-//    ahead in one repeat only.
-//  * kSchedNarrowKeys: 80-key blocks (Q 48 KiB x 2 + 2 stages x 60 KiB = 216 KiB), so the persistent
-//    schedule double-buffers Q and can take the cross-tile phase (Note [portattn hopper cross-tile
-//    phase]); the short causal calls take both (hopper_fwd_launch.cuh, short_causal_added_bits).
-//  * The backward has its own hd192 kernel too (Note [portattn hopper hd192 backward]); the
-//    two share nothing but the LSE and O they pass through global memory.
-//
 // Note [portattn hopper hd64 192 rows].)
 //   warpgroup 0  producer: one thread issues every TMA copy (a tile's Q, then
 //                its K/V blocks into a kStages-deep ring); setmaxnreg drops it
@@ -115,8 +93,8 @@
 //    N = 64 that read plus K's equals the tensor core's time for the step at
 //    128 B/clock, at N = 80 it is 10% under it, and the per-block softmax and
 //    O rescale (128 multiplies a thread) are spread over 25% more keys.
-//    Registers (nvcc 13.0, -Xptxas -v, bf16; docs/hopper_notes.md "hd256
-//    forward"): kBlockN = 64 has 0 spills in every schedule; 80 has 0 in
+//    Registers (nvcc 13.0, -Xptxas -v, bf16; docs/kernels-hopper.md):
+//    kBlockN = 64 has 0 spills in every schedule; 80 has 0 in
 //    the serial loop and, without softcap and window, in the pipelined ones,
 //    but the pipelined loop spills 8-88 bytes with softcap or a sliding
 //    window, so those calls run the serial loop (schedule_for in
@@ -128,11 +106,33 @@
 //  * Everything that depends on the key block (mask columns, key-block
 //    ranges, P packing, the tile order) is written in kBlockN already.
 //
+// Note [portattn hopper hd192]
+// Head dim 192 has its own kernel (on the hd256 one it would run padded, 256 columns of work for
+// 192: Note [portattn hopper padded head dims]). Decisions, as at hd256 above:
+//  * kBlockM 128, kBlockN = 112 (FlashAttention-3's hd192 tile). Shared memory: Q 48 KiB +
+//    2 stages x (K 42 + V 42 KiB) = 216 KiB (+1 KiB); 128 keys would need 240. Each K / V
+//    panel is 112 rows x 128 bytes = 14 KiB, a whole number of the 1 KiB swizzle atoms.
+//  * S = Q K^T by wgmma m64n112k16 SS (12 k16 steps), O += P V by m64n192k16 RS (7 k16
+//    steps over the 112 keys; B = V MN-major across its 3 panels, LBO = 14 KiB).
+//  * Registers: S 56 + P 28 + O 96 a thread in the pipelined loop, 8 fewer than the hd256
+//    kernel's S 40 + P 20 + O 128, and enough fewer: nvcc 13.0 (-Xptxas -v, bf16) reports 0
+//    spills in every schedule, softcap and window included, and no C75xx serialisation. So
+//    unlike hd256, softcap and window calls keep the pipelined loop (schedule_for's `tight`
+//    is hd256's only); the schedules are otherwise hd256's. Timed against every schedule a tuning
+//    build carries at 192 (archive:2026-11-26-e19aed5-s18tune/hopper_fwd_tuning.md), these defaults
+//    are the best or within 2% of it at every point of the grid but 16k causal, where two others
+//    were 2-5% ahead in one repeat only.
+//  * kSchedNarrowKeys: 80-key blocks (Q 48 KiB x 2 + 2 stages x 60 KiB = 216 KiB), so the persistent
+//    schedule double-buffers Q and can take the cross-tile phase (Note [portattn hopper cross-tile
+//    phase]); the short causal calls take both (hopper_fwd_launch.cuh, short_causal_added_bits).
+//  * The backward has its own hd192 kernel too (Note [portattn hopper hd192 backward]); the
+//    two share nothing but the LSE and O they pass through global memory.
+//
 // Note [portattn hopper hd64 192 rows]
 // kSchedThreeConsumers: the hd64 forward with three consumer warpgroups, as
 // FlashAttention-3 runs head dim 64. Why: at hd64 the softmax costs as much
 // per key as at hd128 while the matrix products cost half, and ncu of the
-// two-consumer kernel (runs/2026-11-21-76e7159/ncu_fwd_hd64.txt) showed the
+// two-consumer kernel (archive:2026-11-21-76e7159/ncu_fwd_hd64.txt) showed the
 // consumer warps stalled on fixed-latency dependencies (1.40 cycles per
 // issue) with two consumer warps per scheduler: a third warpgroup gives each
 // scheduler a third independent instruction stream, and each K/V byte
@@ -161,21 +161,16 @@
 //    (K 16 + V 16 KiB) = 152 (176) KiB + 1 KiB alignment + barriers:
 //    156,816 / 181,408 bytes; one CTA per SM either way.
 //  * The default (hopper_fwd_launch.cuh) for no-mask calls past 1k queries and
-//    causal calls past 1k keys, as measured on an H100 (docs/hopper_notes.md
-//    "Session 6": +7-19% non-causal from 2k, +3-11% causal from 2k; short
-//    causal calls -4 to -8% and windows on the serial loop -8 to -15%, so
-//    those keep two consumers). Tuning builds run other choices:
-//    PORTATTN_HOPPER_FWD_SCHEDULE=<bits> or +64 (the bit everywhere).
-//  * Prediction (before any GPU run): non-causal +4-10% from 2k, 0 to -10% at
-//    512-1k (192-row tiles waste 11% of a 512- or 1024-row sequence); causal
-//    +2-6% from 4k, worse at <= 1k; softcap / window on the serial loop within
-//    +-10%. Long sequences beat it; windows lost more.
+//    causal calls past 1k keys. Measured on an H100 (docs/kernels-hopper.md): +7-19%
+//    non-causal from 2k, +3-11% causal from 2k; short causal calls -4 to -8% and
+//    windows on the serial loop -8 to -15%, so those keep two consumers. Tuning builds
+//    run other choices: PORTATTN_HOPPER_FWD_SCHEDULE=<bits> or +64 (the bit everywhere).
 //
 // Note [portattn hopper O store]
 // The epilogue writes O through shared memory: each consumer warpgroup stores
 // its 64 x kHeadDim tile (bf16/fp16) into a staging buffer in the 128B-swizzled
 // panel layout of the loads, then one thread issues a TMA store per panel.
-// Why: ncu of the seqlen-512 forward (bench/results/runs/2026-11-24-aa70286/
+// Why: ncu of the seqlen-512 forward (archive:2026-11-24-aa70286/
 // ncu_fwd_*.tgz) had ~11% of warp samples at the top of the tile loop on long
 // scoreboard: the next tile's first instructions rewrite registers that the
 // last tile's 32 (hd128) 4-byte global stores a thread still read. Shared
@@ -187,20 +182,15 @@
 // the buffer, one tile later. Not for a varlen tile whose rows run past its
 // sequence (the packed map would write the next sequence's rows): those take the
 // direct stores.
-// Where: hd128 only. Same-call A/B on an H100 (bench/results/runs/2026-11-24-7d84a44/
-// ab_{T,D}.md, bf16, 16k tokens, forward TFLOP/s): hd128 +14% at 512 (full and
-// causal), +8% at 1k, +2-5% at 2k, within noise (-5 to +8%) from 4k. hd64 (two
-// consumers; 16 direct stores a thread) gained nothing at 512-4k and lost 5% at 1k
-// causal and 3-9% on batch-512 sequences of 50-100 rows: there the two barriers
-// cost more than the stores did. With three consumers at hd64 the staging made
-// the 160-register kernels spill (8-40 B), and hd256 or three stages at hd128
-// leave no room for the buffer.
-// Session 15: the staging by stmatrix (Note [portattn hopper O stmatrix]: 4 instructions a
-// thread at hd64 where the 16-byte direct stores took ~90 with their quad transposes) made
-// the hd64 two-consumer kernels gain from it too (bench/results/runs/2026-11-26-9f6c246-s15b:
-// 512 causal +4.6%, many short hd64 sequences +2 to +4% over the direct stores, 512 no
-// mask -2.4%), so PORTATTN_HOPPER_FWD_TMA_STORE defaults to 3: hd128, and hd64 with two
-// consumers (three still spill: 4-12 B).
+// Where: hd128, and hd64 with two consumers (PORTATTN_HOPPER_FWD_TMA_STORE=3, the default).
+// Same-call A/B on an H100 (archive:2026-11-24-7d84a44/ab_T.md and ab_D.md, bf16, 16k tokens,
+// forward TFLOP/s): hd128 +14% at 512 (full and causal), +8% at 1k, +2-5% at 2k, within noise
+// (-5 to +8%) from 4k. O is staged by stmatrix (Note [portattn hopper O stmatrix]: at hd64 4
+// instructions a thread where the 16-byte direct stores take ~90 with their quad transposes);
+// hd64 two-consumer kernels: 512 causal +4.6%, many short hd64 sequences +2 to +4% over the direct stores, 512 no mask
+// -2.4% (archive:2026-11-26-9f6c246-s15b/ab_grid_F.txt). Not with three consumers at hd64
+// (the 160-register kernels spill 4-12 B), and hd256 or three stages at hd128 leave no room
+// for the buffer.
 //
 // Note [portattn hopper 176-key blocks]
 // kSchedWideKeys, hd128 only: key blocks of 176 (FlashAttention-3's hd128 tile) instead of
@@ -211,13 +201,13 @@
 // K + V are 88 KiB a stage, so two stages and Q take 209 KiB and neither a second Q buffer
 // nor the O staging tile fits (one Q buffer, direct O stores), and a last block is ragged
 // unless seqlen_k is a multiple of 176 (up to 175 masked keys of compute a row). Same-call
-// A/B on an H100 (bench/results/runs/2026-11-25-0b0e86b/ab3_h100_n{128,176}_*.md, bf16,
+// A/B on an H100 (archive:2026-11-25-0b0e86b/ab3_h100_n128_1.md and its n176 pair, bf16,
 // 16k tokens, every hd128 kernel built both ways): 8k keys +1% no mask, +6% causal; 16k
 // +1-4% no mask, +4-7% causal; 4k -3% no mask, -1 to +1% causal; 512-2k -5 to -23%
 // (the staging tile and the second Q buffer lost, and the ragged block a larger share).
-// So hopper_fwd_launch.cuh adds it past 4096 keys (kWideKeysMinSeqlenK), without softcap
-// or a sliding window (not measured there). Session 19 moved calls without a mask to 2048 keys
-// and up (kWideKeysMinSeqlenKNoMask: +2.5% at 2k once the softmax ran under P V).
+// So hopper_fwd_launch.cuh adds it from 2048 keys without a mask (kWideKeysMinSeqlenKNoMask:
+// +2.5% at 2k with the softmax under P V, Note [portattn hopper softmax under P V]) and past
+// 4096 keys causal (kWideKeysMinSeqlenK); not with softcap or a sliding window (not measured).
 //
 // Note [portattn hopper cross-tile phase]
 // kSchedCrossTile (persistent pipelined schedules with two Q buffers: hd64 and hd128).
@@ -226,7 +216,7 @@
 // and writes it with nothing on the tensor cores. On short tiles (512-1k keys,
 // causal tiles of 1-8 blocks) those two lone phases and the epilogue are a large share
 // of the tile, and ncu of the 512-key forward put 11% of the samples at the top of the
-// tile loop (runs/2026-11-24-aa70286). With the bit, when the next tile of the CTA has
+// tile loop (archive:2026-11-24-aa70286/summary.md). With the bit, when the next tile of the CTA has
 // key blocks, the last phase issues the last P V and then the next tile's S(0) (its Q
 // is already in the other buffer, its first K in the next ring slot); the warpgroup
 // waits for P V only, writes O under S(0), then runs S(0)'s softmax. So a CTA's tiles
@@ -281,14 +271,13 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_TMA_STORE
 #define PORTATTN_HOPPER_FWD_TMA_STORE 3
 #endif
-// PORTATTN_HOPPER_FWD_O_VEC=1 (the default since session 12) builds the direct O stores (hd64,
-// hd256, varlen tails) as 16-byte stores after a quad transpose instead of each thread's 4-byte
-// pairs; =0 the 4-byte loop. Same-call A/Bs on an H100, bf16: at 16k tokens (session 9,
-// bench/results/runs/2026-11-25-95d7f2a/, and session 12) hd64 512-2k within -2 to +3%; many
-// short sequences (batch 512, 16 heads; session 12, runs/2026-11-26-0912545-tuning/short_T1_*) 256 rows
-// +3-4% no mask, +1-3% causal, 100-200 rows within 1%, two rounds each. Those calls are
-// DRAM-bound (ncu, hd64 x 128 rows: DRAM 84% busy, cuDNN's kernel 90%), where whole-sector
-// writes count.
+// PORTATTN_HOPPER_FWD_O_VEC=1 (the default) builds the direct O stores (hd64, hd256, varlen
+// tails) as 16-byte stores after a quad transpose instead of each thread's 4-byte pairs; =0 the
+// 4-byte loop. Same-call A/Bs on an H100, bf16, two rounds each: at 16k tokens hd64 512-2k within
+// -2 to +3% (archive:2026-11-25-95d7f2a/summary.md); many short sequences (batch 512, 16 heads;
+// archive:2026-11-26-0912545-tuning/grid_T1) 256 rows +3-4% no mask, +1-3% causal, 100-200 rows
+// within 1%. Those calls are DRAM-bound (ncu, hd64 x 128 rows: DRAM 84% busy, cuDNN's kernel 90%),
+// where whole-sector writes count.
 #ifndef PORTATTN_HOPPER_FWD_O_VEC
 #define PORTATTN_HOPPER_FWD_O_VEC 1
 #endif
@@ -301,37 +290,33 @@ namespace hopper {
 #ifndef PORTATTN_HOPPER_FWD_FAST_FINALIZE
 #define PORTATTN_HOPPER_FWD_FAST_FINALIZE 1
 #endif
-// The edge blocks' mask: 1 with the bounds moved to each column's constant offset, a compare with an
-// immediate an element (session 9); 2 as one bit per fragment column (Note [portattn hopper mask
-// bits]: ~50 fewer instructions a masked block, yet 0 to -1.5% at hd64 512-1k causal in two calls of
-// session 15, within 1% elsewhere, so not the default); 0 with each column's index compared to both
-// bounds (before session 9). Kept for A/B.
+// The edge blocks' mask: 1 (the default) with the bounds moved to each column's constant offset,
+// a compare with an immediate an element; 2 as one bit per fragment column (Note [portattn hopper
+// mask bits]: ~50 fewer instructions a masked block, yet 0 to -1.5% at hd64 512-1k causal in two
+// A/Bs, within 1% elsewhere, so not the default); 0 with each column's index compared to both
+// bounds. Kept for A/B.
 #ifndef PORTATTN_HOPPER_FWD_MASK_REL
 #define PORTATTN_HOPPER_FWD_MASK_REL 1
 #endif
 // Note [portattn hopper softmax under P V]
 // The pipelined loop issues S(j) and P(j-1) V(j-1) together, waits for S(j) (wgmma.wait_group 1),
 // runs block j's softmax, and only then waits for P V (wait_group 0), so that the softmax runs
-// while P V is on the tensor cores. Until session 14 it did not. In every pipelined kernel, ptxas
-// (13.0) scheduled the P V wait (WARPGROUP.DEPBAR.LE gsb0, 0x0) to the top of the basic block that
-// holds the softmax, which is ahead of all 64-88 exponentials: the PTX had them in program order;
-// cuobjdump of the SASS showed DEPBAR 0x1, the K release, DEPBAR 0x0, the V release, then the
-// MUFU.EX2s. So a warpgroup's softmax never overlapped its own P V, only the other warpgroup's
-// products. ptxas does not move the wait across a basic-block boundary: it already stayed below the
-// mask's `if (edge)`. So the softmax sits in a block of its own, a branch on a value that is true
-// in every launch but that neither compiler can know (the launch's dynamic shared memory size,
-// read from %dynamic_smem_size). What was tried and failed: a branch around the wait itself
-// serialised every wgmma (C7514); a __syncwarp or an inline-PTX branch to the next instruction
-// before the wait was optimised away; a condition on a kernel argument was folded by the compiler
-// where it could prove it (num_tiles > 0 inside the tile loop). After the change, SASS: DEPBAR
-// 0x1, the K release, the MUFU.EX2s, DEPBAR 0x0 in the kernels that take it; no C75xx; 0 spills.
+// while P V is on the tensor cores. ptxas (13.0) schedules the P V wait (WARPGROUP.DEPBAR.LE gsb0,
+// 0x0) to the top of the basic block that holds the softmax, ahead of all 64-88 exponentials,
+// whatever the PTX order, but does not move it across a basic-block boundary. So the softmax sits
+// in a block of its own: a branch on a value that is true in every launch but that neither
+// compiler can know (the launch's dynamic shared memory size, read from %dynamic_smem_size). A
+// branch around the wait itself serialises every wgmma (C7514); a __syncwarp or an inline-PTX
+// branch before the wait is optimised away; a condition on a kernel argument is folded where the
+// compiler can prove it (docs/tried-and-rejected.md). SASS of the kernels that take it: DEPBAR
+// 0x1, the K release, the MUFU.EX2s, DEPBAR 0x0; no C75xx; 0 spills.
 // Where: the hd128 kernels with 176-key blocks (8k-16k keys) only. Same-call A/B on an H100, two
-// rounds (docs/hopper_notes.md, session 14): there 8k causal +7.0% (both rounds), 16k causal +4.7%,
-// 16k no mask +7.2%, 8k no mask -1.0%; elsewhere it lost: hd64 causal -2.5 to -7.2% in every round,
-// hd128 128-key blocks -0.7 to -2.6% without a mask at 512-2k. With two warpgroups sharing the
-// tensor cores (and taking turns under ping-pong), a warpgroup that waits for its own P V leaves the
-// issue slots and the tensor cores to the other. Only the long 176-key blocks gained from
-// overlapping their own P V instead (not profiled).
+// rounds (docs/kernels-hopper.md): there 8k causal +7.0%, 16k causal +4.7%, 16k no mask +7.2%, 8k
+// no mask -1.0%; elsewhere it loses: hd64 causal -2.5 to -7.2%, hd128 128-key blocks -0.7 to
+// -2.6% without a mask at 512-2k. With two warpgroups sharing the tensor cores (and taking turns
+// under ping-pong), a warpgroup that waits for its own P V leaves the issue slots and the tensor
+// cores to the other; only the long 176-key blocks gain from overlapping their own P V (not
+// profiled).
 // PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV=0 builds it nowhere, =2 in every pipelined kernel (A/B).
 #ifndef PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV
 #define PORTATTN_HOPPER_FWD_SOFTMAX_UNDER_PV 1
@@ -343,12 +328,12 @@ namespace hopper {
 // Note [portattn lazy rescale] in online_softmax.h; each row decides for itself, so no vote sits
 // before the exponentials): the 64 multiplies a thread does between a block's P V landing and the
 // next issue mostly disappear. P may then reach 2^8, exact in bf16 / fp16 and cancelled by the
-// row sum, which uses the same maximum. Where (same-call A/Bs on an H100, docs/hopper_notes.md,
-// session 14, three rounds each): hd128 with 128-key blocks (512-4k keys) +0.2 to +4.4%, every
-// cell; hd128 with 176-key blocks (8k-16k) -1 to -7%; hd64 -10 to +1% (-7 to -10% at 512-1k without
-// a mask). A first form that voted across the warp before the exponentials (one decision for all
-// rows) lost 2-3% at hd128 512-1k and 3-7% at hd64. =0 builds the per-block rescale everywhere,
-// =2 the lazy one in every pipelined kernel (A/B).
+// row sum, which uses the same maximum. Where (same-call A/Bs on an H100, three rounds each,
+// docs/kernels-hopper.md): hd128 with 128-key blocks (512-4k keys) +0.2 to +4.4%, every cell;
+// hd128 with 176-key blocks (8k-16k) -1 to -7%; hd64 -10 to +1% (-7 to -10% at 512-1k without a
+// mask). One decision per warp (a vote before the exponentials) loses 2-3% at hd128 512-1k and
+// 3-7% at hd64. =0 builds the per-block rescale everywhere, =2 the lazy one in every pipelined
+// kernel (A/B).
 #ifndef PORTATTN_HOPPER_FWD_LAZY_RESCALE
 #define PORTATTN_HOPPER_FWD_LAZY_RESCALE 1
 #endif
@@ -698,9 +683,9 @@ __global__ void __launch_bounds__(HopperFwdTraits<kHeadDim, kSchedule>::kThreads
     // This warpgroup's 64 rows of each Q panel start wg * 64 * 128 bytes into its buffer.
     // Descriptors (Note [portattn hopper backward descriptors], hopper_bwd_kernel.cuh: the
     // same reasons): every operand's from one base plus a byte offset, made warp-uniform by a
-    // shuffle of lane 0's value (Q's once a tile, K's and V's stage once a product). Measured in
-    // docs/hopper_notes.md, "Session 13": hd64 short causal +2-5%, hd128 8k-16k +4-11%, and the
-    // one loss, many short hd64 sequences of 100 rows without a mask, -3%.
+    // shuffle of lane 0's value (Q's once a tile, K's and V's stage once a product). Against
+    // per-instruction descriptors (docs/kernels-hopper.md): hd64 short causal +2-5%, hd128 8k-16k
+    // +4-11%, and the one loss, many short hd64 sequences of 100 rows without a mask, -3%.
     const uint64_t desc_base = sm90::make_smem_desc(smem_base, 0, 1024);
     auto q_offset_of = [&](int buffer) {
       return __shfl_sync(0xffffffffu, static_cast<uint32_t>(buffer * Traits::kQBytes + wg * 64 * 128), 0);

@@ -32,23 +32,23 @@ template <int kHeadDim_, typename Elem_, int kMask_, bool kSoftcap_, int kSchedu
 struct HopperFwdVariantKey {};
 
 // The schedules calls run (Note [portattn hopper forward schedule]), chosen
-// from the tuning runs on an H100 (bench/results/runs/*/hopper_fwd_tuning.md,
-// summary in docs/hopper_notes.md): intra-warpgroup pipelining everywhere (+5-13%
+// from the tuning runs on an H100 (archive:2026-11-24-e744ac3/hopper_fwd_tuning.md,
+// summary in docs/kernels-hopper.md): intra-warpgroup pipelining everywhere (+5-13%
 // over the serial loop); non-causal calls persistent (+8-11% at 1k, +1-3% at
 // 4k, within the +-4% run-to-run spread at 16k); causal calls with ping-pong
-// and one CTA per tile (the hardware's dynamic CTA hand-out balanced their
-// unequal tiles better than the group order: persistent lost 8-15% at 4k-16k;
-// since session 10 the paired order below is ahead of both up to 8k keys), except
+// and one CTA per tile (the hardware's dynamic CTA hand-out balances their
+// unequal tiles better than the group order: persistent loses 8-15% at 4k-16k;
+// the paired order below is ahead of both up to 8k keys), except
 // short ones (seqlen_k <= 1024: 8 key blocks, 13 at hd256), where the persistent
 // grid's overlap of one tile's end with the
 // next's start wins (+11% hd64 1k). Sliding windows run like causal calls
 // (their tiles differ in cost near the sequence start). Three stages and the
-// polynomial exp2 measured within noise or slower and are built only in
-// tuning builds. hd256 (measured in session 5, docs/hopper_notes.md) departs from this: schedule_for.
+// polynomial exp2 measure within noise or slower and are built only in
+// tuning builds. hd256 (docs/kernels-hopper.md) departs from this: schedule_for.
 //
 // Three consumer warpgroups (192-row tiles, hd64 only: admitted_bits drops the bit
 // at the other head dims; Note [portattn hopper hd64 192 rows]) where the A/B in
-// one device call measured them ahead (bench/results/runs/2026-11-24-e744ac3/
+// one device call measured them ahead (archive:2026-11-24-e744ac3/
 // hopper_fwd_tuning.md, 16k tokens, bf16): non-causal +3% at 512, equal at 1k,
 // +7-14% from 2k; causal over 1k keys +3-11%; softcap (serial loop) +0.5-9%. Only
 // past 1k queries (kShortCausalMaxSeqlenK): not for causal calls up to 1k keys (-4
@@ -58,13 +58,13 @@ struct HopperFwdVariantKey {};
 // -15% on the serial loop the 160 registers leave them). Varlen without a mask over
 // 1k keys: kVarlenSchedule below.
 //
-// Paired tiles (Note [portattn hopper paired tiles]; bench/results/runs/2026-11-25-7285f9b/, same-call
+// Paired tiles (Note [portattn hopper paired tiles]; archive:2026-11-25-7285f9b/summary.md, same-call
 // A/Bs, H100, bf16, 16k tokens): masked persistent walks deal equal-cost pairs of tiles. Short
 // causal calls: +6-7% at hd64 512-1k, +9-11% at hd128, +3-8% at hd256. Long dense causal calls
-// (over 1k keys, no softcap) up to kPairedCausalMaxSeqlenK turn persistent with it, where one CTA
-// per tile had been ahead of the group order: hd64 (192 rows) +0-5% at 2k-8k, hd128 +4-7% at 2k-4k
+// (over 1k keys, no softcap) up to kPairedCausalMaxSeqlenK run persistent with it, where one CTA
+// per tile is ahead of the group order: hd64 (192 rows) +0-5% at 2k-8k, hd128 +4-7% at 2k-4k
 // and (176-key blocks) +0-9% at 8k, hd256 +4-10% at 2k-8k. Past 8k keys one CTA per tile stays:
-// through the public API (bench_attention.py, runs/2026-11-25-88c02d9/run5) the paired walk lost 8%
+// through the public API (bench_attention.py, archive:2026-11-25-88c02d9/run5) the paired walk loses 8%
 // at hd128 16k causal (653 -> 594-601 TFLOP/s) and 3% at hd64; a tile there averages 64 key blocks,
 // so the prologue and epilogue that persistence overlaps are ~2% of it, and the pairs' tail (1.03 of
 // the mean at 16k tokens, bench/tile_balance.py) costs more than the hardware's hand-out of
@@ -80,11 +80,11 @@ constexpr int kShortCausalSchedule = kSchedPipelined | kSchedPingPong | kSchedPe
 constexpr int kShortCausalMaxSeqlenK = 1024;
 // hd64's dense causal calls of kShortCausalMaxSeqlenK + 1 to kWideKeysMinSeqlenK - 1 keys (kCausal: three
 // consumers, the paired persistent walk) with the cross-tile phase too (Note [portattn hopper cross-tile phase]).
-// Same-call A/Bs on an H100, three rounds each (bench/results/runs/2026-11-26-f6a6626-s19, ab_fwd_G_C2_*.md):
-// forward 2k causal +2.5% / +1.0% (every round ahead in both calls), 4k -0.7% / +1.5%; 0 spills. From 4097 keys
-// hd64 runs kLongCausal, the same schedule without it: with the phase there too, 8k causal measured -0.8% (three
-// rounds, ab_fwd_H_X2.md). =0 leaves it out (A/B). (Moving 2k causal calls to the two-consumer short schedule
-// instead measured -1.8%.)
+// Same-call A/Bs on an H100, three rounds each (archive:2026-11-26-f6a6626-s19/ab_fwd_G_C2_c9.md and
+// ab_fwd_G_C2_c10.md): forward 2k causal +2.5% / +1.0% (every round ahead in both), 4k -0.7% / +1.5%; 0
+// spills. From 4097 keys hd64 runs kLongCausal, the same schedule without it: with the phase there too,
+// 8k causal measures -0.8% (three rounds, ab_fwd_H_X2.md in the same folder). =0 leaves it out (A/B).
+// (Moving 2k causal calls to the two-consumer short schedule instead measures -1.8%.)
 #ifndef PORTATTN_HOPPER_FWD_HD64_CAUSAL_XTILE
 #define PORTATTN_HOPPER_FWD_HD64_CAUSAL_XTILE 1
 #endif
@@ -93,15 +93,14 @@ constexpr int kPairedCausalMaxSeqlenK = 8192;
 // tiles a CTA) walk the paired order too, except at hd128 and up with an odd number of query blocks,
 // which walk the group order (paired_walk_for_many_short below). Why: both orders end within 3% of
 // even there (bench/tile_balance.py), so what decides is DRAM traffic, and these calls are
-// DRAM-bound (docs/hopper_notes.md, session 12): a pair is two query blocks of one head back to back
+// DRAM-bound (docs/kernels-hopper.md): a pair is two query blocks of one head back to back
 // on one CTA, so its K/V come from DRAM once; the group order runs a head's blocks ~group_heads
 // tiles apart, and some re-reads miss L2 (ncu, hd64 batch 512 x 256 causal: L2 hits 46 -> 52%, 442
-// -> 404 us). Same-call A/B, three rounds, batch 512 x 16 heads (runs/2026-11-26-005ccb7-paired):
+// -> 404 us). Same-call A/B, three rounds, batch 512 x 16 heads (archive:2026-11-26-005ccb7-paired/paired_P1_r1):
 // hd64 200-768 rows +1 to +9%; hd128 200 rows +18%, 256 +10%, 512-768 -1 to +3%, but 384 rows (three
-// query blocks: the middle ones pair across two heads) -8%, hence the exception. Session 10 had
-// measured the group order 2-3% ahead at hd64 300-400 (runs/2026-11-25-7285f9b/run2), before the
-// fast tile decode and the 16-byte O stores. -DPORTATTN_HOPPER_PAIRED_MAX_TILES_PER_CTA=<n> moves the
-// limit (A/B builds; the exception applies past it).
+// query blocks: the middle ones pair across two heads) -8%, hence the exception.
+// -DPORTATTN_HOPPER_PAIRED_MAX_TILES_PER_CTA=<n> moves the limit (A/B builds; the exception applies
+// past it).
 #ifndef PORTATTN_HOPPER_PAIRED_MAX_TILES_PER_CTA
 #define PORTATTN_HOPPER_PAIRED_MAX_TILES_PER_CTA 64
 #endif
@@ -110,15 +109,15 @@ constexpr bool paired_walk_for_many_short(int kernel_head_dim, int num_m_blocks)
   return kernel_head_dim < 128 || num_m_blocks % 2 == 0;
 }
 // The cross-tile phase (Note [portattn hopper cross-tile phase]) where same-call A/Bs measured it
-// ahead (bench/results/runs/2026-11-25-0b0e86b/, bf16, 16k tokens): hd64 short causal calls, +4%
-// at 512 keys and +2.6% at 1k on an H100 (pipe+pp+pers against default in ab2_h100_A*.md, two
-// rounds), +4% / +3.5% on an H200 (ab1). Not elsewhere: no-mask calls lost 2-12% with it on the
-// default pipe+pers (pipe+pers+xtile) and only matched the default with ping-pong as well
-// (pipe+pp+pers+xtile, within 1% at 512-1k); hd128 short causal calls were within the spread
+// ahead (archive:2026-11-25-0b0e86b/, bf16, 16k tokens): hd64 short causal calls, +4%
+// at 512 keys and +2.6% at 1k on an H100 (pipe+pp+pers against default in ab2_h100_A1_schedules.md and
+// ab2_h100_A2_schedules.md), +4% / +3.5% on an H200 (ab1_h200_default_vs_xtile.md). Not elsewhere: no-mask calls lose 2-12% with it on the
+// default pipe+pers (pipe+pers+xtile) and only match the default with ping-pong as well
+// (pipe+pp+pers+xtile, within 1% at 512-1k); hd128 short causal calls are within the spread
 // (-3 to +0%).
 // hd192's short causal calls on 80-key blocks, whose smaller K / V stages leave room for the
 // persistent schedule's second Q buffer and so for the cross-tile phase (Note [portattn hopper
-// hd192]). Same-call A/B on an H100, four rounds (bench/results/runs/2026-11-26-a0722e3-s18nw):
+// hd192]). Same-call A/B on an H100, four rounds (archive:2026-11-26-a0722e3-s18nw/ab_O_NW.md):
 // forward 512 causal +2.8% (every round), 1k causal -0.1%; forward+backward +0.4 / 0.0%. =0 keeps
 // them on 112-key blocks.
 #ifndef PORTATTN_HOPPER_FWD_HD192_SHORT_NARROW
@@ -132,21 +131,21 @@ constexpr int short_causal_added_bits(int kernel_head_dim) {
 // Calls without a mask whose keys fit one block (seqlen_k <= kBlockN): every tile is one S and
 // one P V, so a warpgroup's tile is a serial chain (S, softmax, P V, epilogue) unless the next
 // tile's S runs under it. At hd64 they take ping-pong and the cross-tile phase, as short causal
-// calls do (calls of up to kShortCausalMaxSeqlenK query rows, the ones that ran kShortNone).
-// Same-call A/B, H100, batch 512 x 16 heads, bf16 (bench/results/runs/2026-11-26-103c53a/
+// calls do (calls of up to kShortCausalMaxSeqlenK query rows, which otherwise run kShortNone).
+// Same-call A/B, H100, batch 512 x 16 heads, bf16 (archive:2026-11-26-103c53a/
 // sched_short): 100 rows +14-15% (116 -> 132-133 TFLOP/s), 128 rows +2%; 200 rows (two blocks)
 // equal, 256 -7 to 0%; hd128 within 1% at 100-128 rows, so it keeps kShortNonCausalSchedule.
 constexpr int single_block_added_bits(int kernel_head_dim) {
   return kernel_head_dim == 64 ? kSchedPingPong | kSchedCrossTile : 0;
 }
 // Dense calls of this many keys or more take 176-key blocks at hd128 (Note [portattn hopper 176-key
-// blocks]). Causal: ahead from 8k keys, behind up to 4k (session 9); the boundary sits between the
-// two measured points. Without a mask the softmax under P V (session 14, 176-key kernels only) moved
-// the break-even down: same-call A/B on an H100, three rounds (bench/results/runs/
-// 2026-11-26-f6a6626-s19, ab_fwd_O_F3.md): 2k keys +2.5% (647 against 629-634 TFLOP/s, every
-// round), 4k within 0.5%; causal 2k -7%, 4k within 0.6%, so causal calls keep 4097. Short no-mask
-// calls (at most kShortCausalMaxSeqlenK query rows) stay on 128-key blocks: on 176 they measured
-// -3% at 1k keys and -10% at 512 (same run, ab_fwd_T_S1.md / ab_fwd_T_S5.md).
+// blocks]). Causal: ahead from 8k keys, behind up to 4k; the boundary sits between the
+// two measured points. Without a mask, with the softmax under P V (Note [portattn hopper softmax
+// under P V], 176-key kernels only), the break-even is lower: same-call A/B on an H100, three
+// rounds (archive:2026-11-26-f6a6626-s19/ab_fwd_O_F3.md): 2k keys +2.5% (647 against 629-634
+// TFLOP/s, every round), 4k within 0.5%; causal 2k -7%, 4k within 0.6%, so causal calls keep 4097.
+// Short no-mask calls (at most kShortCausalMaxSeqlenK query rows) stay on 128-key blocks: on 176
+// they measure -3% at 1k keys and -10% at 512 (same folder, ab_fwd_T_S1.md / ab_fwd_T_S5.md).
 #ifndef PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN
 #define PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN 4097
 #endif
@@ -159,11 +158,11 @@ constexpr int kWideKeysMinSeqlenKNoMask = PORTATTN_HOPPER_FWD_WIDE_KEYS_MIN_NO_M
 // cost in proportion to their sequence's keys, so a fixed deal of the tile list
 // (persistent) leaves some CTAs long sequences' tiles and others empty or short
 // ones; one CTA per tile lets the hardware hand tiles out as SMs free up. A/B in
-// one device call (bench/results/runs/2026-11-24-2641db7/varlen_sched_{A,B}.md, 16k
+// one device call (archive:2026-11-24-2641db7/varlen_sched_A.md and varlen_sched_B.md, 16k
 // tokens): mixed lengths 64-2795 +21-23% at hd128, +11% at hd64; 4 x 4k +9% / 0%;
 // 16 x 1k (max 1024) -13% at hd64, so sequences up to 1024 keys stay persistent,
-// as dense ones do. Three consumers at hd64 (session 6, A/B in one device call,
-// bench/results/runs/2026-11-24-e2a3c50/varlen_three_consumers.md): mixed lengths
+// as dense ones do. Three consumers at hd64 (A/B in one device call,
+// archive:2026-11-24-e2a3c50/varlen_three_consumers.md): mixed lengths
 // +12%, 4 x 4k +4%.
 constexpr int kVarlenSchedule = kSchedPipelined | kSchedThreeConsumers;
 
@@ -207,15 +206,14 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 }
 
 // Note [portattn hopper padded head dims]
-// Head dim 96 runs on the hd128 forward kernel; 96 and 192 run on the hd128 and hd256 backward
-// kernels (the hd256 backward splits the head dim over two CTAs: Note [portattn hopper split head
-// dim] in hopper_bwd_kernel.cuh). hd192's forward ran on the hd256 kernel too until it got its own
-// (Note [portattn hopper hd192], session 18). The tables "served head dim -> kernel head dim" are
+// Head dim 96 runs on the hd128 forward and backward kernels (hd192 and hd256 have kernels of
+// their own: Notes [portattn hopper hd192], [portattn hopper hd192 backward] and [portattn hopper
+// split head dim] in hopper_bwd_kernel.cuh). The tables "served head dim -> kernel head dim" are
 // data: variants.HOPPER_FWD_PADDED and HOPPER_BWD_PADDED; the generated tables' hd96 entries
-// point at run_hopper_fwd<128, ...> and run_hopper_bwd<128, ...>, hd192's backward at <256, ...>.
+// point at run_hopper_fwd<128, ...> and run_hopper_bwd<128, ...>.
 //  * Why it is exact: Q, K and V's tensor maps are encoded with the call's head dim
 //    as the innermost extent, so TMA zero-fills every box column past it (the
-//    second half of hd128's last panel at 96; in the backward, hd256's whole last panel at 192).
+//    second half of hd128's last panel at 96).
 //    Q K^T then sums zeros over the padding, and P V's extra output columns are
 //    zero: the kernel stores only columns below args.head_dim (the O map's extent
 //    clips the TMA stores; a guard in the direct store loop). Nothing else reads the kernel's head
@@ -223,14 +221,12 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 //    Python), the LSE is per row, strides are the tensors' own. TMA needs 16-byte
 //    row strides: 96 * 2 and 192 * 2 bytes are.
 //  * Cost: the kernel's full work. hd96 computes 128 columns, 33% more MMA work
-//    than a native hd96 kernel would (the same for both products); hd192 on the
-//    hd256 kernel computes 256 columns, 33% more (what its own forward kernel, with
-//    112-key blocks in the shared memory the zero panel took, removed for the forward).
+//    than a native hd96 kernel would (the same for both products). (hd192 padded to the
+//    hd256 kernels would compute 256 columns, 33% more: hence its own kernels.)
 //  * Why it is declared anyway: the sm80+ path's native hd96/hd192 kernels run
 //    mma.sync without TMA or warp specialization, and the padded Hopper kernels beat
-//    them. Measured on an H100 (session 7): forward 1.19-1.51x at hd96, 1.22-1.94x at
-//    hd192 (bench/results/runs/2026-11-24-ee2d963/padded_head_dims.md); hd96
-//    forward+backward 1.41-1.67x (runs/2026-11-24-4507308/hd96_training.md). Should
+//    them. Measured on an H100: forward 1.19-1.51x at hd96 (archive:2026-11-24-ee2d963/padded_head_dims.md);
+//    hd96 forward+backward 1.41-1.67x (archive:2026-11-24-4507308/hd96_training.md). Should
 //    that stop holding on some GPU, remove the head dim from HOPPER_*_PADDED and the
 //    spec, and dispatch sends it back to the sm80+ path.
 //  * The backward (run_hopper_bwd, hopper_bwd_kernel.cuh), the same way: Q, K, V, dO's
@@ -243,7 +239,7 @@ constexpr int schedule_for(int head_dim, int mask, bool softcap, int wanted) {
 //    kernel's head dim (BwdArgs::acc_head_dim = hopper_bwd_acc_head_dim(96) = 128), not
 //    the call's. Why: the kernel's dQ adds are one bulk copy of a contiguous 64 x kHeadDim
 //    fp32 tile with 16-byte chunks swizzled by row (Note [portattn hopper bulk dQ]), which
-//    a 96-float row could only take as 64 per-row copies (what session 6 measured as slow)
+//    a 96-float row could only take as 64 per-row copies (slow: Note [portattn hopper bulk dQ])
 //    or a 96-wide staging layout whose 384-byte rows break the swizzle's bank argument; the
 //    per-element adds and the GQA reductions then use the same pitch, which keeps their
 //    addressing a compile-time kHeadDim. Cost: the scratch of a 128-column call (+33% of
