@@ -4,7 +4,8 @@
 // What it serves is declared in capability/specs/cuda_sm90.py (the Hopper
 // forward's calls, varlen included, at head dims 64, 128 and 96 on the hd128 kernel,
 // padded: Note [portattn hopper padded head dims] in hopper_fwd_launch.cuh, backward
-// part) and 256 with the head dim split over two CTAs (Note [portattn hopper split head dim]),
+// part), 192 (its own kernel, output columns in parts of 128 and 64: Note [portattn hopper hd192
+// backward]) and 256 with the head dim split over two CTAs (Note [portattn hopper split head dim]),
 // in the default (atomic or bulk dQ) and the deterministic mode. Other calls stay on the sm80+ backward
 // (bwd_kernel.cuh); hopper_bwd_entry.cu refuses them with a message. The launch
 // sequence, workspace and math are those of Note [portattn cuda backward]:
