@@ -44,8 +44,8 @@ SPEC = BackendSpec(
     # padded_head_dims.md). The backward serves hd96 the same way, on its hd128 kernel (the sm80+
     # backward at 96 held training at 0.84-0.88x SDPA's FlashAttention-2, while the Hopper backward
     # at 128 runs 1.5-1.8x the sm80+ one), hd256 with the head dim split over two CTAs (Note
-    # [portattn hopper split head dim] in csrc/hopper_bwd_kernel.cuh) and hd192 in two launches
-    # of its own kernel (Note [portattn hopper hd192 backward]): both passes serve every head dim
+    # [portattn hopper split head dim] in csrc/hopper_bwd_kernel.cuh) and hd192 on its own kernel
+    # (both column parts in one launch where that kernel compiles without spills) (Note [portattn hopper hd192 backward]): both passes serve every head dim
     # here (forward_only_head_dims would name one that trains elsewhere).
     head_dim_multiple=32,
     head_dim_max=256,

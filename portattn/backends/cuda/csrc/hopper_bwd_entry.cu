@@ -22,15 +22,15 @@ namespace hopper {
 namespace {
 
 // PORTATTN_HOPPER_BWD_DQ (tuning; README): how the default mode adds dQ into its fp32
-// accumulator. "auto" (unset, the default): bulk reductions at every head dim the
-// kernel serves. Measured on the H100 (archive:2026-11-24-687cbc7/ab_H64.md and ab_H128.md),
+// accumulator. "auto" (unset, the default): bulk reductions wherever the staging tiles
+// fit (head dims 64, 96, 128; 192 and 256 add per element, Traits::kBulkDqFits). Measured on the H100 (archive:2026-11-24-687cbc7/ab_H64.md and ab_H128.md),
 // forward+backward at seqlen 1k-16k: hd64 bulk 1.02-1.11x the per-element v2
 // reductions, as bulk adds one swizzled tile a step (the threshold kBulkDqMinHeadDim
 // is kept for another head dim); "atomic" and "bulk" force
 // one path (Note [portattn hopper bulk dQ]). Read once, at the first call;
 // portattn_cuda_hopper_bwd_dq_mode changes it afterwards (tests and A/B
-// scripts time both in one process). The deterministic mode always
-// adds per element.
+// scripts time both in one process). The deterministic mode takes the same choice and
+// orders the adds by key block (Note [portattn hopper ordered dQ]).
 enum HopperBwdDqMode : int { kDqModeAtomic = 0, kDqModeBulk = 1, kDqModeAuto = 2, kDqModeInvalid = -1 };
 constexpr const char* kDqModeEnv = "PORTATTN_HOPPER_BWD_DQ";
 constexpr int kBulkDqMinHeadDim = 64;
