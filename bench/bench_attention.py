@@ -207,7 +207,7 @@ def main():
     parser.add_argument("--processes", type=int, default=1,
                         help="run the grid in this many fresh processes and report each cell's median (and the "
                              "spread); a single process's cell moves by up to 6%% from one process to the next "
-                             "(docs/hopper_notes.md, session 13)")
+                             "(docs/kernels-hopper.md)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
     args = parser.parse_args()
     peers.require_device(args.dry_run)

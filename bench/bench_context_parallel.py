@@ -7,7 +7,7 @@ passes K/V around the ring over NCCL and portattn runs every step's attention. T
 forward and forward+backward with CUDA events (median of --reps after warm-up, a barrier
 before each) and, on the same ranks, one GPU's whole call at the per-rank token count
 (weak-scaling baseline) and at the total when it fits (strong-scaling baseline). Rank 0
-prints and writes <out>/context_parallel.{json,md} through peers.write_results:
+prints and writes <out>/context_parallel_<N>gpu.{json,md} through peers.write_results:
 
     weak efficiency   = time of one GPU on tokens/N / time of N GPUs on tokens (causal work
                         per GPU is the same when the whole causal call's work is split N ways:

@@ -13,27 +13,9 @@ says whether a gap is GPU time or host time. Results: <out>/short_seq.{json,md,p
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-
-import torch
 
 import peers
-
-BATCH = 512
-HEADS = 16
-
-
-@dataclass(frozen=True)
-class ShortPoint(peers.Point):
-    """A grid point with a fixed batch and head count instead of the FA2 grid's 16k tokens."""
-
-    @property
-    def heads(self) -> int:
-        return HEADS
-
-    @property
-    def batch(self) -> int:
-        return BATCH
+from peers import SHORT_BATCH as BATCH, SHORT_HEADS as HEADS, ShortPoint
 
 
 def main():

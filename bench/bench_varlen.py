@@ -99,7 +99,7 @@ def _bind_flex():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # Every (scenario, head dim, mask) is a new static shape: with the short-documents scenario the
-    # grid passes dynamo's default limit of 8 recompiles (session 11: hd128's cells were n/a).
+    # grid passes dynamo's default limit of 8 recompiles (past it, hd128's cells went n/a).
     import torch._dynamo
 
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"

@@ -4,7 +4,7 @@
 An implementation that cannot run (a peer not installed, a backend refusing the call, a
 compile failure) becomes an "n/a" cell with its reason; it never stops the run. Peers are
 timed, never depended on: flash-attn-4 is imported only if its wheels were installed on the
-device (bench/fa4_stage.sh).
+device (bench/tools/fa4_stage.sh).
 
 `--dry-run` (CPU, no triton): every implementation is still bound and called once on a small
 proxy of each grid point (so import failures, refusals and the writers are exercised), and
@@ -40,8 +40,8 @@ DRY_PROXY_SEQLEN = 64
 # ---- run metadata -----------------------------------------------------------------------
 def commit() -> str:
     """The commit a result is labelled with: PORTATTN_COMMIT if set, else git's HEAD, marked "+dirty" when
-    tracked files differ from it. (Session 15: a device copy's stale .git labelled c64176e's results with the
-    session's first HEAD; the mark makes such a label visibly not the tree that ran.)"""
+    tracked files differ from it (a copied tree with a stale .git would otherwise carry an older commit's
+    label; the mark makes such a label visibly not the tree that ran)."""
     if os.environ.get("PORTATTN_COMMIT"):
         return os.environ["PORTATTN_COMMIT"]
     try:
@@ -120,17 +120,31 @@ def parse_ints(text: str) -> list:
     return values
 
 
-def parse_point(text: str, short: bool = False) -> "Point":
-    """head_dim:seqlen:causal|full on the FA2 grid's 16k tokens, or with `short` at bench_short.py's
-    batch 512 x 16 heads (its ShortPoint)."""
+# Many short sequences (bench_short.py and the tools that probe its cells): a fixed batch and
+# head count instead of the FA2 grid's 16k tokens.
+SHORT_BATCH = 512
+SHORT_HEADS = 16
+
+
+@dataclass(frozen=True)
+class ShortPoint(Point):
+    """A grid point at SHORT_BATCH x SHORT_HEADS instead of the FA2 grid's 16k tokens."""
+
+    @property
+    def heads(self) -> int:
+        return SHORT_HEADS
+
+    @property
+    def batch(self) -> int:
+        return SHORT_BATCH
+
+
+def parse_point(text: str, short: bool = False) -> Point:
+    """head_dim:seqlen:causal|full on the FA2 grid's 16k tokens, or with `short` a ShortPoint."""
     head_dim, seqlen, mask = text.split(":")
     if mask not in ("causal", "full"):
         raise SystemExit(f"point '{text}' must end in :causal or :full")
-    if short:
-        from bench_short import ShortPoint  # (bench_short imports this module: imported at the call)
-
-        return ShortPoint(int(head_dim), int(seqlen), mask == "causal")
-    return Point(int(head_dim), int(seqlen), mask == "causal")
+    return (ShortPoint if short else Point)(int(head_dim), int(seqlen), mask == "causal")
 
 
 # ---- the implementations ---------------------------------------------------------------
@@ -235,7 +249,7 @@ def _bind_fa4():
     try:
         from flash_attn.cute import flash_attn_func
     except ImportError as error:
-        # bench/fa4_stage.sh says why the wheels are not installed, when it knows.
+        # bench/tools/fa4_stage.sh says why the wheels are not installed, when it knows.
         staged = os.environ.get("PORTATTN_FA4_MISSING")
         raise ImportError(f"{staged} ({error})" if staged else str(error)) from error
 
@@ -567,13 +581,15 @@ def _plot(result, path):
     plt.close(fig)
 
 
-# The default --out of every benchmark script: the current table per question, which the
-# GPU suite overwrites (bench/results/README.md: dated runs go under bench/results/runs/).
+# The default --out of every benchmark script: the current table per question, which
+# bench/run_all.sh regenerates (bench/results/README.md).
 LATEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "latest")
+# The default --out of the tools in bench/tools/: what they write is not a table of latest/.
+SCRATCH = os.path.join("/tmp", "portattn-bench-tools")
 
 
 def write_results(result, out_dir: str, name: str, extra_markdown=(), plot=None) -> str:
-    """The one writer of benchmark results; every script in bench/ writes through it.
+    """The one writer of benchmark results; every benchmark in bench/ writes through it.
 
     <out_dir>/<name>.json: `result` as is. <name>.md: `# title`, one line with device, date,
     commit, torch and the peers' versions (the same header in every result file), `note`,

@@ -145,7 +145,7 @@ class AttentionFunction(torch.autograd.Function):
     Its inputs are the tensors and one tuple of the scalar options (see `attention`):
     Function.apply's own Python and C++ work (wrapper unwrapping, input bookkeeping, the
     gradient tuple's checks) grows with the argument count, and 14 separate arguments cost
-    ~1 us more per step than 7 (CPU, bench/host_overhead_cpu.py). None of the scalars ever
+    ~1 us more per step than 7 (CPU, bench/tools/host_overhead_cpu.py). None of the scalars ever
     took a gradient, so autograd sees the same differentiable inputs.
     """
 

@@ -1,6 +1,6 @@
-"""The benchmark plumbing on the CPU: dry runs of the grid scripts (fake timings), the ncu
-summary, and the flash-attn-4 staging script's failure paths. The measurements themselves
-need the GPU machine (bench/gpu_suite.sh)."""
+"""The benchmark plumbing on the CPU: dry runs of the grid scripts and of bench/run_all.sh (fake
+timings), the developer tools in bench/tools/, and the flash-attn-4 staging script's failure paths.
+The measurements themselves need the GPU machine (bench/run_all.sh)."""
 import json
 import os
 import shutil
@@ -11,6 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
+TOOLS = os.path.join(BENCH, "tools")
 
 
 def _run(args, env=None, **kwargs):
@@ -19,7 +20,8 @@ def _run(args, env=None, **kwargs):
 
 
 def _tool_result(tmp_path, script, *args, result="") -> dict:
-    """Run bench/<script> with `args` and --out tmp_path; assert it succeeded; its <result>.json."""
+    """Run bench/<script> (tools/<name> for a tool) with `args` and --out tmp_path; assert it succeeded;
+    its <result>.json."""
     done = _run([sys.executable, f"bench/{script}", *args, "--out", str(tmp_path)])
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / f"{result}.json") as handle:
@@ -101,7 +103,7 @@ def test_varlen_dry_run_writes_every_scenario(tmp_path):
 
 
 def test_sass_opcode_counts_skip_predicates_and_split_kernels():
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, TOOLS)
     import sass_stats
 
     text = """
@@ -119,9 +121,9 @@ def test_sass_opcode_counts_skip_predicates_and_split_kernels():
 
 
 def test_tile_balance_model_pairs_equal_cost_tiles():
-    # bench/tile_balance.py mirrors the Hopper forward's walks (Note [portattn hopper paired
+    # bench/tools/tile_balance.py mirrors the Hopper forward's walks (Note [portattn hopper paired
     # tiles]); balance() itself asserts that the paired order visits every tile once.
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, TOOLS)
     import tile_balance
 
     for num_m_blocks in (1, 4, 5, 8):
@@ -139,7 +141,7 @@ def test_tile_balance_model_pairs_equal_cost_tiles():
 
 
 def test_ncu_opcode_mix_weighs_instructions_by_executions(tmp_path):
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, TOOLS)
     import ncu_opcode_mix
 
     page = tmp_path / "src.csv"
@@ -151,10 +153,13 @@ def test_ncu_opcode_mix_weighs_instructions_by_executions(tmp_path):
                     '"0x30","@P1   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2","3"\n')
     counts, total = ncu_opcode_mix.opcode_mix(str(page))
     assert counts == {"FFMA": 105, "BRA": 7, "SYNCS": 3} and total == 115
+    done = _run([sys.executable, "bench/tools/ncu_opcode_mix.py", str(page), str(page), "--per=5"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ratio 1.000" in done.stdout and "FFMA" in done.stdout and "21.0" in done.stdout  # 105 / 5
 
 
 def test_ncu_sass_stalls_sums_a_reason_by_opcode(tmp_path, capsys):
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, TOOLS)
     import ncu_sass_stalls
 
     page = tmp_path / "src.csv"
@@ -172,7 +177,7 @@ def test_ncu_sass_stalls_sums_a_reason_by_opcode(tmp_path, capsys):
 
 
 def test_ncu_summary_reads_the_raw_page(tmp_path):
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, TOOLS)
     import ncu_profile
 
     raw = tmp_path / "raw.csv"
@@ -192,27 +197,27 @@ def test_ncu_summary_reads_the_raw_page(tmp_path):
 def test_fa4_stage_says_what_is_missing(tmp_path):
     parts, site = tmp_path / "parts", tmp_path / "site"
     env = {"FA4_PARTS": str(parts), "FA4_SITE": str(site)}
-    done = _run(["bash", "bench/fa4_stage.sh", "install"], env=env)
+    done = _run(["bash", "bench/tools/fa4_stage.sh", "install"], env=env)
     assert done.returncode == 1 and done.stdout.startswith("export PORTATTN_FA4_MISSING=")
     half = tmp_path / "a"
     half.mkdir()
     (half / "nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl.part00").write_bytes(b"PK")
-    assert _run(["bash", "bench/fa4_stage.sh", "stash", str(half)], env=env).returncode == 0
-    done = _run(["bash", "bench/fa4_stage.sh", "install"], env=env)
+    assert _run(["bash", "bench/tools/fa4_stage.sh", "stash", str(half)], env=env).returncode == 0
+    done = _run(["bash", "bench/tools/fa4_stage.sh", "install"], env=env)
     assert done.returncode == 1 and "only\\ one\\ half" in done.stdout
     # What install prints must be eval-able by the caller's shell, the reason intact.
     shown = _run(["bash", "-c", f'eval "{done.stdout.strip()}"; echo "$PORTATTN_FA4_MISSING"'])
     assert shown.stdout.startswith("only one half of nvidia_cutlass_dsl_libs_cu13")
 
 
-@pytest.mark.parametrize("script", ["fa4_stage.sh", "ncu_stage.sh", "gpu_suite.sh"])
+@pytest.mark.parametrize("script", ["tools/fa4_stage.sh", "tools/ncu_stage.sh", "run_all.sh", "conformance/run.sh"])
 def test_stage_scripts_parse(script):
     done = _run(["bash", "-n", os.path.join("bench", script)])
     assert done.returncode == 0, done.stderr
 
 
 def test_ring_proxy_dry_run_writes_json_and_markdown(tmp_path):
-    result = _tool_result(tmp_path, "bench_ring_proxy.py", "--dry-run", "--ranks", "2,4", result="ring_proxy")
+    result = _tool_result(tmp_path, "tools/bench_ring_proxy.py", "--dry-run", "--ranks", "2,4", result="ring_proxy")
     assert result["dry_run"] and result["device"] == "cpu"
     assert {(r["ranks"], r["backward"]) for r in result["rows"]} == {(2, False), (4, False), (2, True), (4, True)}
     for row in result["rows"]:
@@ -246,7 +251,7 @@ def test_result_and_doc_links_resolve():
 
 
 def test_process_variance_probe_dry_run_reports_every_process(tmp_path):
-    result = _tool_result(tmp_path, "probe_process_variance.py", "--dry-run", "--short", "16:50:causal",
+    result = _tool_result(tmp_path, "tools/probe_process_variance.py", "--dry-run", "--short", "16:50:causal",
                           "--processes", "2", result="process_variance")
     assert result["cell"] == "short 16:50:causal, portattn" and len(result["processes"]) == 2
     for row in result["processes"]:
@@ -259,7 +264,7 @@ def test_process_variance_probe_dry_run_reports_every_process(tmp_path):
 
 
 def test_profile_host_dry_run_reports_issue_times_and_profiles(tmp_path):
-    result = _tool_result(tmp_path, "profile_host.py", "--dry-run", "--short", "16:50:causal", "--steps", "20",
+    result = _tool_result(tmp_path, "tools/profile_host.py", "--dry-run", "--short", "16:50:causal", "--steps", "20",
                           "--impls", "portattn", result="host_profile")
     times = result["impls"]["portattn"]
     assert times["forward_us"] > 0 and times["backward_us"] > 0
@@ -271,7 +276,7 @@ def test_profile_host_dry_run_reports_issue_times_and_profiles(tmp_path):
 
 def test_host_overhead_cpu_times_every_shape_on_the_compiled_path(tmp_path):
     out = tmp_path / "host_overhead.json"
-    done = _run([sys.executable, "bench/host_overhead_cpu.py", "--repeat", "2", "--calls", "5", "--out", str(out),
+    done = _run([sys.executable, "bench/tools/host_overhead_cpu.py", "--repeat", "2", "--calls", "5", "--out", str(out),
                  "--profile", "short"])
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -289,7 +294,7 @@ def test_host_overhead_cpu_times_every_shape_on_the_compiled_path(tmp_path):
 
 
 def test_ab_table_rounds_and_ratios(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, TOOLS)
     try:
         import ab_table
     finally:
@@ -366,3 +371,35 @@ def test_commit_label_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch)
     assert peers.commit() == head
     monkeypatch.setenv("PORTATTN_COMMIT", "abc1234")
     assert peers.commit() == "abc1234"
+
+
+def test_short_points_come_from_peers_without_an_import_cycle():
+    sys.path.insert(0, BENCH)
+    try:
+        import peers
+    finally:
+        sys.path.pop(0)
+    point = peers.parse_point("16:50:causal", short=True)
+    assert isinstance(point, peers.ShortPoint) and (point.batch, point.heads) == (512, 16)
+    assert peers.parse_point("128:1024:full").batch == 16
+    # bench_short.py imports peers.py; peers.py imports no benchmark script.
+    with open(os.path.join(BENCH, "peers.py")) as handle:
+        assert "import bench_" not in handle.read()
+
+
+def test_run_all_dry_run_writes_tables_logs_and_a_pack(tmp_path):
+    out = tmp_path / "out"
+    done = _run(["bash", "bench/run_all.sh", str(out), "short", "determinism", "tests"],
+                env={"DRY": "1", "PACK": "1", "PORTATTN_COMMIT": "abc1234"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["results.tgz"]
+    import tarfile
+
+    with tarfile.open(out / "results.tgz") as pack:
+        names = {os.path.normpath(name) for name in pack.getnames()}
+        table = pack.extractfile("./short_seq.md").read().decode()
+    assert {"short_seq.md", "short_seq.json", "determinism.md", "logs/short.log", "logs/determinism.log",
+            "logs/tests.log", "logs/stages.txt"} <= names
+    assert "commit: abc1234" in table and "device: cpu (DRY RUN" in table
+    done = _run(["bash", "bench/run_all.sh", str(tmp_path / "other"), "no_such_stage"], env={"DRY": "1"})
+    assert done.returncode == 2 and "unknown stage" in done.stdout

@@ -71,7 +71,7 @@ def pytest_runtest_logreport(report):
             _STATE["failures"].append({"id": report.nodeid, "error": message})
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_sessionfinish(exitstatus):  # pluggy passes only the arguments a hook names
     out = os.environ.get("PORTATTN_CONFORMANCE_OUT")
     if not out:
         return

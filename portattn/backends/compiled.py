@@ -43,7 +43,7 @@ def launch(index, entry, args) -> None:
     for the one C call of `forward` / `backward` (the only part that reads the current device:
     the stream, the workspace and every pointer name their device explicitly). The hot paths use
     this instead of the decorator, whose *args/**kwargs re-packing of the keyword options cost
-    ~1 us per forward and ~2 us per backward (CPU, bench/host_overhead_cpu.py)."""
+    ~1 us per forward and ~2 us per backward (CPU, bench/tools/host_overhead_cpu.py)."""
     if index is None or index == _current_device():
         entry(*args)
         return

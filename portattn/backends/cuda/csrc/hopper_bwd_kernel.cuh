@@ -588,9 +588,9 @@ __host__ __device__ constexpr bool wide_steps(int head_dim, int mask, bool softc
 #endif
 // Note [portattn hopper backward timeline]
 // A measurement build only (PORTATTN_HOPPER_BWD_TIMELINE=1 on one translation unit:
-// bench/bwd_timeline.py): lane 0 of every warp of timeline::kCtas CTAs in the middle of the
+// bench/tools/bwd_timeline.py): lane 0 of every warp of timeline::kCtas CTAs in the middle of the
 // launch (blockIdx.x = timeline::kX0 + c, y = gridDim.y / 2, z = gridDim.z / 2) writes the SM's cycle
-// counter at each of a step's landmarks (the event list is bench/bwd_timeline.py's) into a
+// counter at each of a step's landmarks (the event list is bench/tools/bwd_timeline.py's) into a
 // device array that portattn_cuda_hopper_bwd_timeline copies out. The stores add ~15
 // instructions a step; the default build has none of it.
 #if PORTATTN_HOPPER_BWD_TIMELINE

@@ -488,7 +488,7 @@ struct HopperTile {
 // ends within one pair of the others (ceil(pairs / CTAs) / (pairs / CTAs), 1.03
 // at 16k tokens). The group order's deal of single tiles ends 9-15% (hd64) and
 // 14-20% (hd128) past the mean in a model that charges each tile its key blocks
-// plus one (bench/tile_balance.py): the last rounds hand some CTAs only long
+// plus one (bench/tools/tile_balance.py): the last rounds hand some CTAs only long
 // tiles. A pair's two tiles share K/V in L2, and 132 CTAs run 264 consecutive
 // tiles: 66 heads at 512 keys, 33 at 1k. Varlen keeps the pairing of the
 // longest sequence's blocks (a shorter sequence's pair may be unequal).

@@ -67,7 +67,7 @@ struct HopperFwdVariantKey {};
 // through the public API (bench_attention.py, archive:2026-11-25-88c02d9/run5) the paired walk loses 8%
 // at hd128 16k causal (653 -> 594-601 TFLOP/s) and 3% at hd64; a tile there averages 64 key blocks,
 // so the prologue and epilogue that persistence overlaps are ~2% of it, and the pairs' tail (1.03 of
-// the mean at 16k tokens, bench/tile_balance.py) costs more than the hardware's hand-out of
+// the mean at 16k tokens, bench/tools/tile_balance.py) costs more than the hardware's hand-out of
 // single tiles (~1.00). Softcap and varlen causal calls keep one CTA per tile: persistent was not
 // measured with them (varlen tiles differ by sequence, which the hardware's hand-out balances; the
 // no-mask varlen A/B below). kPairedMaxTilesPerCta: the exception for many short sequences.
@@ -92,7 +92,7 @@ constexpr int kPairedCausalMaxSeqlenK = 8192;
 // Many short sequences (at most kShortCausalMaxSeqlenK query rows, more than kPairedMaxTilesPerCta
 // tiles a CTA) walk the paired order too, except at hd128 and up with an odd number of query blocks,
 // which walk the group order (paired_walk_for_many_short below). Why: both orders end within 3% of
-// even there (bench/tile_balance.py), so what decides is DRAM traffic, and these calls are
+// even there (bench/tools/tile_balance.py), so what decides is DRAM traffic, and these calls are
 // DRAM-bound (docs/kernels-hopper.md): a pair is two query blocks of one head back to back
 // on one CTA, so its K/V come from DRAM once; the group order runs a head's blocks ~group_heads
 // tiles apart, and some re-reads miss L2 (ncu, hd64 batch 512 x 256 causal: L2 hits 46 -> 52%, 442
@@ -168,7 +168,7 @@ constexpr int kVarlenSchedule = kSchedPipelined | kSchedThreeConsumers;
 
 // Bits added to every schedule above at the head dims that admit them
 // (admitted_bits, hopper_fwd_schedule.h); tuning builds' `+<bits>` adds others
-// (bench/hopper_fwd_tuning.py times `+64`, three consumers everywhere, against
+// (bench/tools/hopper_fwd_tuning.py times `+64`, three consumers everywhere, against
 // `default`, the choices above).
 constexpr int kDefaultAddedBits = 0;
 

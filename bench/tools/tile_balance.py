@@ -8,7 +8,7 @@ and prints, per point of the issue's grid (16k tokens, hidden 2048), the slowest
 mean (1.00 is a perfect spread) next to a greedy dynamic hand-out (each tile to the CTA that frees up
 first, what an atomic tile counter would give).
 
-    python bench/tile_balance.py [--sms 132] [--overhead 1] [--json out.json]
+    python bench/tools/tile_balance.py [--sms 132] [--overhead 1] [--json out.json]
 """
 from __future__ import annotations
 

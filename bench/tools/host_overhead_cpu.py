@@ -1,11 +1,11 @@
 """Python host time of portattn's compiled (CUDA) path, measured on a CPU with a no-op extension module.
 
-  python bench/host_overhead_cpu.py [--repeat 5] [--calls 200] [--shapes short,hd128_1k,varlen,gqa]
+  python bench/tools/host_overhead_cpu.py [--repeat 5] [--calls=200] [--shapes short,hd128_1k,varlen,gqa]
                                     [--out FILE.json] [--profile SHAPE]
 
 Why: a short call's GPU work (batch 512 x 50 rows, hd16: ~285 us per forward+backward on an H100) is
 shorter than the host's time to issue it, so the Python between the user's call and the kernel launch
-is the step time (bench/profile_host.py measures it on the GPU; its cProfile is where this tool came
+is the step time (bench/tools/profile_host.py measures it on the GPU; its cProfile is where this tool came
 from). This tool runs the real Python path of the compiled backend -- api.py validation, ops.py's
 autograd Function, dispatch, backends/compiled.py, abi.py's argument marshalling and allocations --
 with the `_C` module replaced by a stand-in whose functions have the real ones' argument lists and
@@ -25,7 +25,7 @@ per backward call (torch.autograd.grad of the output), per shape; `--out` writes
 with every round's medians. Each of --repeat rounds times --calls forward+backward steps (gc off
 inside a round) and takes their medians; the table shows the lowest round median of each column,
 since on a shared machine other processes only add time. To compare two versions, run both
-alternately (bench/host_overhead_cpu.py is self-contained: `--portattn DIR` times another checkout's
+alternately (bench/tools/host_overhead_cpu.py is self-contained: `--portattn DIR` times another checkout's
 library with this harness).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ import types
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 # Set by load(): the portattn modules under test.
 portattn = dispatch = abi = compiled = matrix = probe = CudaBackend = CudaSm90Backend = None
 
@@ -65,7 +65,7 @@ def load(root: str = ROOT) -> None:
         raise RuntimeError(f"imported {portattn.__file__}, not the checkout at {root}")
 
 
-# (name, description): the shapes follow bench/profile_host.py's short cell and the GPU grids,
+# (name, description): the shapes follow bench/tools/profile_host.py's short cell and the GPU grids,
 # smaller in batch so the buffers stay modest (see `keep_allocations_on_the_heap` too).
 SHAPES = {
     "short": "batch 512 x 50 rows, 16 heads, hd16, causal (bench_short's host-bound cell)",
@@ -320,7 +320,7 @@ def main(argv=None):
     heap_only = keep_allocations_on_the_heap()
     counts: dict = {}
     install(counts)
-    result = {"tool": "bench/host_overhead_cpu.py", "portattn": os.path.dirname(os.path.dirname(portattn.__file__)), "python": platform.python_version(), "torch": torch.__version__,
+    result = {"tool": "bench/tools/host_overhead_cpu.py", "portattn": os.path.dirname(os.path.dirname(portattn.__file__)), "python": platform.python_version(), "torch": torch.__version__,
               "machine": platform.machine(), "allocations_on_heap": heap_only, "repeat": args.repeat, "calls": args.calls, "shapes": {}}
     lines = ["| shape | backend (fwd/bwd entry) | forward us | backward us | step us |", "|---|---|---|---|---|"]
     for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:

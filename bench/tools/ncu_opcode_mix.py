@@ -2,14 +2,15 @@
 
   ncu --section SourceCounters --import-source no --export REP ...
   ncu --import REP.ncu-rep --page source --csv --print-source sass > SRC.csv   (gzip optional)
-  python bench/ncu_opcode_mix.py OURS.csv[.gz] [PEER.csv[.gz]] [TOP]
+  python bench/tools/ncu_opcode_mix.py OURS.csv[.gz] [PEER.csv[.gz]] [TOP] [--per=UNITS]
 
 Sums the "Instructions Executed" column (warp instructions) per opcode (the first word of the SASS
 line, predicate and modifiers dropped) and prints the TOP opcodes (default 40) with the difference
-between the two kernels. Static counts (bench/sass_stats.py) weigh a loop body once; these weigh
+between the two kernels. Static counts (bench/tools/sass_stats.py) weigh a loop body once; these weigh
 each instruction by how often it ran, which is what separates per-block overhead from per-tile work.
-Session 10 compared the Hopper forward with cuDNN's at hd64, seqlen 512, causal with it
-(docs/hopper_notes.md).
+--per=UNITS divides every count by UNITS (e.g. the executions of an instruction both kernels run
+once per warp and step, so the table reads "instructions a warp issues per step"). The Hopper
+forward against cuDNN's at hd64, seqlen 512, causal was compared this way (docs/kernels-hopper.md).
 """
 from __future__ import annotations
 
@@ -39,11 +40,16 @@ def opcode_mix(path: str):
 
 
 def main(argv):
+    per = float(next((a.split("=", 1)[1] for a in argv if a.startswith("--per=")), "1"))
+    argv = [a for a in argv if not a.startswith("--per=")]
     paths = [a for a in argv if not a.isdigit()]
     top = int(next((a for a in argv if a.isdigit()), "40"))
     if not 1 <= len(paths) <= 2:
         sys.exit(__doc__)
     mixes = [opcode_mix(p) for p in paths]
+    if per != 1:
+        mixes = [(collections.Counter({op: round(n / per, 1) for op, n in m.items()}), round(t / per, 1))
+                 for m, t in mixes]
     totals = [t for _, t in mixes]
     print("warp instructions executed: " + ", ".join(f"{p}: {t:,}" for p, t in zip(paths, totals)) +
           (f" (ratio {totals[0] / totals[1]:.3f})" if len(paths) == 2 and totals[1] else ""))

@@ -12,9 +12,9 @@ it accepts per head dim in build_config()["hopper"]["fwd_tuning"]):
 For each schedule: a correctness check on shapes that exercise many tiles per CTA,
 empty causal tiles and ragged blocks (the error rule of tests/gpu), then TFLOP/s over
 the issue's grid (bf16, 16k tokens, hidden 2048) next to SDPA cuDNN and flash.
-  python bench/hopper_fwd_tuning.py [--schedules default,5,+64,...] [--head-dims 64,128] [--out DIR]
+  python bench/tools/hopper_fwd_tuning.py [--schedules default,5,+64,...] [--head-dims 64,128] [--out DIR]
 Writes <out>/hopper_fwd_tuning.{json,md} through peers.write_results (default --out
-bench/results/latest; a tuning run belongs under bench/results/runs/<date>-<commit>/).
+/tmp/portattn-bench-tools: a tuning sweep is not a table of bench/results/latest/).
 """
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from error_rule import FLOOR, OUT_FACTOR, max_error  # noqa: E402  (tests/error_rule.py)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [BENCH, os.path.join(os.path.dirname(BENCH), "tests")]  # peers.py; tests/error_rule.py, naive.py
+from error_rule import FLOOR, OUT_FACTOR, max_error  # noqa: E402
 from naive import naive_attention  # noqa: E402
 
-import peers  # noqa: E402  (bench/, next to this file)
+import peers  # noqa: E402
 
 from portattn.backends.abi import fwd_args  # noqa: E402
 from portattn.backends.cuda import _C  # noqa: E402
@@ -169,7 +170,7 @@ def main():
     parser.add_argument("--batch", type=int, default=None,
                         help="a fixed batch (e.g. 512 for many short sequences) instead of 16k tokens")
     parser.add_argument("--heads", type=int, default=None, help="instead of hidden 2048 / head dim")
-    parser.add_argument("--out", default=peers.LATEST)
+    parser.add_argument("--out", default=peers.SCRATCH)
     args = parser.parse_args()
     head_dims = [int(d) for d in args.head_dims.split(",")]
     if args.schedules is None:

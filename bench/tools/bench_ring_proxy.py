@@ -23,10 +23,10 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the checkout (portattn) and bench/ (peers.py)
 
-import peers  # noqa: E402  (bench/, next to this file)
+import peers  # noqa: E402
 import portattn  # noqa: E402
 from portattn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Where one forward+backward step's GPU time goes, kernel by kernel, per implementation.
 
-  python bench/bench_breakdown.py [--points 128:2048:causal,64:4096:causal] [--impls ...] [--out DIR]
+  python bench/tools/bench_breakdown.py [--points 128:2048:causal,64:4096:causal] [--impls ...] [--out DIR]
 
 The grid's ratio says how far apart two implementations are; this says which of their kernels
 differ (the backward's main kernel, or the preprocess / memset / dQ conversion around it).
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-import peers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for peers.py
+import peers  # noqa: E402
 
 
 def parse_points(text: str) -> list:
@@ -25,7 +27,7 @@ def main():
     parser.add_argument("--points", default="128:2048:causal,128:8192:causal,64:4096:causal,64:512:causal")
     parser.add_argument("--impls", default="portattn,sdpa_cudnn")
     parser.add_argument("--top", type=int, default=8, help="kernels listed per implementation")
-    parser.add_argument("--out", default=peers.LATEST)
+    parser.add_argument("--out", default=peers.SCRATCH)
     args = parser.parse_args()
     peers.require_device(False)
     impls = peers.select(args.impls)

@@ -2,18 +2,18 @@
 
   ncu --section SourceCounters --section WarpStateStats --import-source no --export REP ...
   ncu --import REP.ncu-rep --page source --csv --print-source sass > SRC.csv
-  python bench/ncu_sass_stalls.py SRC.csv [TOP]
-  python bench/ncu_sass_stalls.py SRC.csv --by-opcode [REASON]
+  python bench/tools/ncu_sass_stalls.py SRC.csv [TOP]
+  python bench/tools/ncu_sass_stalls.py SRC.csv --by-opcode [REASON]
 
 The second form sums the samples of one reason (default "wait") and the executed counts by opcode
 (predicate and modifiers dropped: `@!P0 MUFU.EX2` counts as MUFU). A reason spread thin over
-hundreds of instructions shows up there: session 21 found the hd64 forward's "wait" samples on the
+hundreds of instructions shows up there: the hd64 forward's "wait" samples sit on the
 exponentials (MUFU), behind the fixed stalls ptxas puts before them to pace the MUFU unit.
 
 Prints the kernel's warp-stall samples by reason and the TOP instructions (default 25) with the
 most samples, each with its index in the listing, share of all samples, times executed and its
-three largest reasons. Session 6 used it to find what the Hopper backward's consumers waited on
-(docs/hopper_notes.md): the samples of every warp count, so idle producer warps waiting on a
+three largest reasons; it shows what the Hopper backward's consumers wait on
+(docs/kernels-hopper.md): the samples of every warp count, so idle producer warps waiting on a
 barrier show up too (low "executed" counts tell them apart).
 """
 from __future__ import annotations

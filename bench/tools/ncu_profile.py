@@ -1,7 +1,7 @@
-"""The `profile` stage's two halves (driven by bench/ncu_stage.sh):
+"""The `profile` stage's two halves (driven by bench/tools/ncu_stage.sh):
 
-  python bench/ncu_profile.py case {fwd,fwd_cudnn,bwd,bwd_sm80,bwd_fa4,bwd_cudnn}   the program ncu runs
-  python bench/ncu_profile.py summarize RAW.csv --title T --flops F   ncu's raw page -> a short text
+  python bench/tools/ncu_profile.py case {fwd,fwd_cudnn,bwd,bwd_sm80,bwd_fa4,bwd_cudnn}   the program ncu runs
+  python bench/tools/ncu_profile.py summarize RAW.csv --title T --flops F   ncu's raw page -> a short text
 
 The case is B=1, H=16, seqlen 16k, hd 128, bf16, not causal (issue #6's largest point).
 Everything before the one profiled call (imports, dispatch, self-check, a full warm-up
@@ -65,7 +65,7 @@ def run_case(mode: str) -> None:
         print(f"ncu_profile case {mode}: {CASE}, SDPA cuDNN", flush=True)
         return
     if mode in ("bwd_fa4", "bwd_cudnn"):
-        # The backward peers on the same case: flash-attn-4's (bench/fa4_stage.sh installs it on the
+        # The backward peers on the same case: flash-attn-4's (bench/tools/fa4_stage.sh installs it on the
         # device) and SDPA's cuDNN, each profiled over its own backward only, as ours is.
         if mode == "bwd_fa4":
             from flash_attn.cute import flash_attn_func as fa4_func
@@ -125,8 +125,8 @@ HEADLINE = (  # (label, metric) in the order printed; absent ones are skipped
     ("DRAM throughput (% peak)", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
     ("issue slots busy (%)", "sm__inst_issued.avg.pct_of_peak_sustained_active"),
     ("tensor pipe, wgmma cycles (% active)", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"),
-    # (ncu 2025.3 reports no ..._gmma_cycles_active on sm90; its hmma counters count the wgmma too: session 21
-    # found the hmma instruction count equal to the wgmma count in every Hopper kernel profiled.)
+    # (ncu 2025.3 reports no ..._gmma_cycles_active on sm90; its hmma counters count the wgmma too: the hmma
+    # instruction count equals the wgmma count in every Hopper kernel profiled.)
     ("tensor pipe cycles, hmma counter (% active)", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"),
     ("wgmma instructions", "sm__inst_executed_pipe_tensor_op_gmma.sum"),
     # The sm80+ backward's suspected limits: shared-memory wavefronts (ldmatrix / st.shared)

@@ -1,10 +1,10 @@
 """Where the host time of one forward+backward step goes (Python and the launch calls), per implementation.
 
-  python bench/profile_host.py [--short 16:50:causal | --point 128:1024:causal] [--impls portattn,sdpa_cudnn]
+  python bench/tools/profile_host.py [--short 16:50:causal | --point 128:1024:causal] [--impls portattn,sdpa_cudnn]
                                [--steps 200] [--out DIR] [--dry-run]
 
 Why: a step whose GPU time is shorter than the host's time to issue it runs at the host's pace, and
-the host's pace differs between processes (bench/probe_process_variance.py: portattn's forward+backward
+the host's pace differs between processes (bench/tools/probe_process_variance.py: portattn's forward+backward
 issue time 205-346 us across fresh processes at batch 512 x 50 rows, hd16, whose GPU time is 285 us).
 For each implementation: the host time to issue the forward and the backward (autograd.grad) of one
 step, medians over --steps steps issued in groups of 10 with a synchronize between groups (so the
@@ -21,9 +21,11 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import time
 
-import peers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for peers.py
+import peers  # noqa: E402
 
 GROUP = 10  # steps issued between two synchronizes
 
@@ -74,7 +76,7 @@ def main():
     where.add_argument("--short", default=None, help="head_dim:seqlen:causal|full at batch 512 x 16 heads")
     parser.add_argument("--impls", default="portattn,sdpa_cudnn")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--out", default=peers.LATEST)
+    parser.add_argument("--out", default=peers.SCRATCH)
     parser.add_argument("--dry-run", action="store_true", help="CPU: checks the plumbing, times the CPU proxy")
     args = parser.parse_args()
     peers.require_device(args.dry_run)

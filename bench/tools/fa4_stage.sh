@@ -1,9 +1,9 @@
 #!/bin/bash
-# flash-attn-4 on the device machine, for benchmarking only (never a portattn dependency;
-# see /work/shared/BENCH_PEERS.md). The device has no network and one call carries at most
-# 64 MiB (the working tree included, ~14 MiB in session 16), so the wheels travel in three
-# calls of ~33 MiB each, which leaves room for a library in the same call, and are joined on
-# the device:
+# flash-attn-4 on an offline GPU machine, for benchmarking only (never a portattn dependency).
+# With network access, `pip install flash-attn-4` does the same. Where the machine has no
+# network and each transfer carries at most 64 MiB (the working tree included, ~14 MiB), the
+# wheels travel in three transfers of ~33 MiB each, which leaves room for a library in the
+# same transfer, and are joined on the machine:
 #
 #   On the dev machine (once; /.whl/ is in .git/info/exclude):
 #     .whl/a: flash_attn_4, quack_kernels, torch_c_dlpack_ext, nvidia_cutlass_dsl,
@@ -11,10 +11,10 @@
 #     .whl/b: nvidia_cutlass_dsl_libs_base and nvidia_cutlass_dsl_libs_cu13-*.whl.part01
 #     .whl/c: apache_tvm_ffi and nvidia_cutlass_dsl_libs_cu13-*.whl.part02
 #     (the 92 MB cu13 wheel cut by `split -n 3 -d WHEEL WHEEL.part`)
-#   Device calls 1 and 2, carry [".whl/a", <library>] then [".whl/b"]:
-#     bash bench/fa4_stage.sh stash .whl/a; <other work>
-#   Device call 3 (back to back, while the machine is warm), carry [".whl/c"]:
-#     bash bench/fa4_stage.sh stash .whl/c && eval "$(bash bench/fa4_stage.sh install)" && bash bench/gpu_suite.sh bench ...
+#   First and second transfer, carrying [".whl/a", <library>] then [".whl/b"]:
+#     bash bench/tools/fa4_stage.sh stash .whl/a; <other work>
+#   Third transfer (back to back, while the machine is warm), carrying [".whl/c"]:
+#     bash bench/tools/fa4_stage.sh stash .whl/c && eval "$(bash bench/tools/fa4_stage.sh install)" && bash bench/run_all.sh bench ...
 #
 # Verbs:
 #   stash DIR  copy DIR's files into /tmp/fa4parts (survives between calls on a warm machine)

@@ -2,7 +2,7 @@
 
   compute-sanitizer --tool racecheck --print-limit 100000 ... > rc.log
   cuobjdump -sass portattn/backends/cuda/_C*.so > sass.txt
-  python bench/racecheck_sites.py rc.log sass.txt
+  python bench/tools/racecheck_sites.py rc.log sass.txt
 
 Prints, per (kernel, write PC, read PC), the hazard count and the two SASS instructions, so a
 report can be matched to the shared-memory ring or slot it touches (the backward's LSE/delta

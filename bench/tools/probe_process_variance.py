@@ -1,10 +1,10 @@
 """Does a grid cell's time depend on the process it runs in? One cell, N fresh processes.
 
-  python bench/probe_process_variance.py [--point 128:1024:causal | --short 16:50:causal]
+  python bench/tools/probe_process_variance.py [--point 128:1024:causal | --short 16:50:causal]
                                          [--processes 8] [--impls portattn,sdpa_cudnn] [--out DIR] [--dry-run]
 
 Why: two backward cells have read 15-35% slow in one process and normal in the next
-(docs/hopper_notes.md, session 12: hd16 50 rows causal in one fresh process of three, hd128 1k causal
+(docs/kernels-hopper.md: hd16 50 rows causal in one fresh process of three, hd128 1k causal
 in one grid run), with their forward cells normal. A benchmark process differs from the next in
 its allocator's state and so in where the workspace, the dQ accumulator and the inputs land.
 Each child process times the cell's forward and forward+backward (do_bench medians), then
@@ -26,7 +26,8 @@ import os
 import subprocess
 import sys
 
-import peers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for peers.py
+import peers  # noqa: E402
 
 
 def _sm_clock_mhz() -> str:
@@ -82,7 +83,7 @@ def child(args) -> dict:
         fwd_ms = timer.ms(call, point.flops("fwd"), salt + "fwd")
         step_ms = timer.ms(step, point.flops("fwd_bwd"), salt + "fwd_bwd")
         # (No span from the profiler's timeline: under the profiler the host is the bottleneck,
-        # so its kernels sit milliseconds apart; session 13's first probe measured that.)
+        # so its kernels sit milliseconds apart.)
         kernels, events_ms, issue_us, clock = {}, None, None, "dry run"
         if not args.dry_run:
             from torch.profiler import ProfilerActivity, profile
@@ -118,7 +119,7 @@ def main():
     parser.add_argument("--impls", default="portattn",
                         help="comma-separated (bench/peers.py names); processes alternate between them")
     parser.add_argument("--impl", default="portattn", choices=sorted(peers.IMPLS), help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=peers.LATEST)
+    parser.add_argument("--out", default=peers.SCRATCH)
     parser.add_argument("--dry-run", action="store_true", help="CPU, fake timings: checks the plumbing only")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)

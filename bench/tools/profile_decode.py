@@ -1,10 +1,10 @@
 """Where a decode step's time goes: per-kernel device time (torch.profiler) of portattn's
 flash_attn_with_kvcache and of SDPA at a few shapes, and the split count chosen.
 
-  python bench/profile_decode.py [--shapes 1x4096,1x8192,16x8192] [--paged 0|16|256]
+  python bench/tools/profile_decode.py [--shapes 1x4096,1x8192,16x8192] [--paged 0|16|256]
 
 Prints one line per kernel: name, calls, mean device us. Used to diagnose the gap to
-the HBM bound (launch gaps, combine cost, the kernel itself); ncu (bench/ncu_stage.sh
+the HBM bound (launch gaps, combine cost, the kernel itself); ncu (bench/tools/ncu_stage.sh
 style) gives the stall reasons of the decode kernel itself.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Opcode counts of compiled kernels, from cuobjdump's SASS (issue #15: instruction mix).
 
-  python bench/sass_stats.py FILE REGEX [REGEX ...]
+  python bench/tools/sass_stats.py FILE REGEX [REGEX ...]
 
 FILE: the library, or (much faster: cuobjdump reads the whole fat binary) one object file
 of the build, e.g. .portattn_build/.../bwd_128_bf16.cu.o.
@@ -13,7 +13,7 @@ issue-efficiency work moves. Static counts: unrolled loop bodies count once per 
 Where the CUDA install has no cuobjdump (the dev machine's nvcc 13 has none), PyPI's
 nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels carry both binaries (`pip download
 --no-deps`, unzip, put their bin/ on PATH): enough to compare two builds' SASS without a GPU,
-as session 5 did to find the hd64 causal backward's regression (docs/hopper_notes.md).
+as when the hd64 causal backward's regression was found (docs/kernels-hopper.md).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Times CudaBackend.forward alone (bench/peers.py `sm80_kernel`) with each shape, 
 cuDNN and flash, over many short sequences (batch 512, 16 heads, bf16: bench_short.py's shape)
 and a few longer points, rounds interleaved so that clock drift hits both shapes alike. The
 crossover it shows is what fwd_launch.cuh's rule (narrow_pays) is set from.
-  python bench/sm80_narrow_ab.py [--seqlens 50,...] [--head-dims 16,32,64] [--rounds 2] [--out DIR]
+  python bench/tools/sm80_narrow_ab.py [--seqlens 50,...] [--head-dims 16,32,64] [--rounds 2] [--out DIR]
 Writes <out>/sm80_narrow_ab.{json,md}.
 """
 from __future__ import annotations
@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 
 import torch
 
-import peers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for peers.py
+import peers  # noqa: E402
 
 SHAPES = {"wide": "wide", "narrow": "narrow", "rule": ""}
 BATCH, HEADS = 512, 16
@@ -39,7 +41,7 @@ def main():
     parser.add_argument("--seqlens", default="50,100,128,200,256,300,384,512")
     parser.add_argument("--head-dims", default="16,32,64")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", default=peers.LATEST)
+    parser.add_argument("--out", default=peers.SCRATCH)
     args = parser.parse_args()
     peers.require_device(False)
     bind_ours, why = peers.load_impl("sm80_kernel")

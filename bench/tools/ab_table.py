@@ -1,6 +1,6 @@
 """Same-call A/B of two builds from their benchmark files, round by round.
 
-  python bench/ab_table.py DIR KIND A B ROUNDS [--peer sdpa_cudnn] [--impl portattn]
+  python bench/tools/ab_table.py DIR KIND A B ROUNDS [--peer sdpa_cudnn] [--impl portattn]
 
 An A/B device call runs one benchmark (bench_attention.py --grid-only or bench_short.py) for build A
 and build B in turns, ROUNDS times, each writing <DIR>/<KIND>_<build>_r<round>/*.json (KIND is the
