@@ -27,6 +27,7 @@ else:
         flash_attn_with_kvcache,
     )
     from .dispatch import UnsupportedCallError, force_backend, selected_backends
+    from .merge import merge_attention_states
 
 __all__ = [
     "flash_attn_func",
@@ -37,6 +38,7 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
     "explain",
+    "merge_attention_states",
     "force_backend",
     "selected_backends",
     "UnsupportedCallError",

@@ -123,7 +123,7 @@ _RING_MODULES = ("llama3_flash_attn_varlen", "ring_flash_attn", "ring_flash_attn
                  "zigzag_ring_flash_attn", "zigzag_ring_flash_attn_varlen", "stripe_flash_attn")
 
 
-def import_ring_flash_attn():
+def import_ring_flash_attn(merge: str = "auto"):
     """`import ring_flash_attn`, on portattn, with or without transformers 4.x.
 
     Calls provide_flash_attn() first. When the package imports normally (transformers
@@ -131,7 +131,18 @@ def import_ring_flash_attn():
     only its HuggingFace adapter fails to import (ring-flash-attn 0.1.8 with transformers
     5, or none), returns the package with its attention functions loaded from their own
     modules, unchanged, and without the adapter (`substitute_hf_flash_attn`,
-    `update_ring_flash_attn_params` are then missing)."""
+    `update_ring_flash_attn_params` are then missing).
+
+    `merge` picks the per-step merge of partial outputs its forwards call
+    (install_ring_merge): "auto" (default) portattn's fused kernel on GPUs where it is
+    built, ring-flash-attn's own elsewhere; "portattn" always portattn's merge; "ring"
+    ring-flash-attn's own."""
+    package = _import_ring_package()
+    install_ring_merge(merge)
+    return package
+
+
+def _import_ring_package():
     import importlib
 
     provide_flash_attn()
@@ -155,3 +166,75 @@ def import_ring_flash_attn():
                 setattr(package, public, getattr(module, public))
     _LOG.info("portattn: imported ring_flash_attn without its HF adapter (%s)", adapter_error)
     return package
+
+
+# Note [ring merge]
+# ring-flash-attn's forwards merge every step's partial output into an fp32 accumulator
+# with utils.update_out_and_lse: a TorchScript function of separate elementwise kernels
+# (block_out to fp32, out - block_out, sigmoid(...) * that, out - that, plus the LSE's),
+# each a pass over the whole fp32 output, and its sliced form writes the merged half back
+# with one more copy. portattn.merge_attention_states does the same arithmetic in one
+# in-place pass (Note [portattn merge attention states] in backends/common/merge.h). Each
+# attention module binds update_out_and_lse at import (`from .utils import ...`), so the
+# replacement goes into those modules' globals; ring_flash_attn.utils keeps the original.
+_MERGE_MODES = ("auto", "portattn", "ring")
+
+
+def _ring_utils():
+    import importlib
+
+    return importlib.import_module("ring_flash_attn.utils")
+
+
+def _fused_update_out_and_lse(mode: str, original):
+    import torch
+
+    from .merge import _compiled, merge_attention_states
+
+    def update_out_and_lse(out, lse, block_out, block_lse, slice_=None):
+        # The first step creates the accumulator (a copy of block_out in fp32 and a view of
+        # block_lse), and an fp32 accumulator is what the rest of ring-flash-attn expects.
+        if out is None or out.dtype != torch.float32 or lse is None:
+            return original(out, lse, block_out, block_lse, slice_)
+        if mode == "auto" and not (out.is_cuda and _compiled() is not None):
+            return original(out, lse, block_out, block_lse, slice_)
+        if slice_ is not None:
+            # In place through the views: no write-back copy of the merged half.
+            merge_attention_states(out[slice_], lse[slice_], block_out, block_lse)
+        else:
+            merge_attention_states(out, lse, block_out, block_lse)
+        return out, lse
+
+    update_out_and_lse.__portattn_merge__ = mode
+    return update_out_and_lse
+
+
+def install_ring_merge(mode: str = "auto") -> str:
+    """Choose the update_out_and_lse that ring-flash-attn's attention modules call (Note [ring
+    merge]): "auto" portattn's fused kernel where the tensors are on a GPU with it built and
+    ring-flash-attn's own otherwise; "portattn" portattn's merge everywhere (its torch
+    reference off the GPU); "ring" ring-flash-attn's own. Call after import_ring_flash_attn
+    (which calls this with its `merge`); returns a line saying what it did."""
+    import importlib
+
+    if mode not in _MERGE_MODES:
+        raise ValueError(f"merge must be one of {', '.join(_MERGE_MODES)}, got {mode!r}")
+    original = _ring_utils().update_out_and_lse
+    function = original if mode == "ring" else _fused_update_out_and_lse(mode, original)
+    patched = []
+    for name in _RING_MODULES:
+        module = importlib.import_module(f"ring_flash_attn.{name}")
+        if hasattr(module, "update_out_and_lse"):
+            module.update_out_and_lse = function
+            patched.append(name)
+    message = f"portattn: ring-flash-attn's update_out_and_lse is {mode!r} in {', '.join(patched)}"
+    _LOG.info(message)
+    return message
+
+
+def ring_merge_mode() -> str:
+    """The merge ring-flash-attn's attention modules call now: "auto", "portattn" or "ring"."""
+    import importlib
+
+    module = importlib.import_module("ring_flash_attn.zigzag_ring_flash_attn")
+    return getattr(module.update_out_and_lse, "__portattn_merge__", "ring")

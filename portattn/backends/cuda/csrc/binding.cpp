@@ -14,6 +14,7 @@
 #include <string>
 
 #include "../../common/binding_args.h"
+#include "../../common/merge_binding.h"
 #include "c_api.h"
 
 extern "C" {
@@ -39,6 +40,8 @@ int portattn_cuda_hopper_bwd_dq_mode(int mode);
 #endif
 // bwd_entry.cu, every build: the Hopper backward's workspace layout (ordered deterministic dQ).
 long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdParams* params);
+// merge_entry.cu: the in-place LSE merge (Note [portattn merge attention states] in common/merge.h).
+int portattn_cuda_merge(const PortattnMergeParams* params, char* message, int message_len);
 }
 
 namespace py = pybind11;
@@ -162,6 +165,13 @@ py::dict decode_tile(int head_dim) {
 }
 // ---- end decode ----
 
+// ---- merge (common/merge_binding.h) ----
+void merge(PORTATTN_MERGE_ARGS) {
+  char message[512];
+  const PortattnMergeParams p = portattn::binding::merge_params(PORTATTN_MERGE_ARG_NAMES);
+  check(portattn_cuda_merge(&p, message, sizeof(message)), message);
+}
+
 py::dict build_config() {
   static const char* const kDtypeNames[] = {"float16", "bfloat16"};
   py::list head_dims, dtypes, archs;
@@ -266,4 +276,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("kvcache_append", &kvcache_append,
         "append new k/v to a cache with rotary, and rotate q (common/params.h: PortattnAppendParams)");
   m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim");
+  m.def("merge", &merge, "in-place LSE merge of a partial attention result (common/merge.h)");
 }
