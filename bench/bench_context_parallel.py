@@ -1,11 +1,14 @@
 """Context-parallel throughput: zigzag ring attention (ring-flash-attn on portattn) over N GPUs.
 
-    torchrun --nproc_per_node N bench/bench_context_parallel.py [--tokens 131072,262144] [--out DIR]
+    torchrun --nproc_per_node N bench/bench_context_parallel.py [--tokens 131072,262144,524288]
+        [--reps 3] [--merge portattn,ring] [--profile] [--out DIR]
 
 Each rank holds a zigzag shard of one causal sequence (bf16, 16 heads x 128); ring-flash-attn
 passes K/V around the ring over NCCL and portattn runs every step's attention. Times the
 forward and forward+backward with CUDA events (median of --reps after warm-up, a barrier
-before each) and, on the same ranks, one GPU's whole call at the per-rank token count
+before each), once per --merge: which function merges the steps' partial outputs
+(portattn.compat.install_ring_merge: "portattn" the fused kernel, "ring" ring-flash-attn's
+own update_out_and_lse). On the same ranks, one GPU's whole call at the per-rank token count
 (weak-scaling baseline) and at the total when it fits (strong-scaling baseline). Rank 0
 prints and writes <out>/context_parallel_<N>gpu.{json,md} through peers.write_results:
 
@@ -13,113 +16,336 @@ prints and writes <out>/context_parallel_<N>gpu.{json,md} through peers.write_re
                         per GPU is the same when the whole causal call's work is split N ways:
                         a causal call on tokens/N does 1/N^2 of the work, so it is scaled by N)
     strong efficiency = time of one GPU on tokens / (N x time of N GPUs on tokens)
+
+--profile: one more forward+backward step per merge at --profile-tokens (default the first
+of --tokens), every rank running it and rank 0 recording it with torch.profiler (CPU and
+CUDA activities). Its kernels are put in categories (profile_summary below): attention
+kernels, their per-call passes, the merge, other elementwise work of the forward and of the
+backward (the backward's fp32 gradient accumulation and casts), and the compute stream's
+idle time, split into waiting while an NCCL kernel runs and host gaps (no NCCL kernel
+running). The table goes into the .md and .json; --trace-dir also keeps the Chrome traces.
+
+--dry-run: the same plumbing on the CPU over gloo with tiny shapes (timings meaningless).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 
 import peers
 import portattn  # noqa: F401
-from portattn.compat import import_ring_flash_attn
+from portattn.compat import import_ring_flash_attn, install_ring_merge
 
 HEADS, HEAD_DIM = 16, 128
+MERGES = ("portattn", "ring")
 
 
-def _time_ms(fn, reps):
+def _time_ms(fn, reps, cuda):
     for _ in range(2):
         fn()
     times = []
     for _ in range(reps):
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - begin))
     return statistics.median(times)
 
 
 def _step(attention, q, k, v, dout, backward):
     def run():
-        out = attention(q, k, v, causal=True)
+        with torch.profiler.record_function("cp::forward"):
+            out = attention(q, k, v, causal=True)
         if backward:
-            torch.autograd.grad(out, (q, k, v), dout)
+            with torch.profiler.record_function("cp::backward"):
+                torch.autograd.grad(out, (q, k, v), dout)
     return run
 
 
-def _inputs(tokens, device, grad=True):
-    shape = (1, tokens, HEADS, HEAD_DIM)
+def _inputs(tokens, device, heads, head_dim, grad=True):
+    shape = (1, tokens, heads, head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
     return q, k, v, torch.randn(shape, device=device, dtype=torch.bfloat16)
 
+
+# ---- profile ---------------------------------------------------------------------------------
+
+_MERGE_RANGE = "cp::merge"
+_PHASES = ("cp::forward", "cp::backward")
+# portattn's attention kernels (backends/cuda/csrc), and the per-call passes of its backward.
+_ATTENTION = ("fwd_kernel", "bwd_kernel")
+_ATTENTION_PASSES = ("bwd_preprocess", "bwd_convert_dq", "bwd_convert_dkv")
+CATEGORIES = ("attention kernels", "attention per-call passes", "merge", "other elementwise (fwd)",
+              "other elementwise (bwd)", "idle: NCCL kernel running", "idle: host gap")
+
+
+@contextlib.contextmanager
+def _merge_annotated():
+    """ring-flash-attn's attention modules' update_out_and_lse inside a "cp::merge" range."""
+    import importlib
+
+    from portattn.compat import _RING_MODULES
+
+    saved = {}
+    for name in _RING_MODULES:
+        module = importlib.import_module(f"ring_flash_attn.{name}")
+        if hasattr(module, "update_out_and_lse"):
+            inner = saved[module] = module.update_out_and_lse
+
+            def annotated(*args, _inner=inner, **kwargs):
+                with torch.profiler.record_function(_MERGE_RANGE):
+                    return _inner(*args, **kwargs)
+            module.update_out_and_lse = annotated
+    try:
+        yield
+    finally:
+        for module, inner in saved.items():
+            module.update_out_and_lse = inner
+
+
+def _union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _overlap(start, end, union):
+    return sum(max(0.0, min(end, e) - max(start, s)) for s, e in union)
+
+
+def profile_summary(trace: dict) -> dict:
+    """Time by category (ms) of one profiled step, from a torch.profiler Chrome trace.
+
+    The compute stream is the one running the attention kernels; its kernels are put in
+    CATEGORIES by name, or by the host range they were launched in (a kernel launched
+    inside "cp::merge" is the merge; "cp::forward" / "cp::backward" tell the phases). Its
+    idle time between the step's first and last kernel is "NCCL kernel running" where an
+    NCCL kernel (any stream) overlaps it, else a host gap. Also: NCCL kernel time, and the
+    step's span on the compute stream."""
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ranges = {}
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name") in (_MERGE_RANGE, *_PHASES):
+            ranges.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+
+    def launched_in(kernel, name):
+        ts = launches.get(kernel.get("args", {}).get("correlation"))
+        return ts is not None and any(s <= ts <= e for s, e in ranges.get(name, ()))
+
+    summary = {"categories_ms": {c: 0.0 for c in CATEGORIES}, "kernel_counts": {c: 0 for c in CATEGORIES}}
+    nccl = [k for k in kernels if "nccl" in k["name"].lower()]
+    compute = [k for k in kernels if "nccl" not in k["name"].lower()]
+    if not compute:
+        return dict(summary, step_ms=0.0, nccl_kernel_ms=0.0, note="no GPU kernels in the trace")
+    busy = {}
+    for k in compute:
+        if any(a in k["name"] for a in _ATTENTION):
+            busy[k["args"].get("stream")] = busy.get(k["args"].get("stream"), 0) + k["dur"]
+    stream = max(busy, key=busy.get) if busy else compute[0]["args"].get("stream")
+    compute = sorted((k for k in compute if k["args"].get("stream") == stream), key=lambda k: k["ts"])
+    for k in compute:
+        name = k["name"]
+        if any(p in name for p in _ATTENTION_PASSES):
+            category = "attention per-call passes"
+        elif any(a in name for a in _ATTENTION):
+            category = "attention kernels"
+        elif "merge_kernel" in name or launched_in(k, _MERGE_RANGE):
+            category = "merge"
+        elif launched_in(k, "cp::backward") or not launched_in(k, "cp::forward"):
+            category = "other elementwise (bwd)"  # the autograd thread's launches: after the forward's range
+        else:
+            category = "other elementwise (fwd)"
+        summary["categories_ms"][category] += k["dur"] / 1e3
+        summary["kernel_counts"][category] += 1
+    nccl_union = _union((k["ts"], k["ts"] + k["dur"]) for k in nccl)
+    busy_union = _union((k["ts"], k["ts"] + k["dur"]) for k in compute)
+    for (_, end), (start, _) in zip(busy_union, busy_union[1:]):
+        waiting = _overlap(end, start, nccl_union)
+        summary["categories_ms"]["idle: NCCL kernel running"] += waiting / 1e3
+        summary["categories_ms"]["idle: host gap"] += (start - end - waiting) / 1e3
+    summary["step_ms"] = (busy_union[-1][1] - busy_union[0][0]) / 1e3
+    summary["nccl_kernel_ms"] = sum(e - s for s, e in nccl_union) / 1e3
+    return summary
+
+
+def _profile(run, rank, trace_path):
+    """Runs `run` once on every rank, recorded on rank 0; rank 0 returns profile_summary."""
+    run()  # warm: the profiled step allocates nothing new
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank != 0:
+        with _merge_annotated():
+            run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler, _merge_annotated():
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    profiler.export_chrome_trace(trace_path)
+    with open(trace_path) as handle:
+        return profile_summary(json.load(handle))
+
+
+def _profile_lines(world, tokens, profiles):
+    merges = list(profiles)
+    lines = ["", f"Profile of one forward+backward step on rank 0 of {world}, {tokens} tokens "
+             "(time on the compute stream, ms and % of the step):", "",
+             "| category | " + " | ".join(f"{m} merge" for m in merges) + " |",
+             "|---|" + "---|" * len(merges)]
+    for category in (*CATEGORIES, "step (compute stream span)", "NCCL kernels (any stream)"):
+        cells = []
+        for merge in merges:
+            p = profiles[merge]
+            step = p["step_ms"] or 1.0
+            if category.startswith("step"):
+                cells.append(f"{p['step_ms']:.2f}")
+            elif category.startswith("NCCL"):
+                cells.append(f"{p['nccl_kernel_ms']:.2f}")
+            else:
+                ms = p["categories_ms"][category]
+                cells.append(f"{ms:.2f} ({100 * ms / step:.1f}%, {p['kernel_counts'].get(category, 0)} kernels)"
+                             if not category.startswith("idle") else f"{ms:.2f} ({100 * ms / step:.1f}%)")
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# ---- main ------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="131072,262144")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--merge", default=",".join(MERGES),
+                        help="comma-separated merges to time, each a portattn.compat.install_ring_merge mode")
+    parser.add_argument("--profile", action="store_true", help="also profile one step per merge (rank 0)")
+    parser.add_argument("--profile-tokens", type=int, default=0, help="tokens of the profiled step (0: the first of --tokens)")
+    parser.add_argument("--trace-dir", default="", help="keep rank 0's Chrome traces here")
+    parser.add_argument("--dry-run", action="store_true", help="CPU over gloo, tiny shapes: the plumbing only")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "latest"))
     args = parser.parse_args(argv)
-    dist.init_process_group("nccl")
+    merges = [m.strip() for m in args.merge.split(",") if m.strip()]
+    for merge in merges:
+        if merge not in ("auto", "portattn", "ring"):
+            raise SystemExit(f"--merge: {merge!r} is not one of auto, portattn, ring")
+    cuda = not args.dry_run
+    heads, head_dim = (HEADS, HEAD_DIM) if cuda else (2, 32)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
     ring = import_ring_flash_attn()
-    rows = []
-    for tokens in peers.parse_ints(args.tokens):
+    token_counts = peers.parse_ints(args.tokens)
+    profile_tokens = args.profile_tokens or token_counts[0]
+    rows, profiles = [], {}
+    for tokens in token_counts:
         local = tokens // world
-        row = {"tokens": tokens, "world": world, "ms": {}}
-        q, k, v, dout = _inputs(local, device)
+        row = {"tokens": tokens, "world": world, "ms": {}, "merges": {m: {} for m in merges}}
+        q, k, v, dout = _inputs(local, device, heads, head_dim)
+        for merge in merges:
+            install_ring_merge(merge)
+            for backward in (False, True):
+                mode = "fwd_bwd" if backward else "fwd"
+                row["merges"][merge][mode] = _time_ms(
+                    _step(ring.zigzag_ring_flash_attn_func, q, k, v, dout, backward), args.reps, cuda)
         for backward in (False, True):
             mode = "fwd_bwd" if backward else "fwd"
-            row["ms"][f"ring_{mode}"] = _time_ms(_step(ring.zigzag_ring_flash_attn_func, q, k, v, dout, backward),
-                                                 args.reps)
             # One GPU on the per-rank token count, every rank at once (no communication).
             row["ms"][f"single_local_{mode}"] = _time_ms(_step(portattn.flash_attn_func, q, k, v, dout, backward),
-                                                         args.reps)
+                                                         args.reps, cuda)
+        if args.profile and tokens == profile_tokens:
+            for merge in merges:
+                install_ring_merge(merge)
+                trace = os.path.join(args.trace_dir or tempfile.gettempdir(),
+                                     f"context_parallel_{world}gpu_{tokens}_{merge}_rank0.json")
+                if args.trace_dir:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                summary = _profile(_step(ring.zigzag_ring_flash_attn_func, q, k, v, dout, True), rank, trace)
+                if rank == 0:
+                    profiles[merge] = summary
+                    if not args.trace_dir:
+                        os.remove(trace)
         del q, k, v, dout
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
         try:
-            q, k, v, dout = _inputs(tokens, device)
+            q, k, v, dout = _inputs(tokens, device, heads, head_dim)
             for backward in (False, True):
                 mode = "fwd_bwd" if backward else "fwd"
                 row["ms"][f"single_total_{mode}"] = _time_ms(
-                    _step(portattn.flash_attn_func, q, k, v, dout, backward), args.reps)
+                    _step(portattn.flash_attn_func, q, k, v, dout, backward), args.reps, cuda)
             del q, k, v, dout
         except torch.cuda.OutOfMemoryError:
             row["note"] = "the whole sequence does not fit one GPU"
-        torch.cuda.empty_cache()
-        for mode in ("fwd", "fwd_bwd"):
-            ring_ms = row["ms"][f"ring_{mode}"]
-            # A causal call on tokens/N does 1/N^2 of the whole call's work; N GPUs share the
-            # whole work, 1/N each: so one GPU's time for 1/N of the work is N x the local time.
-            row[f"weak_efficiency_{mode}"] = world * row["ms"][f"single_local_{mode}"] / ring_ms
-            if f"single_total_{mode}" in row["ms"]:
-                row[f"strong_efficiency_{mode}"] = row["ms"][f"single_total_{mode}"] / (world * ring_ms)
+        if cuda:
+            torch.cuda.empty_cache()
+        for merge in merges:
+            timings = row["merges"][merge]
+            for mode in ("fwd", "fwd_bwd"):
+                ring_ms = timings[mode]
+                # A causal call on tokens/N does 1/N^2 of the whole call's work; N GPUs share the
+                # whole work, 1/N each: so one GPU's time for 1/N of the work is N x the local time.
+                timings[f"weak_efficiency_{mode}"] = world * row["ms"][f"single_local_{mode}"] / ring_ms
+                if f"single_total_{mode}" in row["ms"]:
+                    timings[f"strong_efficiency_{mode}"] = row["ms"][f"single_total_{mode}"] / (world * ring_ms)
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
+    install_ring_merge("auto")
     if rank == 0:
-        result = dict(peers.header(False), title=f"Context parallelism: zigzag ring attention on {world} GPUs",
-                      note=f"bf16, causal, batch 1, {HEADS} heads x {HEAD_DIM}; ring-flash-attn on portattn over NCCL",
-                      rows=rows, modes=[], impls=[], grid=[])
-        lines = ["| tokens | GPUs | ring fwd ms | ring fwd+bwd ms | 1 GPU, tokens/N: fwd / fwd+bwd ms | "
+        result = dict(peers.header(args.dry_run), title=f"Context parallelism: zigzag ring attention on {world} GPUs",
+                      note=(f"bf16, causal, batch 1, {heads} heads x {head_dim}; ring-flash-attn on portattn over "
+                            f"{'NCCL' if cuda else 'gloo (dry run)'}; merge: the function merging the steps' partial "
+                            "outputs (portattn: merge_attention_states, ring: ring-flash-attn's update_out_and_lse)"),
+                      rows=rows, modes=[], impls=[], grid=[], profile_tokens=profile_tokens if profiles else None,
+                      profiles=profiles)
+        lines = ["| tokens | GPUs | merge | ring fwd ms | ring fwd+bwd ms | 1 GPU, tokens/N: fwd / fwd+bwd ms | "
                  "1 GPU, all tokens: fwd / fwd+bwd ms | weak eff. fwd / fwd+bwd | strong eff. fwd / fwd+bwd |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ms = r["ms"]
             total = (f"{ms['single_total_fwd']:.1f} / {ms['single_total_fwd_bwd']:.1f}"
                      if "single_total_fwd" in ms else r.get("note", "n/a"))
-            strong = (f"{r['strong_efficiency_fwd']:.2f} / {r['strong_efficiency_fwd_bwd']:.2f}"
-                      if "strong_efficiency_fwd" in r else "n/a")
-            lines.append(f"| {r['tokens']} | {world} | {ms['ring_fwd']:.1f} | {ms['ring_fwd_bwd']:.1f} | "
-                         f"{ms['single_local_fwd']:.1f} / {ms['single_local_fwd_bwd']:.1f} | {total} | "
-                         f"{r['weak_efficiency_fwd']:.2f} / {r['weak_efficiency_fwd_bwd']:.2f} | {strong} |")
+            for merge, t in r["merges"].items():
+                strong = (f"{t['strong_efficiency_fwd']:.2f} / {t['strong_efficiency_fwd_bwd']:.2f}"
+                          if "strong_efficiency_fwd" in t else "n/a")
+                lines.append(f"| {r['tokens']} | {world} | {merge} | {t['fwd']:.1f} | {t['fwd_bwd']:.1f} | "
+                             f"{ms['single_local_fwd']:.1f} / {ms['single_local_fwd_bwd']:.1f} | {total} | "
+                             f"{t['weak_efficiency_fwd']:.2f} / {t['weak_efficiency_fwd_bwd']:.2f} | {strong} |")
+        if profiles:
+            lines += _profile_lines(world, profile_tokens, profiles)
         peers.write_results(result, args.out, f"context_parallel_{world}gpu", extra_markdown=lines)
         print("\n".join(lines))
     dist.destroy_process_group()

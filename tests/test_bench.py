@@ -403,3 +403,56 @@ def test_run_all_dry_run_writes_tables_logs_and_a_pack(tmp_path):
     assert "commit: abc1234" in table and "device: cpu (DRY RUN" in table
     done = _run(["bash", "bench/run_all.sh", str(tmp_path / "other"), "no_such_stage"], env={"DRY": "1"})
     assert done.returncode == 2 and "unknown stage" in done.stdout
+
+
+def test_context_parallel_profile_summary_sorts_kernels_into_categories():
+    """bench_context_parallel.profile_summary on a synthetic trace (microseconds) whose every
+    category has a known time: the compute stream (7) runs the attention kernels; stream 20 NCCL."""
+    sys.path[:0] = [ROOT, BENCH]
+    try:
+        from bench_context_parallel import profile_summary
+    finally:
+        del sys.path[:2]
+
+    def annotation(name, start, end):
+        return {"cat": "user_annotation", "name": name, "ts": start, "dur": end - start}
+
+    def kernel(name, ts, dur, correlation, stream=7):
+        return [{"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "correlation": correlation}},
+                {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": LAUNCH[correlation], "dur": 1,
+                 "args": {"correlation": correlation}}]
+
+    LAUNCH = {1: 10, 2: 45, 3: 60, 4: 150, 5: 160, 6: 20, 7: 170}
+    events = [annotation("cp::forward", 0, 100), annotation("cp::merge", 40, 50), annotation("cp::backward", 100, 300)]
+    events += kernel("void portattn::cuda::fwd_kernel<128>(PortattnFwdParams)", 1000, 500, 1)
+    events += kernel("at::native::vectorized_elementwise_kernel<sigmoid>", 1500, 50, 2)  # launched in cp::merge
+    events += kernel("at::native::vectorized_elementwise_kernel<add>", 1600, 20, 3)
+    events += kernel("void portattn::cuda::bwd_kernel<128>(BwdArgs)", 1700, 800, 4)
+    events += kernel("at::native::vectorized_elementwise_kernel<add>", 2500, 30, 5)
+    events += kernel("portattn::cuda::bwd_convert_dq(BwdArgs, int)", 2530, 10, 7)
+    events += kernel("ncclDevKernel_SendRecv(ncclDevKernelArgs)", 1650, 30, 6, stream=20)
+    summary = profile_summary({"traceEvents": events})
+    expected = {"attention kernels": 1.3, "attention per-call passes": 0.01, "merge": 0.05,
+                "other elementwise (fwd)": 0.02, "other elementwise (bwd)": 0.03,
+                "idle: NCCL kernel running": 0.03, "idle: host gap": 0.1}
+    assert summary["categories_ms"] == pytest.approx(expected)
+    assert summary["step_ms"] == pytest.approx(1.54) and summary["nccl_kernel_ms"] == pytest.approx(0.03)
+    assert sum(expected.values()) == pytest.approx(summary["step_ms"])  # the categories cover the step
+
+
+def test_context_parallel_dry_run_times_both_merges_and_profiles(tmp_path):
+    """bench_context_parallel.py under torchrun, 2 CPU processes over gloo (--dry-run)."""
+    import socket
+
+    with socket.socket() as probe:  # a free port for torchrun's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+                 "bench/bench_context_parallel.py", "--dry-run", "--tokens", "64", "--reps", "1", "--profile",
+                 "--out", str(tmp_path)], env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "context_parallel_2gpu.json").read_text())
+    (row,) = result["rows"]
+    assert set(row["merges"]) == {"portattn", "ring"} and set(result["profiles"]) == {"portattn", "ring"}
+    assert all(row["merges"][m]["fwd_bwd"] > 0 for m in row["merges"])
+    assert "| 64 | 2 | ring |" in (tmp_path / "context_parallel_2gpu.md").read_text()
