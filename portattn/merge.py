@@ -13,10 +13,11 @@ fused kernel can stand in for it. An infinite LSE (-inf from portattn, +inf from
 flash-attn 2's empty rows) marks a result over no keys, which contributes nothing: never
 NaN, and two empty results merge to lse = -inf.
 
-On NVIDIA and AMD GPUs one kernel does it in one pass (out and block_out read once, out
-written once), on the caller's stream, without allocating or reading tensor values on the
-host (safe inside CUDA-graph capture); elsewhere (CPU, a build without the kernel) the
-same arithmetic runs as torch operations.
+On NVIDIA GPUs one kernel does it in one pass (out and block_out read once, out written
+once), on the caller's stream, without allocating or reading tensor values on the host
+(safe inside CUDA-graph capture). Its body (backends/common/merge_kernel.h) is written for
+HIP too, but the ROCm module does not export `merge` yet; there, on the CPU and with a CUDA
+build without the entry, the same arithmetic runs as torch operations.
 """
 from __future__ import annotations
 

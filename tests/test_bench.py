@@ -456,3 +456,9 @@ def test_context_parallel_dry_run_times_both_merges_and_profiles(tmp_path):
     assert set(row["merges"]) == {"portattn", "ring"} and set(result["profiles"]) == {"portattn", "ring"}
     assert all(row["merges"][m]["fwd_bwd"] > 0 for m in row["merges"])
     assert "| 64 | 2 | ring |" in (tmp_path / "context_parallel_2gpu.md").read_text()
+
+
+def test_merge_bench_dry_run(tmp_path):
+    result = _tool_result(tmp_path, "tools/bench_merge.py", "--dry-run", "--reps", "1", result="merge_bench")
+    assert [r["tokens"] for r in result["rows"]] == [64, 128]
+    assert all(r[f"{k}_{m}_ms"] > 0 for r in result["rows"] for k in ("full", "half") for m in ("ring", "portattn"))
