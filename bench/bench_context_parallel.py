@@ -215,7 +215,7 @@ def _profile(run, rank, trace_path):
         return profile_summary(json.load(handle))
 
 
-def _profile_lines(world, tokens, profiles):
+def _profile_lines(world, tokens, profiles, ideal_ms=None):
     merges = list(profiles)
     lines = ["", f"Profile of one forward+backward step on rank 0 of {world}, {tokens} tokens "
              "(time on the compute stream, ms and % of the step):", "",
@@ -235,6 +235,9 @@ def _profile_lines(world, tokens, profiles):
                 cells.append(f"{ms:.2f} ({100 * ms / step:.1f}%, {p['kernel_counts'].get(category, 0)} kernels)"
                              if not category.startswith("idle") else f"{ms:.2f} ({100 * ms / step:.1f}%)")
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    if ideal_ms is not None:
+        lines += ["", f"For scale: {world} x one GPU's whole forward+backward on {tokens // world} tokens "
+                  f"(the weak-scaling baseline, CUDA events): {ideal_ms:.2f} ms."]
     return lines
 
 
@@ -345,7 +348,8 @@ def main(argv=None) -> int:
                              f"{ms['single_local_fwd']:.1f} / {ms['single_local_fwd_bwd']:.1f} | {total} | "
                              f"{t['weak_efficiency_fwd']:.2f} / {t['weak_efficiency_fwd_bwd']:.2f} | {strong} |")
         if profiles:
-            lines += _profile_lines(world, profile_tokens, profiles)
+            ideal = [world * r["ms"]["single_local_fwd_bwd"] for r in rows if r["tokens"] == profile_tokens]
+            lines += _profile_lines(world, profile_tokens, profiles, ideal[0] if ideal else None)
         peers.write_results(result, args.out, f"context_parallel_{world}gpu", extra_markdown=lines)
         print("\n".join(lines))
     dist.destroy_process_group()
