@@ -140,6 +140,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
+    if torch.compiler.is_compiling():
+        from .ops import compiled_kvcache
+
+        return compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
     from .kvcache import attend_to_cache
 
     return attend_to_cache(
