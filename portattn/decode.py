@@ -72,8 +72,8 @@ _PLANS: dict = {}
 
 
 def key_bucket(keys: int) -> int:
-    """keys rounded up to a quarter of its power of two (at least 64): at most 4 buckets per
-    doubling, at most 25% over. Planning for a few more keys than there are only leaves
+    """keys rounded up to a multiple of a quarter of its power of two (at least 64): at most
+    4 buckets per doubling, at most 25% (or 63 keys) over. Planning for a few more keys than there are only leaves
     the last split shorter: each split takes an equal share of the actual keys on the device."""
     step = max(64, 1 << max(0, keys.bit_length() - 3))
     return -(-keys // step) * step
