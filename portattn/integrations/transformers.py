@@ -11,12 +11,16 @@
   (no attention weights), the contract of every transformers attention function.
 - `padding_mask` to `AttentionMaskInterface`: what the model builds instead of a 4-D
   additive mask. Causality, sliding windows and softcap are arguments of the kernel call,
-  so the only mask needed is a 2-D (batch, kv_len) boolean of real tokens, or None when
-  there is no padding.
+  so the only mask needed says which keys are real: None (all of them), key bounds (each
+  sequence's live range in a cache, computed on the device) or a 2-D (batch, kv_len)
+  boolean of real tokens.
 
-How a call is served (the same cases, in the same order, as transformers' own flash path,
-`modeling_flash_attention_utils._flash_attention_forward`):
+How a call is served (after the key bounds, the same cases, in the same order, as
+transformers' own flash path, `modeling_flash_attention_utils._flash_attention_forward`):
 
+0. key bounds (static caches always; decode steps of a left-padded batch): the keys are
+   read in place by `flash_attn_with_kvcache` (the decode kernels), no host read, so a
+   static-cache decode step compiles with fullgraph=True and replays as a CUDA graph;
 1. a 2-D padding mask: the real tokens are packed into one `flash_attn_varlen_func` call
    and the output padded back with zeros (rows of padding tokens are 0, not garbage);
 2. `cu_seq_lens_q/k` and `max_length_q/k` given (padding-free training collators): a
@@ -39,7 +43,9 @@ than the kernels, with portattn's one-time fallback warning): load the model in 
 for speed.
 
 Not supported (a clear error, never a silent wrong answer): attention sinks (`s_aux`),
-paged caches (continuous batching), 4-D masks built elsewhere. `output_attentions=True`
+paged caches (continuous batching), 4-D masks built elsewhere. Under torch.compile with a
+cache, the 2-D mask is taken as left padding (generate()'s layout; holes inside a row are
+not read from it, since that would need a host read). `output_attentions=True`
 warns once and returns None as the weights.
 """
 from __future__ import annotations
