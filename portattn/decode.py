@@ -65,8 +65,18 @@ def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_sp
 
 
 _SLOTS: dict = {}
-# Split counts per call shape: the planner runs once per shape, not per decode step.
+# Split counts per call shape: the planner runs once per shape, not per decode step. The key
+# length enters as a bucket (`key_bucket`), so a dynamic cache growing by one key per step
+# adds an entry per bucket, not per step.
 _PLANS: dict = {}
+
+
+def key_bucket(keys: int) -> int:
+    """keys rounded up to a multiple of a quarter of its power of two (at least 64): at most
+    4 buckets per doubling, at most 25% (or 63 keys) over. Planning for a few more keys than there are only leaves
+    the last split shorter: each split takes an equal share of the actual keys on the device."""
+    step = max(64, 1 << max(0, keys.bit_length() - 3))
+    return -(-keys // step) * step
 
 
 def resident_slots(device: torch.device, tile: dict) -> int:
@@ -116,6 +126,7 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
         key_capacity = max_seqlen_k
     else:
         key_capacity = k.shape[1]
+    key_capacity = key_bucket(key_capacity)
     plan_key = (q.device.index, head_dim, batch, nheads, nheads_k, seqlen_q, key_capacity, num_splits)
     splits = _PLANS.get(plan_key)
     if splits is None:

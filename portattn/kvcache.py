@@ -22,6 +22,7 @@ import os
 import torch
 
 from . import dispatch
+from .decode import run_decode
 from .validation import check_options
 
 # Opt-in host-side checks of the values the kernels otherwise clamp on the device.
@@ -173,8 +174,6 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, leftpad,
             block_table, scale, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
             return_softmax_lse, q_per_token, varlen_attention)
-
-    from .decode import run_decode
 
     q_in = q if q.stride(-1) == 1 else q.contiguous()
     rotate_q = rotary_cos is not None

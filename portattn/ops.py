@@ -270,3 +270,85 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     out, lse, _ = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, window_left, window_right, softcap, dropout_p, need_lse)
     return out, lse
+
+
+# ---- flash_attn_with_kvcache under torch.compile -------------------------------------------
+
+
+@torch.library.custom_op("portattn::kvcache", mutates_args=())
+def _kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rotary_cos: Optional[torch.Tensor],
+    rotary_sin: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor],
+    cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
+    window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .api import flash_attn_varlen_func
+    from .kvcache import attend_to_cache
+
+    return attend_to_cache(
+        q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func)
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                  alibi_slopes, num_splits):
+    batch, seqlen_q, nheads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("portattn::kvcache_append", mutates_args=("k_cache", "v_cache"))
+def _kvcache_append_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
+    cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
+    window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .api import flash_attn_varlen_func
+    from .kvcache import attend_to_cache
+
+    return attend_to_cache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func)
+
+
+@_kvcache_append_op.register_fake
+def _kvcache_append_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                         rotary_interleaved, alibi_slopes, num_splits):
+    batch, seqlen_q, nheads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                     cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse):
+    """flash_attn_with_kvcache traced by torch.compile: one custom op, so the graph holds it
+    whole (the CPU gather path reads lengths on the host, which dynamo could not trace).
+    An append mutates the caches: a second op declares that, so the common read-only call
+    (transformers' caches are written before attention) does not make the compiler copy them."""
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    left, right = window_size
+    if causal:
+        right = 0
+    if k is None and v is None:
+        out, lse = torch.ops.portattn.kvcache(
+            q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, int(left), int(right), float(softcap), bool(rotary_interleaved),
+            alibi_slopes, int(num_splits))
+    else:
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when appending k/v (where to write them)")
+        out, lse = torch.ops.portattn.kvcache_append(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, int(left), int(right), float(softcap), bool(rotary_interleaved),
+            alibi_slopes, int(num_splits))
+    return (out, lse) if return_softmax_lse else out

@@ -123,3 +123,12 @@ def test_decode_benchmark_dry_run(tmp_path):
     markdown = (tmp_path / "decode_bench.md").read_text()
     assert "DRY RUN" in markdown and "| 1 | 512 | 4/2 | 64 |" in markdown
     assert "## Short query through flash_attn_func" in markdown
+
+
+def test_plan_cache_is_keyed_by_key_length_buckets():
+    """A dynamic cache grows by one key per step: the planner's key is a bucket of the length,
+    at most 25% (or 63 keys) above it and a few per doubling."""
+    buckets = {decode.key_bucket(n) for n in range(1, 65537)}
+    assert len(buckets) <= 4 * 17
+    for n in (1, 63, 64, 65, 1000, 1024, 1025, 8191, 8193, 65536):
+        assert n <= decode.key_bucket(n) <= max(n + 63, 1.25 * n)

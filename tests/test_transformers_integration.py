@@ -423,10 +423,17 @@ def test_padding_mask_function():
     assert torch.equal(pt_hf.padding_mask(2, 4, 4, attention_mask=mask), mask)
     # a sliding cache keeps the last keys: the mask's last columns
     assert torch.equal(pt_hf.padding_mask(2, 1, 3, q_offset=3, kv_offset=1, attention_mask=mask), mask[:, 1:])
-    # a static cache of 8 slots with 3 written + 1 new: only those are keys (causal only)
-    extent = pt_hf.padding_mask(2, 1, 8, q_offset=3, mask_function=causal)
-    assert extent.shape == (2, 4) and extent.all()
-    assert pt_hf.padding_mask(2, 1, 8, q_offset=3, mask_function=bidirectional) is None
+    # a cache buffer of 8 slots with 3 written + 1 new: key bounds, only those are keys
+    # (unwritten slots hold no token, causal or not)
+    for function in (causal, bidirectional):
+        bounds = pt_hf.padding_mask(2, 1, 8, q_offset=3, mask_function=function)
+        assert bounds.dtype == pt_hf.KEY_BOUNDS_DTYPE and bounds.view(2, 2).tolist() == [[0, 0], [4, 4]]
+    # a static cache's device offset, a decode step with left padding: bounds from the mask
+    bounds = pt_hf.padding_mask(2, 1, 8, q_offset=torch.tensor(3), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    assert bounds.view(2, 2).tolist() == [[1, 0], [4, 4]]
+    # a long eager prefill into it keeps the 2-D form (packed onto the forward kernels)
+    extent = pt_hf.padding_mask(2, 20, 32, q_offset=0, mask_function=causal)
+    assert extent.dtype == torch.bool and extent.shape == (2, 20) and extent.all()
     assert pt_hf.padding_mask(2, 4, 4, mask_function=causal) is None
 
 

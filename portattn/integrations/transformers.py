@@ -11,12 +11,16 @@
   (no attention weights), the contract of every transformers attention function.
 - `padding_mask` to `AttentionMaskInterface`: what the model builds instead of a 4-D
   additive mask. Causality, sliding windows and softcap are arguments of the kernel call,
-  so the only mask needed is a 2-D (batch, kv_len) boolean of real tokens, or None when
-  there is no padding.
+  so the only mask needed says which keys are real: None (all of them), key bounds (each
+  sequence's live range in a cache, computed on the device) or a 2-D (batch, kv_len)
+  boolean of real tokens.
 
-How a call is served (the same cases, in the same order, as transformers' own flash path,
-`modeling_flash_attention_utils._flash_attention_forward`):
+How a call is served (after the key bounds, the same cases, in the same order, as
+transformers' own flash path, `modeling_flash_attention_utils._flash_attention_forward`):
 
+0. key bounds (static caches always; decode steps of a left-padded batch): the keys are
+   read in place by `flash_attn_with_kvcache` (the decode kernels), no host read, so a
+   static-cache decode step compiles with fullgraph=True and replays as a CUDA graph;
 1. a 2-D padding mask: the real tokens are packed into one `flash_attn_varlen_func` call
    and the output padded back with zeros (rows of padding tokens are 0, not garbage);
 2. `cu_seq_lens_q/k` and `max_length_q/k` given (padding-free training collators): a
@@ -39,7 +43,9 @@ than the kernels, with portattn's one-time fallback warning): load the model in 
 for speed.
 
 Not supported (a clear error, never a silent wrong answer): attention sinks (`s_aux`),
-paged caches (continuous batching), 4-D masks built elsewhere. `output_attentions=True`
+paged caches (continuous batching), 4-D masks built elsewhere. Under torch.compile with a
+cache, the 2-D mask is taken as left padding (generate()'s layout; holes inside a row are
+not read from it, since that would need a host read). `output_attentions=True`
 warns once and returns None as the weights.
 """
 from __future__ import annotations
@@ -49,7 +55,7 @@ from typing import Optional
 
 import torch
 
-from ..api import flash_attn_func, flash_attn_varlen_func
+from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from ._padding import (
     Packing,
     pack,
@@ -59,6 +65,14 @@ from ._padding import (
 )
 
 DEFAULT_NAME = "portattn"
+# padding_mask's key-bounds form is an int32 (2, batch, 1, 1) tensor. 4-D because generate()
+# builds a compileable cache's masks before the forward, which then passes 4-D masks through
+# untouched (and would rebuild from a 2-D one); int32 because no mask transformers builds is
+# (bool, int64 0/1, float), so the dtype tells them apart without reading values.
+KEY_BOUNDS_DTYPE = torch.int32
+# Queries per call up to which padding_mask gives key bounds (the cache read in place by the
+# decode kernels) rather than a mask to pack: decode steps and short speculative chunks.
+BOUNDS_MAX_QUERIES = 16
 _HALF = (torch.float16, torch.bfloat16)
 _warned: set = set()
 
@@ -134,8 +148,18 @@ def attention_forward(
 
 
 def _attend(q, k, v, attention_mask, kwargs, options) -> torch.Tensor:
-    """The four cases of the module docstring, in that order."""
+    """The cases of the module docstring, in that order."""
     batch, seqlen_q = q.shape[:2]
+    if attention_mask is not None and attention_mask.dtype == KEY_BOUNDS_DTYPE:
+        # Key bounds (padding_mask's decode form): the keys are read in place, the live ones of
+        # sequence b being [bounds[0, b], bounds[1, b]); nothing is read on the host.
+        if options["dropout_p"] > 0.0:
+            raise ValueError("attn_implementation='portattn': dropout with a KV cache is not supported")
+        bounds = attention_mask.view(2, batch)
+        return flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=bounds[1], cache_leftpad=bounds[0],
+            softmax_scale=options["softmax_scale"], causal=options["causal"],
+            window_size=options["window_size"], softcap=options["softcap"])
     if attention_mask is not None:
         mask = attention_mask.bool()
         if k.shape[1] > mask.shape[1]:
@@ -201,11 +225,23 @@ def padding_mask(
     cache_position: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Optional[torch.Tensor]:
-    """The mask `attention_forward` expects: a (batch, keys) bool of real tokens, or None.
+    """What `attention_forward` gets as its mask: None, a 2-D bool mask, or key bounds.
 
     transformers' mask builders (`masking_utils.create_causal_mask` and friends) call this
-    with the 2-D user mask, the queries' range [q_offset, q_offset + q_length) (transformers
-    4.x: their positions, `cache_position`) and the layer's keys [kv_offset, kv_offset + kv_length).
+    with the 2-D user mask over the tokens seen so far (absolute positions 0 ..), the queries'
+    positions [q_offset, q_offset + q_length) (transformers 4.x: `cache_position`) and the
+    layer's keys: key j holds position kv_offset + j, for j < kv_length.
+
+    - None: every key is a real token.
+    - key bounds, an int32 (2, batch, 1, 1) tensor: sequence b's live keys are
+      [bounds[0, b], bounds[1, b]), its left padding and the written part of the cache. Static caches
+      (`q_offset` is a device tensor) always get this form, computed on the device: no host
+      read, static shapes, so a decode step compiles with fullgraph=True and replays as a
+      CUDA graph. It assumes left padding (a mask whose real tokens of a row are contiguous
+      up to the last one), which is what generate() builds. Eager decode steps of a
+      dynamic cache get it too when the mask is left padding.
+    - a 2-D bool (batch, keys) mask of real tokens otherwise (right padding, holes, long
+      eager queries): the tokens are packed into a varlen call.
     """
     if cache_position is not None:
         q_length, q_offset = cache_position.shape[0], cache_position[0]
@@ -215,31 +251,78 @@ def padding_mask(
         _warn_once("portattn: this model adds a custom mask overlay (or_mask/and_mask function) that "
                    "attn_implementation='portattn' cannot express; it is ignored, as with flash attention. "
                    "Use attn_implementation='eager' or 'sdpa' where that overlay matters.")
-    if attention_mask is not None:
-        # Sliding-window caches keep only the last keys: the mask's last columns are theirs.
-        mask = attention_mask[:, -kv_length:].bool()
-        # A mask shorter than kv_length (a static cache's unwritten slots) must be kept so
-        # attention_forward can cut the keys to it.
-        if mask.shape[1] == kv_length and bool(mask.all()):
+    static = isinstance(q_offset, torch.Tensor)
+    compiling = torch.compiler.is_compiling()
+    if static and (compiling or q_length <= BOUNDS_MAX_QUERIES):
+        return key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
+    if attention_mask is None:
+        if static:
+            # An eager prefill chunk into a static cache: one host read per forward gives the
+            # written extent, so the chunk runs on the forward kernels (SDPA's mask reads too).
+            return _static_cache_extent(batch_size, q_length, kv_length, int(q_offset), kv_offset, device)
+        if q_offset + q_length - kv_offset >= kv_length:
             return None
-        return mask
-    return _static_cache_extent(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
+        # A cache buffer longer than what is written (a sliding static layer not yet full).
+        if compiling or q_length <= BOUNDS_MAX_QUERIES:
+            return key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, None, device)
+        return _static_cache_extent(batch_size, q_length, kv_length, q_offset, kv_offset, device)
+    if compiling:
+        if kv_length > q_length:  # any cache: bounds, traced without reads
+            return key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
+        return attention_mask[:, -kv_length:].bool()
+    # Sliding-window caches keep only the last keys: the mask's last columns are theirs.
+    mask = attention_mask[:, -kv_length:].bool()
+    # One host read per mask (SDPA's mask builder reads its mask too): no padding, or left
+    # padding only (each row's real tokens contiguous up to its end).
+    columns = mask.shape[1]
+    real = mask.sum(-1)
+    full, left_only = torch.stack(((real == columns).all(), (real + _leading_zeros(mask) == columns).all())).tolist()
+    if full and columns == kv_length:
+        return None
+    if left_only and q_length <= BOUNDS_MAX_QUERIES and kv_length > q_length:  # a cache's decode step
+        return key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
+    # A mask shorter than kv_length (a static cache's unwritten slots) must be kept so
+    # attention_forward can cut the keys to it.
+    return mask
 
 
-def _static_cache_extent(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device):
+def _leading_zeros(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a (batch, n) bool mask, the count of False before its first True (n if none)."""
+    return (mask.cumsum(-1, dtype=torch.int32) == 0).sum(-1, dtype=torch.int32)
+
+
+def key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device) -> torch.Tensor:
+    """The int32 (2, batch, 1, 1) live-key range of each sequence, in the layer's key indices.
+
+    Row 0: the first real key (the left padding, from the 2-D mask over absolute positions,
+    minus kv_offset, clamped to the keys). Row 1: one past the last written key,
+    q_offset + q_length - kv_offset, clamped to kv_length. All device arithmetic: q_offset
+    may be a device tensor (a static cache's), and no value is read on the host.
+    """
+    if attention_mask is not None:
+        device = attention_mask.device
+        start = (_leading_zeros(attention_mask.bool()) - kv_offset).clamp_(0, kv_length)
+    else:
+        start = torch.zeros(batch_size, dtype=torch.int32, device=device)
+    if isinstance(q_offset, torch.Tensor):
+        end = (q_offset.to(device=start.device, dtype=torch.int32) + (q_length - kv_offset)).clamp(0, kv_length)
+        end = end.expand(batch_size)
+    else:
+        end = torch.full((batch_size,), min(max(q_offset + q_length - kv_offset, 0), kv_length),
+                         dtype=torch.int32, device=start.device)
+    return torch.stack((start.to(torch.int32), end)).view(2, batch_size, 1, 1)
+
+
+def _static_cache_extent(batch_size, q_length, kv_length, q_offset, kv_offset, device):
     """None, or an all-True mask over the written keys when a static cache has unwritten slots.
 
     generate() drops an all-ones mask for implementations whose name lacks "flash", but a
     static cache passes every slot of its buffer to attention; eager hides the unwritten ones
-    by causality. The keys up to the last query are the written ones; cut there when the
-    layer's own mask function says the slot just after the last query is invisible to it.
+    by causality. Unwritten slots hold no token for any model, causal or not.
     """
-    written = int(q_offset) + q_length - kv_offset
-    if kv_length <= written or mask_function is None:
+    written = q_offset + q_length - kv_offset
+    if kv_length <= written:
         return None
-    last_query = int(q_offset) + q_length - 1
-    if bool(mask_function(0, 0, torch.tensor(last_query), torch.tensor(last_query + 1))):
-        return None  # bidirectional: every key is real
     return torch.ones(batch_size, written, dtype=torch.bool, device=device)
 
 
@@ -294,7 +377,7 @@ def _deterministic(kwargs) -> bool:
 
 
 def _refuse_unsupported(attention_mask, kwargs) -> None:
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() != 2 and attention_mask.dtype != KEY_BOUNDS_DTYPE:
         raise ValueError(
             f"attn_implementation='portattn' takes a 2-D (batch, keys) padding mask or None, got a "
             f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: a mask built outside "
