@@ -29,6 +29,8 @@
 #   overhead     bench_overhead.py                                       overhead                 150 s
 #   train        train_check.py                                          train_check              180 s
 #   ring         tools/bench_ring_proxy.py                               ring_proxy               90 s
+#   hf           bench_hf_generate.py: transformers generate(), eager and  hf_generate              budget 450 s
+#                static cache + torch.compile, portattn / SDPA / eager
 #   conformance  flash-attn's tests/test_flash_attn.py on portattn       flash_attn_conformance   300 s
 #                (bench/conformance/run.sh; needs that file: $CONFORMANCE_SRC, default
 #                .conformance/test_flash_attn.py; skipped without it; not in the default set)
@@ -55,7 +57,7 @@ OUT=${OUT:-$(dirname "$0")/results/latest}
 mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd) || exit 1
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-DEFAULT="tests sanitize report bench sm80 hd256 hd192 decode short varlen determinism overhead train ring"
+DEFAULT="tests sanitize report bench sm80 hd256 hd192 decode short varlen determinism overhead train ring hf"
 STAGES=${*:-$DEFAULT}
 export PORTATTN_COMMIT=${PORTATTN_COMMIT:-$(python3 -c "import sys; sys.path.insert(0, 'bench'); import peers; print(peers.commit())" 2>/dev/null || echo unknown)}
 LOGS=$OUT/logs
@@ -144,6 +146,8 @@ for stage in $STAGES; do
     train)
       if [ "$DRY" = 1 ]; then skip train "no dry run"; else
         run train 180 python3 bench/train_check.py --out "$OUT"; fi ;;
+    hf)
+      run hf 560 python3 bench/bench_hf_generate.py --budget-s "$(budget hf 450)" --out "$OUT" $dry ;;
     ring)
       run ring 90 python3 bench/tools/bench_ring_proxy.py --out "$OUT" $dry ;;
     conformance)
