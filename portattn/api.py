@@ -95,7 +95,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if in_place is not None:
             out, lse = in_place
             return (out, lse, None) if return_attn_probs else out
-        k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k)
+        # Inference only (the pages have no gradient): the output carries none either.
+        with torch.no_grad():
+            k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k, max_seqlen_k)
+            return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                deterministic, return_attn_probs)
     return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                         deterministic, return_attn_probs)
@@ -370,10 +375,10 @@ def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
                       max_seqlen_k=max_seqlen_k, block_table=block_table)
 
 
-def _gather_paged_varlen(k_cache, v_cache, block_table, cu_seqlens_k):
+def _gather_paged_varlen(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k):
     from .kvcache import gather_paged
 
-    return gather_paged(k_cache, v_cache, block_table, cu_seqlens_k)
+    return gather_paged(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k)
 
 
 # ---- explain ------------------------------------------------------------------------
