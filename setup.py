@@ -105,8 +105,9 @@ setup(
     # Everything the test suite imports (tests/test_install_extras.py keeps this list
     # complete): matplotlib for the benchmark plots, pybind11 for the ROCm emulation
     # build, ring-flash-attn for the context-parallel tests, transformers for
-    # tests/test_transformers_integration.py (pure Python, about 20 s to install).
-    extras_require={"test": ["pytest>=7", "numpy", "matplotlib", "pybind11>=2.12",
+    # tests/test_transformers_integration.py (pure Python, about 20 s to install), hypothesis
+    # for the property-based tests (tests/test_properties.py).
+    extras_require={"test": ["pytest>=7", "numpy", "hypothesis>=6", "matplotlib", "pybind11>=2.12",
                              "ring-flash-attn>=0.1.8,<0.2", "transformers>=4.57"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildBackends},

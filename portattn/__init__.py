@@ -6,7 +6,9 @@ The API follows flash-attn's names and semantics, so switching is an import chan
     out = flash_attn_func(q, k, v, causal=True)
 
 `portattn.explain(q, k, v, ...)` says which backend runs a call and why;
-`python -m portattn` (or `portattn-report`) describes this machine's support.
+`python -m portattn` (or `portattn-report`) describes this machine's support;
+`portattn.check_errors()` raises if a GPU kernel contained out-of-range KV-cache metadata
+(cache_seqlens, cache_leftpad, cache_batch_idx, block_table) since the last check.
 """
 __version__ = "0.2.0"
 
@@ -27,6 +29,7 @@ else:
         flash_attn_with_kvcache,
     )
     from .dispatch import UnsupportedCallError, force_backend, selected_backends
+    from .errors import check_errors
     from .merge import merge_attention_states
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "force_backend",
     "selected_backends",
     "UnsupportedCallError",
+    "check_errors",
 ]
 
 

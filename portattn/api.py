@@ -95,7 +95,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if in_place is not None:
             out, lse = in_place
             return (out, lse, None) if return_attn_probs else out
-        k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k)
+        # Inference only (the pages have no gradient): the output carries none either.
+        with torch.no_grad():
+            k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k, max_seqlen_k)
+            return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                deterministic, return_attn_probs)
     return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                         deterministic, return_attn_probs)
@@ -342,11 +347,13 @@ Returns:
 
 On a GPU backend with decode kernels, the cache is read in place, new keys are appended and
 rotated on the device, and no tensor value is read on the host: a decode step can be captured
-in a CUDA graph and replayed with changing cache_seqlens. Values of cache_seqlens,
-cache_leftpad, cache_batch_idx and block_table that point outside the cache are clamped on the
-device (PORTATTN_DEBUG_CHECKS=1 raises a ValueError naming the argument instead). Elsewhere
-(CPU, float32, the reference backend) the live cache is gathered into a varlen call, which
-reads the lengths on the host.
+in a CUDA graph and replayed with changing cache_seqlens. A sequence whose cache_seqlens,
+cache_leftpad, cache_batch_idx or block_table values point outside the cache is contained on
+the device: nothing appended, no key read, output rows 0 and LSE -inf; portattn.check_errors()
+then raises a ValueError naming the argument and the batch entry (docs/decode-errors.md;
+PORTATTN_DEBUG_CHECKS=1 raises at the call instead). Elsewhere (CPU, float32, the reference
+backend) the live cache is gathered into a varlen call, which reads the lengths on the host;
+CPU tensors with out-of-range values raise a ValueError before anything is written.
 
 {_SEMANTICS}"""
 
@@ -387,10 +394,10 @@ def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
                       max_seqlen_k=max_seqlen_k, block_table=block_table)
 
 
-def _gather_paged_varlen(k_cache, v_cache, block_table, cu_seqlens_k):
+def _gather_paged_varlen(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k):
     from .kvcache import gather_paged
 
-    return gather_paged(k_cache, v_cache, block_table, cu_seqlens_k)
+    return gather_paged(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k)
 
 
 # ---- explain ------------------------------------------------------------------------

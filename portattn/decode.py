@@ -11,6 +11,7 @@ split an equal share of the actual keys.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -67,8 +68,20 @@ def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_sp
 _SLOTS: dict = {}
 # Split counts per call shape: the planner runs once per shape, not per decode step. The key
 # length enters as a bucket (`key_bucket`), so a dynamic cache growing by one key per step
-# adds an entry per bucket, not per step.
+# adds an entry per bucket, not per step; the table is bounded all the same (past _MAX_PLANS
+# shapes the oldest plan is dropped; a re-plan costs a few microseconds). Reads are lock-free
+# dict lookups; inserts take _PLANS_LOCK.
 _PLANS: dict = {}
+_MAX_PLANS = 4096
+_PLANS_LOCK = threading.Lock()
+
+
+def _remember_plan(key, splits: int) -> int:
+    with _PLANS_LOCK:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)), None)  # insertion order: the oldest
+        _PLANS[key] = splits
+    return splits
 
 
 def key_bucket(keys: int) -> int:
@@ -98,13 +111,14 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
                window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
                num_splits: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                max_seqlen_k: int = 0, cache_seqlens=None, seqlen_new: int = 0, cache_leftpad=None,
-               cache_batch_idx=None, block_table=None, out=None, lse=None):
+               cache_batch_idx=None, block_table=None, out=None, lse=None, errors=None):
     """One decode call on `backend` (a compiled backend with decode kernels): (out, lse).
 
     lse is (batch, nheads, seqlen_q), or (nheads, total_q) with cu_seqlens_q, or None
     when not `need_lse`. Allocations (out, lse, the split workspace) come from torch's
     caching allocator, which CUDA-graph capture redirects to the graph's pool; `out` and
-    `lse` may be passed in already allocated."""
+    `lse` may be passed in already allocated. `errors`: the device's error buffer
+    (portattn/errors.py) where the kernels record out-of-range cache metadata, or None."""
     varlen = cu_seqlens_q is not None
     if varlen:
         batch, seqlen_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
@@ -132,10 +146,10 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
     if splits is None:
         tile = backend.decode_tile(head_dim)
         m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
-        splits = _PLANS[plan_key] = choose_num_splits(
+        splits = _remember_plan(plan_key, choose_num_splits(
             batch * nheads_k * m_tiles, -(-key_capacity // tile["stage_keys"]),
             resident_slots(q.device, tile), MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits,
-        )
+        ))
     o_partial = lse_partial = 0
     if splits > 1:
         # One allocation for both: (splits, batch, nheads, seqlen_q, head_dim) partial outputs,
@@ -150,6 +164,6 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
         seqlen_new=seqlen_new, cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
         block_table=block_table, softmax_scale=softmax_scale, window_left=window_left,
         window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-        num_splits=splits, o_partial=o_partial, lse_partial=lse_partial,
+        num_splits=splits, o_partial=o_partial, lse_partial=lse_partial, errors=errors,
     )
     return out, lse

@@ -128,6 +128,8 @@ class Dispatcher:
         self._decisions: dict = {}
         self._warned: set = set()
         self._lock = threading.Lock()
+        # Set when PORTATTN_BACKEND names no backend (_initial_dispatcher): every call raises it.
+        self.config_error = ""
 
     # ---- the hot path -------------------------------------------------------------
     def backend_for(self, device: torch.device, dtype: torch.dtype, head_dim: int, bits: int) -> Backend:
@@ -144,6 +146,8 @@ class Dispatcher:
         key = ("decode", device.type, device.index, dtype, head_dim, bits)
         if key in self._decisions:
             return self._decisions[key]
+        if self.config_error:
+            raise ValueError(self.config_error)
         call = call_spec(device, dtype, head_dim, bits)
         chosen = None
         for slot, reasons in self.evaluate(call, device):
@@ -158,6 +162,8 @@ class Dispatcher:
 
     # ---- the cold path ------------------------------------------------------------
     def _decide(self, key, device, dtype, head_dim, bits) -> Backend:
+        if self.config_error:
+            raise ValueError(self.config_error)
         call = call_spec(device, dtype, head_dim, bits)
         verdicts = self.evaluate(call, device)
         chosen = next((slot for slot, reasons in verdicts if not reasons), None)
@@ -235,7 +241,20 @@ def _forced_from_env() -> Optional[str]:
     return value or None
 
 
-DISPATCHER = Dispatcher(_load_slots(), _forced_from_env())
+def _initial_dispatcher() -> Dispatcher:
+    """The dispatcher PORTATTN_BACKEND asks for. A name that is no backend must not break
+    `import portattn` (nor the report CLI, which says what is wrong): dispatch then runs
+    automatically but every call raises the ValueError until force_backend() is called."""
+    slots = _load_slots()
+    try:
+        return Dispatcher(slots, _forced_from_env())
+    except ValueError as error:
+        dispatcher = Dispatcher(slots, None)
+        dispatcher.config_error = str(error)
+        return dispatcher
+
+
+DISPATCHER = _initial_dispatcher()
 
 
 def force_backend(name: Optional[str]) -> None:
@@ -270,7 +289,10 @@ def report_state(device_index: Optional[int] = None) -> dict:
                 "selfcheck": {f"{t}:{i}": (v or "passed") for (t, i), v in slot.selfcheck.items()},
             }
         )
-    return {"selected": selected_backends(), "forced": DISPATCHER.forced, "backends": backends}
+    state = {"selected": selected_backends(), "forced": DISPATCHER.forced, "backends": backends}
+    if DISPATCHER.config_error:
+        state["error"] = DISPATCHER.config_error
+    return state
 
 
 def get_backend(name: str) -> Backend:

@@ -23,7 +23,8 @@ import torch
 
 from . import dispatch
 from .decode import run_decode
-from .validation import check_options
+from .errors import error_buffer
+from .validation import _DTYPE_NAMES, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_options
 
 # Opt-in host-side checks of the values the kernels otherwise clamp on the device.
 _DEBUG_CHECKS = os.environ.get("PORTATTN_DEBUG_CHECKS", "0") == "1"
@@ -74,23 +75,55 @@ def check_block_table(block_table, batch, device) -> None:
         raise ValueError("block_table must be contiguous along its last dimension")
 
 
-def gather_paged(k_cache, v_cache, block_table, cu_seqlens_k):
-    """Paged (num_blocks, page, Hk, D) caches + per-sequence lengths -> packed (total_k, Hk, D)."""
-    check_block_table(block_table, cu_seqlens_k.shape[0] - 1, k_cache.device)
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged k_cache/v_cache must share shape (num_blocks, page_block_size, nheads_k, headdim), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-    page = k_cache.shape[1]
-    if max(lengths, default=0) > block_table.shape[1] * page:
-        raise ValueError(f"a sequence of {max(lengths)} keys does not fit block_table's {block_table.shape[1]} blocks of {page}")
-    rows = torch.cat([
-        _cache_rows(block_table, torch.tensor([b], device=k_cache.device), page,
-                    torch.arange(n, device=k_cache.device).unsqueeze(0)).flatten()
-        for b, n in enumerate(lengths)
-    ])
-    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
-    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
-    return flat_k[rows], flat_v[rows], cu_seqlens_k
+def gather_paged(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k=None):
+    """Paged (num_blocks, page, Hk, D) caches + per-sequence lengths -> packed (total_k, Hk, D).
+
+    Reads cu_seqlens_k and block_table on the host (the gather needs the lengths). CPU
+    tensors with out-of-range values raise a ValueError naming the argument and entry; on a
+    GPU a sequence whose pages are out of range is contained (no key read, output 0, recorded
+    for portattn.check_errors(), portattn/errors.py) and cu_seqlens_k keeps flash-attn's
+    clamping contract (a negative length counts as 0)."""
+    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1 or cu_seqlens_k.shape[0] < 2:
+        raise ValueError("cu_seqlens_k must be a 1-D int32 tensor with batch + 1 >= 2 entries")
+    batch = cu_seqlens_k.shape[0] - 1
+    check_block_table(block_table, batch, k_cache.device)
+    if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor) or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"paged k_cache/v_cache must share shape (num_blocks, page_block_size, nheads_k, headdim), got {tuple(getattr(k_cache, 'shape', ()))} and {tuple(getattr(v_cache, 'shape', ()))}")
+    if cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.device != k_cache.device:
+        raise ValueError(f"cu_seqlens_k must be int32 on {k_cache.device}, got {cu_seqlens_k.dtype} on {cu_seqlens_k.device}")
+    device = k_cache.device
+    page, pages = k_cache.shape[1], k_cache.shape[0]
+    capacity = block_table.shape[1] * page
+    cu = cu_seqlens_k.tolist()
+    if device.type == "cpu":
+        from .validation import check_cu_seqlens_values
+
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, capacity if max_seqlen_k is None else max_seqlen_k,
+                                cu[-1])
+    lengths = [max(0, b - a) for a, b in zip(cu, cu[1:])]
+    longest = max(lengths, default=0)
+    if longest > capacity:
+        where = lengths.index(longest)
+        raise ValueError(f"sequence {where} has {longest} keys (cu_seqlens_k) but block_table's "
+                         f"{block_table.shape[1]} blocks of {page} hold {capacity}")
+    table = block_table.tolist()
+    for b, n in enumerate(lengths):
+        for slot in range(-(-n // page)):
+            number = table[b][slot]
+            if not 0 <= number < pages:
+                if device.type == "cpu":
+                    raise ValueError(f"block_table[{b}, {slot}] = {number} is out of range: it must be in "
+                                     f"[0, {pages - 1}] (k_cache has {pages} pages; sequence {b} has {n} keys)")
+                from . import errors
+
+                errors.record(device, "block_table", b, number)
+                lengths[b] = 0
+                break
+    page_of = torch.tensor([table[b][pos // page] for b, n in enumerate(lengths) for pos in range(n)],
+                           dtype=torch.long, device=device)
+    row_of = torch.tensor([pos % page for n in lengths for pos in range(n)], dtype=torch.long, device=device)
+    new_cu = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    return k_cache[page_of, row_of], v_cache[page_of, row_of], new_cu
 
 
 def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, cache_batch_idx):
@@ -100,6 +133,10 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, 
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(t.shape)}")
     batch, _, nheads, head_dim = q.shape
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; supported dtypes: {_DTYPE_NAMES}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     nheads_k = k_cache.shape[2]
@@ -150,6 +187,10 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     seqlen_new = 0 if k is None else k.shape[1]
+    if rotary_cos is not None and rotary_cos.shape[0] < capacity:
+        # flash-attn's rule (a shape check, no value read): every cache row has a position.
+        raise ValueError(f"rotary_cos/rotary_sin must have at least as many rows as the cache capacity "
+                         f"({capacity}), got {rotary_cos.shape[0]}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shapes), got {num_splits!r}")
     if cache_seqlens is None:
@@ -162,8 +203,13 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         cache_batch_idx = _int32_vector("cache_batch_idx", cache_batch_idx, batch, device)
     scale, window_left, window_right = check_options(
         0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads, head_dim, device)
-    if _DEBUG_CHECKS:
-        _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_table, capacity, k_cache.shape[0])
+    values = None
+    if device.type == "cpu" or _DEBUG_CHECKS:  # free on the CPU; a sync on a GPU (opt-in)
+        values = _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_table, capacity, k_cache)
+    if batch == 0:
+        out = q.new_empty(q.shape)
+        lse = torch.empty((0, nheads, seqlen_q), dtype=torch.float32, device=device)
+        return (out, lse) if return_softmax_lse else out
     q_per_token = window_left >= 0 or window_right >= 0
 
     bits = dispatch.feature_bits(window_left, window_right, softcap, alibi_slopes is not None, 0.0,
@@ -173,8 +219,9 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         return _gather_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, leftpad,
             block_table, scale, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
-            return_softmax_lse, q_per_token, varlen_attention)
+            return_softmax_lse, q_per_token, varlen_attention, values)
 
+    errors = error_buffer(device)
     q_in = q if q.stride(-1) == 1 else q.contiguous()
     rotate_q = rotary_cos is not None
     if k is not None or rotate_q:
@@ -183,7 +230,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             k_cache, v_cache, None if k is None else _last_contiguous(k), None if v is None else _last_contiguous(v),
             q_in, q_rot, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved, q_position_per_token=q_per_token)
+            rotary_interleaved=rotary_interleaved, q_position_per_token=q_per_token, errors=errors)
         if rotate_q:
             q_in = q_rot
     out, lse = run_decode(
@@ -191,7 +238,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         window_left=window_left, window_right=window_right, softcap=float(softcap),
         alibi_slopes=alibi_slopes, num_splits=num_splits, cache_seqlens=cache_seqlens,
         seqlen_new=seqlen_new, cache_leftpad=leftpad, cache_batch_idx=cache_batch_idx,
-        block_table=block_table)
+        block_table=block_table, errors=errors)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -199,32 +246,97 @@ def _last_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_table, capacity, first_extent):
-    """PORTATTN_DEBUG_CHECKS=1: the host-side checks (a device sync) the kernels otherwise replace by clamping."""
-    ends = cache_seqlens.long() + seqlen_new
-    if bool((cache_seqlens < 0).any()) or bool((ends > capacity).any()):
-        raise ValueError(f"cache_seqlens must be in [0, {capacity - seqlen_new}] (cache capacity {capacity} minus {seqlen_new} new tokens)")
-    if leftpad is not None and bool(((leftpad < 0) | (leftpad.long() > ends)).any()):
-        raise ValueError("cache_leftpad must be in [0, cache_seqlens + seqlen_new] for every sequence")
-    if cache_batch_idx is not None and bool(((cache_batch_idx < 0) | (cache_batch_idx >= first_extent)).any()):
-        raise ValueError(f"cache_batch_idx must be in [0, {first_extent - 1}] (k_cache's batch extent)")
-    if block_table is not None and bool(((block_table < 0) | (block_table >= first_extent)).any()):
-        raise ValueError(f"block_table entries must be in [0, {first_extent - 1}] (k_cache's number of pages)")
+def _host_values(cache_seqlens, leftpad, cache_batch_idx, block_table):
+    """The per-sequence metadata as host lists (one read per tensor: a sync on a GPU)."""
+    return (cache_seqlens.tolist(), None if leftpad is None else leftpad.tolist(),
+            None if cache_batch_idx is None else cache_batch_idx.tolist(),
+            None if block_table is None else block_table.tolist())
+
+
+def _problem(b, cs, lp, bi, bt, seqlen_new, capacity, extent, page):
+    """None, or (argument, value, message) for sequence b's first out-of-range value: the
+    rule the decode kernels apply on the device (common/decode_sequence.h, Sequence::valid)."""
+    c = cs[b]
+    if not 0 <= c <= capacity - seqlen_new:
+        return ("cache_seqlens", c, f"cache_seqlens[{b}] = {c} is out of range: it must be in "
+                f"[0, {capacity - seqlen_new}] (the cache holds {capacity} rows per sequence and "
+                f"{seqlen_new} new tokens are appended)")
+    end = c + seqlen_new
+    start = 0 if lp is None else lp[b]
+    if not 0 <= start <= end:
+        return ("cache_leftpad", start, f"cache_leftpad[{b}] = {start} is out of range: it must be in "
+                f"[0, {end}] (cache_seqlens[{b}] + seqlen_new)")
+    if bi is not None and not 0 <= bi[b] < extent:
+        return ("cache_batch_idx", bi[b], f"cache_batch_idx[{b}] = {bi[b]} is out of range: it must be in "
+                f"[0, {extent - 1}] (k_cache has {extent} entries)")
+    first = min(start, c)
+    if bt is not None and end > first:
+        for slot in range(first // page, (end - 1) // page + 1):
+            number = bt[b][slot]
+            if not 0 <= number < extent:
+                return ("block_table", number, f"block_table[{b}, {slot}] = {number} is out of range: it must "
+                        f"be in [0, {extent - 1}] (k_cache has {extent} pages; sequence {b} uses rows "
+                        f"[{first}, {end}) of its pages)")
+    return None
+
+
+def _problems(values, seqlen_new, capacity, k_cache, paged):
+    cs, lp, bi, bt = values
+    extent, page = k_cache.shape[0], k_cache.shape[1]
+    return [_problem(b, cs, lp, bi, bt, seqlen_new, capacity, extent, page if paged else 1)
+            for b in range(len(cs))]
+
+
+def _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_table, capacity, k_cache):
+    """Host-side check of every per-sequence value: always for CPU tensors (free there), with
+    PORTATTN_DEBUG_CHECKS=1 on a GPU (a sync). Raises the first problem's ValueError."""
+    values = _host_values(cache_seqlens, leftpad, cache_batch_idx, block_table)
+    for problem in _problems(values, seqlen_new, capacity, k_cache, block_table is not None):
+        if problem is not None:
+            raise ValueError(problem[2])
+    return values
 
 
 def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        leftpad, block_table, scale, window_left, window_right, softcap,
                        rotary_interleaved, alibi_slopes, return_softmax_lse, q_per_token,
-                       varlen_attention):
+                       varlen_attention, values=None):
+    """The reference path: check the metadata on the host (it reads the lengths anyway), append
+    in place through the caller's own tensors (any strides: advanced-index writes into
+    k_cache / v_cache themselves, never into a reshaped copy), gather the live keys, attend.
+
+    A sequence with an out-of-range value (only possible on a GPU: CPU tensors were checked
+    before) is contained as the decode kernels contain it (portattn/errors.py): nothing
+    appended, no key read, output 0 and LSE -inf, and the device's error buffer records it."""
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    page = k_cache.shape[1] if paged else 1
     seqlen_new = 0 if k is None else k.shape[1]
-    batch_rows = torch.arange(batch, device=device) if cache_batch_idx is None else cache_batch_idx.long()
-    start = torch.zeros_like(cache_seqlens) if leftpad is None else leftpad
-    if int((cache_seqlens + seqlen_new).max()) > capacity:
-        raise ValueError(f"cache_seqlens + seqlen_new exceeds the cache capacity ({capacity})")
+    if values is None:
+        values = _host_values(cache_seqlens, leftpad, cache_batch_idx, block_table)
+    problems = _problems(values, seqlen_new, capacity, k_cache, paged)
+    if any(problem is not None for problem in problems):  # a GPU: CPU tensors were checked before
+        from . import errors
+
+        recorded = set()
+        for b, problem in enumerate(problems):
+            if problem is not None and problem[0] not in recorded:
+                recorded.add(problem[0])
+                errors.record(device, problem[0], b, problem[1])
+    cs, lp, bi, bt = values
+    good = [b for b in range(batch) if problems[b] is None]
+
+    def where(b, pos):  # (entry or page, row) of sequence b's cache position pos
+        if paged:
+            return bt[b][pos // page], pos % page
+        return (b if bi is None else bi[b]), pos
+
+    def index(pairs):
+        firsts = torch.tensor([e for e, _ in pairs], dtype=torch.long, device=device)
+        seconds = torch.tensor([r for _, r in pairs], dtype=torch.long, device=device)
+        return firsts, seconds
 
     base = cache_seqlens.long().unsqueeze(1)  # flash-attn 2: absolute cache index
     if rotary_cos is not None:
@@ -233,35 +345,24 @@ def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         q_offsets = torch.arange(seqlen_q, device=device) if q_per_token else torch.zeros(seqlen_q, dtype=torch.long, device=device)
         q = apply_rotary(q, rotary_cos, rotary_sin, base + q_offsets, rotary_interleaved)
 
-    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
-    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
-    row_len = k_cache.shape[1]
+    if k is not None and good and seqlen_new:  # append in place, valid sequences only
+        rows = index([where(b, cs[b] + i) for b in good for i in range(seqlen_new)])
+        chosen = torch.tensor(good, dtype=torch.long, device=device)
+        k_cache[rows] = k[chosen].reshape(-1, *k.shape[2:]).to(k_cache.dtype)
+        v_cache[rows] = v[chosen].reshape(-1, *v.shape[2:]).to(v_cache.dtype)
 
-    def rows_for(positions):  # positions: (B, n) long
-        if paged:
-            return _cache_rows(block_table, torch.arange(batch, device=device), row_len, positions)
-        return batch_rows.unsqueeze(1) * row_len + positions
-
-    if k is not None:  # append in place
-        positions = cache_seqlens.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
-        rows = rows_for(positions).flatten()
-        flat_k[rows] = k.reshape(-1, *k.shape[2:]).to(k_cache.dtype)
-        flat_v[rows] = v.reshape(-1, *v.shape[2:]).to(v_cache.dtype)
-
-    ends = (cache_seqlens + seqlen_new).tolist()
-    starts = start.tolist()
-    gathered = [rows_for(torch.arange(s, e, device=device).unsqueeze(0).expand(batch, -1))[b]
-                for b, (s, e) in enumerate(zip(starts, ends))]
-    rows = torch.cat(gathered)
-    lengths = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.int32, device=device)
-    cu_seqlens_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    cu_seqlens_k[1:] = torch.cumsum(lengths, 0)
-    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
-    out, lse, _ = varlen_attention(
-        q.reshape(batch * seqlen_q, nheads, head_dim), flat_k[rows], flat_v[rows], cu_seqlens_q,
-        cu_seqlens_k, seqlen_q, max(e - s for s, e in zip(starts, ends)), 0.0, scale,
-        False, (window_left, window_right), softcap, alibi_slopes, False, True,
-    )
+    spans = [(0, 0) if problems[b] is not None else (0 if lp is None else lp[b], cs[b] + seqlen_new)
+             for b in range(batch)]
+    rows = index([where(b, pos) for b, (s, e) in enumerate(spans) for pos in range(s, e)])
+    lengths = [e - s for s, e in spans]
+    cu_seqlens_k = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen_q
+    with torch.no_grad():  # inference only: the cache has no gradient
+        out, lse, _ = varlen_attention(
+            q.reshape(batch * seqlen_q, nheads, head_dim), k_cache[rows], v_cache[rows], cu_seqlens_q,
+            cu_seqlens_k, seqlen_q, max(lengths), 0.0, scale,
+            False, (window_left, window_right), softcap, alibi_slopes, False, True,
+        )
     out = out.reshape(batch, seqlen_q, nheads, head_dim)
     if return_softmax_lse:
         return out, lse.reshape(nheads, batch, seqlen_q).transpose(0, 1)

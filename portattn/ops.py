@@ -24,6 +24,7 @@ from .validation import check_cu_seqlens_values
 # capture breaker): cu_seqlens are trusted, as in flash-attn, and the kernels keep their
 # memory accesses inside the given tensors whatever the values. PORTATTN_DEBUG_CHECKS=1
 # adds the host-side check, with a ValueError naming the argument. Read once (hot path).
+# CPU tensors are always checked: there the read costs no device synchronisation.
 _DEBUG_CHECKS = os.environ.get("PORTATTN_DEBUG_CHECKS", "0") == "1"
 
 
@@ -62,7 +63,7 @@ def run_forward(
     lse = _empty_lse(q, varlen) if need_lse else None
     if out.numel() == 0:
         return out, lse, NO_DROPOUT
-    if varlen and _DEBUG_CHECKS:
+    if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):  # free on the CPU: always there
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _no_keys(k, varlen):
         # Nothing to attend to: the documented result for an empty row.
@@ -114,7 +115,7 @@ def run_backward(
     varlen = cu_seqlens_q is not None
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if varlen and _DEBUG_CHECKS:
+    if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if grads is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -13,10 +13,16 @@ in the op body (ops.py) so that it also runs under torch.compile.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Optional
 
 import torch
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional: without it no numpy scalar can arrive
+    np = None
 
 # flash-attn's limit; the compiled backends declare their own (<=) maximum in
 # the support matrix and larger valid head dims would fall back, but above this
@@ -99,14 +105,14 @@ def check_options(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    elif not math.isfinite(softmax_scale):
+    elif type(softmax_scale) is not float:
+        softmax_scale = _as_float("softmax_scale", softmax_scale, "a float or None")
+    if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if causal is not True and causal is not False:
+        causal = _as_bool("causal", causal)
+    if type(softcap) is not float:
+        softcap = _as_float("softcap", softcap, "a float")
     if not (math.isfinite(softcap) and softcap >= 0.0):
         raise ValueError(f"softcap must be a finite value >= 0 (0 disables it), got {softcap}")
     window_left, window_right = _check_window(window_size)
@@ -115,6 +121,21 @@ def check_options(
     if alibi_slopes is not None:
         _check_alibi(alibi_slopes, batch, nheads, device)
     return float(softmax_scale), window_left, window_right
+
+
+def _as_float(name: str, value, accepted: str) -> float:
+    """A real number that is not a bool: Python and numpy floats and ints (np.float32 is not a
+    subclass of float), as flash-attn's C++ binding accepts them."""
+    if isinstance(value, (bool, np.bool_) if np is not None else bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {accepted}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _as_bool(name: str, value) -> bool:
+    """True/False, or a numpy bool (np.bool_ is not a subclass of bool)."""
+    if np is not None and isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def _check_window(window_size):

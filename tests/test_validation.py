@@ -92,13 +92,17 @@ def test_debug_checks_read_cu_seqlens_values(case, monkeypatch):
     assert fragment in str(info.value)
 
 
-def test_default_varlen_call_does_not_check_values_on_the_host(monkeypatch):
+def test_cpu_varlen_calls_check_values_without_opt_in(monkeypatch):
+    """CPU tensors are always checked (no device sync to save there); GPU tensors only with
+    PORTATTN_DEBUG_CHECKS=1 (ops.run_forward tests the device type)."""
     calls = []
     monkeypatch.setattr(portattn.ops, "check_cu_seqlens_values", lambda *a: calls.append(a[0]))
+    monkeypatch.setattr(portattn.ops, "_DEBUG_CHECKS", False)
     q = VQ.float().requires_grad_()
     out = portattn.flash_attn_varlen_func(q, VK.float(), VK.float(), CU, CU, 5, 5)
     out.sum().backward()
-    assert calls == []
+    assert calls == ["cu_seqlens_q", "cu_seqlens_k"] * 2  # forward and backward
+    calls.clear()
     monkeypatch.setattr(portattn.ops, "_DEBUG_CHECKS", True)
     portattn.flash_attn_varlen_func(q, VK.float(), VK.float(), CU, CU, 5, 5).sum().backward()
     assert calls == ["cu_seqlens_q", "cu_seqlens_k"] * 2  # forward and backward

@@ -162,14 +162,16 @@ def _ptr(t) -> int:
 def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
                 max_seqlen_k=0, cache_seqlens=None, seqlen_new=0, cache_leftpad=None,
                 cache_batch_idx=None, block_table=None, softmax_scale, window_left, window_right,
-                softcap, alibi_slopes, num_splits, o_partial=0, lse_partial=0) -> tuple:
+                softcap, alibi_slopes, num_splits, o_partial=0, lse_partial=0, errors=None) -> tuple:
     """The `decode` argument tuple (PORTATTN_DECODE_ARGS order in common/binding_args.h).
 
     q is (batch, seqlen_q, nheads, headdim) or, with cu_seqlens_q, (total_q, nheads, headdim).
     k and v are a contiguous cache (batch_cache, capacity, nheads_k, headdim), a paged one
     (num_pages, page_size, nheads_k, headdim) with block_table, or packed keys (total_k,
     nheads_k, headdim) with cu_seqlens_k. o_partial / lse_partial: addresses of the fp32 split
-    workspace (portattn/decode.py allocates both in one tensor), 0 with one split."""
+    workspace (portattn/decode.py allocates both in one tensor), 0 with one split. errors: the
+    device's int32 error buffer (portattn/errors.py), or None (out-of-range metadata is then
+    still contained, but not recorded)."""
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         lse_strides = (0, 0) if lse is None else lse.stride()[:2]
@@ -207,7 +209,7 @@ def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_
         _ptr(cache_leftpad), _ptr(cache_batch_idx), _ptr(block_table), block_table_stride,
         page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
         softmax_scale, softcap, window_left, window_right, alibi, alibi_batch_stride,
-        num_splits, o_partial, lse_partial, raw_stream(q.device.index),
+        num_splits, o_partial, lse_partial, raw_stream(q.device.index), _ptr(errors),
     )
 
 
@@ -216,7 +218,7 @@ ROTARY_FP32 = 2  # PortattnAppendParams.rotary_dtype for float32 tables
 
 def append_args(k_cache, v_cache, k_new, v_new, q, q_out, *, cache_seqlens, cache_batch_idx=None,
                 block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                q_position_per_token=False) -> tuple:
+                q_position_per_token=False, errors=None) -> tuple:
     """The `kvcache_append` argument tuple (PORTATTN_APPEND_ARGS order in common/binding_args.h)."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k_cache.shape[-2]
@@ -244,5 +246,5 @@ def append_args(k_cache, v_cache, k_new, v_new, q, q_out, *, cache_seqlens, cach
         cache_seqlens.data_ptr(), _ptr(cache_batch_idx), _ptr(block_table), block_table_stride,
         page_size, num_pages, cache_batches, kv_capacity, _ptr(rotary_cos), _ptr(rotary_sin),
         rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro, bool(rotary_interleaved),
-        bool(q_position_per_token), raw_stream(k_cache.device.index),
+        bool(q_position_per_token), raw_stream(k_cache.device.index), _ptr(errors),
     )

@@ -278,9 +278,11 @@ def _forward(pb: _Problem, out: torch.Tensor, lse: torch.Tensor) -> None:
             pv = torch.matmul(p if z is None else p * z, pb.v[:, :, j0:j1])
             acc = alpha[..., None] * acc + pv
             m = m_new
-        seen = l > 0
-        o = acc / torch.where(seen, l, 1.0)[..., None]
-        row_lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
+        # A row sees no key exactly when l == 0: out 0, lse -inf. A NaN input gives NaN in
+        # l, so its row's out and lse are both NaN (never the "sees no key" marker -inf).
+        empty = l == 0
+        o = acc / torch.where(empty, 1.0, l)[..., None]
+        row_lse = torch.where(empty, float("-inf"), m + torch.log(torch.where(empty, 1.0, l)))
         count = i1 - i0
         out[:, i0:i1].copy_(pb.unfold_rows(o, count))
         lse[:, :, i0:i1].copy_(row_lse.reshape(pb.batch, pb.nheads, count))

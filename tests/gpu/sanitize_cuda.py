@@ -16,7 +16,8 @@ backward splitting it in two halves), GQA and MQA (the backward's fp32 dK/dV
 atomics and its per-KV-head loop), varlen with empty and single-row sequences,
 the extras kernel (softcap + ALiBi + dropout), adversarial cu_seqlens / seqused_k values
 (test_adversarial_bounds.py's cases, sm80+ and sm_90a forward and backward),
-the decode kernels (decode_cases), and the backward's deterministic
+the decode kernels (decode_cases) and their containment of out-of-range cache metadata
+(test_decode_containment.py's cases), and the backward's deterministic
 dQ slices (flash-attn's deterministic case whose splits start on key blocks no query
 sees), and the sm_90a forward (each of its schedules, windows and softcap; head dims 96 and
 192 on the larger kernels that serve them padded) and backward (GQA, both modes; head dim 96
@@ -292,6 +293,21 @@ def main() -> int:
                     failures += int(bool(wrong))
     if served(128) and hasattr(BACKEND.module, "decode"):
         failures += decode_cases()
+    if served(64) and hasattr(BACKEND.module, "decode"):
+        # Out-of-range cache metadata (negative / past-the-end cache_seqlens, leftpad,
+        # batch_idx, page numbers): contained, not clamped (Note [portattn decode errors]);
+        # memcheck sees any read of another page, run_case any write outside the good rows.
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # error_rule, naive
+        from test_decode_containment import containment_cases, run_case as run_containment_case
+
+        for case in containment_cases():
+            for splits in (1, 3):
+                wrong = run_containment_case(case, torch.bfloat16, splits)
+                if wrong:
+                    print(f"sanitize_cuda: containment {case} splits={splits}: {wrong}")
+                failures += int(bool(wrong))
     print(f"sanitize_cuda: {failures} launch(es) left NaN in their outputs or wrote outside them")
     return 1 if failures else 0
 

@@ -147,11 +147,12 @@ inline PortattnBwdParams bwd_params(PORTATTN_BWD_OWN_ARGS, const PortattnFwdPara
       uintptr_t cache_batch_idx, uintptr_t block_table, int64_t block_table_batch_stride,          \
       int page_size, int num_pages, int cache_batches, int kv_capacity, int64_t total_q,           \
       int64_t total_k, PORTATTN_SCORE_ARGS, int num_splits, uintptr_t o_partial,                   \
-      uintptr_t lse_partial, uintptr_t stream
+      uintptr_t lse_partial, uintptr_t stream, uintptr_t errors
 #define PORTATTN_DECODE_ARG_NAMES                                                                  \
   PORTATTN_TENSOR_ARG_NAMES, cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx,            \
       block_table, block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,     \
-      total_q, total_k, PORTATTN_SCORE_ARG_NAMES, num_splits, o_partial, lse_partial, stream
+      total_q, total_k, PORTATTN_SCORE_ARG_NAMES, num_splits, o_partial, lse_partial, stream,      \
+      errors
 
 inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
   PortattnDecodeParams p{};
@@ -173,6 +174,7 @@ inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
   p.o_partial = address<float>(o_partial);
   p.lse_partial = address<float>(lse_partial);
   p.stream = address<void>(stream);
+  p.errors = address<int32_t>(errors);
   return p;
 }
 
@@ -181,7 +183,7 @@ inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
 //                seqlen_q, nheads, nheads_k, headdim, cache_seqlens, cache_batch_idx, block_table,
 //                block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,
 //                rotary_cos, rotary_sin, rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro,
-//                rotary_interleaved, q_position_per_token, stream)
+//                rotary_interleaved, q_position_per_token, stream, errors)
 #define PORTATTN_APPEND_ARGS                                                                       \
   uintptr_t k_new, uintptr_t v_new, pybind11::handle k_new_strides,                                \
       pybind11::handle v_new_strides, uintptr_t k_cache, uintptr_t v_cache,                        \
@@ -192,13 +194,14 @@ inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
       int64_t block_table_batch_stride, int page_size, int num_pages, int cache_batches,           \
       int kv_capacity, uintptr_t rotary_cos, uintptr_t rotary_sin, int64_t rotary_row_stride,      \
       int rotary_dtype, int rotary_dim, int seqlen_ro, bool rotary_interleaved,                    \
-      bool q_position_per_token, uintptr_t stream
+      bool q_position_per_token, uintptr_t stream, uintptr_t errors
 #define PORTATTN_APPEND_ARG_NAMES                                                                  \
   k_new, v_new, k_new_strides, v_new_strides, k_cache, v_cache, k_cache_strides, v_cache_strides,  \
       q, q_out, q_strides, q_out_strides, dtype, batch, seqlen_new, seqlen_q, nheads, nheads_k,    \
       headdim, cache_seqlens, cache_batch_idx, block_table, block_table_batch_stride, page_size,   \
       num_pages, cache_batches, kv_capacity, rotary_cos, rotary_sin, rotary_row_stride,            \
-      rotary_dtype, rotary_dim, seqlen_ro, rotary_interleaved, q_position_per_token, stream
+      rotary_dtype, rotary_dim, seqlen_ro, rotary_interleaved, q_position_per_token, stream,       \
+      errors
 
 inline PortattnAppendParams append_params(PORTATTN_APPEND_ARGS) {
   PortattnAppendParams p{};
@@ -238,6 +241,7 @@ inline PortattnAppendParams append_params(PORTATTN_APPEND_ARGS) {
   p.rotary_interleaved = rotary_interleaved ? 1 : 0;
   p.q_position_per_token = q_position_per_token ? 1 : 0;
   p.stream = address<void>(stream);
+  p.errors = address<int32_t>(errors);
   return p;
 }
 

@@ -1,8 +1,11 @@
 // Where a decode call's sequence lives and which keys a workgroup/CTA covers:
 // the device-side rules of Note [portattn decode] (params.h), written once
-// for the vendor kernels. Every value read from a device tensor (cu_seqlens,
-// cache_seqlens, leftpad, batch_idx, block_table) is clamped to the extents
-// the params carry, so no content of those tensors can move a read or a
+// for the vendor kernels. cu_seqlens values are clamped to the extents the
+// params carry (flash-attn's contract); cache_seqlens, leftpad and batch_idx
+// values outside the cache make the sequence empty instead (Note [portattn
+// decode errors]: no read of another sequence's rows), and block-table page
+// numbers are clamped to the pool here and checked by the kernels
+// (first_bad_page_slot), so no content of those tensors can move a read or a
 // write outside the tensors the call was given.
 //
 // Both decode kernels include this header (cuda/csrc/decode_kernel.cuh,
@@ -28,11 +31,28 @@ PORTATTN_DECODE_HD int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (
 PORTATTN_DECODE_HD int min_int(int a, int b) { return a < b ? a : b; }
 PORTATTN_DECODE_HD int max_int(int a, int b) { return a > b ? a : b; }
 
+// Note [portattn decode errors] (params.h): the first offending batch entry per argument.
+#if defined(__CUDACC__) || defined(__HIPCC__)
+__device__ __forceinline__
+#else
+inline
+#endif
+void record_error(int32_t* errors, int argument, int b, int value) {
+  if (errors == nullptr) return;
+#if defined(__CUDACC__) || defined(__HIPCC__)
+  if (atomicCAS(errors + 2 * argument, 0, b + 1) == 0) errors[2 * argument + 1] = value;
+#else  // the CPU emulation of the ROCm kernels (tests/rocm_emulation)
+  int32_t expected = 0;
+  if (__atomic_compare_exchange_n(errors + 2 * argument, &expected, b + 1, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    errors[2 * argument + 1] = value;
+#endif
+}
+
 // One sequence's queries and keys. Packed (varlen) rows follow common/seq_bounds.h.
 struct Sequence {
   int q_start;    // first packed row of q (varlen), else 0
   int seqlen_q;
-  int seqlen_k;   // visible keys
+  int seqlen_k;   // visible keys (0 for a contained sequence)
   int key_base;   // position of key 0: leftpad (caches) or packed row (varlen)
   int cache_row;  // contiguous cache: which batch entry of k (0 for packed keys)
 
@@ -47,16 +67,27 @@ struct Sequence {
       packed_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, s.key_base, s.seqlen_k);
       s.cache_row = 0;  // packed keys: batch stride 0
     } else if (p.cache_seqlens != nullptr || p.cache_leftpad != nullptr) {
-      const int end = clamp_int(p.cache_seqlens != nullptr ? p.cache_seqlens[b] + p.seqlen_new : p.kv_capacity, 0,
-                                p.kv_capacity);
-      const int start = p.cache_leftpad != nullptr ? clamp_int(p.cache_leftpad[b], 0, end) : 0;
-      s.key_base = start;
-      s.seqlen_k = end - start;
+      // Compared before adding: cache_seqlens + seqlen_new may overflow an int.
+      const int filled = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.kv_capacity - p.seqlen_new;
+      const int start = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
+      if (filled < 0 || filled > p.kv_capacity - p.seqlen_new || start < 0 || start > filled + p.seqlen_new) {
+        s.contain();  // metadata_error says which
+      } else {
+        s.key_base = start;
+        s.seqlen_k = filled + p.seqlen_new - start;
+      }
     } else {
       s.seqlen_k = min_int(p.seqlen_k, p.kv_capacity);
     }
-    if (p.cu_seqlens_k == nullptr && p.cache_batch_idx != nullptr)
-      s.cache_row = clamp_int(p.cache_batch_idx[b], 0, p.cache_batches - 1);
+    if (p.cu_seqlens_k == nullptr && p.cache_batch_idx != nullptr) {
+      const int entry = p.cache_batch_idx[b];
+      if (entry < 0 || entry >= p.cache_batches) {
+        s.cache_row = 0;
+        s.contain();
+      } else {
+        s.cache_row = entry;
+      }
+    }
     return s;
   }
 
@@ -64,7 +95,41 @@ struct Sequence {
   PORTATTN_DECODE_HD MaskRule rule(const PortattnDecodeParams& p) const {
     return MaskRule::of(seqlen_q, seqlen_k, p.window_left, p.window_right);
   }
+
+  // Out-of-range metadata: no key read, out = 0 and lse = -inf (Note [portattn decode errors]).
+  PORTATTN_DECODE_HD void contain() {
+    seqlen_k = 0;
+    key_base = 0;
+  }
 };
+
+// Which argument (PortattnErrorArgument) of sequence b made Sequence::of contain it, with
+// its value in *value; -1 when none. The same rule as Sequence::of, read again only by the
+// one thread that reports (kept out of Sequence: two more live fields made the head-dim-256
+// CUDA kernel spill, ptxas -v). Block-table entries are the kernels' scan (first_bad_page_slot).
+PORTATTN_DECODE_HD int metadata_error(const PortattnDecodeParams& p, int b, int* value) {
+  if (p.cu_seqlens_k != nullptr) return -1;
+  if (p.cache_seqlens != nullptr || p.cache_leftpad != nullptr) {
+    const int filled = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.kv_capacity - p.seqlen_new;
+    if (filled < 0 || filled > p.kv_capacity - p.seqlen_new) {
+      *value = filled;
+      return PORTATTN_ERR_CACHE_SEQLENS;
+    }
+    const int start = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
+    if (start < 0 || start > filled + p.seqlen_new) {
+      *value = start;
+      return PORTATTN_ERR_CACHE_LEFTPAD;
+    }
+  }
+  if (p.cache_batch_idx != nullptr) {
+    const int entry = p.cache_batch_idx[b];
+    if (entry < 0 || entry >= p.cache_batches) {
+      *value = entry;
+      return PORTATTN_ERR_CACHE_BATCH_IDX;
+    }
+  }
+  return -1;
+}
 
 PORTATTN_DECODE_HD int log2_if_power_of_two(int x) {
   if (x <= 0 || (x & (x - 1)) != 0) return -1;
@@ -106,6 +171,25 @@ struct KeyRowAddress {
     return offset_of(st, page_of(pos), row_in_page(pos));
   }
 };
+
+// The first block-table slot among slot0 + t, slot0 + t + count, ... (t in [0, count): the
+// threads of a block share the scan) of the slots holding positions [key_base, key_base +
+// seqlen_k) of the sequence whose block-table row is `pages`, whose page number lies outside
+// [0, num_pages); -1 when none. Every block of the sequence scans all of its slots, so all
+// its splits agree on containing it (Note [portattn decode errors]).
+PORTATTN_DECODE_HD int first_bad_page_slot(const int32_t* pages, int page_size, int num_pages, int key_base,
+                                           int seqlen_k, int t, int count) {
+  if (seqlen_k <= 0) return -1;
+  const int last = (key_base + seqlen_k - 1) / page_size;
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#pragma unroll 1
+#endif
+  for (int slot = key_base / page_size + t; slot <= last; slot += count) {
+    const int page = pages[slot];
+    if (page < 0 || page >= num_pages) return slot;
+  }
+  return -1;
+}
 
 // The key stages [begin, end) one split of one query tile covers, and the
 // tile's alignment facts. Packed row r is query r / group; which keys a query

@@ -178,6 +178,11 @@ typedef struct PortattnDecodeParams {
   float* lse_partial;    // (num_splits, batch, nheads, seqlen_q) fp32
 
   void* stream;
+
+  // Containment of out-of-range cache metadata (Note [portattn decode errors]): null, or
+  // portattn's per-device int32 buffer of PORTATTN_ERROR_SLOTS entries. Appended last so
+  // that the fields before keep their offsets.
+  int32_t* errors;
 } PortattnDecodeParams;
 
 // Appends new keys/values to a cache (rotating the keys) and writes rotated
@@ -224,7 +229,27 @@ typedef struct PortattnAppendParams {
   int q_position_per_token;
 
   void* stream;
+  int32_t* errors;  // as PortattnDecodeParams.errors
 } PortattnAppendParams;
+
+// Note [portattn decode errors]
+// A sequence whose cache_seqlens, cache_leftpad, cache_batch_idx or block_table entries
+// point outside the cache (cache_seqlens outside [0, kv_capacity - seqlen_new], leftpad
+// outside [0, cache_seqlens + seqlen_new], batch_idx outside [0, cache_batches), a page
+// number outside [0, num_pages) among the pages its keys occupy) is contained rather than
+// clamped into another sequence's rows: the append writes none of its rows, the decode reads
+// none of its keys and writes out = 0, lse = -inf for its rows. The first offending batch
+// entry per argument is recorded (one compare-and-swap per offending block) in `errors`:
+// errors[2 a] = batch entry + 1 (0: none), errors[2 a + 1] = the value it held, for
+// argument a below; portattn.check_errors() reads and clears it (portattn/errors.py).
+// No device assert: it would kill the CUDA context every request of a server shares.
+enum PortattnErrorArgument {
+  PORTATTN_ERR_CACHE_SEQLENS = 0,
+  PORTATTN_ERR_CACHE_LEFTPAD = 1,
+  PORTATTN_ERR_CACHE_BATCH_IDX = 2,
+  PORTATTN_ERR_BLOCK_TABLE = 3,
+  PORTATTN_ERROR_SLOTS = 8
+};
 
 #ifdef __cplusplus
 }

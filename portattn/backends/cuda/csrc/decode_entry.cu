@@ -156,16 +156,32 @@ __global__ void kvcache_append_kernel(const PortattnAppendParams p) {
     const int h = static_cast<int>(row % p.nheads_k);
     const int i = static_cast<int>((row / p.nheads_k) % p.seqlen_new);
     const int b = static_cast<int>(row / (static_cast<int64_t>(p.nheads_k) * p.seqlen_new));
-    const int pos = p.cache_seqlens[b] + i;
-    if (pos < 0 || pos >= p.kv_capacity || e >= p.headdim) return;
+    // Out-of-range metadata writes nothing (Note [portattn decode errors]); the first
+    // element of the row reports it (the decode kernel reports it too: the same rule).
+    const int filled = p.cache_seqlens[b];
+    const bool reporter = e == 0 && h == 0;
+    if (filled < 0 || filled > p.kv_capacity - p.seqlen_new) {
+      if (reporter && i == 0) decode::record_error(p.errors, PORTATTN_ERR_CACHE_SEQLENS, b, filled);
+      return;
+    }
+    const int pos = filled + i;
+    if (e >= p.headdim) return;
     int64_t k_off, v_off;
     if (p.block_table != nullptr) {
-      const int page = min(max(p.block_table[b * p.block_table_batch_stride + pos / p.page_size], 0), p.num_pages - 1);
+      const int page = p.block_table[b * p.block_table_batch_stride + pos / p.page_size];
+      if (page < 0 || page >= p.num_pages) {
+        if (reporter) decode::record_error(p.errors, PORTATTN_ERR_BLOCK_TABLE, b, page);
+        return;
+      }
       const int in_page = pos % p.page_size;
       k_off = page * p.k_cache_strides.batch_stride + static_cast<int64_t>(in_page) * p.k_cache_strides.row_stride;
       v_off = page * p.v_cache_strides.batch_stride + static_cast<int64_t>(in_page) * p.v_cache_strides.row_stride;
     } else {
-      const int entry = p.cache_batch_idx != nullptr ? min(max(p.cache_batch_idx[b], 0), p.cache_batches - 1) : b;
+      const int entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+      if (entry < 0 || entry >= p.cache_batches) {
+        if (reporter && i == 0) decode::record_error(p.errors, PORTATTN_ERR_CACHE_BATCH_IDX, b, entry);
+        return;
+      }
       k_off = entry * p.k_cache_strides.batch_stride + static_cast<int64_t>(pos) * p.k_cache_strides.row_stride;
       v_off = entry * p.v_cache_strides.batch_stride + static_cast<int64_t>(pos) * p.v_cache_strides.row_stride;
     }

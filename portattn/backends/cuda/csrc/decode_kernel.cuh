@@ -83,6 +83,32 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
+// The sequence of block `batch`, contained when its metadata is out of range (Note [portattn
+// decode errors] in params.h): every block of the sequence scans its page numbers, so all
+// splits agree and no key of another sequence's page is read; one block per sequence
+// (`reporter`) records it.
+template <int kThreads>
+__device__ __forceinline__ DecodeSequence contained_sequence(const PortattnDecodeParams& params, int batch,
+                                                             bool reporter) {
+  DecodeSequence seq = DecodeSequence::of(params, batch);
+  if (params.block_table != nullptr) {
+    const int32_t* pages = params.block_table + batch * params.block_table_batch_stride;
+    const int bad_slot = decode::first_bad_page_slot(pages, params.page_size, params.num_pages, seq.key_base,
+                                                     seq.seqlen_k, threadIdx.x, kThreads);
+    if (__syncthreads_or(bad_slot >= 0)) {
+      if (reporter && bad_slot >= 0)
+        decode::record_error(params.errors, PORTATTN_ERR_BLOCK_TABLE, batch, pages[bad_slot]);
+      seq.contain();
+    }
+  }
+  if (reporter && threadIdx.x == 0 && seq.seqlen_k == 0 && params.errors != nullptr) {
+    int value = 0;
+    const int argument = decode::metadata_error(params, batch, &value);
+    if (argument >= 0) decode::record_error(params.errors, argument, batch, value);
+  }
+  return seq;
+}
+
 template <int kHeadDim, typename Elem, bool kExtras>
 __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
     decode_kernel(const PortattnDecodeParams params) {
@@ -109,7 +135,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   const int batch = blockIdx.z;
 
   wait_for_previous_grid();  // q, the cache and the lengths may come from the kernel before
-  const DecodeSequence seq = DecodeSequence::of(params, batch);
+  const DecodeSequence seq = contained_sequence<kThreads>(params, batch, blockIdx.x == 0 && blockIdx.y == 0);
   const int rows = seq.seqlen_q * group;  // packed rows of this sequence
   const int row0 = m_tile * 16;
   if (row0 >= rows) return;  // a shorter varlen sequence: nothing of it here (the combine skips it too)

@@ -205,6 +205,14 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const decode::Sequence seq = decode::Sequence::of(p, b);
   const int rows = seq.seqlen_q * group;
   if (row0 >= rows) return;  // a shorter varlen sequence: nothing of it here (the combine skips it too)
+  // Out-of-range cache_seqlens / leftpad / batch_idx: an empty sequence, reported once
+  // (Note [portattn decode errors]). Page numbers are still clamped here (KeyRowAddress):
+  // the CUDA kernel's block-table scan is not ported, and dispatch serves no ROCm decode yet.
+  if (seq.seqlen_k == 0 && split == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.errors != nullptr) {
+    int value = 0;
+    const int argument = decode::metadata_error(p, b, &value);
+    if (argument >= 0) decode::record_error(p.errors, argument, b, value);
+  }
   const decode::KeyRange range = decode::KeyRange::of(p, seq, row0, Tile::kBlockM, group, Tile::kStageKeys, split);
 
   const int wave = threadIdx.x / kWaveSize;
@@ -443,17 +451,31 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kHeadDim, 1) kvcache_append_kernel(
     const int hk = static_cast<int>(row % p.nheads_k);
     const int i = static_cast<int>((row / p.nheads_k) % p.seqlen_new);
     const int b = static_cast<int>(row / (static_cast<int64_t>(p.nheads_k) * p.seqlen_new));
-    const int pos = (p.cache_seqlens != nullptr ? p.cache_seqlens[b] : 0) + i;
-    write = write && pos >= 0 && pos < p.kv_capacity;
+    // Out-of-range metadata writes nothing (Note [portattn decode errors] in params.h).
+    const int filled = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : 0;
+    const bool reporter = e == 0 && hk == 0;
+    const bool filled_ok = filled >= 0 && filled <= p.kv_capacity - p.seqlen_new;
+    if (!filled_ok && reporter && i == 0) decode::record_error(p.errors, PORTATTN_ERR_CACHE_SEQLENS, b, filled);
+    const int pos = filled + i;
+    write = write && filled_ok;
     const int safe_pos = write ? pos : 0;
     int64_t k_off, v_off;
     if (p.block_table != nullptr) {
       const decode::KeyRowAddress at{p.block_table + b * p.block_table_batch_stride, p.page_size, p.num_pages};
+      const int page = filled_ok ? at.pages[at.page_of_slot(pos)] : 0;
+      if (page < 0 || page >= p.num_pages) {
+        if (reporter) decode::record_error(p.errors, PORTATTN_ERR_BLOCK_TABLE, b, page);
+        write = false;
+      }
       k_off = at.offset(p.k_cache_strides, 0, safe_pos);
       v_off = at.offset(p.v_cache_strides, 0, safe_pos);
     } else {
-      const int entry =
-          p.cache_batch_idx != nullptr ? decode::clamp_int(p.cache_batch_idx[b], 0, p.cache_batches - 1) : b;
+      const int raw_entry = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+      if (raw_entry < 0 || raw_entry >= p.cache_batches) {
+        if (reporter && i == 0 && filled_ok) decode::record_error(p.errors, PORTATTN_ERR_CACHE_BATCH_IDX, b, raw_entry);
+        write = false;
+      }
+      const int entry = decode::clamp_int(raw_entry, 0, p.cache_batches - 1);
       k_off = entry * p.k_cache_strides.batch_stride + static_cast<int64_t>(safe_pos) * p.k_cache_strides.row_stride;
       v_off = entry * p.v_cache_strides.batch_stride + static_cast<int64_t>(safe_pos) * p.v_cache_strides.row_stride;
     }
