@@ -321,7 +321,7 @@ def _decode_call(module, q, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=
         q.shape[0] if varlen else 0, k_cache.shape[0] if cu_k is not None else 0,
         1.0 / math.sqrt(head_dim), softcap, window[0], window[1], _ptr(alibi),
         alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0, num_splits, _ptr(o_partial),
-        _ptr(lse_partial), 0,
+        _ptr(lse_partial), 0, 0,  # stream, errors (no error buffer)
     ]
     module.decode(*args)
     return out, lse
@@ -482,7 +482,8 @@ def test_kvcache_append_with_rotary(emulated, interleaved, paged):
     """Keys at cache_seqlens[b] + i rotated there, values copied, queries rotated at cache_seqlens[b] (+ i)."""
     dtype, head_dim, rotary_dim, nheads, nheads_k, batch, seqlen_new = torch.float16, 64, 32, 4, 2, 2, 3
     capacity, page_size = 48, 16
-    cache_seqlens = torch.tensor([5, 46], dtype=torch.int32)  # the second runs past the capacity
+    # The second runs past the capacity: contained (Note [portattn decode errors]), no row written.
+    cache_seqlens = torch.tensor([5, 46], dtype=torch.int32)
     seqlen_ro = 64
     angles = torch.rand(seqlen_ro, rotary_dim // 2) * 6.0
     cos, sin = angles.cos(), angles.sin()  # float32 tables (rotary_dtype 2)
@@ -502,23 +503,25 @@ def test_kvcache_append_with_rotary(emulated, interleaved, paged):
     v_cache = torch.randn_like(k_cache)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     for per_token in (False, True):
+        errors = torch.zeros(8, dtype=torch.int32)  # portattn/errors.py's layout
         args = [
             _ptr(k_new), _ptr(v_new), k_new.stride(), v_new.stride(), _ptr(k_cache), _ptr(v_cache), k_cache.stride(),
             v_cache.stride(), _ptr(q), _ptr(q_out), q.stride(), q_out.stride(), DTYPE_CODE[dtype], batch, seqlen_new,
             seqlen_new, nheads, nheads_k, head_dim, _ptr(cache_seqlens), _ptr(batch_idx), _ptr(block_table),
             block_table.stride(0) if paged else 0, page_size if paged else 0, k_cache.shape[0] if paged else 0,
             k_cache.shape[0] if not paged else 0, capacity, _ptr(cos), _ptr(sin), cos.stride(0), 2, rotary_dim,
-            seqlen_ro, interleaved, per_token, 0,
+            seqlen_ro, interleaved, per_token, 0, _ptr(errors),  # stream, errors
         ]
         emulated.kvcache_append(*args)
+        assert errors.tolist() == [2, 46, 0, 0, 0, 0, 0, 0]  # cache_seqlens[1] = 46 recorded
         for b in range(batch):
             positions = int(cache_seqlens[b]) + torch.arange(seqlen_new)
             q_positions = positions if per_token else torch.full((seqlen_new,), int(cache_seqlens[b]))
             q_ref = _rotate_reference(q[b], cos, sin, q_positions[:, None].expand(-1, nheads), rotary_dim, interleaved)
             torch.testing.assert_close(q_out[b], q_ref, atol=1e-3, rtol=1e-3)
             for i, pos in enumerate(positions.tolist()):
-                if pos >= capacity:
-                    continue  # rows past the capacity are not written
+                if int(cache_seqlens[b]) + seqlen_new > capacity:
+                    continue  # a sequence that does not fit writes no row
                 k_ref = _rotate_reference(k_new[b, i], cos, sin, torch.full((nheads_k,), pos), rotary_dim, interleaved)
                 if paged:
                     where = (int(block_table[b, pos // page_size]), pos % page_size)
@@ -542,7 +545,7 @@ def test_decode_after_append_reads_the_new_keys(emulated):
     args = [
         _ptr(k_new), _ptr(v_new), k_new.stride(), v_new.stride(), _ptr(k_cache), _ptr(v_cache), k_cache.stride(),
         v_cache.stride(), 0, 0, q.stride(), q.stride(), DTYPE_CODE[dtype], batch, seqlen_new, seqlen_new, nheads,
-        nheads_k, head_dim, _ptr(cache_seqlens), 0, 0, 0, 0, 0, batch, 96, 0, 0, 0, 2, 0, 0, False, False, 0,
+        nheads_k, head_dim, _ptr(cache_seqlens), 0, 0, 0, 0, 0, batch, 96, 0, 0, 0, 2, 0, 0, False, False, 0, 0,
     ]
     emulated.kvcache_append(*args)
     _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=cache_seqlens, seqlen_new=seqlen_new,
