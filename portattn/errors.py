@@ -2,8 +2,10 @@
 
 Decision (docs/decode-errors.md): a sequence of a flash_attn_with_kvcache call (or a paged
 varlen call) whose cache_seqlens, cache_leftpad, cache_batch_idx or block_table entries
-point outside the cache is *contained*, not clamped into another sequence's rows: nothing
-is appended for it, none of its keys is read, its output rows are 0 and its LSE is -inf
+point outside the cache is *contained*, not clamped into another sequence's rows: none of
+its keys is read, its output rows are 0 and its LSE is -inf, and nothing is written outside
+its own valid rows (the append writes a new row only where that row's own cache_seqlens,
+cache_batch_idx and page are valid; the reference path then appends nothing at all)
 (the documented result of a row that sees no key; zeros rather than NaN so that a batch
 keeps finite values and the other sequences' results stay usable). The device cannot raise
 without a host read (a sync per call, and a CUDA-graph capture breaker) and a device assert
@@ -66,7 +68,7 @@ def record(device: torch.device, argument: str, entry: int, value: int) -> None:
 
 def describe(argument: str, entry: int, value) -> str:
     return (f"{argument}[{entry}] = {value} is out of range (accepted: {ACCEPTED[argument]}); "
-            f"that sequence's output rows were set to 0 and nothing was appended for it")
+            f"that sequence's output rows were set to 0 and nothing was written outside its own rows")
 
 
 def check_errors(device=None) -> None:
