@@ -139,7 +139,7 @@ def resource_reports(build_dir: str, variant, direction: str) -> list:
             "wave": meta[".wavefront_size"],
             "vgpr_spill": meta[".vgpr_spill_count"], "sgpr_spill": meta[".sgpr_spill_count"],
             "lds": meta[".group_segment_fixed_size"], "scratch": meta[".private_segment_fixed_size"],
-            "mfma": re.findall(r"^\s+(v_mfma_\w+)", body, flags=re.MULTILINE),
+            "mfma": re.findall(r"^\s+(v_(?:mfma|wmma)_\w+)", body, flags=re.MULTILINE),
         }))
     return reports
 

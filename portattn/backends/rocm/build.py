@@ -100,7 +100,8 @@ class Toolchain(NamedTuple):
             if clang == self.clang22:
                 # LLVM 20+ dropped the __AMDGCN_WAVEFRONT_SIZE macro that ROCm 5.2's
                 # amd_warp_functions.h reads; the CDNA kernels are wave64.
-                extra = ["-D__AMDGCN_WAVEFRONT_SIZE=64"]
+                # Its device-library link also lacks __atomic_work_item_fence (cdna.h).
+                extra = ["-D__AMDGCN_WAVEFRONT_SIZE=64", "-DPORTATTN_ROCM52_HEADERS_LLVM20"]
             return [
                 clang, "-x", "hip", "--rocm-path=/usr", f"--rocm-device-lib-path={self.device_lib_dir}",
                 # clang defaults to code object v5 but would link ROCm 5.2's v4 ABI stub.

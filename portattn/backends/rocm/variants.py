@@ -8,7 +8,7 @@ of 8 up to it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 # gfx target -> the matrix instructions its kernels use: "mfma" (CDNA2+:
@@ -251,10 +251,20 @@ for _configs in RDNA_CONFIGS.values():
                 raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per WGP")
 
 
+# gfx950 (clang-22) runs the CDNA tiles, except that the D=64 forward does not
+# prefetch: clang-22 spills 9 VGPRs of the bf16 variant with it (256 allocated;
+# 246 without).
+CDNA4_CONFIGS = tuple(
+    replace(c, fwd=replace(c.fwd, prefetch=False)) if c.head_dim == 64 else c for c in CONFIGS
+)
+
+
 def configs_for(arch: str) -> tuple:
     """The head-dim configurations (tiles) built for `arch`."""
     isa = isa_of(arch)
-    return CONFIGS if isa == "mfma" else RDNA_CONFIGS[isa]
+    if isa == "mfma":
+        return CDNA4_CONFIGS if arch == "gfx950" else CONFIGS
+    return RDNA_CONFIGS[isa]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,24 @@
 #endif
 #include <stdint.h>
 
+#if defined(PORTATTN_ROCM52_HEADERS_LLVM20) && defined(__HIP_DEVICE_COMPILE__)
+// Debian's ROCm 5.2 headers implement __syncthreads (and the fences) with the
+// OpenCL device-library function __atomic_work_item_fence, which clang-22's
+// device-library link no longer brings in (lld: undefined hidden symbol).
+// build.py defines the macro for that compiler only; a ROCm install's hipcc
+// uses its own headers.
+extern "C" __device__ __attribute__((weak)) void __atomic_work_item_fence(__cl_mem_fence_flags, __memory_order,
+                                                                        __memory_scope scope) {
+  if (scope == __memory_scope_work_group) {
+    __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "workgroup");
+  } else if (scope == __memory_scope_device) {
+    __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent");
+  } else {
+    __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "");
+  }
+}
+#endif
+
 namespace portattn {
 namespace rocm {
 
