@@ -1,10 +1,13 @@
-"""The ROCm forward kernels' logic, run on the CPU through tests/rocm_emulation/hip_emu.h.
+"""The ROCm kernels' logic, run on the CPU through tests/rocm_emulation/hip_emu.h.
 
-No AMD GPU is reachable. This builds the real fwd_kernel.h, the generated
-variant sources and module.cpp for a pseudo-arch "emu" with clang++-19 as
-host C++ (one thread per lane, MFMA and cross-lane ops emulated with the
-layout of Note [portattn MFMA layout]) and drives it through RocmBackend,
-checking every declared forward feature with the project's error rule (tests/error_rule.py).
+No AMD GPU is reachable. This builds the real kernel headers, the generated
+variant sources and module.cpp for pseudo-archs with clang++-19 as host C++
+(one thread per lane, matrix and cross-lane ops emulated with the assumed
+layouts): "emu" for the CDNA kernels (wave64 MFMA, Note [portattn MFMA
+layout]; also what gfx950 compiles) and "emu_gfx11" / "emu_gfx12" for the RDNA
+forward (wave32 WMMA, Note [portattn WMMA layout]). It drives them through
+RocmBackend, checking every declared feature with the project's error rule
+(tests/error_rule.py).
 It cannot validate the MFMA layout against hardware or the device compiler's
 code generation (tests/test_rocm_isa.py checks the latter statically; the
 first-use self-check covers the rest on a real device).
@@ -31,21 +34,27 @@ EMU_HEADER = os.path.join(ROOT, "tests", "rocm_emulation", "hip_emu.h")
 HOST_CLANG = "clang++-19"  # _Float16 and ext_vector_type on the host need clang
 
 
-def build_emulation(build_dir: str) -> str:
-    """Compiles every variant (forward, backward, decode) for the "emu" pseudo-arch; returns the module path."""
+# pseudo-arch -> wave size of its kernel family (variants.ARCH_ISA): CDNA (MFMA,
+# wave64) and the two RDNA WMMA layouts (wave32), each its own module.
+EMU_ARCHS = {"emu": 64, "emu_gfx11": 32, "emu_gfx12": 32}
+
+
+def build_emulation(build_dir: str, arch: str = "emu") -> str:
+    """Compiles every variant of `arch` (forward, backward, decode where built) for the CPU; returns the module path."""
     ninja_build = rocm_build.ninja_build
     csrc = os.path.join(ROCM_DIR, "csrc")
-    chosen = variants.select(["emu"])
+    chosen = variants.select([arch])
     gen = os.path.join(build_dir, "gen")
     os.makedirs(gen, exist_ok=True)
     flags = [HOST_CLANG, "-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-attributes",
-             "-Wno-ignored-attributes", f'-DPORTATTN_ROCM_EMULATE="{EMU_HEADER}"', f"-I{csrc}",
+             "-Wno-ignored-attributes", f'-DPORTATTN_ROCM_EMULATE="{EMU_HEADER}"', f'-DPORTATTN_EMU_ARCH="{arch}"',
+             f"-DPORTATTN_EMU_WAVE={EMU_ARCHS[arch]}", f"-I{csrc}",
              f"-I{sysconfig.get_paths()['include']}", f"-I{rocm_build._pybind11_include()}"]
     sources = [rocm_build._write_if_changed(os.path.join(gen, v.stem(direction) + ".cpp"),
                                             variants.instantiation_source(v, direction))
-               for v in chosen for direction in variants.DIRECTIONS]
+               for v in chosen for direction in v.directions]
     sources.append(rocm_build._write_if_changed(
-        os.path.join(gen, "registry.cpp"), variants.registry_source(chosen, {"emu": "CPU emulation"})))
+        os.path.join(gen, "registry.cpp"), variants.registry_source(chosen, {arch: "CPU emulation"})))
     sources.append(os.path.join(csrc, "module.cpp"))
     job = ninja_build.NinjaBuild(build_dir)
     objects = []
@@ -62,37 +71,55 @@ def build_emulation(build_dir: str) -> str:
     return ext_path
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The emulated `_C` module itself (the decode entry points are called on it directly)."""
+def load_emulation(tmp_path_factory, arch: str):
     if shutil.which(HOST_CLANG) is None:
         pytest.skip(f"{HOST_CLANG} not found (run .ci/install_rocm_toolchain.sh)")
-    build_dir = os.environ.get("PORTATTN_ROCM_EMU_BUILD_DIR") or str(tmp_path_factory.mktemp("rocm_emu"))
-    ext_path = build_emulation(build_dir)
-    spec = importlib.util.spec_from_file_location("portattn_rocm_emu._C", ext_path)
+    root = os.environ.get("PORTATTN_ROCM_EMU_BUILD_DIR")
+    build_dir = os.path.join(root, arch) if root and arch != "emu" else root
+    build_dir = build_dir or str(tmp_path_factory.mktemp(f"rocm_{arch}"))
+    ext_path = build_emulation(build_dir, arch)
+    spec = importlib.util.spec_from_file_location(f"portattn_rocm_{arch}._C", ext_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture(scope="module")
-def backend(emulated):
+def emulated(tmp_path_factory):
+    """The emulated CDNA `_C` module itself (the decode entry points are called on it directly)."""
+    return load_emulation(tmp_path_factory, "emu")
 
+
+def _backend_of(module):
     import portattn.backends as backends
     import portattn.backends.rocm as rocm
 
     # The module and the stream getter (CPU torch has none) wherever the wrapper looks them up.
     no_stream = lambda index: 0  # noqa: E731
-    patches = [(rocm, "_C", emulated)]
+    patches = [(rocm, "_C", module)]
     for owner, name in ((rocm, "_raw_stream"), (getattr(backends, "abi", None), "raw_stream")):
         if owner is not None and hasattr(owner, name):
             patches.append((owner, name, no_stream))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
-    yield rocm.RocmBackend()
-    for owner, name, value in saved:
-        setattr(owner, name, value)
+    try:
+        yield rocm.RocmBackend()
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+@pytest.fixture(scope="module")
+def backend(emulated):
+    """The CDNA kernels behind RocmBackend (forward, backward)."""
+    yield from _backend_of(emulated)
+
+
+@pytest.fixture(scope="module", params=list(EMU_ARCHS))
+def fwd_backend(request, tmp_path_factory):
+    """Each family's forward behind RocmBackend: CDNA, RDNA3 (gfx11 WMMA), RDNA4 (gfx12 WMMA)."""
+    yield from _backend_of(load_emulation(tmp_path_factory, request.param))
 
 
 def _run(backend, q, k, v, *, window=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, seed=0,
@@ -131,36 +158,36 @@ def _qkv(seqlen_q, seqlen_k, head_dim, dtype, batch=1, heads=2):
 @pytest.mark.parametrize("seqlens", [(1, 1), (130, 70)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_forward_matches_oracle(backend, dtype, head_dim, seqlens, causal):
+def test_forward_matches_oracle(fwd_backend, dtype, head_dim, seqlens, causal):
     q, k, v = _qkv(*seqlens, head_dim, dtype)
-    out, lse = _run(backend, q, k, v, window=(-1, 0 if causal else -1))
+    out, lse = _run(fwd_backend, q, k, v, window=(-1, 0 if causal else -1))
     _check(out, lse, q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_window_alibi_softcap_gqa(backend, head_dim):
+def test_window_alibi_softcap_gqa(fwd_backend, head_dim):
     dtype = torch.bfloat16
     q = _rand(2, 150, 4, head_dim, dtype=dtype)
     k = _rand(2, 97, 2, head_dim, dtype=dtype)
     v = _rand(2, 97, 2, head_dim, dtype=dtype)
     slopes = torch.rand(2, 4)
-    out, lse = _run(backend, q, k, v, window=(20, 3), softcap=2.0, alibi=slopes)
+    out, lse = _run(fwd_backend, q, k, v, window=(20, 3), softcap=2.0, alibi=slopes)
     _check(out, lse, q, k, v, window=(20, 3), softcap=2.0, alibi_slopes=slopes)
 
 
-def test_rows_without_visible_keys_are_zero_with_minus_inf_lse(backend):
+def test_rows_without_visible_keys_are_zero_with_minus_inf_lse(fwd_backend):
     q = _rand(1, 90, 2, 64, dtype=torch.float16)
     k = _rand(1, 40, 2, 64, dtype=torch.float16)
     v = _rand(1, 40, 2, 64, dtype=torch.float16)
-    out, lse = _run(backend, q, k, v, window=(-1, 0))
+    out, lse = _run(fwd_backend, q, k, v, window=(-1, 0))
     assert torch.isinf(lse[:, :, :50]).all() and (out[:, :50] == 0).all()
     _check(out, lse, q, k, v, causal=True)
 
 
-def test_strided_views_from_packed_qkv(backend):
+def test_strided_views_from_packed_qkv(fwd_backend):
     qkv = _rand(2, 77, 3, 3, 64, dtype=torch.float16)
     q, k, v = qkv.unbind(dim=2)
-    out, lse = _run(backend, q, k, v)
+    out, lse = _run(fwd_backend, q, k, v)
     _check(out, lse, q, k, v)
 
 
@@ -173,10 +200,10 @@ def _varlen(lens_q, lens_k, heads, head_dim, dtype):
     return q, k, v, cu_q, cu_k
 
 
-def test_varlen_causal(backend):
+def test_varlen_causal(fwd_backend):
     lens_q, lens_k = [17, 140, 1, 5], [200, 64, 33, 0]
     q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k, 2, 64, torch.float16)
-    out, lse = _run(backend, q, k, v, window=(-1, 0), cu_q=cu_q, cu_k=cu_k,
+    out, lse = _run(fwd_backend, q, k, v, window=(-1, 0), cu_q=cu_q, cu_k=cu_k,
                     max_q=max(lens_q), max_k=max(lens_k))
     _check(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
@@ -204,9 +231,9 @@ def _dropout_problem(varlen: bool, p: float, seed: int, offset: int):
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
-def test_dropout_matches_reference_mask(backend, varlen):
+def test_dropout_matches_reference_mask(fwd_backend, varlen):
     q, k, v, run, oracle = _dropout_problem(varlen, 0.17, 1234567, (5 << 32) + 77)
-    out, lse = _run(backend, q, k, v, **run)
+    out, lse = _run(fwd_backend, q, k, v, **run)
     _check(out, lse, q, k, v, **oracle)
 
 

@@ -1,10 +1,12 @@
-"""ROCm backend, statically: the device assembly of every kernel for gfx90a and gfx942.
+"""ROCm backend, statically: the device assembly of every kernel for every built arch
+(gfx90a, gfx942, gfx950: MFMA; gfx1100, gfx1201: the WMMA forward).
 
 No AMD GPU is reachable, so nothing here runs a kernel. What the compiler
 produced is checked against each tile's designed budget (variants.FWD_TILES,
 the numbers fwd_kernel.h's docblock states): MFMA instructions of the right
-dtype and shape (32x32x8; 16x16x16 in the decode kernel) present, no VGPR/SGPR spills, no scratch, LDS as designed and within
-64 KiB, and VGPR+AGPR few enough for the designed waves per SIMD.
+dtype and shape (32x32x8; 16x16x16 in the decode kernel; wave32 WMMA 16x16x16 on
+RDNA) present, no VGPR/SGPR spills, no scratch, LDS as designed and within 64 KiB,
+and VGPR(+AGPR) few enough for the designed waves per SIMD.
 
 The build needs the toolchain from .ci/install_rocm_toolchain.sh (skips
 without it). PORTATTN_ROCM_BUILD_DIR names a build folder to create or reuse
@@ -24,7 +26,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROCM_DIR = os.path.join(ROOT, "portattn", "backends", "rocm")
-ISA_ARCHS = ("gfx90a", "gfx942")
+ISA_ARCHS = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201")
 
 
 def _load(name: str, path: str):
@@ -48,19 +50,26 @@ MFMA_MNEMONICS = {  # (arch family, dtype, KernelTile.mfma_shape) -> the instruc
     ("gfx90a", "bfloat16", "16x16x16"): "v_mfma_f32_16x16x16bf16_1k",
     ("gfx94", "float16", "16x16x16"): "v_mfma_f32_16x16x16_f16",
     ("gfx94", "bfloat16", "16x16x16"): "v_mfma_f32_16x16x16_bf16",
+    ("wmma", "float16", "16x16x16"): "v_wmma_f32_16x16x16_f16",
+    ("wmma", "bfloat16", "16x16x16"): "v_wmma_f32_16x16x16_bf16",
 }
 
 
 def _mfma_mnemonic(arch: str, dtype: str, shape: str = "32x32x8") -> str:
-    return MFMA_MNEMONICS[("gfx94" if arch.startswith("gfx94") else arch, dtype, shape)]
+    # gfx950 keeps gfx94x's encodings of these shapes (and adds wider ones, not used).
+    if variants.isa_of(arch).startswith("wmma"):
+        family = "wmma"
+    else:
+        family = "gfx94" if variants.amd_at_least(arch, "gfx940") else arch
+    return MFMA_MNEMONICS[(family, dtype, shape)]
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(build folder, extension path) of a gfx90a + gfx942 build of every variant."""
+    """(build folder, extension path) of a build of every variant for every ISA_ARCHS arch."""
     tools = rocm_build.find_toolchain()
     if tools is None or not all(tools.can_compile(arch) for arch in ISA_ARCHS):
-        pytest.skip("no HIP toolchain for gfx90a + gfx942 (run .ci/install_rocm_toolchain.sh)")
+        pytest.skip(f"no HIP toolchain for {', '.join(ISA_ARCHS)} (run .ci/install_rocm_toolchain.sh)")
     build_dir = os.environ.get("PORTATTN_ROCM_BUILD_DIR") or str(tmp_path_factory.mktemp("rocm_build"))
     ext_path = os.path.join(build_dir, "ext", "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
     env = dict(os.environ)
@@ -96,8 +105,13 @@ def kernel_body(assembly: str, symbol: str) -> str:
     return assembly[start:assembly.index(".Lfunc_end", start)]
 
 
-def designed_waves(total_registers: int) -> int:
-    """Waves per SIMD the unified VGPR+AGPR file allows at this per-lane count."""
+def designed_waves(total_registers: int, tile=None) -> int:
+    """Waves per SIMD the register file allows at this per-lane count (CDNA: unified
+    VGPR+AGPR; RDNA wave32: VGPRs only)."""
+    if tile is not None and tile.wmma:
+        granule = variants.RDNA_REGISTER_GRANULE
+        allocated = -(-max(total_registers, 1) // granule) * granule
+        return min(16, variants.RDNA_REGISTERS_PER_SIMD_LANE // allocated)
     granule = variants.REGISTER_GRANULE
     allocated = -(-max(total_registers, 1) // granule) * granule
     return min(8, variants.REGISTERS_PER_SIMD_LANE // allocated)
@@ -121,10 +135,11 @@ def resource_reports(build_dir: str, variant, direction: str) -> list:
     for symbol, meta in parse_kernel_metadata(assembly).items():
         body = kernel_body(assembly, symbol)
         reports.append((kernel_tile(variant, symbol), {
-            "vgpr": meta[".vgpr_count"], "agpr": meta[".agpr_count"], "sgpr": meta[".sgpr_count"],
+            "vgpr": meta[".vgpr_count"], "agpr": meta.get(".agpr_count", 0), "sgpr": meta[".sgpr_count"],
+            "wave": meta[".wavefront_size"],
             "vgpr_spill": meta[".vgpr_spill_count"], "sgpr_spill": meta[".sgpr_spill_count"],
             "lds": meta[".group_segment_fixed_size"], "scratch": meta[".private_segment_fixed_size"],
-            "mfma": re.findall(r"^\s+(v_mfma_\w+)", body, flags=re.MULTILINE),
+            "mfma": re.findall(r"^\s+(v_(?:mfma|wmma)_\w+)", body, flags=re.MULTILINE),
         }))
     return reports
 
@@ -140,8 +155,10 @@ def budget_problems(variant, tile, r) -> list:
         problems.append("no MFMA instruction")
     elif set(r["mfma"]) != {want}:
         problems.append(f"MFMA instructions {sorted(set(r['mfma']))}, expected only {want}")
-    elif len(r["mfma"]) % tile.mfma_per_iteration:
-        problems.append(f"{len(r['mfma'])} MFMAs is not a whole number of {tile.mfma_per_iteration}-MFMA blocks")
+    elif len(r["mfma"]) % tile.static_mfma_count:
+        problems.append(f"{len(r['mfma'])} MFMAs is not a whole number of {tile.static_mfma_count}-MFMA blocks")
+    if r["wave"] != (32 if tile.wmma else 64):
+        problems.append(f"wavefront size {r['wave']}")
     if r["vgpr_spill"] or r["sgpr_spill"]:
         problems.append(f"spills: {r['vgpr_spill']} VGPR, {r['sgpr_spill']} SGPR")
     if r["scratch"]:
@@ -150,7 +167,7 @@ def budget_problems(variant, tile, r) -> list:
         problems.append(f"LDS {r['lds']} bytes, designed {tile.lds_bytes}")
     if r["lds"] > variants.LDS_BYTES_PER_CU:
         problems.append(f"LDS {r['lds']} > {variants.LDS_BYTES_PER_CU}")
-    if r["vgpr"] > tile.register_budget or designed_waves(r["vgpr"]) < tile.waves_per_simd:
+    if r["vgpr"] > tile.register_budget or designed_waves(r["vgpr"], tile) < tile.waves_per_simd:
         problems.append(
             f"VGPR+AGPR {r['vgpr']} (AGPR {r['agpr']}) > budget {tile.register_budget} "
             f"for {tile.waves_per_simd} waves per SIMD"
@@ -158,9 +175,9 @@ def budget_problems(variant, tile, r) -> list:
     return problems
 
 
-@pytest.mark.parametrize("direction", variants.DIRECTIONS)
 @pytest.mark.parametrize(
-    "variant", variants.select(ISA_ARCHS), ids=lambda v: v.stem("fwd").replace("fwd_", "")
+    "variant, direction", [(v, d) for v in variants.select(ISA_ARCHS) for d in v.directions],
+    ids=lambda x: x.stem("fwd").replace("fwd_", "") if hasattr(x, "stem") else x,
 )
 def test_kernels_isa_meet_their_budget(built, variant, direction):
     reports = resource_reports(built[0], variant, direction)
@@ -172,7 +189,7 @@ def test_kernels_isa_meet_their_budget(built, variant, direction):
 def test_every_variant_has_assembly_for_both_archs(built):
     build_dir, _ = built
     found = rocm_build.device_assembly(build_dir)
-    missing = [v.stem(d) for v in variants.select(ISA_ARCHS) for d in variants.DIRECTIONS
+    missing = [v.stem(d) for v in variants.select(ISA_ARCHS) for d in v.directions
                if (v.arch, v.stem(d)) not in found]
     assert not missing, f"no device assembly for {missing}"
 
@@ -192,6 +209,11 @@ def test_module_features_equal_the_declaration(built):
     config = _load_built_module(ext_path).build_config()
     assert set(config["features"]) == set(SPEC.supported)
     assert sorted(config["archs"]) == sorted(ISA_ARCHS)
+    from portattn.capability.matrix import feature_status
+
+    for arch in ISA_ARCHS:  # per arch, e.g. RDNA's forward only
+        declared = {f for f, status in feature_status("rocm", arch).items() if status != "no"}
+        assert set(config["features_by_arch"][arch]) == declared, arch
     assert max(config["head_dims"]) == SPEC.head_dim_max == variants.MAX_HEAD_DIM
     assert set(config["dtypes"]) == set(SPEC.dtypes)
 
@@ -341,7 +363,8 @@ def test_backend_without_amd_gpu_is_unavailable_with_a_reason():
 
 def test_declaration_on_amd_devices():
     """On a (fake) MI300 the declared features (decode and paged caches included) are served;
-    an RDNA device and a head dim past the largest built are reasons, so dispatch falls back."""
+    on RDNA3 the forward is, its backward and decode are reasons (dispatch falls back), as is
+    a head dim past the largest built."""
     from portattn.capability.archs import amd_arch
     from portattn.capability.matrix import check_call
     from portattn.capability.probe import DeviceInfo
@@ -355,7 +378,10 @@ def test_declaration_on_amd_devices():
     assert check_call("rocm", mi300, paged) == []
     rdna = DeviceInfo(0, "amd", "AMD Radeon RX 7900 XTX", amd_arch("gfx1100"), 96, 32, 65536,
                       None, None, None, "fake")
-    assert check_call("rocm", rdna, paged), "an RDNA device is refused (no MFMA)"
+    assert check_call("rocm", rdna, paged), "RDNA has no decode kernels"
+    rdna_forward = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "causal", "dropout", "gqa"}))
+    assert check_call("rocm", rdna, rdna_forward) == []
+    assert any("backward" in r for r in check_call("rocm", rdna, forward)), "RDNA has no backward kernels"
     too_big = CallSpec("float16", 264, 264, "cuda", frozenset({"forward"}))
     assert any("264" in reason for reason in check_call("rocm", mi300, too_big))
 
@@ -385,8 +411,10 @@ def test_arch_selection_from_env_and_toolchain(monkeypatch):
     # Debian without clang-19 still builds what hipcc 5.2 can, instead of failing the install.
     assert rocm_build.selected_archs(_debian_tools(False), {}) == ["gfx90a"]
     assert rocm_build.selected_archs(_debian_tools(True), {"PORTATTN_HIP_ARCHS": "gfx942"}) == ["gfx942"]
-    with pytest.raises(ValueError, match="gfx1100"):
-        rocm_build.selected_archs(_debian_tools(True), {"PORTATTN_HIP_ARCHS": "gfx90a;gfx1100"})
+    with pytest.raises(ValueError, match="gfx1030"):
+        rocm_build.selected_archs(_debian_tools(True), {"PORTATTN_HIP_ARCHS": "gfx90a;gfx1030"})
+    assert rocm_build.selected_archs(_debian_tools(True), {"PORTATTN_HIP_ARCHS": "gfx1100,gfx1201"}) == [
+        "gfx1100", "gfx1201"]
     with pytest.raises(RuntimeError, match="cannot compile gfx942"):
         _debian_tools(False).compiler_for("gfx942")
     monkeypatch.setattr(rocm_build, "_present_gpu_archs", lambda tools, env: ["gfx942"])
@@ -394,9 +422,12 @@ def test_arch_selection_from_env_and_toolchain(monkeypatch):
 
 
 def test_build_config_reports_lds_per_head_dim(built):
+    """The smallest LDS per workgroup over the built archs, per direction and head dim."""
     config = _load_built_module(built[1]).build_config()
+    rdna = [c for isa, configs in variants.RDNA_CONFIGS.items() for c in configs]
     assert config["smem_bytes"] == {
-        "forward": {c.head_dim: c.fwd.lds_bytes for c in variants.CONFIGS},
+        "forward": {c.head_dim: min(x.fwd.lds_bytes for x in [*variants.CONFIGS, *rdna] if x.head_dim == c.head_dim)
+                    for c in variants.CONFIGS},
         "backward": {c.head_dim: max(c.bwd_dq.lds_bytes, c.bwd_dkdv.lds_bytes) for c in variants.CONFIGS},
         "decode": {c.head_dim: c.decode.lds_bytes for c in variants.CONFIGS},
     }

@@ -68,6 +68,9 @@ class BackendSpec:
     forward_only_head_dims: Mapping[int, str] = field(default_factory=dict)
     head_dim_v_equal: bool = True  # v's head dim must equal q/k's
     supported: frozenset = frozenset()  # subset of callspec.FEATURES
+    # Archs whose kernels implement only part of `supported`: (range, its features) pairs;
+    # an arch in no range has all of `supported`.
+    arch_features: Tuple[Tuple[ArchRange, frozenset], ...] = ()
     verified: Mapping[str, frozenset] = field(default_factory=dict)  # arch name -> features passed on it
     resource_rules: Tuple[ResourceRule, ...] = ()
     unsupported_notes: Mapping[str, str] = field(default_factory=dict)  # feature -> what happens instead
@@ -95,9 +98,19 @@ class BackendSpec:
         if admitted is not None and set(self.forward_only_head_dims) - set(admitted):
             raise ValueError(f"{self.name}: forward-only head dims must be admitted head dims: "
                              f"{sorted(set(self.forward_only_head_dims) - set(admitted))}")
+        beyond = {f for _, fs in self.arch_features for f in fs} - set(self.supported)
+        if beyond:
+            raise ValueError(f"{self.name}: arch_features beyond the supported set: {sorted(beyond)}")
         unsupported_verified = {f for fs in self.verified.values() for f in fs} - set(self.supported)
         if unsupported_verified:
             raise ValueError(f"{self.name}: features verified but not declared supported: {sorted(unsupported_verified)}")
+
+    def supported_on(self, arch) -> frozenset:
+        """The features the kernels implement on `arch` (an Arch or None for no GPU)."""
+        for arch_range, features in self.arch_features:
+            if arch is not None and arch_range.contains(arch):
+                return frozenset(features)
+        return frozenset(self.supported)
 
     def admitted_head_dims(self) -> Optional[Tuple[int, ...]]:
         """Every head dim the declaration admits in a forward call (None: no upper bound)."""

@@ -88,7 +88,8 @@ def feature_status(backend_name: str, arch: Optional[ArchLike]) -> Dict[str, str
     passed = set(spec.verified.get(ANY_ARCH, ()))
     if a is not None:
         passed |= set(spec.verified.get(a.name, ()))
-    return {f: (NO if f not in spec.supported else VERIFIED if f in passed else COMPILED) for f in FEATURES}
+    supported = spec.supported_on(a)
+    return {f: (NO if f not in supported else VERIFIED if f in passed else COMPILED) for f in FEATURES}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,12 +152,17 @@ def _check_head_dims(spec: BackendSpec, call: CallSpec) -> List[str]:
     return reasons
 
 
-def _check_features(spec: BackendSpec, call: CallSpec) -> List[str]:
+def _check_features(spec: BackendSpec, call: CallSpec, device: Optional[DeviceInfo] = None) -> List[str]:
     reasons = []
+    arch = device.arch if device is not None and device.vendor == spec.vendor else None
+    on_arch = spec.supported_on(arch)
     for f in FEATURES:
         if call.uses(f) and f not in spec.supported:
             note = spec.unsupported_notes.get(f)
             reasons.append(f"feature {f} not supported by {spec.name}" + (f" ({note})" if note else ""))
+        elif call.uses(f) and f not in on_arch:
+            reasons.append(f"feature {f} not built for {arch.name} by {spec.name} (its kernels there: "
+                           f"{', '.join(sorted(on_arch))})")
         elif call.uses(f) and call.uses("backward") and f in spec.forward_only:
             reasons.append(f"feature {f} is forward-only on {spec.name}; with a backward it {spec.forward_only[f]}")
     return reasons
@@ -292,7 +298,7 @@ def check_call(
     reasons = _check_device(spec, device, call)
     reasons += _check_dtype(spec, call)
     reasons += _check_head_dims(spec, call)
-    reasons += _check_features(spec, call)
+    reasons += _check_features(spec, call, device)
     reasons += _check_resources(spec, device, call, build_config or {})
     if build_config:
         reasons += _check_build(spec, device, call, build_config)

@@ -37,6 +37,8 @@ COLUMNS: Tuple[Tuple[str, str, Tuple[Optional[str], ...]], ...] = (
     ("cuda", "cuda sm100+/sm120", ("sm100", "sm120")),
     ("rocm", "rocm gfx90a", ("gfx90a",)),
     ("rocm", "rocm gfx942", ("gfx942",)),
+    ("rocm", "rocm gfx950", ("gfx950",)),
+    ("rocm", "rocm gfx1100/gfx1201", ("gfx1100", "gfx1201")),
 )
 
 DTYPES = ("float16", "bfloat16", "float32")

@@ -16,6 +16,8 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -57,8 +59,17 @@ inline hipError_t hipGetDeviceCount(int* count) {
   *count = 1;
   return hipSuccess;
 }
+// One emulated module per kernel family (tests/test_rocm_emulated.py): its
+// pseudo-arch names the registry rows and its wave size the lanes per wave.
+#ifndef PORTATTN_EMU_ARCH
+#define PORTATTN_EMU_ARCH "emu"
+#endif
+#ifndef PORTATTN_EMU_WAVE
+#define PORTATTN_EMU_WAVE 64
+#endif
+
 inline hipError_t hipGetDeviceProperties(hipDeviceProp_t* props, int) {
-  std::strcpy(props->gcnArchName, "emu");
+  std::strcpy(props->gcnArchName, PORTATTN_EMU_ARCH);
   return hipSuccess;
 }
 inline hipError_t hipGetLastError() { return hipSuccess; }
@@ -67,15 +78,17 @@ inline const char* hipGetErrorString(hipError_t status) { return hipGetErrorName
 
 namespace hipemu {
 
-constexpr int kWave = 64;
+constexpr int kWave = PORTATTN_EMU_WAVE;
 constexpr int kMaxWaves = 16;
 
 struct WaveScratch {
   float a[32][8];  // one MFMA's A operand (32 x 8)
   float b[8][32];  // and B operand (8 x 32)
-  float a16[16][16];  // the 16x16x16 shape's A and B operands
+  float a16[16][16];  // the 16x16x16 shapes' A and B operands (MFMA and WMMA)
   float b16[16][16];
+  uint16_t raw_a[64][16], raw_b[64][16];  // WMMA operand slots per lane (gfx11 replication check)
   float lanes[kWave];
+  uint32_t words[kWave];
 };
 
 struct Workgroup {
@@ -103,6 +116,15 @@ inline float shfl_xor(float x, int mask) {
   lanes[lane()] = x;
   wave_barrier();
   const float y = lanes[lane() ^ mask];
+  wave_barrier();
+  return y;
+}
+
+inline uint32_t shfl_xor(uint32_t x, int mask) {
+  uint32_t* words = workgroup->scratch[wave()].words;
+  words[lane()] = x;
+  wave_barrier();
+  const uint32_t y = words[lane() ^ mask];
   wave_barrier();
   return y;
 }
@@ -155,6 +177,42 @@ VC mfma_16x16x16(V4 a, V4 b, VC c) {
   return c;
 }
 
+// D(16x16) += A(16x16) B(16x16) per wave32 with Note [portattn WMMA layout]
+// (csrc/rdna.h): gfx11 lanes hold all 16 depth slots, lanes 16-31 repeating
+// lanes 0-15 (checked: the hardware reads one copy), D row 2r + l / 16;
+// gfx12 lanes hold 8 slots at depth 8 (l / 16), D row 8 (l / 16) + r.
+template <int kGen, class V, class VC>
+VC wmma_16x16x16(V a, V b, VC c) {
+  static_assert(kWave == 32, "WMMA is emulated in wave32");
+  WaveScratch& s = workgroup->scratch[wave()];
+  const int l = lane();
+  constexpr int kSlots = kGen == 11 ? 16 : 8;
+  for (int e = 0; e < kSlots; ++e) {
+    const int k = kGen == 11 ? e : 8 * (l / 16) + e;
+    s.raw_a[l][e] = __builtin_bit_cast(uint16_t, a[e]);
+    s.raw_b[l][e] = __builtin_bit_cast(uint16_t, b[e]);
+    if (kGen == 12 || l < 16) {
+      s.a16[l % 16][k] = half_to_float(a[e]);
+      s.b16[k][l % 16] = half_to_float(b[e]);
+    }
+  }
+  wave_barrier();
+  if (kGen == 11 && l >= 16 &&
+      (std::memcmp(s.raw_a[l], s.raw_a[l - 16], sizeof(s.raw_a[l])) != 0 ||
+       std::memcmp(s.raw_b[l], s.raw_b[l - 16], sizeof(s.raw_b[l])) != 0)) {
+    std::fprintf(stderr, "hip_emu: gfx11 WMMA operands of lanes %d and %d differ\n", l, l - 16);
+    std::abort();
+  }
+  for (int r = 0; r < 8; ++r) {
+    const int row = kGen == 11 ? 2 * r + l / 16 : 8 * (l / 16) + r, col = l % 16;
+    float acc = c[r];
+    for (int k = 0; k < 16; ++k) acc += s.a16[row][k] * s.b16[k][col];
+    c[r] = acc;
+  }
+  wave_barrier();
+  return c;
+}
+
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
   for (unsigned z = 0; z < grid.z; ++z)
@@ -188,5 +246,9 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
 #define __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_32x32x8((a), (b), (c))
 #define __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_16x16x16((a), (b), (c))
 #define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_16x16x16((a), (b), (c))
+#define __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(a, b, c) ::hipemu::wmma_16x16x16<11>((a), (b), (c))
+#define __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a, b, c) ::hipemu::wmma_16x16x16<11>((a), (b), (c))
+#define __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12(a, b, c) ::hipemu::wmma_16x16x16<12>((a), (b), (c))
+#define __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(a, b, c) ::hipemu::wmma_16x16x16<12>((a), (b), (c))
 #define hipLaunchKernelGGL(kernel, grid, block, shared_bytes, stream, ...) \
   ::hipemu::launch(kernel, grid, block, __VA_ARGS__)

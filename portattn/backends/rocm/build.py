@@ -4,8 +4,9 @@ Two toolchains:
 - a ROCm install (ROCM_PATH, else /opt/rocm): its own hipcc compiles every arch and
   the module links that install's libamdhip64, which is what a user's machine needs;
 - Debian 12 without ROCm (CI): Debian's hipcc 5.2 compiles gfx90a, clang-19 compiles
-  gfx942 (LLVM 15 does not know it) against Debian's HIP headers and a device-library
-  folder with the gfx942 ISA stub that .ci/install_rocm_toolchain.sh creates.
+  gfx942, gfx1100 and gfx1201 (LLVM 15 knows none of them) and clang-22 gfx950 (LLVM 19
+  does not know it), against Debian's HIP headers and a device-library folder with the
+  ISA-version stubs that .ci/install_rocm_toolchain.sh creates.
 
 Every (variant, arch) is its own translation unit with its kernels in a per-arch
 namespace: ninja spreads them over the cores, and objects from two compilers link
@@ -44,7 +45,10 @@ DEBIAN_BITCODE = "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode"
 DEFAULT_DEVICE_LIB_DIR = "/usr/local/lib/portattn-amdgcn-bitcode"  # .ci/install_rocm_toolchain.sh
 DEBIAN_HIPCC_ARCHS = ("gfx90a", "gfx940")  # what LLVM 15 (hipcc 5.2) can target
 DEBIAN_CLANG = "clang++-19"
-TOOLCHAIN_HINT = "hipcc under ROCM_PATH or /opt/rocm, or Debian's hipcc / clang++-19 with libamdhip64-dev"
+DEBIAN_CLANG_ARCHS = ("gfx942", "gfx1100", "gfx1201")  # LLVM 19 knows these, LLVM 15 does not
+DEBIAN_CLANG22 = "clang++-22"  # bookworm-security
+DEBIAN_CLANG22_ARCHS = ("gfx950",)  # LLVM 20+
+TOOLCHAIN_HINT = "hipcc under ROCM_PATH or /opt/rocm, or Debian's hipcc / clang++-19 / clang++-22 with libamdhip64-dev"
 COMMON_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-Wno-unused-command-line-argument"]
 
 
@@ -56,6 +60,7 @@ class Toolchain(NamedTuple):
     hipcc: Optional[str]
     clang: Optional[str]  # Debian only: clang++-19 for targets LLVM 15 lacks
     device_lib_dir: Optional[str]
+    clang22: Optional[str] = None  # Debian only: clang++-22 for targets LLVM 19 lacks
 
     def describe(self) -> str:
         if self.kind == "rocm":
@@ -64,8 +69,16 @@ class Toolchain(NamedTuple):
         if self.hipcc:
             parts.append(f"Debian hipcc ({'/'.join(DEBIAN_HIPCC_ARCHS)})")
         if self.clang:
-            parts.append(f"{os.path.basename(self.clang)} (gfx942)")
+            parts.append(f"{os.path.basename(self.clang)} ({'/'.join(DEBIAN_CLANG_ARCHS)})")
+        if self.clang22:
+            parts.append(f"{os.path.basename(self.clang22)} ({'/'.join(DEBIAN_CLANG22_ARCHS)})")
         return " + ".join(parts)
+
+    def has_isa_stub(self, arch: str) -> bool:
+        """Whether the device-library folder has `arch`'s ISA-version stub (ROCm 5.2 stops at gfx940;
+        find_toolchain only accepts a folder with gfx942's)."""
+        return bool(self.device_lib_dir) and (arch == "gfx942" or os.path.exists(
+            os.path.join(self.device_lib_dir, f"oclc_isa_version_{arch[3:]}.bc")))
 
     def can_compile(self, arch: str) -> bool:
         try:
@@ -80,16 +93,25 @@ class Toolchain(NamedTuple):
             return [self.hipcc, *COMMON_FLAGS, f"--offload-arch={arch}"]
         if arch in DEBIAN_HIPCC_ARCHS and self.hipcc:
             return [self.hipcc, *COMMON_FLAGS, f"--offload-arch={arch}"]
-        if arch == "gfx942" and self.clang and self.device_lib_dir:
+        clang = (self.clang if arch in DEBIAN_CLANG_ARCHS else
+                 self.clang22 if arch in DEBIAN_CLANG22_ARCHS else None)
+        if clang and self.has_isa_stub(arch):
+            extra = []
+            if clang == self.clang22:
+                # LLVM 20+ dropped the __AMDGCN_WAVEFRONT_SIZE macro that ROCm 5.2's
+                # amd_warp_functions.h reads; the CDNA kernels are wave64.
+                # Its device-library link also lacks __atomic_work_item_fence (cdna.h).
+                extra = ["-D__AMDGCN_WAVEFRONT_SIZE=64", "-DPORTATTN_ROCM52_HEADERS_LLVM20"]
             return [
-                self.clang, "-x", "hip", "--rocm-path=/usr", f"--rocm-device-lib-path={self.device_lib_dir}",
-                # clang-19 defaults to code object v5 but would link ROCm 5.2's v4 ABI stub.
-                "-mcode-object-version=5", *COMMON_FLAGS, f"--offload-arch={arch}",
+                clang, "-x", "hip", "--rocm-path=/usr", f"--rocm-device-lib-path={self.device_lib_dir}",
+                # clang defaults to code object v5 but would link ROCm 5.2's v4 ABI stub.
+                "-mcode-object-version=5", *extra, *COMMON_FLAGS, f"--offload-arch={arch}",
             ]
         raise RuntimeError(
             f"portattn ROCm: the Debian toolchain cannot compile {arch} "
-            f"(hipcc 5.2: {', '.join(DEBIAN_HIPCC_ARCHS)}; clang-19: gfx942 with the device-library "
-            f"stub from .ci/install_rocm_toolchain.sh); set PORTATTN_HIP_ARCHS or install ROCm"
+            f"(hipcc 5.2: {', '.join(DEBIAN_HIPCC_ARCHS)}; clang-19: {', '.join(DEBIAN_CLANG_ARCHS)}; "
+            f"clang-22: {', '.join(DEBIAN_CLANG22_ARCHS)}; each with the device-library stubs from "
+            f".ci/install_rocm_toolchain.sh); set PORTATTN_HIP_ARCHS or install ROCm"
         )
 
     def include_dir(self) -> str:
@@ -107,16 +129,22 @@ def find_toolchain(env: Mapping[str, str] = os.environ) -> Optional[Toolchain]:
         return Toolchain("rocm", rocm_root, os.path.join(rocm_root, "bin", "hipcc"), None, None)
     hipcc = shutil.which("hipcc", path=env.get("PATH"))
     clang = shutil.which(DEBIAN_CLANG, path=env.get("PATH"))
+    clang22 = shutil.which(DEBIAN_CLANG22, path=env.get("PATH"))
     if not os.path.exists("/usr/include/hip/hip_runtime.h"):
         return None
     device_lib_dir = env.get("PORTATTN_ROCM_DEVICE_LIB_PATH") or DEFAULT_DEVICE_LIB_DIR
     if not os.path.exists(os.path.join(device_lib_dir, "oclc_isa_version_942.bc")):
         device_lib_dir = None
+    # clang refuses HIP without its offload bundler (packages clang-tools-19 / -22).
     if clang and not shutil.which("clang-offload-bundler-19", path=env.get("PATH")):
-        clang = None  # clang-19 refuses HIP without it (package clang-tools-19)
-    if hipcc is None and (clang is None or device_lib_dir is None):
+        clang = None
+    if clang22 and not shutil.which("clang-offload-bundler-22", path=env.get("PATH")):
+        clang22 = None
+    if device_lib_dir is None:
+        clang = clang22 = None
+    if hipcc is None and clang is None and clang22 is None:
         return None
-    return Toolchain("debian", "/usr", hipcc, clang if device_lib_dir else None, device_lib_dir)
+    return Toolchain("debian", "/usr", hipcc, clang, device_lib_dir, clang22)
 
 
 def toolchain() -> Optional[str]:
@@ -157,7 +185,7 @@ def selected_archs(tools: Toolchain, env: Mapping[str, str]) -> list[str]:
     if unsupported:
         raise ValueError(
             f"PORTATTN_HIP_ARCHS: {', '.join(unsupported)} not supported; the ROCm kernels need "
-            f"CDNA2+ MFMA ({', '.join(variants.SUPPORTED_ARCHS)})"
+            f"CDNA2+ MFMA or RDNA3/4 WMMA ({', '.join(variants.SUPPORTED_ARCHS)})"
         )
     return archs
 
@@ -187,7 +215,7 @@ def build(ext_path: str, build_temp: str, env: Mapping[str, str]) -> None:
     job = ninja_build.NinjaBuild(build_temp)
     objects = []
     for variant in chosen:
-        for direction in variants.DIRECTIONS:
+        for direction in variant.directions:
             stem = variant.stem(direction)
             source = _write_if_changed(os.path.join(gen_dir, stem + ".hip"),
                                        variants.instantiation_source(variant, direction))

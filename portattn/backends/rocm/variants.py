@@ -8,14 +8,36 @@ of 8 up to it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
-# gfx targets with the CDNA2+ matrix instructions the kernels use
-# (v_mfma_f32_32x32x8{f16,bf16_1k}, and v_mfma_f32_16x16x16{f16,bf16_1k} in the
-# decode kernel); RDNA has no MFMA.
-SUPPORTED_ARCHS = ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950")
-# Built when no AMD GPU is present and PORTATTN_HIP_ARCHS is unset: MI200, MI300.
-DEFAULT_ARCHS = ("gfx90a", "gfx942")
+# gfx target -> the matrix instructions its kernels use: "mfma" (CDNA2+:
+# v_mfma_f32_32x32x8{f16,bf16_1k}, and v_mfma_f32_16x16x16{f16,bf16_1k} in the
+# decode kernel; gfx950 keeps both shapes), "wmma11" / "wmma12" (RDNA3 / RDNA4:
+# wave32 v_wmma_f32_16x16x16_{f16,bf16}, forward only). "emu*" are the CPU
+# emulation's pseudo-archs (tests/rocm_emulation), one per family.
+ARCH_ISA = {
+    "gfx90a": "mfma", "gfx940": "mfma", "gfx941": "mfma", "gfx942": "mfma", "gfx950": "mfma",
+    "gfx1100": "wmma11", "gfx1201": "wmma12",
+    "emu": "mfma", "emu_gfx11": "wmma11", "emu_gfx12": "wmma12",
+}
+SUPPORTED_ARCHS = tuple(arch for arch in ARCH_ISA if arch.startswith("gfx"))
+# Built when no AMD GPU is present and PORTATTN_HIP_ARCHS is unset: MI200, MI300,
+# MI350/MI355X, Radeon RX 7900 / PRO W7900, RX 9070.
+DEFAULT_ARCHS = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201")
+
+
+def isa_of(arch: str) -> str:
+    return ARCH_ISA[arch]
+
+
+def amd_at_least(arch: str, lowest: str) -> bool:
+    """gfx targets compared as ordered (major, minor, stepping), never by name."""
+    def key(name: str) -> tuple:
+        digits = name[3:]
+        return (int(digits[:-2]), int(digits[-2], 16), int(digits[-1], 16))
+    return key(arch) >= key(lowest)
+
 
 # dtype name (torch's) -> (PortattnDtype enumerator, C++ kIsBf16, short tag)
 DTYPES = {
@@ -23,10 +45,19 @@ DTYPES = {
     "bfloat16": ("PORTATTN_BF16", "true", "bf16"),
 }
 
-REGISTERS_PER_SIMD_LANE = 512  # CDNA2/3: unified VGPR + AGPR file
+REGISTERS_PER_SIMD_LANE = 512  # CDNA2/3/4: unified VGPR + AGPR file
 REGISTER_GRANULE = 8
-LDS_BYTES_PER_CU = 65536
+LDS_BYTES_PER_CU = 65536  # what the CDNA tiles are designed for (gfx950 has 160 KiB; not used yet)
 LDS_PAD = 4  # kLdsPad in csrc/tiles.h
+# RDNA3/4 in wave32 (LLVM's model of gfx1100 and gfx1201): 1536 VGPRs per SIMD
+# lane, at most 256 addressable by one wave, allocated in granules of 24 (the
+# ISA test reads the compiler's occupancy); 64 KiB of LDS per workgroup, 128 KiB
+# per WGP, whose 4 SIMDs each run one wave of a 4-wave workgroup.
+RDNA_REGISTERS_PER_SIMD_LANE = 1536
+RDNA_MAX_VGPRS = 256
+RDNA_REGISTER_GRANULE = 24
+RDNA_LDS_BYTES_PER_WGP = 131072
+WMMA_LDS_PAD = 8  # kWmmaLdsPad in csrc/wmma_fwd_kernel.h
 ROWDOT_WAVES_PER_SIMD = 4  # bwd_rowdot_kernel's launch bounds
 DECODE_WAVES = 4  # waves per decode workgroup (DecodeTile::kWaves); each takes 16 keys of a stage
 DECODE_ROWS = 16  # packed query rows per decode workgroup (one 16x16x16 MFMA tile)
@@ -49,17 +80,36 @@ class KernelTile:
     block: int
     waves_per_simd: int
     # Next block's global reads in flight (registers) while this one computes;
-    # costs 2 x block x head_dim / 128 VGPRs, so only where the budget has room.
+    # costs 2 x block x head_dim / 128 VGPRs (CDNA), so only where the budget has room.
     prefetch: bool = False
+    isa: str = "mfma"  # ARCH_ISA's family
+
+    @property
+    def wmma(self) -> bool:
+        return self.isa.startswith("wmma")
+
+    @property
+    def q_in_lds(self) -> bool:
+        """WmmaFwdTile::kQInLds: gfx11's Q operands (D/2 VGPRs), and gfx12's at D > 128, go through LDS."""
+        return self.wmma and self.kernel == "fwd" and (self.isa == "wmma11" or self.head_dim > 128)
 
     @property
     def register_budget(self) -> int:
-        """Most VGPR+AGPR per lane that still allows `waves_per_simd`."""
+        """Most VGPR(+AGPR) per lane that still allows `waves_per_simd`."""
+        if self.wmma:
+            per_wave = RDNA_REGISTERS_PER_SIMD_LANE // self.waves_per_simd
+            return min(RDNA_MAX_VGPRS, per_wave - per_wave % RDNA_REGISTER_GRANULE)
         per_wave = REGISTERS_PER_SIMD_LANE // self.waves_per_simd
         return per_wave - per_wave % REGISTER_GRANULE
 
     @property
     def lds_bytes(self) -> int:
+        if self.wmma:  # K, V^T (and Q where kQInLds) with rows padded by 8
+            if self.kernel == "fwd":
+                q_rows = 64 if self.q_in_lds else 0
+                return 2 * ((self.block + q_rows) * (self.head_dim + WMMA_LDS_PAD)
+                            + self.head_dim * (self.block + WMMA_LDS_PAD))
+            return 0
         rows = self.block * (self.head_dim + LDS_PAD)  # a row-major tile of `block` rows
         if self.kernel == "fwd":  # K, V^T
             return 2 * (rows + self.head_dim * (self.block + LDS_PAD))
@@ -73,17 +123,33 @@ class KernelTile:
 
     @property
     def mfma_shape(self) -> str:
-        """MxNxK of the kernel's MFMA instruction (Note [portattn MFMA layout] in csrc/cdna.h)."""
-        return "16x16x16" if self.kernel == "decode" else "32x32x8"
+        """MxNxK of the kernel's matrix instruction (Note [portattn MFMA layout] in csrc/cdna.h,
+        Note [portattn WMMA layout] in csrc/rdna.h)."""
+        return "16x16x16" if self.kernel == "decode" or self.wmma else "32x32x8"
+
+    @property
+    def static_mfma_count(self) -> int:
+        """Matrix instructions in the compiled loop body: mfma_per_iteration, except where
+        kQInLds rolls the Q K^T steps (unrolled by 2)."""
+        if self.q_in_lds:
+            return 2 * (self.block // 16) + self.head_dim // self.dim_split // 16 * (self.block // 16)
+        return self.mfma_per_iteration
 
     @property
     def dim_split(self) -> int:
         """Workgroups sharing one block, each owning a slice of the head dim (kDimSplit)."""
+        if self.wmma:
+            return 2 if self.kernel == "fwd" and self.head_dim > 128 else 1
         return 2 if self.kernel in ("bwd_dq", "bwd_dkdv") and self.head_dim > 128 else 1
 
     @property
     def mfma_per_iteration(self) -> int:
-        """MFMAs (of mfma_shape) per wave per block of the kernel's loop."""
+        """Matrix instructions (of mfma_shape) per wave per block of the kernel's loop."""
+        if self.wmma:
+            if self.kernel != "fwd":
+                return 0
+            key_tiles, dim_steps = self.block // 16, self.head_dim // 16
+            return key_tiles * dim_steps + self.head_dim // self.dim_split // 16 * key_tiles
         if self.kernel == "decode":  # S^T = K Q^T and O^T += V^T P^T, D / 16 steps each
             return 2 * self.head_dim // 16
         tiles, steps = self.block // 32, self.block // 8
@@ -96,19 +162,29 @@ class KernelTile:
 class HeadDimConfig:
     head_dim: int
     fwd: KernelTile
-    bwd_dq: KernelTile
-    bwd_dkdv: KernelTile
-    decode: KernelTile
+    bwd_dq: Optional[KernelTile] = None  # None: the family has no backward (RDNA)
+    bwd_dkdv: Optional[KernelTile] = None
+    decode: Optional[KernelTile] = None  # None: no decode kernels (RDNA)
+
+    @property
+    def directions(self) -> tuple:
+        """The instantiations built for this configuration (DIRECTIONS order)."""
+        return tuple(d for d, present in (("fwd", True), ("bwd", self.bwd_dq is not None),
+                                          ("decode", self.decode is not None)) if present)
 
     @property
     def decode_kernels(self) -> tuple:
         """The decode instantiation's kernels: decode, split combine, cache append."""
+        if self.decode is None:
+            return ()
         combine = KernelTile("decode_combine", self.head_dim, 0, COMBINE_WAVES_PER_SIMD)
         append = KernelTile("kvcache_append", self.head_dim, 0, APPEND_WAVES_PER_SIMD)
         return (self.decode, combine, append)
 
     @property
     def kernels(self) -> tuple:
+        if self.bwd_dq is None:
+            return (self.fwd, *self.decode_kernels)
         rowdot = KernelTile("bwd_rowdot", self.head_dim, 0, ROWDOT_WAVES_PER_SIMD)
         return (self.fwd, self.bwd_dq, self.bwd_dkdv, rowdot, *self.decode_kernels)
 
@@ -138,12 +214,57 @@ CONFIGS = (
     _config(256, fwd=(32, 1, False), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, False), decode=(64, 1, True)),
 )
 
+# RDNA3/4 (wave32 WMMA, csrc/wmma_fwd_kernel.h): the forward only. The
+# occupancy is what the VGPRs (1536 per SIMD lane, <= 256 a wave) and the WGP's
+# 128 KiB of LDS allow. D=256 splits O's columns over 2 workgroups and, like
+# every gfx11 tile, reads Q from LDS (WmmaFwdTile::kQInLds), which takes 16-key
+# blocks at D=256 to stay within 64 KiB. The next key block is prefetched into
+# registers where they have room (no spills; tests/test_rocm_isa.py).
+def _wmma_config(head_dim, fwd, isa) -> HeadDimConfig:
+    return HeadDimConfig(head_dim, KernelTile("fwd", head_dim, *fwd, isa=isa))
+
+
+RDNA_CONFIGS = {
+    "wmma11": (
+        _wmma_config(64, (32, 6, True), "wmma11"),
+        _wmma_config(128, (32, 3, True), "wmma11"),  # 36 KiB of LDS: 3 workgroups per WGP
+        _wmma_config(256, (16, 2, False), "wmma11"),  # 53 KiB: 2
+    ),
+    "wmma12": (
+        _wmma_config(64, (32, 6, True), "wmma12"),
+        _wmma_config(128, (32, 6, False), "wmma12"),  # prefetching spills 19 VGPRs
+        _wmma_config(256, (16, 2, True), "wmma12"),
+    ),
+}
+
 MAX_HEAD_DIM = max(config.head_dim for config in CONFIGS)
 
 for _config_ in CONFIGS:
     for _tile in _config_.kernels:
         if _tile.lds_bytes * _tile.waves_per_simd > LDS_BYTES_PER_CU:
             raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per CU")
+for _configs in RDNA_CONFIGS.values():
+    assert [c.head_dim for c in _configs] == [c.head_dim for c in CONFIGS], "one head-dim ladder for every arch"
+    for _config_ in _configs:
+        for _tile in _config_.kernels:
+            if _tile.lds_bytes * _tile.waves_per_simd > RDNA_LDS_BYTES_PER_WGP:
+                raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per WGP")
+
+
+# gfx950 (clang-22) runs the CDNA tiles, except that the D=64 forward does not
+# prefetch: clang-22 spills 9 VGPRs of the bf16 variant with it (256 allocated;
+# 246 without).
+CDNA4_CONFIGS = tuple(
+    replace(c, fwd=replace(c.fwd, prefetch=False)) if c.head_dim == 64 else c for c in CONFIGS
+)
+
+
+def configs_for(arch: str) -> tuple:
+    """The head-dim configurations (tiles) built for `arch`."""
+    isa = isa_of(arch)
+    if isa == "mfma":
+        return CDNA4_CONFIGS if arch == "gfx950" else CONFIGS
+    return RDNA_CONFIGS[isa]
 
 
 @dataclass(frozen=True)
@@ -158,6 +279,10 @@ class Variant:
 
     def entry_point(self, direction: str) -> str:
         return f"portattn_rocm_{self.stem(direction)}"
+
+    @property
+    def directions(self) -> tuple:
+        return self.config.directions
 
 
 DIRECTIONS = ("fwd", "bwd", "decode")
@@ -175,15 +300,15 @@ def select(archs, dtypes=None, head_dims=None) -> list[Variant]:
 
     A requested head dim selects the smallest configuration that serves it.
     """
-    configs = list(CONFIGS)
+    wanted_dims = [config.head_dim for config in CONFIGS]
     if head_dims:
         wanted = set()
         for head_dim in head_dims:
             serving = [config for config in CONFIGS if config.head_dim >= head_dim]
             if not serving:
                 raise ValueError(f"PORTATTN_HEADDIMS: {head_dim} exceeds the ROCm maximum {MAX_HEAD_DIM}")
-            wanted.add(serving[0])
-        configs = [config for config in CONFIGS if config in wanted]
+            wanted.add(serving[0].head_dim)
+        wanted_dims = [d for d in wanted_dims if d in wanted]
     names = {name: name for name in DTYPES} | {tag: name for name, (_, _, tag) in DTYPES.items()}
     chosen_dtypes = []
     for dtype in dtypes or DTYPES:
@@ -191,17 +316,21 @@ def select(archs, dtypes=None, head_dims=None) -> list[Variant]:
             raise ValueError(f"PORTATTN_DTYPES: {dtype!r} is not one of {', '.join(sorted(names))}")
         if names[dtype.lower()] not in chosen_dtypes:
             chosen_dtypes.append(names[dtype.lower()])
-    return [Variant(arch, dtype, config) for arch in archs for dtype in chosen_dtypes for config in configs]
+    return [Variant(arch, dtype, config) for arch in archs for dtype in chosen_dtypes
+            for config in configs_for(arch) if config.head_dim in wanted_dims]
 
 
 def _template(variant: Variant, tile: KernelTile, name: str) -> str:
     is_bf16 = DTYPES[variant.dtype][1]
+    if tile.wmma:
+        name = "Wmma" + name
     return (f"portattn::rocm::{variant.arch}::{name}<{tile.head_dim}, {tile.block}, {is_bf16}, "
             f"{tile.waves_per_simd}, {'true' if tile.prefetch else 'false'}>")
 
 
 def _budget_line(tile: KernelTile) -> str:
-    return (f"// {tile.kernel}: block {tile.block}, LDS {tile.lds_bytes} bytes, {tile.mfma_per_iteration} MFMAs "
+    unit = "WMMAs" if tile.wmma else "MFMAs"
+    return (f"// {tile.kernel}: block {tile.block}, LDS {tile.lds_bytes} bytes, {tile.mfma_per_iteration} {unit} "
             f"per block per wave, {tile.waves_per_simd} wave(s) per SIMD (VGPR+AGPR <= {tile.register_budget})"
             f"{', next block prefetched' if tile.prefetch else ''}.")
 
@@ -232,9 +361,13 @@ extern "C" int {variant.entry_point("append")}(const PortattnAppendParams* param
 """
     if direction == "fwd":
         fwd = _template(variant, config.fwd, "FwdTile")
+        isa = isa_of(variant.arch)
+        include = '#include "fwd_kernel.h"'
+        if isa != "mfma":
+            include = f'#define PORTATTN_ROCM_WMMA_GEN {isa[4:]}\n#include "wmma_fwd_kernel.h"'
         return f"""{header}{_budget_line(config.fwd)}
 #define PORTATTN_ROCM_ARCH_NS {variant.arch}
-#include "fwd_kernel.h"
+{include}
 
 static_assert({fwd}::kLdsBytes == {config.fwd.lds_bytes}, "variants.py and fwd_kernel.h disagree on LDS");
 static_assert({fwd}::kMfmaPerIter == {config.fwd.mfma_per_iteration}, "variants.py and fwd_kernel.h disagree");
@@ -262,19 +395,25 @@ extern "C" int {variant.entry_point("bwd")}(const PortattnBwdParams* params) {{
 
 
 def registry_source(variants: list[Variant], compilers: dict) -> str:
+    def entry(v: Variant, direction: str, point: str) -> str:
+        return f"&{v.entry_point(point)}" if direction in v.directions else "nullptr"
+
     declarations = "\n".join(
-        f'extern "C" int {v.entry_point("fwd")}(const PortattnFwdParams*);\n'
-        f'extern "C" int {v.entry_point("bwd")}(const PortattnBwdParams*);\n'
-        f'extern "C" int {v.entry_point("decode")}(const PortattnDecodeParams*);\n'
-        f'extern "C" int {v.entry_point("append")}(const PortattnAppendParams*);'
+        "\n".join([f'extern "C" int {v.entry_point("fwd")}(const PortattnFwdParams*);']
+                   + ([f'extern "C" int {v.entry_point("bwd")}(const PortattnBwdParams*);']
+                      if "bwd" in v.directions else [])
+                   + ([f'extern "C" int {v.entry_point("decode")}(const PortattnDecodeParams*);',
+                       f'extern "C" int {v.entry_point("append")}(const PortattnAppendParams*);']
+                      if "decode" in v.directions else []))
         for v in variants
     )
     rows = "\n".join(
         f'    {{"{v.arch}", {DTYPES[v.dtype][0]}, {v.config.head_dim}, &{v.entry_point("fwd")}, '
-        f'&{v.entry_point("bwd")}, {v.config.fwd.lds_bytes}, '
-        f'{max(v.config.bwd_dq.lds_bytes, v.config.bwd_dkdv.lds_bytes)}, &{v.entry_point("decode")}, '
-        f'&{v.entry_point("append")}, {v.config.decode.lds_bytes}, {v.config.decode.block}, '
-        f'{DECODE_WAVES * 64}}},'
+        f'{entry(v, "bwd", "bwd")}, {v.config.fwd.lds_bytes}, '
+        f'{max(v.config.bwd_dq.lds_bytes, v.config.bwd_dkdv.lds_bytes) if v.config.bwd_dq else 0}, '
+        f'{entry(v, "decode", "decode")}, {entry(v, "decode", "append")}, '
+        f'{v.config.decode.lds_bytes if v.config.decode else 0}, {v.config.decode.block if v.config.decode else 0}, '
+        f'{DECODE_WAVES * 64 if v.config.decode else 0}}},'
         for v in variants
     )
     compiler_rows = "\n".join(f'    {{"{arch}", "{_c_escape(text)}"}},' for arch, text in compilers.items())

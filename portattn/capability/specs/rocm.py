@@ -14,6 +14,12 @@ from ..declare import ALL_FEATURES, BackendSpec
 # entry is "compiled".
 SUPPORTED = ALL_FEATURES
 
+# RDNA3/4 (wave32 WMMA): the forward kernel only (csrc/wmma_fwd_kernel.h); a
+# backward or decode call there falls back. module.cpp's
+# build_config()["features_by_arch"] reports the same and tests/test_rocm_isa.py
+# keeps them equal.
+RDNA_FEATURES = ALL_FEATURES - {"backward", "deterministic_backward", "decode", "paged_kv"}
+
 UNSUPPORTED_NOTES = {}
 
 # arch name -> features our GPU suite passed on that hardware.
@@ -23,14 +29,19 @@ SPEC = BackendSpec(
     name="rocm",
     title="ROCm",
     vendor="amd",
-    # Two ranges, not gfx90a-gfx942: ordering alone would admit gfx90c (a GCN5 APU).
-    archs=(ArchRange("amd", "gfx90a", "gfx90a"), ArchRange("amd", "gfx940", "gfx942")),
-    arch_note="CDNA2/CDNA3; RDNA is not supported",
+    # One range per built family, not gfx90a-gfx1201: ordering alone would admit gfx90c
+    # (a GCN5 APU), gfx1030 (RDNA2, no matrix instructions) and every unbuilt RDNA part.
+    archs=(ArchRange("amd", "gfx90a", "gfx90a"), ArchRange("amd", "gfx940", "gfx942"),
+           ArchRange("amd", "gfx950", "gfx950"), ArchRange("amd", "gfx1100", "gfx1100"),
+           ArchRange("amd", "gfx1201", "gfx1201")),
+    arch_note="CDNA2/CDNA3/CDNA4 (gfx90a, gfx942, gfx950); RDNA3 gfx1100 and RDNA4 gfx1201 forward only",
     ptx_forward_compatible=False,
     dtypes=("float16", "bfloat16"),
     head_dim_multiple=8,
     head_dim_max=256,
     supported=SUPPORTED,
+    arch_features=((ArchRange("amd", "gfx1100", "gfx1100"), RDNA_FEATURES),
+                   (ArchRange("amd", "gfx1201", "gfx1201"), RDNA_FEATURES)),
     verified=VERIFIED,
     unsupported_notes=UNSUPPORTED_NOTES,
     build_arch_env="PORTATTN_HIP_ARCHS",

@@ -1,4 +1,5 @@
-// CDNA data movement and matrix-core primitives for the ROCm kernels.
+// CDNA data movement and matrix-core primitives for the ROCm kernels (the
+// dtype conversions, vector types and helpers are also RDNA's: rdna.h).
 //
 // Everything vendor-specific on the AMD side lives here: the MFMA builtin per
 // dtype, bf16/fp16 conversions on raw 16-bit patterns, 8- and 16-byte vector
@@ -32,6 +33,24 @@
 #include <hip/hip_runtime.h>
 #endif
 #include <stdint.h>
+
+#if defined(PORTATTN_ROCM52_HEADERS_LLVM20) && defined(__HIP_DEVICE_COMPILE__)
+// Debian's ROCm 5.2 headers implement __syncthreads (and the fences) with the
+// OpenCL device-library function __atomic_work_item_fence, which clang-22's
+// device-library link no longer brings in (lld: undefined hidden symbol).
+// build.py defines the macro for that compiler only; a ROCm install's hipcc
+// uses its own headers.
+extern "C" __device__ __attribute__((weak)) void __atomic_work_item_fence(__cl_mem_fence_flags, __memory_order,
+                                                                        __memory_scope scope) {
+  if (scope == __memory_scope_work_group) {
+    __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "workgroup");
+  } else if (scope == __memory_scope_device) {
+    __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent");
+  } else {
+    __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "");
+  }
+}
+#endif
 
 namespace portattn {
 namespace rocm {
@@ -70,6 +89,7 @@ struct Dtype<false> {
   static __device__ __forceinline__ uint16_t from_float(float x) {
     return __builtin_bit_cast(uint16_t, static_cast<_Float16>(x));
   }
+#if !defined(PORTATTN_ROCM_WMMA_GEN)  // RDNA has no MFMA: the builtins do not exist there
   static __device__ __forceinline__ f32x16 mfma(u16x4 a, u16x4 b, f32x16 c) {
     return __builtin_amdgcn_mfma_f32_32x32x8f16(__builtin_bit_cast(f16x4, a),
                                                __builtin_bit_cast(f16x4, b), c, 0, 0, 0);
@@ -78,6 +98,7 @@ struct Dtype<false> {
     return __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(f16x4, a),
                                                 __builtin_bit_cast(f16x4, b), c, 0, 0, 0);
   }
+#endif
 };
 
 template <>
@@ -91,6 +112,7 @@ struct Dtype<true> {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   }
+#if !defined(PORTATTN_ROCM_WMMA_GEN)
   static __device__ __forceinline__ f32x16 mfma(u16x4 a, u16x4 b, f32x16 c) {
     return __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(__builtin_bit_cast(i16x4, a),
                                                    __builtin_bit_cast(i16x4, b), c, 0, 0, 0);
@@ -99,6 +121,7 @@ struct Dtype<true> {
     return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(i16x4, a),
                                                     __builtin_bit_cast(i16x4, b), c, 0, 0, 0);
   }
+#endif
 };
 
 // Row statistics of one query live in lanes l and l ^ 32 (Note [portattn MFMA layout]).

@@ -1,4 +1,4 @@
-// Forward attention on CDNA matrix cores (gfx90a, gfx942): one workgroup per
+// Forward attention on CDNA matrix cores (gfx90a, gfx942, gfx950): one workgroup per
 // (128-query block, head, sequence), online softmax over key blocks.
 //
 // Tile configuration (FwdTile): 4 waves x 32 query rows = 128 queries per
@@ -26,6 +26,8 @@
 // Measured (VGPR+AGPR total, of which AGPR; gfx90a / gfx942):
 //   64: 190-195, 0 / 213-214, 0;  128: 208, 0 / 222, 0;
 //   256: 425-427, 169-171 / 452-501, 196-245.  SGPRs 86-90, no spills, no scratch.
+// gfx950 (clang-22) builds the same tiles except D=64 without prefetch (with it,
+// 9 spilled VGPRs in bf16; without, 246 VGPRs), variants.CDNA4_CONFIGS.
 //
 // LDS rows are padded by 4 elements (8 bytes) so the 32 rows read by one MFMA
 // operand fall on distinct bank pairs. With kPrefetch (D <= 128) the next key

@@ -50,6 +50,9 @@ constexpr int kMaxDecodeSplits = 128;
 const std::vector<std::string> kFeatures = {"forward", "backward", "causal",  "window",
                                             "softcap", "alibi",    "dropout", "gqa",
                                             "varlen",  "deterministic_backward", "decode", "paged_kv"};
+// The features an arch's variants lack with no backward (RDNA: forward only) or no decode.
+const std::vector<std::string> kBackwardFeatures = {"backward", "deterministic_backward"};
+const std::vector<std::string> kDecodeFeatures = {"decode", "paged_kv"};
 
 void check_hip(hipError_t status, const char* what) {
   if (status == hipSuccess) return;
@@ -179,8 +182,9 @@ void check_append_invariants(const PortattnAppendParams& p) {
   require(p.q == nullptr || p.q_out != nullptr, "q needs q_out");
 }
 
-// The smallest built head dim >= headdim for this device's arch and dtype.
-const KernelVariant& find_variant(int dtype, int headdim) {
+// The smallest built head dim >= headdim for this device's arch and dtype;
+// `direction` names the entry point the caller needs (RDNA builds the forward only).
+const KernelVariant& find_variant(int dtype, int headdim, const char* direction = "forward") {
   int device = 0;
   check_hip(hipGetDevice(&device), "hipGetDevice");
   const std::string& arch = device_arch(device);
@@ -201,6 +205,13 @@ const KernelVariant& find_variant(int dtype, int headdim) {
     throw std::invalid_argument("portattn ROCm: no kernel built for dtype " + std::to_string(dtype) +
                                 " and head dim " + std::to_string(headdim) + " on " + arch +
                                 " (see PORTATTN_DTYPES / PORTATTN_HEADDIMS)");
+  }
+  const bool built = std::string(direction) == "forward"    ? best->fwd != nullptr
+                     : std::string(direction) == "backward" ? best->bwd != nullptr
+                                                            : best->decode != nullptr;
+  if (!built) {
+    throw std::invalid_argument(std::string("portattn ROCm: no ") + direction + " kernel is built for " + arch +
+                                " (forward only on RDNA)");
   }
   return *best;
 }
@@ -227,14 +238,14 @@ void bwd(const PortattnBwdParams& params) {
   check_bwd_invariants(params);
   refuse_device_philox_state(params.fwd);
   if (params.fwd.seqlen_q == 0 && params.fwd.seqlen_k == 0) return;
-  const KernelVariant& variant = find_variant(params.fwd.dtype, params.fwd.headdim);
+  const KernelVariant& variant = find_variant(params.fwd.dtype, params.fwd.headdim, "backward");
   check_hip(static_cast<hipError_t>(variant.bwd(&params)), "backward kernel launch");
 }
 
 void decode(const PortattnDecodeParams& params) {
   check_decode_invariants(params);
   if (params.seqlen_q == 0 || params.batch == 0) return;
-  const KernelVariant& variant = find_variant(params.dtype, params.headdim);
+  const KernelVariant& variant = find_variant(params.dtype, params.headdim, "decode");
   check_hip(static_cast<hipError_t>(variant.decode(&params)), "decode kernel launch");
 }
 
@@ -244,17 +255,18 @@ void kvcache_append(const PortattnAppendParams& params) {
                             (params.q == nullptr || params.seqlen_q == 0))) {
     return;
   }
-  const KernelVariant& variant = find_variant(params.dtype, params.headdim);
+  const KernelVariant& variant = find_variant(params.dtype, params.headdim, "decode");
   check_hip(static_cast<hipError_t>(variant.append(&params)), "kvcache append kernel launch");
 }
 
 // {"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim
 // (the split planner's input); -1s when none is built. The same on every arch
-// and dtype, so no device is needed.
+// that has one and every dtype, so no device is needed.
 py::dict decode_tile(int head_dim) {
   const KernelVariant* best = nullptr;
   for (int index = 0; index < kNumVariants; ++index) {
     const KernelVariant& variant = kVariants[index];
+    if (variant.decode == nullptr) continue;
     if (variant.head_dim >= head_dim && (best == nullptr || variant.head_dim < best->head_dim)) best = &variant;
   }
   py::dict tile;
@@ -289,13 +301,39 @@ py::dict build_config() {
   config["compilers"] = compilers;
   config["features"] = kFeatures;
   config["hip_runtime_version"] = HIP_VERSION;
-  // LDS per workgroup per built head dim (the same on every arch), which the
-  // support matrix compares with the device's (capability/matrix.py).
+  // Per arch, the features its variants implement (RDNA: no backward, no decode).
+  py::dict features_by_arch;
+  for (const std::string& arch : archs) {
+    bool has_bwd = false, has_decode = false;
+    for (int index = 0; index < kNumVariants; ++index) {
+      if (arch != kVariants[index].arch) continue;
+      has_bwd = has_bwd || kVariants[index].bwd != nullptr;
+      has_decode = has_decode || kVariants[index].decode != nullptr;
+    }
+    std::vector<std::string> features;
+    for (const std::string& feature : kFeatures) {
+      const bool bwd = std::find(kBackwardFeatures.begin(), kBackwardFeatures.end(), feature) != kBackwardFeatures.end();
+      const bool dec = std::find(kDecodeFeatures.begin(), kDecodeFeatures.end(), feature) != kDecodeFeatures.end();
+      if ((bwd && !has_bwd) || (dec && !has_decode)) continue;
+      features.push_back(feature);
+    }
+    features_by_arch[py::str(arch)] = features;
+  }
+  config["features_by_arch"] = features_by_arch;
+  // LDS per workgroup per built head dim, the smallest over the built archs
+  // that have the direction (the support matrix compares it with the device's;
+  // the launch is the final check), capability/matrix.py.
   py::dict forward_lds, backward_lds, decode_lds;
+  auto keep_min = [](py::dict& table, int head_dim, int bytes) {
+    if (bytes <= 0) return;
+    const py::int_ key(head_dim);
+    if (!table.contains(key) || table[key].cast<int>() > bytes) table[key] = bytes;
+  };
   for (int index = 0; index < kNumVariants; ++index) {
-    forward_lds[py::int_(kVariants[index].head_dim)] = kVariants[index].fwd_lds_bytes;
-    backward_lds[py::int_(kVariants[index].head_dim)] = kVariants[index].bwd_lds_bytes;
-    decode_lds[py::int_(kVariants[index].head_dim)] = kVariants[index].decode_lds_bytes;
+    const KernelVariant& variant = kVariants[index];
+    keep_min(forward_lds, variant.head_dim, variant.fwd_lds_bytes);
+    if (variant.bwd != nullptr) keep_min(backward_lds, variant.head_dim, variant.bwd_lds_bytes);
+    if (variant.decode != nullptr) keep_min(decode_lds, variant.head_dim, variant.decode_lds_bytes);
   }
   py::dict lds;
   lds["forward"] = forward_lds;
@@ -350,7 +388,7 @@ int64_t bwd_workspace_bytes_entry(int batch, int nheads, int nheads_k, int headd
 
 PYBIND11_MODULE(_C, m) {
   using namespace portattn::rocm;
-  m.doc() = "portattn ROCm kernels (MFMA, gfx90a / gfx942); see portattn/backends/rocm/__init__.py";
+  m.doc() = "portattn ROCm kernels (MFMA: gfx90a / gfx942 / gfx950; WMMA forward: gfx1100 / gfx1201); see portattn/backends/rocm/__init__.py";
   m.def("fwd", &fwd_entry, "forward attention over raw pointers (see backends/common/params.h)");
   m.def("bwd", &bwd_entry, "backward attention over raw pointers (see backends/common/params.h)");
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes_entry,

@@ -74,14 +74,16 @@ struct DropoutLane {
   }
 };
 
-// Row-major stride of a kRows x kHeadDim tile, and of its transpose.
-template <int kHeadDim>
+// Row-major stride of a kRows x kHeadDim tile, and of its transpose. The RDNA
+// kernels pad by 8 (kPad) so every row starts 16-byte aligned for their
+// 16-byte operand reads.
+template <int kHeadDim, int kPad = kLdsPad>
 constexpr int row_stride() {
-  return kHeadDim + kLdsPad;
+  return kHeadDim + kPad;
 }
-template <int kRows>
+template <int kRows, int kPad = kLdsPad>
 constexpr int transposed_stride() {
-  return kRows + kLdsPad;
+  return kRows + kPad;
 }
 
 // Rows [row0, row0 + kRows) of one head (g points at row 0), in flight from
@@ -90,7 +92,7 @@ constexpr int transposed_stride() {
 // transposed (kHeadDim rows of kRows) into `lds_cols` (either may be null).
 // Between the two a kernel can compute on the previous tile, which hides the
 // global-memory latency (software pipelining through registers).
-template <int kRows, int kHeadDim, int kThreads>
+template <int kRows, int kHeadDim, int kThreads, int kPad = kLdsPad>
 struct TileInFlight {
   static constexpr int kChunksPerRow = kHeadDim / 8;
   static constexpr int kChunks = kRows * kChunksPerRow / kThreads;  // per lane
@@ -116,12 +118,12 @@ struct TileInFlight {
       if (lds_cols != nullptr) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          lds_cols[(col + e) * transposed_stride<kRows>() + n] =
+          lds_cols[(col + e) * transposed_stride<kRows, kPad>() + n] =
               static_cast<uint16_t>(chunk[it][e / 2] >> (16 * (e % 2)));
         }
       }
       if (lds_rows != nullptr) {
-        uint16_t* row = lds_rows + n * row_stride<kHeadDim>() + col;
+        uint16_t* row = lds_rows + n * row_stride<kHeadDim, kPad>() + col;
         store<u32x2>(row, u32x2{chunk[it].x, chunk[it].y});
         store<u32x2>(row + 4, u32x2{chunk[it].z, chunk[it].w});
       }
@@ -133,13 +135,13 @@ struct TileInFlight {
 // brackets the block's deposit with the two barriers of single-buffered LDS
 // and, with kPrefetch, issues the next block's reads right after, so they are
 // in flight while the caller computes on this block.
-template <int kBlockN, int kHeadDim, int kThreads, bool kPrefetch>
+template <int kBlockN, int kHeadDim, int kThreads, bool kPrefetch, int kPad = kLdsPad>
 struct KeyBlockStream {
   const uint16_t* g_k;
   const uint16_t* g_v;
   const PortattnFwdParams& p;
   int len_k, j_end;
-  TileInFlight<kBlockN, kHeadDim, kThreads> k, v;
+  TileInFlight<kBlockN, kHeadDim, kThreads, kPad> k, v;
 
   __device__ __forceinline__ void fetch(int n0) {
     k.fetch(g_k, p.k_strides.row_stride, n0, len_k, p.headdim);
