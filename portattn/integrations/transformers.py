@@ -56,6 +56,7 @@ from typing import Optional
 import torch
 
 from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from ..errors import error_buffer
 from ._padding import (
     Packing,
     pack,
@@ -129,6 +130,12 @@ def attention_forward(
     ((batch, seq_q, heads, head_dim_v), None).
     """
     _refuse_unsupported(attention_mask, kwargs)
+    if query.is_cuda and not torch.compiler.is_compiling():
+        # The device's error buffer (portattn/errors.py) is created on first use; created here,
+        # in the eager prefill, it lives outside the memory pool of the CUDA graphs that a
+        # compiled (reduce-overhead) decode step records, where cudagraph trees refuse a new
+        # long-lived tensor ("tensor(s) in the cudagraph pool not tracked as outputs").
+        error_buffer(query.device)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (batch, seq, heads, dim)
     q, k, v = _compute_dtype(module, q, k, v)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
