@@ -350,7 +350,7 @@ rotated on the device, and no tensor value is read on the host: a decode step ca
 in a CUDA graph and replayed with changing cache_seqlens. A sequence whose cache_seqlens,
 cache_leftpad, cache_batch_idx or block_table values point outside the cache is contained on
 the device: nothing appended, no key read, output rows 0 and LSE -inf; portattn.check_errors()
-then raises a ValueError naming the argument and the batch entry (docs/decode-errors.md;
+then raises a ValueError naming the argument and the batch entry (docs/decode.md;
 PORTATTN_DEBUG_CHECKS=1 raises at the call instead). Elsewhere (CPU, float32, the reference
 backend) the live cache is gathered into a varlen call, which reads the lengths on the host;
 CPU tensors with out-of-range values raise a ValueError before anything is written.

@@ -1,6 +1,6 @@
 """Out-of-range per-sequence metadata read on the device: contained, recorded, reported on request.
 
-Decision (docs/decode-errors.md): a sequence of a flash_attn_with_kvcache call (or a paged
+Decision (docs/decode.md): a sequence of a flash_attn_with_kvcache call (or a paged
 varlen call) whose cache_seqlens, cache_leftpad, cache_batch_idx or block_table entries
 point outside the cache is *contained*, not clamped into another sequence's rows: none of
 its keys is read, its output rows are 0 and its LSE is -inf, and nothing is written outside

@@ -102,7 +102,7 @@ def run_case(name, dtype, splits=2):
         expected_k[index] = k_new[b]
         expected_v[index] = v_new[b]
     # The bad sequence may have appended into its own row when that row's own metadata is
-    # valid (docs/decode-errors.md); anything else changed is a write outside its rows.
+    # valid (docs/decode.md); anything else changed is a write outside its rows.
     own = None
     n_bad = int(good_meta["cache_seqlens"][bad_b])
     if argument in ("cache_leftpad", "block_table") and 0 <= n_bad < CAPACITY:
