@@ -35,8 +35,9 @@ def _imported_top_level(path: str) -> set:
 
 def test_every_third_party_import_of_the_tests_is_in_the_extra():
     extra = _test_extra()
-    # The tests' own helper modules (tests/, tests/gpu/) and bench/ scripts they import.
-    local = {name[:-3] for folder in (TESTS, os.path.join(TESTS, "gpu"), os.path.join(ROOT, "bench"))
+    # The tests' own helper modules (tests/, tests/gpu/) and bench/ (and bench/tools/) scripts they import.
+    local = {name[:-3] for folder in (TESTS, os.path.join(TESTS, "gpu"), os.path.join(ROOT, "bench"),
+                                      os.path.join(ROOT, "bench", "tools"))
              for name in os.listdir(folder) if name.endswith(".py")}
     missing = {}
     for folder, _, files in os.walk(TESTS):
