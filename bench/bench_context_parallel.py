@@ -33,9 +33,7 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -49,23 +47,7 @@ MERGES = ("portattn", "ring")
 
 
 def _time_ms(fn, reps, cuda):
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(times)
+    return peers.median_ms(fn, reps, cuda, warmup=2, before=dist.barrier)
 
 
 def _step(attention, q, k, v, dout, backward):

@@ -106,6 +106,32 @@ class Point:
         return f"hd{self.head_dim} s{self.seqlen:5d} {'causal' if self.causal else 'full  '}"
 
 
+
+def median_ms(fn, reps: int, cuda: bool, warmup: int = 2, before: Optional[Callable[[], None]] = None) -> float:
+    """Median wall time of fn() in ms over `reps` runs after `warmup` untimed ones: CUDA events
+    around each run on a GPU, the host clock on a CPU. `before` runs untimed ahead of each
+    timed run (e.g. a distributed barrier)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - begin))
+    times.sort()
+    middle = len(times) // 2
+    return times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
+
 def grid(head_dims, seqlens, causal=(False, True)) -> list:
     return [Point(hd, s, c) for hd in head_dims for s in seqlens for c in causal]
 

@@ -13,9 +13,7 @@ LSEs): the fused kernel's floor. Writes <out>/merge_bench.{json,md} via peers.wr
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -30,22 +28,7 @@ HEADS, HEAD_DIM = 16, 128
 
 
 def _time_ms(fn, reps, cuda):
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(times)
+    return peers.median_ms(fn, reps, cuda, warmup=5)
 
 
 def main(argv=None) -> int:
