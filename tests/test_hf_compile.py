@@ -23,6 +23,7 @@ from portattn.integrations import transformers as pt_hf  # noqa: E402
 from portattn.integrations import _padding  # noqa: E402
 
 import error_rule  # noqa: E402  (tests/error_rule.py)
+from hf_oracle import use_finite_float64_eager_mask  # noqa: E402  (tests/hf_oracle.py)
 
 F64 = torch.float64
 VOCAB = 96
@@ -35,19 +36,8 @@ def _registered():
 
 @pytest.fixture(autouse=True)
 def _finite_float64_eager_mask(monkeypatch):
-    """The float64 oracle masks with float32's min (test_transformers_integration.py says why:
-    float64's min plus a score overflows to -inf and padding rows turn NaN)."""
-    from transformers.masking_utils import AttentionMaskInterface
-
-    eager_mask = AttentionMaskInterface._global_mapping["eager"]
-
-    def finite_eager_mask(*args, dtype=torch.float32, **kwargs):
-        if dtype != F64:
-            return eager_mask(*args, dtype=dtype, **kwargs)
-        mask = eager_mask(*args, dtype=torch.float32, **kwargs)
-        return None if mask is None else mask.to(F64)
-
-    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "eager", finite_eager_mask)
+    """The float64 oracle masks with float32's min (tests/hf_oracle.py says why)."""
+    use_finite_float64_eager_mask(monkeypatch)
 
 
 def llama_config():

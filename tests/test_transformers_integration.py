@@ -20,6 +20,7 @@ transformers = pytest.importorskip(
 )
 from transformers import AutoModelForCausalLM, AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+from hf_oracle import use_finite_float64_eager_mask  # noqa: E402  (tests/hf_oracle.py)
 
 from portattn.integrations import transformers as pt_hf  # noqa: E402
 from portattn.integrations import _padding  # noqa: E402
@@ -39,21 +40,8 @@ def _registered():
 
 @pytest.fixture(autouse=True)
 def _finite_float64_eager_mask(monkeypatch):
-    """The float64 oracle masks with float32's min instead of float64's.
-
-    transformers' eager mask adds finfo(dtype).min; in float64 that plus a negative score
-    overflows to -inf, rows of padding tokens become NaN, and the NaN reaches real rows
-    through V (0 * NaN). float32's min is finite in float64 and still masks exactly.
-    """
-    eager_mask = AttentionMaskInterface._global_mapping["eager"]
-
-    def finite_eager_mask(*args, dtype=torch.float32, **kwargs):
-        if dtype != F64:
-            return eager_mask(*args, dtype=dtype, **kwargs)
-        mask = eager_mask(*args, dtype=torch.float32, **kwargs)
-        return None if mask is None else mask.to(F64)
-
-    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "eager", finite_eager_mask)
+    """The float64 oracle masks with float32's min (tests/hf_oracle.py says why)."""
+    use_finite_float64_eager_mask(monkeypatch)
 
 
 def llama_config(**overrides):

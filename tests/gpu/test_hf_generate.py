@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, CompileConfig  # noqa: E402
 
 from portattn.integrations import transformers as pt_hf  # noqa: E402
+from hf_oracle import use_finite_float64_eager_mask  # noqa: E402  (tests/hf_oracle.py)
 
 VOCAB = 96
 F64 = torch.float64
@@ -77,17 +78,8 @@ def assert_same_greedy_path(tokens, tokens_ref, logits_ref, logits_low):
 
 @pytest.fixture(autouse=True)
 def _finite_float64_eager_mask(monkeypatch):
-    from transformers.masking_utils import AttentionMaskInterface
-
-    eager_mask = AttentionMaskInterface._global_mapping["eager"]
-
-    def finite_eager_mask(*args, dtype=torch.float32, **kwargs):
-        if dtype != F64:
-            return eager_mask(*args, dtype=dtype, **kwargs)
-        mask = eager_mask(*args, dtype=torch.float32, **kwargs)
-        return None if mask is None else mask.to(F64)
-
-    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "eager", finite_eager_mask)
+    """The float64 oracle masks with float32's min (tests/hf_oracle.py says why)."""
+    use_finite_float64_eager_mask(monkeypatch)
 
 
 # Gemma 2 on an H100 (transformers 5.17, torch 2.11): 3 graphs for 23 decode steps, one more
