@@ -276,6 +276,25 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 # ---- flash_attn_with_kvcache under torch.compile -------------------------------------------
 
 
+def _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+            alibi_slopes, num_splits):
+    """The eager body of both kvcache ops (two ops only because their schemas differ: one
+    mutates the caches)."""
+    from .api import flash_attn_varlen_func
+    from .kvcache import attend_to_cache
+
+    return attend_to_cache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func)
+
+
+def _fake_outputs(q):
+    batch, seqlen_q, nheads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
 @torch.library.custom_op("portattn::kvcache", mutates_args=())
 def _kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rotary_cos: Optional[torch.Tensor],
@@ -285,21 +304,16 @@ def _kvcache_op(
     window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .api import flash_attn_varlen_func
-    from .kvcache import attend_to_cache
-
-    return attend_to_cache(
-        q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-        cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
-        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func)
+    return _attend(q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                   cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                   rotary_interleaved, alibi_slopes, num_splits)
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                   block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                   alibi_slopes, num_splits):
-    batch, seqlen_q, nheads, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return _fake_outputs(q)
 
 
 @torch.library.custom_op("portattn::kvcache_append", mutates_args=("k_cache", "v_cache"))
@@ -311,21 +325,16 @@ def _kvcache_append_op(
     window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .api import flash_attn_varlen_func
-    from .kvcache import attend_to_cache
-
-    return attend_to_cache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-        cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
-        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func)
+    return _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                   cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                   rotary_interleaved, alibi_slopes, num_splits)
 
 
 @_kvcache_append_op.register_fake
 def _kvcache_append_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
                          rotary_interleaved, alibi_slopes, num_splits):
-    batch, seqlen_q, nheads, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return _fake_outputs(q)
 
 
 def compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
