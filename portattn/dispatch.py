@@ -24,7 +24,7 @@ import torch
 from . import selfcheck
 from .backends.base import Backend
 from .backends.reference import ReferenceBackend
-from .capability import matrix
+from .capability import matrix, smem_cap
 from .capability.callspec import FEATURES, CallSpec
 
 # Priority order and implementations come from the specs (capability/matrix.DISPATCH_PRIORITY,
@@ -128,8 +128,9 @@ class Dispatcher:
         self._decisions: dict = {}
         self._warned: set = set()
         self._lock = threading.Lock()
-        # Set when PORTATTN_BACKEND names no backend (_initial_dispatcher): every call raises it.
-        self.config_error = ""
+        # Set when PORTATTN_BACKEND names no backend (_initial_dispatcher) or PORTATTN_MAX_SMEM_KIB
+        # is invalid (capability/smem_cap.py): every call raises it.
+        self.config_error = smem_cap.config_error()
 
     # ---- the hot path -------------------------------------------------------------
     def backend_for(self, device: torch.device, dtype: torch.dtype, head_dim: int, bits: int) -> Backend:
@@ -244,13 +245,14 @@ def _forced_from_env() -> Optional[str]:
 def _initial_dispatcher() -> Dispatcher:
     """The dispatcher PORTATTN_BACKEND asks for. A name that is no backend must not break
     `import portattn` (nor the report CLI, which says what is wrong): dispatch then runs
-    automatically but every call raises the ValueError until force_backend() is called."""
+    automatically but every call raises the ValueError until force_backend() is called.
+    An invalid PORTATTN_MAX_SMEM_KIB does the same, for as long as the process runs."""
     slots = _load_slots()
     try:
         return Dispatcher(slots, _forced_from_env())
     except ValueError as error:
         dispatcher = Dispatcher(slots, None)
-        dispatcher.config_error = str(error)
+        dispatcher.config_error = "; ".join(e for e in (str(error), dispatcher.config_error) if e)
         return dispatcher
 
 

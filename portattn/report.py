@@ -18,16 +18,17 @@ import sys
 from dataclasses import asdict
 from typing import List, Optional, Sequence
 
-from .capability import matrix, probe
+from .capability import matrix, probe, smem_cap
 from .capability.callspec import CallSpec
-from .capability.declare import COMPILED, NO, VERIFIED
+from .capability.declare import BUDGET_VERIFIED, COMPILED, NO, VERIFIED
 from .capability.probe import DeviceInfo
 
 # The call the report evaluates selection for; specific calls: portattn.explain(...).
 TYPICAL_DTYPE = "float16"
 TYPICAL_HEAD_DIM = 128
 
-_SYMBOL = {VERIFIED: "✅", COMPILED: "🟡", NO: "❌"}
+_SYMBOL = {VERIFIED: "✅", BUDGET_VERIFIED: "🔷", COMPILED: "🟡", NO: "❌"}
+_LABEL = {BUDGET_VERIFIED: "at-budget"}  # the matrix's text cells are 9 wide
 
 
 def _torch_state() -> dict:
@@ -93,7 +94,7 @@ def collect(device_desc: Optional[str] = None, selftest: bool = False) -> dict:
     torch_info = _torch_state()
     if device_desc is not None:
         key = device_desc.strip().lower()
-        devices = [] if key in ("cpu", "none") else [probe.fake_device(key)]
+        devices = [] if key in ("cpu", "none") else [probe.with_smem_cap(probe.fake_device(key))]
         no_gpu = "described host has no GPU" if not devices else None
     else:
         devices = probe.probe_devices()
@@ -136,6 +137,8 @@ def collect(device_desc: Optional[str] = None, selftest: bool = False) -> dict:
         "described_device": device_desc,
         "devices": [_device_dict(d) for d in devices],
         "no_gpu_reason": no_gpu,
+        "smem_cap": {"variable": smem_cap.ENV, "value": os.environ.get(smem_cap.ENV) or None,
+                     "bytes": smem_cap.cap_bytes(), "error": smem_cap.config_error() or None},
         "probe_notes": [] if device_desc is not None else probe.probe_notes(),
         "dispatch": {"priority": [b["name"] for b in backends], "forced": state.get("forced"), "error": state.get("error")},
         "backends": backends,
@@ -218,6 +221,14 @@ def render_text(r: dict) -> str:
         lines.append(f"(described device '{r['described_device']}': numbers from portattn's presets, not probed)")
     lines.append("")
 
+    cap = r.get("smem_cap") or {}
+    if cap.get("error"):
+        lines.append(f"{cap['error']} (every call raises this until it is fixed)")
+    elif cap.get("bytes"):
+        lines.append(f"{cap['variable']}={cap['value']}: NVIDIA GPUs are judged and launched with at most "
+                     f"{_size(cap['bytes'], 'KiB')} of shared memory per block")
+    if cap.get("error") or cap.get("bytes"):
+        lines.append("")
     if not r["devices"]:
         lines.append(f"No GPU found: {r['no_gpu_reason']}.")
         lines.append("portattn runs on the reference backend (pure PyTorch).")
@@ -226,11 +237,14 @@ def render_text(r: dict) -> str:
         known = "known" if a["known"] else f"not in portattn's arch table: {a['note']}"
         unit = "CUs" if d["vendor"] == "amd" else "SMs"
         smem = "LDS per workgroup" if d["vendor"] == "amd" else "shared memory opt-in per block"
+        own = d.get("smem_per_block_optin_uncapped")
+        budget = _size(d["smem_per_block_optin"], "KiB") + (
+            f" (capped by {smem_cap.ENV}; the device has {_size(own, 'KiB')})" if own else "")
         lines += [
             f"GPU {d['index']}: {d['name']} ({d['vendor']})",
             f"  arch      {a['name']}, family {a['family']} ({known})",
             f"  {unit:<9} {d['sm_count'] if d['sm_count'] is not None else 'unknown'}, warp size {d['warp_size'] or 'unknown'}",
-            f"  memory    {_size(d['total_memory'])}; {smem} {_size(d['smem_per_block_optin'], 'KiB')}",
+            f"  memory    {_size(d['total_memory'])}; {smem} {budget}",
             f"  versions  driver {d['driver_version'] or 'unknown'}, runtime {d['runtime_version'] or 'unknown'} (probed via {d['source']})",
         ]
     lines.append("")
@@ -273,9 +287,11 @@ def render_text(r: dict) -> str:
     lines.append(f"  {'feature':<{width}}  " + "".join(f"{n:<12}" for n in names))
     for row in r["matrix"]["rows"]:
         # An emoji is two columns wide: the symbol, a space, then the word padded to 9.
-        cells = "".join(f"{_SYMBOL[row['status'][n]]} {row['status'][n]:<9}" for n in names)
+        cells = "".join(f"{_SYMBOL[row['status'][n]]} {_LABEL.get(row['status'][n], row['status'][n]):<9}"
+                        for n in names)
         lines.append(f"  {row['title']:<{width}}  " + cells)
-    lines.append("  ✅ verified: GPU suite passed on this arch · 🟡 compiled: self-checked on first use · ❌ no: falls back")
+    lines.append("  ✅ verified: GPU suite passed on this arch · 🔷 at-budget: passed on other hardware at this "
+                 "arch's shared-memory budget · 🟡 compiled: self-checked on first use · ❌ no: falls back")
     if "selftest" in r:
         lines += ["", "Self-check", json.dumps(r["selftest"], indent=2, default=str)]
     return "\n".join(lines)

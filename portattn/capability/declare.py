@@ -8,6 +8,11 @@ Statuses (Note [support status]):
 - "verified": our GPU test suite passed on hardware of that exact arch
   (listed in `BackendSpec.verified`); "any" stands for every device, used by
   the pure-PyTorch reference backend that CI tests on CPU.
+- "verified-at-budget": the GPU suite passed on hardware of another arch run
+  with that arch's shared-memory budget (PORTATTN_MAX_SMEM_KIB, e.g. an H100 at
+  the 99 KiB of sm86/sm89): the same tile configurations, not the same machine
+  code or the same hardware (`BackendSpec.verified_at_budget`). selfcheck.py
+  still verifies it on first use, as it does "compiled".
 - "compiled": supported and built for the arch (or reachable through PTX JIT)
   but never run there by us; selfcheck.py verifies it on first use.
 - "no": not supported; dispatch falls back.
@@ -21,9 +26,10 @@ from .archs import ArchRange
 from .callspec import FEATURES
 
 VERIFIED = "verified"
+BUDGET_VERIFIED = "verified-at-budget"
 COMPILED = "compiled"
 NO = "no"
-STATUSES = (VERIFIED, COMPILED, NO)
+STATUSES = (VERIFIED, BUDGET_VERIFIED, COMPILED, NO)
 
 ANY_ARCH = "any"  # key of `verified` meaning every device, CPU included
 
@@ -44,6 +50,19 @@ class ResourceRule:
 
     def applies(self, features, head_dim: int) -> bool:
         return all(f in features for f in self.features) and head_dim > self.head_dim_above
+
+
+@dataclass(frozen=True)
+class BudgetVerification:
+    """The GPU suite passed on `hardware` (an arch name) run with PORTATTN_MAX_SMEM_KIB=`budget_kib`,
+    the opt-in shared memory per block of the parts of `archs`: it ran the tile configurations
+    those parts run, compiled for `hardware`. Status "verified-at-budget" on `archs`."""
+
+    archs: Tuple[str, ...]  # arch names whose parts offer budget_kib, e.g. ("sm86", "sm89", "sm120")
+    budget_kib: int
+    hardware: str  # the arch the suite ran on, e.g. "sm90"
+    features: frozenset
+    evidence: str = ""  # where the run's results are
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,8 @@ class BackendSpec:
     # an arch in no range has all of `supported`.
     arch_features: Tuple[Tuple[ArchRange, frozenset], ...] = ()
     verified: Mapping[str, frozenset] = field(default_factory=dict)  # arch name -> features passed on it
+    # Features that passed on other hardware at these archs' shared-memory budget (BudgetVerification).
+    verified_at_budget: Tuple[BudgetVerification, ...] = ()
     resource_rules: Tuple[ResourceRule, ...] = ()
     unsupported_notes: Mapping[str, str] = field(default_factory=dict)  # feature -> what happens instead
     # Supported in calls without a backward only: feature -> where training calls with it go.
@@ -101,6 +122,12 @@ class BackendSpec:
         beyond = {f for _, fs in self.arch_features for f in fs} - set(self.supported)
         if beyond:
             raise ValueError(f"{self.name}: arch_features beyond the supported set: {sorted(beyond)}")
+        budget_features = {f for b in self.verified_at_budget for f in b.features}
+        if budget_features - ALL_FEATURES:
+            raise ValueError(f"{self.name}: unknown feature names {sorted(budget_features - ALL_FEATURES)}")
+        if budget_features - set(self.supported):
+            raise ValueError(f"{self.name}: features verified at a budget but not declared supported: "
+                             f"{sorted(budget_features - set(self.supported))}")
         unsupported_verified = {f for fs in self.verified.values() for f in fs} - set(self.supported)
         if unsupported_verified:
             raise ValueError(f"{self.name}: features verified but not declared supported: {sorted(unsupported_verified)}")

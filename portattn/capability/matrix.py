@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .archs import Arch, ArchLike, format_ranges, parse_arch
 from .callspec import FEATURE_TITLES, FEATURES, CallSpec
-from .declare import ANY_ARCH, COMPILED, NO, VERIFIED, BackendSpec
+from .declare import ANY_ARCH, BUDGET_VERIFIED, COMPILED, NO, VERIFIED, BackendSpec
 from .probe import DeviceInfo
 
 # The one list of backends: specs/<module>.py each, in the order of the README table.
@@ -80,16 +80,25 @@ def arch_supported(spec: BackendSpec, arch: Optional[ArchLike]) -> bool:
 
 
 def feature_status(backend_name: str, arch: Optional[ArchLike]) -> Dict[str, str]:
-    """feature -> "verified" | "compiled" | "no" for `backend_name` on `arch` (None: CPU host)."""
+    """feature -> "verified" | "verified-at-budget" | "compiled" | "no" for `backend_name` on
+    `arch` (None: CPU host)."""
     spec = get_spec(backend_name)
     a = _as_arch(arch)
     if not arch_supported(spec, a):
         return {f: NO for f in FEATURES}
     passed = set(spec.verified.get(ANY_ARCH, ()))
+    at_budget = set()
     if a is not None:
         passed |= set(spec.verified.get(a.name, ()))
+        at_budget = {f for b in spec.verified_at_budget if a.name in b.archs for f in b.features}
     supported = spec.supported_on(a)
-    return {f: (NO if f not in supported else VERIFIED if f in passed else COMPILED) for f in FEATURES}
+
+    def status(f):
+        if f not in supported:
+            return NO
+        return VERIFIED if f in passed else BUDGET_VERIFIED if f in at_budget else COMPILED
+
+    return {f: status(f) for f in FEATURES}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,8 +199,8 @@ def _check_resources(spec: BackendSpec, device: Optional[DeviceInfo], call: Call
         if have < rule.min_smem_optin:
             what = " + ".join(rule.features)
             reasons.append(
-                f"{what} with head_dim {head_dim} > {rule.head_dim_above} needs {_kib(rule.min_smem_optin)} "
-                f"of opt-in shared memory per block ({rule.why}); {device.name} has {_kib(have)}"
+                f"{what}{_above(rule, head_dim)} needs {_kib(rule.min_smem_optin)} "
+                f"of opt-in shared memory per block ({rule.why}); {_has(device)}"
             )
     for feature, per_head_dim in budgets.items():
         table = {int(d): int(n) for d, n in per_head_dim.items()}
@@ -199,9 +208,21 @@ def _check_resources(spec: BackendSpec, device: Optional[DeviceInfo], call: Call
         if call.uses(feature) and served is not None and table[served] > have:
             reasons.append(
                 f"{feature} with head_dim {head_dim} needs {_kib(table[served])} of opt-in shared memory per "
-                f"block (this build's smallest tile for head dim {served}); {device.name} has {_kib(have)}"
+                f"block (this build's smallest tile for head dim {served}); {_has(device)}"
             )
     return reasons
+
+
+def _above(rule, head_dim: int) -> str:
+    return f" with head_dim {head_dim} > {rule.head_dim_above}" if rule.head_dim_above > 0 else ""
+
+
+def _has(device: DeviceInfo) -> str:
+    """"NVIDIA L4 has 99 KiB", or under PORTATTN_MAX_SMEM_KIB what the cap leaves of the device's own."""
+    if device.smem_per_block_optin_uncapped is not None:
+        return (f"PORTATTN_MAX_SMEM_KIB leaves {_kib(device.smem_per_block_optin)} of {device.name}'s "
+                f"{_kib(device.smem_per_block_optin_uncapped)}")
+    return f"{device.name} has {_kib(device.smem_per_block_optin)}"
 
 
 def _served_head_dim(built, head_dim: int) -> Optional[int]:

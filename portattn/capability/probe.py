@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
+from . import smem_cap
 from .archs import Arch, amd_arch, nvidia_arch, parse_arch
 
 
@@ -35,6 +36,9 @@ class DeviceInfo:
     driver_version: Optional[str]
     runtime_version: Optional[str]
     source: str  # "torch" | "libcuda" | "hip" | "nvidia-smi" | "rocminfo" | "fake"
+    # The device's own opt-in limit where PORTATTN_MAX_SMEM_KIB lowered smem_per_block_optin
+    # (capability/smem_cap.py), else None.
+    smem_per_block_optin_uncapped: Optional[int] = None
 
 
 _notes: List[str] = []
@@ -75,8 +79,29 @@ def device_info(index: Optional[int] = None) -> Optional[DeviceInfo]:
 
 
 def probe_devices(prefer_torch: bool = True) -> List[DeviceInfo]:
-    """Every visible GPU, or [] (never raises). See `probe_notes()` for why."""
+    """Every visible GPU, or [] (never raises). See `probe_notes()` for why. NVIDIA GPUs report
+    the shared-memory budget PORTATTN_MAX_SMEM_KIB leaves them (`with_smem_cap`)."""
     _notes.clear()
+    devices = _probe_devices(prefer_torch)
+    error = smem_cap.config_error()
+    if error and devices:
+        _notes.append(f"{error}; the devices' own limits are shown")
+    return [with_smem_cap(d) for d in devices]
+
+
+def with_smem_cap(device: DeviceInfo, cap: Optional[int] = None) -> DeviceInfo:
+    """`device` with the shared-memory budget of PORTATTN_MAX_SMEM_KIB (or `cap` bytes):
+    smem_per_block_optin lowered to it, the device's own limit kept beside it."""
+    cap = smem_cap.cap_bytes() if cap is None else cap
+    own = device.smem_per_block_optin_uncapped or device.smem_per_block_optin
+    budget = smem_cap.capped(own, device.vendor, cap)
+    if budget == device.smem_per_block_optin:
+        return device
+    return replace(device, smem_per_block_optin=budget,
+                   smem_per_block_optin_uncapped=own if budget != own else None)
+
+
+def _probe_devices(prefer_torch: bool) -> List[DeviceInfo]:
     steps = []
     if prefer_torch:
         steps.append(_probe_torch)

@@ -12,12 +12,23 @@ from typing import Optional
 
 import torch
 
+from ...capability import smem_cap
 from ...capability.callspec import CallSpec
 from ..abi import load_extension
 from ..compiled import CompiledBackend
 
 # Not built (no nvcc at install time), or built for another Python: a reason, not an error.
 _C, _IMPORT_ERROR = load_extension(__name__, "CUDA")
+
+# PORTATTN_MAX_SMEM_KIB caps every launch of the module (Note [portattn smem budget] in
+# csrc/smem_budget.h), set here, once, before any launch. An invalid value leaves the module
+# uncapped: dispatch then refuses every call with the variable's error (dispatch.py).
+if _C is not None:
+    if hasattr(_C, "set_smem_cap"):
+        _C.set_smem_cap(smem_cap.cap_bytes() or 0)
+    elif smem_cap.cap_bytes() is not None:
+        _C, _IMPORT_ERROR = None, (f"{smem_cap.ENV} is set but this build of the CUDA module cannot cap its "
+                                   f"launches (it predates the variable): rebuild it")
 
 
 class CudaBackend(CompiledBackend):

@@ -23,14 +23,43 @@ VERIFIED = {
                        "decode", "paged_kv"}),
 }
 
-# Shared memory per block that the forward tiles need above 192 (measured from
-# the kernels' own budget functions, portattn_cuda_fwd_smem_bytes: 96 KiB at
-# hd192, 112 KiB at hd224, 128 KiB at hd256). Parts with 99 KiB of opt-in
-# shared memory (sm86, sm89, sm120) run those head dims on another backend.
-# The backward needs at most 88.5 KiB at any head dim (every sm80+ part has it),
-# so it needs no rule. With the module built, its build_config()["smem_bytes"]
-# gives the exact per-head-dim numbers and takes precedence over these.
-FWD_HEADDIM_SMEM = ((192, 112 * 1024), (224, 128 * 1024))
+# Features whose GPU suite passed on one arch's hardware under another part's shared-memory
+# budget (PORTATTN_MAX_SMEM_KIB, capability/smem_cap.py): the tile configurations those parts
+# run, compiled for the hardware's arch. Status "verified-at-budget" on the parts' archs
+# (Note [support status] in declare.py); a part's own arch still self-checks on first use.
+# Add an entry only after tests/gpu ran green under that cap, e.g. on an H100 with
+# PORTATTN_MAX_SMEM_KIB=99: BudgetVerification(archs=("sm86", "sm89", "sm120"), budget_kib=99,
+# hardware="sm90", features=<the features that passed>, evidence=<the run's summary>).
+VERIFIED_AT_BUDGET = ()
+
+# Opt-in shared memory per block (bytes) of the smallest tile of each kernel family per
+# instantiated head dim: the numbers the kernels' own budgets give (fwd_kernel.cuh
+# FwdConfigsFor, bwd_launch.cuh BwdConfigsFor, decode_kernel.cuh DecodeTileConfig; a built
+# module reports them in build_config()["smem_bytes"], which takes precedence, and
+# tests/test_smem_cap.py checks these against it). Every sm80+ part offers 99 KiB or more, so
+# none of them falls back: the largest need is 96 KiB (the forward at 192 and 256, where 256 runs
+# the 64 x 64 tile on 99 KiB parts, and the decode kernels); the backward's is 88.5 KiB (96, 160).
+# A smaller budget (PORTATTN_MAX_SMEM_KIB) sends what does not fit to another backend.
+_KIB = 1024
+SMEM_BYTES = {
+    "forward": {32: 24 * _KIB, 64: 48 * _KIB, 96: 48 * _KIB, 128: 64 * _KIB, 160: 80 * _KIB,
+                192: 96 * _KIB, 224: 84 * _KIB, 256: 96 * _KIB},
+    "backward": {32: 50176, 64: 82944, 96: 90624, 128: 74240, 160: 90624, 192: 78080, 224: 90368,
+                 256: 85248},
+    "decode": {32: 48 * _KIB, 64: 96 * _KIB, 96: 72 * _KIB, 128: 96 * _KIB, 160: 60 * _KIB,
+               192: 72 * _KIB, 224: 84 * _KIB, 256: 96 * _KIB},
+}
+_WHY = {"forward": "the forward's smallest tile", "backward": "the backward's smallest tile",
+        "decode": "the decode kernel's stages"}
+
+
+def _steps(feature):
+    """One rule per instantiated head dim: a call is served by the smallest one >= its own."""
+    dims = sorted(SMEM_BYTES[feature])
+    return tuple(ResourceRule(features=(feature,), head_dim_above=above, min_smem_optin=SMEM_BYTES[feature][dim],
+                              why=f"{_WHY[feature]} at head dim {dim}")
+                 for above, dim in zip([0] + dims[:-1], dims))
+
 
 SPEC = BackendSpec(
     name="cuda",
@@ -44,15 +73,8 @@ SPEC = BackendSpec(
     head_dim_max=256,
     supported=SUPPORTED,
     verified=VERIFIED,
-    resource_rules=tuple(
-        ResourceRule(
-            features=("forward",),
-            head_dim_above=above,
-            min_smem_optin=need,
-            why="forward tiles for large head dims",
-        )
-        for above, need in FWD_HEADDIM_SMEM
-    ),
+    verified_at_budget=VERIFIED_AT_BUDGET,
+    resource_rules=tuple(rule for feature in SMEM_BYTES for rule in _steps(feature)),
     unsupported_notes={},
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="install with nvcc available (CUDA_HOME) to build it",

@@ -6,7 +6,7 @@ Dispatch tries it before the sm80+ path; every call it does not declare here
 for sm_90a only: wgmma and setmaxnreg are arch-specific, so no newer GPU runs it.
 """
 from ..archs import ArchRange
-from ..declare import BackendSpec
+from ..declare import BackendSpec, ResourceRule
 
 SUPPORTED = frozenset({"forward", "backward", "deterministic_backward", "causal", "gqa", "window", "softcap",
                        "varlen"})
@@ -53,6 +53,12 @@ SPEC = BackendSpec(
     head_dims=(64, 96, 128, 192, 256),
     supported=SUPPORTED,
     verified=VERIFIED,
+    # Every sm90 part offers 227 KiB per block, and the Hopper tiles, stages and schedules are
+    # sized for it (hopper_fwd_kernel.cuh / hopper_bwd_kernel.cuh: kSmemLimit). Only a budget
+    # lowered by PORTATTN_MAX_SMEM_KIB is smaller: those calls then run on the sm80+ path, as
+    # on the part whose budget it stands for.
+    resource_rules=(ResourceRule(features=("forward",), head_dim_above=0, min_smem_optin=227 * 1024,
+                                 why="the Hopper kernels are sized for sm90's full budget"),),
     unsupported_notes={
         "alibi": "runs on the sm80+ path (cuda)",
         "dropout": "runs on the sm80+ path (cuda)",

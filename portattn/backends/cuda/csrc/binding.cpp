@@ -200,9 +200,15 @@ py::dict build_config() {
   config["head_dims"] = head_dims;
   config["dtypes"] = dtypes;
   py::dict budgets = smem_budgets(head_dims);
-  py::dict forward;
-  for (py::handle hd : head_dims) forward[hd] = portattn_cuda_fwd_smem_bytes(hd.cast<int>());
+  py::dict forward, decode;
+  for (py::handle hd : head_dims) {
+    forward[hd] = portattn_cuda_fwd_smem_bytes(hd.cast<int>());
+    int stage_keys = -1, threads = -1, smem_bytes = -1;
+    portattn_cuda_decode_tile(hd.cast<int>(), &stage_keys, &threads, &smem_bytes);
+    if (smem_bytes > 0) decode[hd] = smem_bytes;
+  }
   budgets["forward"] = forward;
+  if (py::len(decode) > 0) budgets["decode"] = decode;
   config["smem_bytes"] = budgets;
 #ifdef PORTATTN_WITH_HOPPER
   // The sm_90a path (dispatch's "cuda-sm90" backend): its own head dims and dtypes.
@@ -253,6 +259,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("hopper_fwd", &hopper_fwd,
         "unverified sm_90a forward (TMA + wgmma), fwd()'s arguments; not used by dispatch");
 #endif
+  m.def("set_smem_cap", &portattn_cuda_set_smem_cap, py::arg("bytes"),
+        "cap every launch's shared memory per block at this many bytes (0: the device's limit); "
+        "portattn sets it from PORTATTN_MAX_SMEM_KIB when it loads the module");
+  m.def("smem_cap", &portattn_cuda_smem_cap, "the cap set_smem_cap() set, in bytes (0: none)");
   m.def("build_config", &build_config,
         "what this build contains: {'archs', 'ptx', 'head_dims', 'dtypes'}");
   // ---- backward ----

@@ -41,13 +41,6 @@ int det_splits(const PortattnFwdParams& f) {
   return static_cast<int>(splits < 1 ? 1 : splits);
 }
 
-template <int kHeadDim, class... Cfgs>
-int min_smem(BwdCandidates<Cfgs...>) {
-  int best = 1 << 30;
-  for (int bytes : {Cfgs::kSmemBytes...}) best = bytes < best ? bytes : best;
-  return best;
-}
-
 }  // namespace
 
 BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_dq, int acc_head_dim) {
@@ -165,14 +158,14 @@ extern "C" long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdP
 // matrix compares with a device's opt-in limit.
 extern "C" int portattn_cuda_bwd_smem_bytes(int head_dim) {
   switch (head_dim) {
-    case 32: return min_smem<32>(BwdConfigsFor<32>::type{});
-    case 64: return min_smem<64>(BwdConfigsFor<64>::type{});
-    case 96: return min_smem<96>(BwdConfigsFor<96>::type{});
-    case 128: return min_smem<128>(BwdConfigsFor<128>::type{});
-    case 160: return min_smem<160>(BwdConfigsFor<160>::type{});
-    case 192: return min_smem<192>(BwdConfigsFor<192>::type{});
-    case 224: return min_smem<224>(BwdConfigsFor<224>::type{});
-    case 256: return min_smem<256>(BwdConfigsFor<256>::type{});
+    case 32: return min_smem_bytes(BwdConfigsFor<32>::type{});
+    case 64: return min_smem_bytes(BwdConfigsFor<64>::type{});
+    case 96: return min_smem_bytes(BwdConfigsFor<96>::type{});
+    case 128: return min_smem_bytes(BwdConfigsFor<128>::type{});
+    case 160: return min_smem_bytes(BwdConfigsFor<160>::type{});
+    case 192: return min_smem_bytes(BwdConfigsFor<192>::type{});
+    case 224: return min_smem_bytes(BwdConfigsFor<224>::type{});
+    case 256: return min_smem_bytes(BwdConfigsFor<256>::type{});
     default: return -1;
   }
 }

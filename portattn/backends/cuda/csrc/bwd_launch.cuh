@@ -15,8 +15,9 @@ namespace cuda {
 // ---- block shapes ------------------------------------------------------------------
 //
 // Candidates per head dim, fastest first; the first whose shared memory fits
-// the device's opt-in limit (read from the device, never assumed from the
-// arch) runs. Budgets (bytes, kStages x Q/dO buffers included):
+// the budget (the device's opt-in limit, read from the device, never assumed
+// from the arch, lowered by PORTATTN_MAX_SMEM_KIB: Note [portattn smem budget])
+// runs (with_first_fitting, smem_budget.h). Budgets (bytes, kStages x Q/dO buffers included):
 //   hd 32   128x64x2   49 KB   fits every sm80+ part
 //   hd 64   128x64x2   81 KB   fits sm86/sm89 (99 KB)
 //   hd 96   128x64x2  113 KB   sm80/sm90;   128x64x1  89 KB elsewhere
@@ -40,7 +41,7 @@ namespace cuda {
 // more barrier: 4-20% slower), 64-key CTAs at 2 per SM (3-7% slower),
 // 128x128 blocks at hd 64 (spills inside the main loop).
 template <class... Cfgs>
-struct BwdCandidates {};
+using BwdCandidates = TileCandidates<Cfgs...>;
 
 template <int kHeadDim>
 struct BwdConfigsFor;
@@ -127,19 +128,16 @@ cudaError_t launch_bwd_main(const BwdArgs& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename Elem, class Cfg, class... Rest>
-cudaError_t launch_first_fitting(const BwdArgs& args, int smem_optin, cudaStream_t stream,
-                                 BwdCandidates<Cfg, Rest...>) {
-  if constexpr (sizeof...(Rest) > 0) {
-    if (Cfg::kSmemBytes > smem_optin)
-      return launch_first_fitting<Elem>(args, smem_optin, stream, BwdCandidates<Rest...>{});
-  }
-  // The last candidate runs regardless; ensure_dynamic_smem reports a clear
-  // error if even it does not fit.
+// The candidate fitting `budget`; the last one runs regardless, and ensure_dynamic_smem
+// reports a clear error if even it does not fit.
+template <int kHeadDim, typename Elem>
+cudaError_t launch_first_fitting(const BwdArgs& args, int budget, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   const bool extras = f.softcap > 0.f || f.alibi_slopes != nullptr || f.dropout_p > 0.f;
-  return extras ? launch_bwd_main<Cfg, Elem, true>(args, stream)
-                : launch_bwd_main<Cfg, Elem, false>(args, stream);
+  return with_first_fitting(budget, typename BwdConfigsFor<kHeadDim>::type{}, [&](auto config) {
+    using Cfg = decltype(config);
+    return extras ? launch_bwd_main<Cfg, Elem, true>(args, stream) : launch_bwd_main<Cfg, Elem, false>(args, stream);
+  });
 }
 
 // The launch sequence of Note [portattn cuda backward] around a main-kernel
@@ -199,12 +197,10 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main,
 template <int kHeadDim, typename Elem>
 cudaError_t run_bwd(const PortattnBwdParams& params) {
   return run_bwd_sequence<Elem>(params, [](const BwdArgs& args, cudaStream_t stream) {
-    int device = 0, smem_optin = 0;
-    cudaError_t err = cudaGetDevice(&device);
+    int budget = 0;
+    const cudaError_t err = smem_budget(&budget);
     if (err != cudaSuccess) return err;
-    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (err != cudaSuccess) return err;
-    return launch_first_fitting<Elem>(args, smem_optin, stream, typename BwdConfigsFor<kHeadDim>::type{});
+    return launch_first_fitting<kHeadDim, Elem>(args, budget, stream);
   });
 }
 

@@ -11,4 +11,7 @@ const char* portattn_cuda_build_ptx();
 int portattn_cuda_num_fwd_variants();
 void portattn_cuda_fwd_variant(int index, int* head_dim, int* dtype);
 int portattn_cuda_fwd_smem_bytes(int head_dim);
+// The cap on every launch's shared memory per block, in bytes (0: none); Note [portattn smem budget].
+void portattn_cuda_set_smem_cap(int bytes);
+int portattn_cuda_smem_cap();
 }

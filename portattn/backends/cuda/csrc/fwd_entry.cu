@@ -3,6 +3,7 @@
 // version while this library is not (see build.py).
 #include <stdio.h>
 
+#include <atomic>
 #include <mutex>
 
 #include "fwd_kernel.cuh"
@@ -20,23 +21,48 @@ const char* last_error_detail() { return g_detail; }
 
 void set_error_detail(const char* text) { snprintf(g_detail, sizeof(g_detail), "%s", text); }
 
-cudaError_t ensure_dynamic_smem(const void* kernel, int bytes, SmemOptInState* state) {
+namespace {
+std::atomic<int> g_smem_cap{0};
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_device_optin[kMaxDevices];  // 0: not read yet
+}  // namespace
+
+void set_smem_cap_bytes(int bytes) { g_smem_cap.store(bytes > 0 ? bytes : 0, std::memory_order_relaxed); }
+int smem_cap_bytes() { return g_smem_cap.load(std::memory_order_relaxed); }
+
+cudaError_t smem_budget(int* bytes) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const unsigned long long bit = device < 64 ? (1ull << device) : 0ull;
-  if (bit != 0 && (__atomic_load_n(&state->done_devices, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
-  int optin = 0;
-  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  int optin = device >= 0 && device < kMaxDevices ? g_device_optin[device].load(std::memory_order_relaxed) : 0;
+  if (optin == 0) {
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return err;
+    if (device >= 0 && device < kMaxDevices) g_device_optin[device].store(optin, std::memory_order_relaxed);
+  }
+  const int cap = smem_cap_bytes();
+  *bytes = cap > 0 && cap < optin ? cap : optin;
+  return cudaSuccess;
+}
+
+cudaError_t ensure_dynamic_smem(const void* kernel, int bytes, SmemOptInState* state) {
+  int budget = 0;
+  cudaError_t err = smem_budget(&budget);
   if (err != cudaSuccess) return err;
-  if (bytes > optin) {
+  if (bytes > budget) {
     char text[256];
+    const int cap = smem_cap_bytes();
     snprintf(text, sizeof(text),
-             "this kernel needs %d bytes of shared memory per block; device %d allows %d", bytes,
-             device, optin);
+             "this kernel needs %d bytes of shared memory per block; the budget is %d%s", bytes, budget,
+             cap > 0 && cap == budget ? " (capped by PORTATTN_MAX_SMEM_KIB)" : " (the device's opt-in limit)");
     set_error_detail(text);
     return cudaErrorInvalidConfiguration;
   }
+  int device = 0;
+  err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const unsigned long long bit = device < 64 ? (1ull << device) : 0ull;
+  if (bit != 0 && (__atomic_load_n(&state->done_devices, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
   std::lock_guard<std::mutex> lock(g_smem_mutex);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess && bit != 0) __atomic_fetch_or(&state->done_devices, bit, __ATOMIC_RELEASE);
@@ -63,13 +89,14 @@ bool row_stride_fits(const PortattnTensor4& s) { return s.row_stride < kMaxRowSt
 
 namespace {
 
-// Shared memory of the forward tile for an instantiable head dim (multiple of 32).
+// The least shared memory of the forward tiles of an instantiable head dim (multiple of
+// 32): its smallest candidate (FwdConfigsFor).
 template <int kHeadDim = 32>
 int fwd_smem_bytes_of(int head_dim) {
   if constexpr (kHeadDim > 256) {
     return -1;
   } else {
-    return head_dim == kHeadDim ? FwdKernelTraits<kHeadDim, __half>::kSmemBytes
+    return head_dim == kHeadDim ? min_smem_bytes(typename FwdConfigsFor<kHeadDim>::type{})
                                 : fwd_smem_bytes_of<kHeadDim + 32>(head_dim);
   }
 }
@@ -80,10 +107,9 @@ int fwd_smem_bytes_of(int head_dim) {
 
 using namespace portattn::cuda;
 
-// Bytes of dynamic shared memory the forward kernel serving `head_dim` needs
+// Bytes of dynamic shared memory the smallest forward tile serving `head_dim` needs
 // (the same for both dtypes), or -1 when no built variant serves it. The
-// support matrix compares it with the device's opt-in limit (sm86/sm89 allow
-// 99 KB, less than head dims 224 and 256 need).
+// support matrix compares it with the budget (the device's opt-in limit, or the cap).
 extern "C" int portattn_cuda_fwd_smem_bytes(int head_dim) {
   const Variant<FwdFn>* variant = find_variant(kFwdVariants, kNumFwdVariants, head_dim, PORTATTN_FP16);
   if (variant == nullptr) variant = find_variant(kFwdVariants, kNumFwdVariants, head_dim, PORTATTN_BF16);
@@ -123,6 +149,10 @@ extern "C" int portattn_cuda_fwd(const PortattnFwdParams* params, char* message,
   }
   return 0;
 }
+
+// Note [portattn smem budget]: PORTATTN_MAX_SMEM_KIB, parsed by Python, in bytes (0: no cap).
+extern "C" void portattn_cuda_set_smem_cap(int bytes) { set_smem_cap_bytes(bytes); }
+extern "C" int portattn_cuda_smem_cap() { return smem_cap_bytes(); }
 
 extern "C" const char* portattn_cuda_build_archs() { return kBuildArchs; }
 extern "C" const char* portattn_cuda_build_ptx() { return kBuildPtx; }

@@ -10,6 +10,10 @@
 //     kBlockN = 128 for head dim <= 64, else 64 (S and O must fit in 255 regs;
 //     sm_90: 255 registers, no spills at 96/128, 60-68 B at 32/64).
 //   head dim > 128: 8 warps of 16 rows: O alone is head_dim / 2 fp32 registers.
+//     Where that 128-row tile does not fit the shared-memory budget (head dims
+//     224/256 on the 99 KiB parts), the narrow shape's 64 x 64 tile with 4 warps
+//     of 16 rows runs instead: the same registers a thread, half the rows a CTA
+//     (FwdConfigsFor below; Note [portattn smem budget] in smem_budget.h).
 //   Short sequences at head dim <= 64: 64 x 64 tiles, four CTAs an SM (Note
 //   [portattn sm80 narrow tiles]; fwd_launch.cuh decides when).
 //   The online softmax rescales O lazily (Note [portattn lazy rescale] in
@@ -38,12 +42,15 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "../../common/block_range.h"
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/philox.h"
 #include "../../common/seq_bounds.h"
 #include "ptx.cuh"
+#include "smem_budget.h"
 
 namespace portattn {
 namespace cuda {
@@ -61,12 +68,15 @@ namespace cuda {
 // instead of 128 x 128. Measurements: docs/kernels-sm80.md.
 // It gives up what the wide shape is for (one K/V fragment read feeding two
 // mma's): long sequences keep the wide shape.
+// Above head dim 128 the narrow shape is the small-budget tile instead (64 x 64, 4
+// warps: FlashAttention-2's choice for head dim 256 on sm86/sm89): a thread holds
+// what it holds in the 8-warp wide tile (16 rows, 64 keys), so its registers are the
+// same; it runs where the wide tile does not fit (FwdConfigsFor), whatever the length.
 template <int kHeadDim_, bool kNarrow_ = false>
 struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kNarrow = kNarrow_;
-  static_assert(!kNarrow || kHeadDim <= 128, "the narrow shape is for head dims <= 128");
-  static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
+  static constexpr int kWarps = (kHeadDim <= 128 || kNarrow) ? 4 : 8;
   static constexpr int kMTiles = (kHeadDim <= 128 && !kNarrow) ? 2 : 1;  // m16 tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;
   // Head dim 64 at kBlockN = 64 measures within noise of 128 on the H100
@@ -79,7 +89,16 @@ struct FwdTileConfig {
   // at 64 (128 registers; five spill 52-72 B) and three at 96-128 (168, 0
   // spills): measured on an H100, five against four at hd16/32 +13-16% from
   // 100 rows (archive:2026-11-26-49058fb/summary.md), at hd64 -10% to +4%.
-  static constexpr int kMinBlocksPerSm = kNarrow ? (kHeadDim <= 32 ? 5 : kHeadDim <= 64 ? 4 : 3) : (kWarps == 4 ? 2 : 1);
+  // Above head dim 128 the narrow tile needs all 255 registers (O alone is 64-128) and
+  // 84-96 KiB of shared memory: one CTA an SM.
+  static constexpr int kMinBlocksPerSm =
+      kNarrow ? (kHeadDim <= 32 ? 5 : kHeadDim <= 64 ? 4 : kHeadDim <= 128 ? 3 : 1) : (kWarps == 4 ? 2 : 1);
+  // The first key block's V requested with Q and K (Note [portattn sm80 narrow tiles]):
+  // for the short-sequence tiles only; the small-budget tiles run long sequences, where it
+  // buys nothing and its addresses cost registers.
+  static constexpr bool kEarlyV = kNarrow && kHeadDim <= 128;
+  // Q + K + V, 16-bit elements (FwdKernelTraits checks it against its tiles).
+  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
   static_assert(kBlockN / 4 <= 32, "dropout keep bits of one row fit one 32-bit word");
 };
@@ -90,11 +109,30 @@ struct FwdKernelTraits : FwdTileConfig<kHeadDim, kNarrow> {
   using QTile = ptx::SwizzledTile<Config::kBlockM, kHeadDim>;
   using KVTile = ptx::SwizzledTile<Config::kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = QTile::kBytes + 2 * KVTile::kBytes;
+  static_assert(kSmemBytes == Config::kSmemBytes, "the candidates' budget is the kernel's");
   // Per-thread register tiles: two rows (g, g + 8) per m16 tile; two columns
   // per n8 tile.
   static constexpr int kRows = Config::kMTiles * 2;
   static constexpr int kSCols = Config::kBlockN / 4;
   static constexpr int kOCols = kHeadDim / 4;
+};
+
+// The forward's tile candidates per head dim, fastest first (with_first_fitting in
+// smem_budget.h picks by the budget; the short-sequence choice of the narrow shape at head
+// dims <= 128 is narrow_pays' in fwd_launch.cuh, not a budget matter). Shared memory (bytes,
+// Q + K + V):
+//   hd 32-128  wide 128 x 128 / 128 x 64, 4 warps      24-64 KiB   every sm80+ part
+//   hd 160     wide 128 x 64, 8 warps                  80 KiB      every sm80+ part
+//   hd 192     wide 128 x 64, 8 warps                  96 KiB      every sm80+ part
+//   hd 224     wide 128 x 64, 8 warps / narrow 64 x 64, 4 warps   112 / 84 KiB
+//   hd 256     wide 128 x 64, 8 warps / narrow 64 x 64, 4 warps   128 / 96 KiB
+// so the 99 KiB parts (sm86, sm89, sm120) run the narrow tile at 224 and 256, A100 (163 KiB)
+// and H100 (227 KiB) the wide one.
+template <int kHeadDim>
+struct FwdConfigsFor {
+  using type = typename std::conditional<
+      (kHeadDim > 192), TileCandidates<FwdTileConfig<kHeadDim, false>, FwdTileConfig<kHeadDim, true>>,
+      TileCandidates<FwdTileConfig<kHeadDim, false>>>::type;
 };
 
 // acc[2 mt .. 2 mt + 1][4 n16 .. 4 n16 + 3] += A(mt) * B, for the two n8 tiles
@@ -121,14 +159,24 @@ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2);
 // step. Threads are laid out over a power-of-two number of chunks per row
 // (head dims 96/160/224 leave some threads idle) so that each step covers a
 // multiple of 8 rows: the swizzle bits of a thread then never change, and
-// the shared-memory address advances by a constant.
+// the shared-memory address advances by a constant. Where a row has more
+// chunks than a step's lanes can take at 8 rows a step (head dims 224/256 with
+// 4 warps), each thread also steps across the row by whole swizzle panels,
+// which again moves its shared-memory address by a constant.
 template <class Tile, int kThreads>
 struct TileLoader {
-  static constexpr int kLanesPerRow = next_pow2(Tile::kChunksPerRow);
+  static constexpr int kLanesPerRow =
+      next_pow2(Tile::kChunksPerRow) < kThreads / 8 ? next_pow2(Tile::kChunksPerRow) : kThreads / 8;
   static constexpr int kRowsPerStep = kThreads / kLanesPerRow;
   static constexpr int kRows = Tile::kChunks / Tile::kChunksPerRow;
   static constexpr int kSteps = kRows / kRowsPerStep;
+  static constexpr int kColSteps = (Tile::kChunksPerRow + kLanesPerRow - 1) / kLanesPerRow;
+  static constexpr int kColStepElems = kLanesPerRow * 8;
   static_assert(kRowsPerStep % 8 == 0 && kRows % kRowsPerStep == 0, "loader layout");
+  static_assert(kColSteps == 1 || kColStepElems % Tile::kPanel == 0, "column steps are whole panels");
+  // Shared-memory distance of one column step: whole panels, each kRows rows of one panel row.
+  static constexpr uint32_t kColStepBytes =
+      static_cast<uint32_t>(kColStepElems / Tile::kPanel) * kRows * Tile::kPanelRowBytes;
 
   int row0, col;
   uint32_t smem_lane;
@@ -144,17 +192,22 @@ struct TileLoader {
   __device__ __forceinline__ void load(uint32_t smem, const Elem* base, int64_t row_stride,
                                        int valid_rows, int headdim) const {
     if (col >= Tile::kChunksPerRow * 8) return;
-    const bool col_ok = col < headdim;
-    const Elem* src = base + row0 * row_stride + col;
     // 32-bit step offsets (the host guarantees kBlockN * row_stride < 2^31):
     // the unrolled steps' offsets stay live across the key loop, and 64-bit
     // ones pushed the 4-warp configs past 255 registers.
     const int step_stride = kRowsPerStep * static_cast<int>(row_stride);
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
-      const bool valid = col_ok && row0 + step * kRowsPerStep < valid_rows;
-      ptx::cp_async_16(smem + smem_lane + step * kRowsPerStep * Tile::kPanelRowBytes,
-                       valid ? src + step * step_stride : base, valid);
+    for (int cs = 0; cs < kColSteps; ++cs) {
+      const int c = col + cs * kColStepElems;
+      if (kColSteps > 1 && c >= Tile::kChunksPerRow * 8) continue;  // past the tile's width
+      const bool col_ok = c < headdim;
+      const Elem* src = base + row0 * row_stride + c;
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+        const bool valid = col_ok && row0 + step * kRowsPerStep < valid_rows;
+        ptx::cp_async_16(smem + smem_lane + cs * kColStepBytes + step * kRowsPerStep * Tile::kPanelRowBytes,
+                         valid ? src + step * step_stride : base, valid);
+      }
     }
   }
 };
@@ -258,7 +311,7 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim, kNarrow>::kThreads,
     {
       const int n0 = (n_block_end - 1) * kBlockN;
       kv_loader.load(sK, gK + n0 * k_row_stride, k_row_stride, seqlen_k - n0, headdim);
-      if constexpr (kNarrow) {
+      if constexpr (Traits::kEarlyV) {
         ptx::cp_async_commit();
         kv_loader.load(sV, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, headdim);
       }
@@ -267,7 +320,7 @@ __global__ void __launch_bounds__(FwdTileConfig<kHeadDim, kNarrow>::kThreads,
 
     for (int n_block = n_block_end - 1; n_block >= n_block_begin; --n_block) {
       const int n0 = n_block * kBlockN;
-      if (kNarrow && n_block == n_block_end - 1) {
+      if (Traits::kEarlyV && n_block == n_block_end - 1) {
         ptx::cp_async_wait<1>();
         __syncthreads();  // Q and K(n) visible to all warps (V(n) may still be in flight)
       } else {

@@ -78,12 +78,21 @@ inline bool narrow_pays(const PortattnFwdParams& params) {
   return 8 * narrow_area <= 7 * wide_area;
 }
 
+// Short sequences first (narrow_pays), then the budget: the first of the head dim's
+// candidates (FwdConfigsFor, fwd_kernel.cuh) that fits smem_budget() (Note [portattn smem
+// budget]), so a 99 KiB part, or any GPU under PORTATTN_MAX_SMEM_KIB=99, runs the narrow
+// tile at head dims 224 and 256.
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_fwd_shape(const PortattnFwdParams& params) {
   if constexpr (kHeadDim <= kNarrowMaxHeadDim) {
     if (narrow_pays<kHeadDim>(params)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
   }
-  return launch_fwd<kHeadDim, Elem, kExtras, false>(params);
+  int budget = 0;
+  const cudaError_t err = smem_budget(&budget);
+  if (err != cudaSuccess) return err;
+  return with_first_fitting(budget, typename FwdConfigsFor<kHeadDim>::type{}, [&](auto config) {
+    return launch_fwd<kHeadDim, Elem, kExtras, decltype(config)::kNarrow>(params);
+  });
 }
 
 template <int kHeadDim, typename Elem>

@@ -20,6 +20,7 @@
 
 #include "../../common/params.h"
 #include "c_api.h"
+#include "smem_budget.h"
 
 namespace portattn {
 namespace cuda {
@@ -111,10 +112,10 @@ void describe_variants(const Variant<Fn>* table, int count, char* text, int text
                      dtype_name(table[i].dtype));
 }
 
-// Raises a kernel's dynamic shared-memory limit once per device. The device's
-// opt-in maximum is read, not assumed from the arch (sm80: 163 KB, sm86/89:
-// 99 KB, sm90: 227 KB); a kernel that needs more reports an error whose text
-// `last_error_detail()` returns.
+// Raises a kernel's dynamic shared-memory limit once per device. A kernel that
+// needs more than smem_budget() (the device's opt-in maximum, read rather than
+// assumed from the arch, lowered by the cap: Note [portattn smem budget])
+// reports an error whose text `last_error_detail()` returns, on every launch.
 struct SmemOptInState {
   unsigned long long done_devices;  // bit d: attribute already raised on device d
 };
