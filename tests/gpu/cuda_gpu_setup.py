@@ -33,6 +33,10 @@ def skip_unless_hopper(symbol):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"the Hopper kernels are built for sm_90a only; this GPU is sm_"
                     f"{''.join(map(str, torch.cuda.get_device_capability()))}", allow_module_level=True)
+    own = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0)
+    if 0 < cuda_backend._C.smem_cap() < own:
+        pytest.skip(f"PORTATTN_MAX_SMEM_KIB caps shared memory below this GPU's {own // 1024} KiB, which the "
+                    f"Hopper kernels are sized for (capability/specs/cuda_sm90.py)", allow_module_level=True)
 
 
 def rand(*shape, dtype):
