@@ -16,7 +16,8 @@ import torch
 
 from . import dispatch
 from .ops import attention
-from .validation import check_cu_seqlens, check_options, check_qkv, check_varlen
+from .sinks import add_sink, check_s_aux
+from .validation import check_cu_seqlens, check_options, check_qkv, check_seqused_k, check_varlen
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -25,23 +26,33 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs):
+                deterministic, return_attn_probs, out=None, s_aux=None):
     batch, seqlen_q, seqlen_k, nheads, _, head_dim = check_qkv(q, k, v, varlen=False)
     scale, window_left, window_right = check_options(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
         head_dim, q.device,
     )
-    out, lse = attention(
+    if out is None and s_aux is None:
+        out, lse = attention(
+            _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
+            None, None, seqlen_q, seqlen_k, scale, window_left, window_right, float(softcap),
+            float(dropout_p), bool(deterministic), return_attn_probs,
+        )
+        return (out, lse, None) if return_attn_probs else out
+    s_aux = check_s_aux(s_aux, nheads, q.device)
+    written, target = _out_target(out, q, k, v)
+    result, lse = attention(
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
         None, None, seqlen_q, seqlen_k, scale, window_left, window_right, float(softcap),
-        float(dropout_p), bool(deterministic), return_attn_probs,
+        float(dropout_p), bool(deterministic), return_attn_probs, s_aux=s_aux, out=written,
     )
-    return (out, lse, None) if return_attn_probs else out
+    result = _finish_out(result, target)
+    return (result, lse, None) if return_attn_probs else result
 
 
 def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 return_attn_probs):
+                 return_attn_probs, seqused_k=None, out=None, s_aux=None):
     _, total_q, total_k, nheads, _, head_dim = check_qkv(q, k, v, varlen=True)
     batch, max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                      max_seqlen_k, total_q, total_k, q.device)
@@ -49,19 +60,62 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
         head_dim, q.device,
     )
-    out, lse = attention(
+    if seqused_k is None and out is None and s_aux is None:
+        out, lse = attention(
+            _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
+            float(softcap), float(dropout_p), bool(deterministic), return_attn_probs,
+        )
+        return (out, lse, None) if return_attn_probs else out
+    seqused_k = check_seqused_k(seqused_k, batch, q.device)
+    s_aux = check_s_aux(s_aux, nheads, q.device)
+    written, target = _out_target(out, q, k, v)
+    result, lse = attention(
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
-        float(softcap), float(dropout_p), bool(deterministic), return_attn_probs,
+        float(softcap), float(dropout_p), bool(deterministic), return_attn_probs, seqused_k=seqused_k,
+        s_aux=s_aux, out=written,
     )
-    return (out, lse, None) if return_attn_probs else out
+    result = _finish_out(result, target)
+    return (result, lse, None) if return_attn_probs else result
+
+
+def _out_target(out, q, k=None, v=None):
+    """`out=`: (tensor the kernels write, tensor to copy the result into afterwards).
+
+    out must be shaped, typed and placed like q (the output's layout). Kernels write any
+    layout whose last dim is contiguous and whose rows are 16-byte aligned; other strides
+    get a temporary and one copy_. Inference only: an autograd graph cannot own a caller's
+    buffer."""
+    if out is None:
+        return None, None
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must have q's shape, dtype and device ({tuple(q.shape)}, {q.dtype}, {q.device}), "
+                         f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
+        raise ValueError("out= is for inference: it cannot be used when q, k or v requires grad "
+                         "(call under torch.no_grad(), or drop out=)")
+    strides = out.stride()
+    if strides[-1] == 1 and out.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides[:-1]):
+        return out, None
+    return None, out
+
+
+def _finish_out(result, target):
+    if target is None:
+        return result
+    target.copy_(result)
+    return target
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    out=None, s_aux=None):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     return _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs)
+                       alibi_slopes, deterministic, return_attn_probs, out, s_aux)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -83,27 +137,39 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                        window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+                           return_attn_probs=False, block_table=None, *, seqused_k=None, out=None,
+                           s_aux=None, num_splits=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
+    if max_seqlen_q is None or max_seqlen_k is None:
+        raise ValueError("max_seqlen_q and max_seqlen_k are required (ints: the longest query / key sequence)")
     if block_table is not None:
+        if cu_seqlens_k is None and seqused_k is None:
+            raise ValueError("with block_table, give each sequence's key count as seqused_k or cu_seqlens_k")
         in_place = _paged_varlen_in_place(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k,
                                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                                          causal, window_size, softcap, alibi_slopes)
+                                          causal, window_size, softcap, alibi_slopes, seqused_k, out,
+                                          s_aux, num_splits)
         if in_place is not None:
-            out, lse = in_place
-            return (out, lse, None) if return_attn_probs else out
+            result, lse = in_place
+            return (result, lse, None) if return_attn_probs else result
         # Inference only (the pages have no gradient): the output carries none either.
         with torch.no_grad():
-            k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k, max_seqlen_k)
+            k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k, max_seqlen_k, seqused_k)
             return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                deterministic, return_attn_probs)
+                                deterministic, return_attn_probs, None, out, s_aux)
+    if cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_k is required without block_table (where each sequence's keys start)")
+    if seqused_k is None and out is None and s_aux is None:
+        return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                            deterministic, return_attn_probs)
     return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                        deterministic, return_attn_probs)
+                        deterministic, return_attn_probs, seqused_k, out, s_aux)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -143,8 +209,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None,
+                            s_aux=None):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
+    if out is not None or s_aux is not None:
+        return _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                    window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                    return_softmax_lse, out, s_aux)
     if torch.compiler.is_compiling():
         from .ops import compiled_kvcache
 
@@ -156,6 +228,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, return_softmax_lse, num_splits, flash_attn_varlen_func,
     )
+
+
+def _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, out, s_aux):
+    """flash_attn_with_kvcache with `out=` or sinks: the call as usual, then the sinks folded in
+    (sinks.py) and the result copied into out (a decode step's output is a few rows)."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        s_aux = check_s_aux(s_aux, q.shape[2], q.device)
+        _out_target(out, q)
+    result, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        True)
+    if s_aux is not None:
+        add_sink(result, lse, s_aux, False)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return (result, lse) if return_softmax_lse else result
 
 
 _KVCACHE = []
@@ -360,10 +452,17 @@ CPU tensors with out-of-range values raise a ValueError before anything is writt
 
 def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes):
-    """(out, lse) of a decode-shaped paged varlen inference call, read in place by the
-    decode kernels; None when the call is not one (it is then gathered first)."""
-    from .decode import prefers_decode, run_decode
+                           window_size, softcap, alibi_slopes, seqused_k=None, out=None, s_aux=None,
+                           num_splits=0):
+    """(out, lse) of a paged varlen inference call on a GPU, read in place by the decode
+    kernels; None when this path cannot serve it (it is then gathered first).
+
+    Every such call goes here, whatever its query lengths: mixed prefill and decode rows
+    (a serving engine's chunked prefill) included. The decode kernels give each 16 packed
+    query rows their own CTA and read only the keys those rows see, so no host read, no
+    gather of the pages, and a CUDA graph can capture the call. With seqused_k the key
+    counts come from it (cu_seqlens_k is then not read)."""
+    from .decode import run_decode
     from .kvcache import check_block_table
 
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
@@ -372,31 +471,60 @@ def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
         return None
     nheads, head_dim = q.shape[1], q.shape[2]
     nheads_k = k_cache.shape[2]
-    if k_cache.shape != v_cache.shape or nheads_k == 0 or nheads % nheads_k or k_cache.shape[3] != head_dim:
-        return None
-    if not prefers_decode(max_seqlen_q, nheads // nheads_k, max_seqlen_k):
+    if (k_cache.shape != v_cache.shape or nheads_k == 0 or nheads % nheads_k or k_cache.shape[3] != head_dim
+            or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype):
         return None
     batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0], q.device)
     check_block_table(block_table, batch, q.device)
+    seqused_k = check_seqused_k(seqused_k, batch, q.device)
+    if seqused_k is None and check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, None, q.device) != batch:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same batch")
     scale, window_left, window_right = check_options(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
         head_dim, q.device,
     )
+    s_aux = check_s_aux(s_aux, nheads, q.device)
     bits = dispatch.feature_bits(window_left, window_right, softcap, alibi_slopes is not None, 0.0,
                                  nheads != nheads_k, True, paged_kv=True, decode=True)
     decoder = dispatch.DISPATCHER.decode_backend_for(q.device, q.dtype, head_dim, bits)
     if decoder is None:
         return None
-    return run_decode(decoder, _last_dim_contiguous(q), k_cache, v_cache, need_lse=True,
-                      softmax_scale=scale, window_left=window_left, window_right=window_right,
-                      softcap=float(softcap), alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                      max_seqlen_k=max_seqlen_k, block_table=block_table)
+    written, target = _out_target(out, q)
+    if seqused_k is not None:
+        # Lengths as a cache layout's filled rows: every sequence starts at row 0 of its pages.
+        lengths = {"cache_seqlens": seqused_k}
+    else:
+        lengths = {"cu_seqlens_k": cu_seqlens_k}
+    result, lse = run_decode(decoder, _last_dim_contiguous(q), k_cache, v_cache, need_lse=True,
+                             softmax_scale=scale, window_left=window_left, window_right=window_right,
+                             softcap=float(softcap), alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
+                             num_splits=num_splits, out=written, errors=_error_buffer(q.device), **lengths)
+    if s_aux is not None:
+        add_sink(result, lse, s_aux, True)
+    return _finish_out(result, target), lse
 
 
-def _gather_paged_varlen(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k):
+def _error_buffer(device):
+    from .errors import error_buffer
+
+    return error_buffer(device)
+
+
+def _gather_paged_varlen(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k, seqused_k=None):
     from .kvcache import gather_paged
 
+    if seqused_k is not None:
+        # The gather reads the lengths on the host anyway: seqused_k becomes cu_seqlens_k.
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise ValueError("block_table must be an int32 tensor (batch, max_blocks_per_sequence)")
+        check_seqused_k(seqused_k, block_table.shape[0], k_cache.device)
+        if k_cache.device.type == "cpu":
+            from .validation import check_seqused_k_values
+
+            check_seqused_k_values(seqused_k, None, block_table.shape[1] * k_cache.shape[1])
+        used = seqused_k.to(torch.int64).clamp(min=0)
+        cu_seqlens_k = torch.nn.functional.pad(used.cumsum(0), (1, 0)).to(torch.int32)
     return gather_paged(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k)
 
 

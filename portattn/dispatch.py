@@ -38,6 +38,7 @@ BACKEND_NAMES = tuple(name for name, _, _ in _COMPILED) + ("reference",)
 
 _BIT = {name: 1 << i for i, name in enumerate(FEATURES)}
 DECODE_BIT = _BIT["decode"]
+SEQUSED_K_BIT = _BIT["seqused_k"]
 _DTYPE_NAMES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
@@ -62,6 +63,7 @@ def feature_bits(
     deterministic: bool = False,
     paged_kv: bool = False,
     decode: bool = False,
+    seqused_k: bool = False,
 ) -> int:
     """The features a call uses, as an int (cheap to hash; decoded by `call_spec`)."""
     bits = _BIT["forward"]
@@ -87,6 +89,8 @@ def feature_bits(
         bits |= _BIT["paged_kv"]
     if decode:
         bits |= _BIT["decode"]
+    if seqused_k:
+        bits |= _BIT["seqused_k"]
     return bits
 
 

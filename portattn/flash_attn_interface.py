@@ -16,7 +16,8 @@ Deliberate differences, as in README:
 - The backward returns `softmax_d` = rowsum(dout * out) as (batch, nheads, seqlen_q)
   / (nheads, total_q) float32, without flash-attn's padding to 128 rows.
 - `zero_tensors` and `num_splits` are accepted and ignored (every element is written;
-  splits are a tuning hint). `leftpad_k` and `seqused_k` are refused with a ValueError.
+  splits are a tuning hint). `seqused_k` is honoured in the forward (sequence b uses its first
+  seqused_k[b] keys); `leftpad_k` is refused with a ValueError.
 
 Nothing here records autograd history (flash-attn's low-level ops have no autograd
 formula either): callers write their own autograd.Function around them.
@@ -45,6 +46,7 @@ from .validation import (
     check_qkv,
     check_rng_state,
     check_same_layout,
+    check_seqused_k,
     check_softmax_lse,
     check_varlen,
 )
@@ -65,15 +67,15 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                seqused_k=None, zero_tensors=False, num_splits=0):
     """Varlen forward. Returns (out, softmax_lse, S_dmask, rng_state); softmax_lse is
     float32 (nheads, total_q). With block_table, k and v are paged caches."""
-    for name, value in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
-        if value is not None:
-            raise ValueError(f"{name} is not supported by portattn's low-level varlen forward; pass None "
-                             "(flash_attn_with_kvcache serves per-sequence cache lengths)")
+    if leftpad_k is not None:
+        raise ValueError("leftpad_k is not supported by portattn's low-level varlen forward; pass None "
+                         "(flash_attn_with_kvcache's cache_leftpad serves left-padded caches)")
     if block_table is not None:
-        k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k)
+        k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k, None, seqused_k)
+        seqused_k = None
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     softmax_scale, causal, window_size_left, window_size_right, softcap,
-                    alibi_slopes)
+                    alibi_slopes, seqused_k)
 
 
 def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
@@ -116,15 +118,17 @@ def _shape_and_options(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-             softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+             softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_k=None):
     max_q, max_k, scale, left, right = _shape_and_options(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_left, window_right, softcap, alibi_slopes)
+    if seqused_k is not None:
+        check_seqused_k(seqused_k, cu_seqlens_q.shape[0] - 1, q.device)
     with torch.no_grad():
         out, lse, rng = run_forward(
             _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
             cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right, float(softcap),
-            float(dropout_p))
+            float(dropout_p), True, seqused_k)
     no_probabilities = torch.empty(0, dtype=q.dtype, device=q.device)
     return out, lse, no_probabilities, rng_state_tensor(rng)
 

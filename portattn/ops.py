@@ -18,7 +18,8 @@ import torch
 from . import dispatch
 from .decode import prefers_decode, run_decode
 from .rng import NO_DROPOUT, PhiloxDraw, draw_from_state, draw_philox, rng_state_tensor
-from .validation import check_cu_seqlens_values
+from .sinks import add_sink, sink_grad
+from .validation import check_cu_seqlens_values, check_seqused_k_values
 
 # By default no call reads a tensor's values on the host (a device sync, and a CUDA graph
 # capture breaker): cu_seqlens are trusted, as in flash-attn, and the kernels keep their
@@ -42,29 +43,41 @@ def _no_keys(k: torch.Tensor, varlen: bool) -> bool:
     return k.shape[0] == 0 if varlen else k.shape[1] == 0
 
 
-def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None) -> None:
     check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0])
     check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, k.shape[0])
+    if seqused_k is not None:
+        check_seqused_k_values(seqused_k, cu_seqlens_k)
 
 
 def run_forward(
     q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale, window_left, window_right, softcap, dropout_p, need_lse=True,
+    seqused_k=None, s_aux=None, out=None,
 ):
     """Returns (out, lse, rng): rng is the dropout mask's key (rng.PhiloxDraw); lse is
     None when not `need_lse`.
 
     This is every call's hot path: each tensor attribute is read once, and an
     inference call that does not ask for the LSE does not allocate it (the
-    kernels skip its store when given no pointer).
+    kernels skip its store when given no pointer). `seqused_k` (varlen only), `s_aux`
+    (sinks.py) and `out` (written in place; kernel-ready strides, api._out_target) are
+    None on the common path.
     """
+    if s_aux is not None:
+        out, lse, rng = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    softmax_scale, window_left, window_right, softcap, dropout_p, True,
+                                    seqused_k, None, out)
+        add_sink(out, lse, s_aux, cu_seqlens_q is not None)
+        return out, lse, rng
     varlen = cu_seqlens_q is not None
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     lse = _empty_lse(q, varlen) if need_lse else None
     if out.numel() == 0:
         return out, lse, NO_DROPOUT
     if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):  # free on the CPU: always there
-        _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     if _no_keys(k, varlen):
         # Nothing to attend to: the documented result for an empty row.
         out.zero_()
@@ -78,6 +91,20 @@ def run_forward(
         nheads != k.shape[-2], varlen,
     )
     device = q.device
+    if seqused_k is not None:
+        # The decode kernels take packed keys' lengths from cu_seqlens_k only; the forward
+        # kernels clamp each sequence's keys to seqused_k (common/seq_bounds.h).
+        bits |= dispatch.SEQUSED_K_BIT
+        backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
+        rng = draw_philox(device) if dropout_p > 0.0 else NO_DROPOUT
+        backend.forward(
+            q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+            window_left=window_left, window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+            dropout_p=dropout_p, rng_seed=rng.seed, rng_offset=rng.offset, rng_state=rng.state,
+            seqused_k=seqused_k,
+        )
+        return out, lse, rng
     if dropout_p == 0.0 and device.type == "cuda":
         seqlen_q, seqlen_k = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
         if prefers_decode(seqlen_q, nheads // k.shape[-2], seqlen_k):
@@ -104,7 +131,7 @@ def run_forward(
 def run_backward(
     dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale, window_left, window_right, softcap, dropout_p, rng, deterministic,
-    grads=None,
+    grads=None, seqused_k=None,
 ):
     """Returns (dq, dk, dv): the given `grads` triple filled in, else new tensors. `rng`
     is the forward's dropout key (rng.PhiloxDraw).
@@ -116,7 +143,7 @@ def run_backward(
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):
-        _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     if grads is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     else:
@@ -126,8 +153,10 @@ def run_backward(
     bits = dispatch.feature_bits(
         window_left, window_right, softcap, alibi_slopes is not None, dropout_p,
         q.shape[-2] != k.shape[-2], varlen, backward=True, deterministic=deterministic,
+        seqused_k=seqused_k is not None,
     )
     backend = dispatch.DISPATCHER.backend_for(q.device, q.dtype, q.shape[-1], bits)
+    extra = {} if seqused_k is None else {"seqused_k": seqused_k}
     backend.backward(
         dout, q, k, v, out, lse, dq, dk, dv,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -136,6 +165,7 @@ def run_backward(
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
         rng_seed=rng.seed, rng_offset=rng.offset, deterministic=deterministic,
         rng_state=rng.state,  # None: Backend's default
+        **extra,
     )
     return dq, dk, dv
 
@@ -182,6 +212,47 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+class ExtendedAttentionFunction(torch.autograd.Function):
+    """AttentionFunction for calls with `seqused_k` or attention sinks (`s_aux`, sinks.py),
+    kept apart so the common call's node carries no extra inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, s_aux, options):
+        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+         _deterministic) = options
+        out, lse, rng = run_forward(
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, window_left, window_right, softcap, dropout_p, True, seqused_k, s_aux,
+        )
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, s_aux,
+                              rng.state)
+        ctx.options = options
+        ctx.philox = (rng.seed, rng.offset)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 9
+        (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, s_aux,
+         rng_state) = ctx.saved_tensors
+        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+         deterministic) = ctx.options
+        seed, offset = ctx.philox
+        # out and lse include the sinks: the kernels' backward is then the sinks' (sinks.py).
+        dq, dk, dv = run_backward(
+            dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+            PhiloxDraw(seed, offset, rng_state), deterministic, seqused_k=seqused_k,
+        )
+        ds_aux = None
+        if s_aux is not None and ctx.needs_input_grad[7]:
+            ds_aux = sink_grad(dout, out, lse, s_aux, cu_seqlens_q is not None)
+        return dq, dk, dv, None, None, None, None, ds_aux, None
+
+
 # ---- torch.compile path ------------------------------------------------------------
 
 
@@ -191,10 +262,11 @@ def _fwd_op(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
     window_right: int, softcap: float, dropout_p: float, deterministic: bool,
+    seqused_k: Optional[torch.Tensor], s_aux: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, lse, rng = run_forward(
         q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, window_left, window_right, softcap, dropout_p,
+        softmax_scale, window_left, window_right, softcap, dropout_p, True, seqused_k, s_aux,
     )
     # The philox seed/offset travel as a tensor so the compiled graph can save them.
     return out, lse, rng_state_tensor(rng)
@@ -202,7 +274,7 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic):
+              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux):
     return torch.empty_like(q), _empty_lse(q, cu_seqlens_q is not None), torch.empty(2, dtype=torch.int64)
 
 
@@ -212,42 +284,44 @@ def _bwd_op(
     lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
     softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
-    rng_state: torch.Tensor, deterministic: bool,
+    rng_state: torch.Tensor, deterministic: bool, seqused_k: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return run_backward(
         dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-        draw_from_state(rng_state), deterministic,
+        draw_from_state(rng_state), deterministic, seqused_k=seqused_k,
     )
 
 
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-              rng_state, deterministic):
+              rng_state, deterministic, seqused_k):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-     softmax_scale, window_left, window_right, softcap, dropout_p, deterministic) = inputs
+     softmax_scale, window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux) = inputs
     out, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, seqused_k,
+                          s_aux)
     ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
                    softcap, dropout_p, deterministic)
     ctx.mark_non_differentiable(lse, rng_state)
 
 
 def _fwd_backward(ctx, dout, _dlse, _drng):
-    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, seqused_k, s_aux = ctx.saved_tensors
     (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
      softcap, dropout_p, deterministic) = ctx.options
     dq, dk, dv = torch.ops.portattn.bwd(
         dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, rng_state,
-        deterministic,
+        deterministic, seqused_k,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    ds_aux = None if s_aux is None else sink_grad(dout, out, lse, s_aux, cu_seqlens_q is not None)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, ds_aux
 
 
 torch.library.register_autograd("portattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
@@ -255,22 +329,31 @@ torch.library.register_autograd("portattn::fwd", _fwd_backward, setup_context=_f
 
 def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, window_left, window_right, softcap, dropout_p, deterministic,
-              need_lse=True):
+              need_lse=True, seqused_k=None, s_aux=None, out=None):
     """Route one validated call to the cheapest correct path. Returns (out, lse).
 
-    lse may be None for an eager call without gradients when `need_lse` is False."""
+    lse may be None for an eager call without gradients when `need_lse` is False. `out`
+    (inference only, checked by the caller) receives the result in place."""
     if torch.compiler.is_compiling():
-        out, lse, _ = torch.ops.portattn.fwd(
+        result, lse, _ = torch.ops.portattn.fwd(
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            window_left, window_right, softcap, dropout_p, deterministic)
-        return out, lse
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return AttentionFunction.apply(
-            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-            (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, deterministic))
-    out, lse, _ = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              softmax_scale, window_left, window_right, softcap, dropout_p, need_lse)
-    return out, lse
+            window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux)
+        if out is not None:
+            out.copy_(result)
+            return out, lse
+        return result, lse
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                    (s_aux is not None and s_aux.requires_grad)):
+        options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+                   deterministic)
+        if seqused_k is None and s_aux is None:
+            return AttentionFunction.apply(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options)
+        return ExtendedAttentionFunction.apply(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                               s_aux, options)
+    result, lse, _ = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 softmax_scale, window_left, window_right, softcap, dropout_p, need_lse,
+                                 seqused_k, s_aux, out)
+    return result, lse
 
 
 # ---- flash_attn_with_kvcache under torch.compile -------------------------------------------

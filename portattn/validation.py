@@ -260,6 +260,34 @@ def check_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, max_seqlen: int
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence in {name} ({longest})")
 
 
+def check_seqused_k(seqused_k, batch: int, device: torch.device):
+    """seqused_k's metadata (no values read): an int32 (batch,) tensor on the call's device."""
+    if seqused_k is None:
+        return None
+    _require_tensor("seqused_k", seqused_k)
+    if seqused_k.dtype != torch.int32 or seqused_k.shape != (batch,) or seqused_k.device != device:
+        raise ValueError(f"seqused_k must be an int32 tensor of shape (batch,) = ({batch},) on {device}, got "
+                         f"{seqused_k.dtype} of shape {tuple(seqused_k.shape)} on {seqused_k.device}")
+    return seqused_k
+
+
+def check_seqused_k_values(seqused_k: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor], capacity: int = 0) -> None:
+    """Values of seqused_k: sequence b uses between 0 and its own key rows (cu_seqlens_k's
+    length, or `capacity` for a paged cache). A host read: CPU tensors and
+    PORTATTN_DEBUG_CHECKS=1 only; on a GPU the kernels clamp (common/seq_bounds.h)."""
+    used = seqused_k.tolist()
+    if cu_seqlens_k is not None:
+        cu = cu_seqlens_k.tolist()
+        limits = [b - a for a, b in zip(cu, cu[1:])]
+        what = "cu_seqlens_k[b + 1] - cu_seqlens_k[b]"
+    else:
+        limits = [capacity] * len(used)
+        what = "the block table's capacity"
+    for b, (n, limit) in enumerate(zip(used, limits)):
+        if not 0 <= n <= limit:
+            raise ValueError(f"seqused_k[{b}] = {n} is out of range: it must be in [0, {limit}] ({what})")
+
+
 def check_same_layout(name: str, value, like_name: str, like: torch.Tensor) -> None:
     """`value` must be a tensor with the shape, dtype and device of `like` (dout/out vs q,
     dq/dk/dv vs q/k/v in the low-level backward)."""

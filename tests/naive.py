@@ -25,13 +25,16 @@ def visible_keys(seqlen_q: int, seqlen_k: int, window: Sequence[int], device=Non
     return visible
 
 
-def _attention_batched(q, k, v, window, softcap, alibi_slopes, dropout_mask, dropout_p, scale):
-    """q: (B, Sq, H, D), k/v: (B, Sk, Hk, D), all in the compute dtype."""
+def _attention_batched(q, k, v, window, softcap, alibi_slopes, dropout_mask, dropout_p, scale, sinks=None):
+    """q: (B, Sq, H, D), k/v: (B, Sk, Hk, D), all in the compute dtype. sinks: (H,) logits
+    that join every row's softmax denominator (a key with no value)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
     if seqlen_k == 0:  # nothing to attend to (and amax below needs a non-empty row)
         lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=q.dtype, device=q.device)
+        if sinks is not None:
+            lse = sinks.to(q.dtype)[None, :, None].expand(batch, nheads, seqlen_q).clone()
         return q.new_zeros(batch, seqlen_q, nheads, v.shape[-1]), lse
     qh = q.transpose(1, 2)  # (B, H, Sq, D)
     kh = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, D)
@@ -48,9 +51,14 @@ def _attention_batched(q, k, v, window, softcap, alibi_slopes, dropout_mask, dro
     s = s.masked_fill(~visible, float("-inf"))
     # The row max only stabilises exp(); detached, it does not change any gradient.
     m = s.amax(dim=-1, keepdim=True).detach()
+    if sinks is not None:
+        sink = sinks.to(s.dtype)[None, :, None, None]
+        m = torch.maximum(m, sink.detach())
     m = torch.where(m == float("-inf"), 0.0, m)
     e = torch.exp(s - m)  # 0 at masked entries
     rowsum = e.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        rowsum = rowsum + torch.exp(sink - m)
     seen = rowsum > 0
     p = e / torch.where(seen, rowsum, 1.0)  # rows without a visible key stay all 0
     lse = torch.where(seen, m + torch.log(torch.where(seen, rowsum, 1.0)), float("-inf"))
@@ -75,6 +83,8 @@ def naive_attention(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float64,
+    sinks: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention with every portattn feature; returns (out, lse) in `compute_dtype`.
 
@@ -90,6 +100,8 @@ def naive_attention(
     scale: defaults to 1/sqrt(headdim).
     compute_dtype: float64 for the oracle; a low-precision dtype gives "PyTorch's own
     low-precision computation", the baseline of the kernels' error rule.
+    sinks: (H,) attention-sink logits (portattn/sinks.py); seqused_k: varlen only, sequence b
+    uses its first seqused_k[b] keys.
     """
     left, right = window
     if causal:
@@ -97,16 +109,22 @@ def naive_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (x.to(compute_dtype) for x in (q, k, v))
-    options = dict(window=(left, right), softcap=softcap, dropout_p=dropout_p, scale=scale)
+    options = dict(window=(left, right), softcap=softcap, dropout_p=dropout_p, scale=scale,
+                   sinks=None if sinks is None else sinks.to(compute_dtype))
     if cu_seqlens_q is None:
         return _attention_batched(q, k, v, alibi_slopes=alibi_slopes, dropout_mask=dropout_mask,
                                   **options)
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype, device=q.device)
+    if sinks is not None:  # rows outside every sequence see only the sink
+        lse = sinks.to(compute_dtype)[:, None].expand(-1, q.shape[0]).clone()
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else [int(x) for x in seqused_k]
     outs, lses = [], []
     for b in range(len(starts_q) - 1):
         q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        if used is not None:
+            k1 = k0 + used[b]
         slopes = alibi_slopes
         if alibi_slopes is not None and alibi_slopes.dim() == 2:
             slopes = alibi_slopes[b]

@@ -64,6 +64,19 @@ def gemma2_config(**overrides):
     return transformers.Gemma2Config(**options)
 
 
+def gpt_oss_config(**overrides):
+    # Attention sinks on every layer, a sliding layer then a full one, a tiny mixture of experts.
+    options = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                   num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                   initializer_range=0.15, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                   layer_types=["sliding_attention", "full_attention"])
+    options.update(overrides)
+    config = transformers.GptOssConfig(**options)
+    config._experts_implementation = "eager"  # the grouped-GEMM experts have no float64 (the oracle)
+    return config
+
+
 CONFIGS = {"llama": llama_config, "gemma2": gemma2_config}
 
 
@@ -393,8 +406,6 @@ def test_unsupported_inputs_are_clear_errors():
     layer = _Layer(torch.float32)
     with pytest.raises(ValueError, match="2-D"):
         pt_hf.attention_forward(layer, q, k, v, torch.zeros(2, 1, 5, 5))
-    with pytest.raises(NotImplementedError, match="sinks"):
-        pt_hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(4))
     for bad in ("flash_portattn", "sdpa", "org/repo", ""):
         with pytest.raises(ValueError, match="name"):
             pt_hf.register(bad)
@@ -440,3 +451,36 @@ def test_padding_helpers_round_trip():
     packed_rows = _padding.packing_from_position_ids(positions)
     assert packed_rows.cu_seqlens.tolist() == [0, 3, 5, 10] and packed_rows.max_seqlen == 5
     assert _padding.packing_from_position_ids(positions[1:]) is None
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_CASES)
+def test_gpt_oss_sinks_logits_training_and_generate_match_eager(device, dtype):
+    """A gpt-oss-style model (attention sinks, a sliding layer): padded logits, a training
+    step's gradients (the sinks' own included) and greedy generate() against eager."""
+    config = gpt_oss_config()
+    ref = build(config, "eager", F64, device)
+    with torch.no_grad():  # sinks large enough to matter (their init is ~0.15)
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.copy_(2.0 * torch.randn_like(layer.self_attn.sinks))
+    eager = build(config, "eager", dtype, device, source=ref)
+    ours = build(config, "portattn", dtype, device, source=ref)
+    ids, mask = padded_batch("left", device)
+    assert_error_rule("logits", logits(ours, ids, mask), logits(eager, ids, mask), logits(ref, ids, mask), 2)
+
+    ids_r, mask_r = padded_batch("right", device)
+    loss_ref, grads_ref = loss_gradients(ref, ids_r, mask_r)
+    loss_low, grads_low = loss_gradients(eager, ids_r, mask_r)
+    loss_ours, grads_ours = loss_gradients(ours, ids_r, mask_r)
+    assert_error_rule("loss", loss_ours, loss_low, loss_ref, 2)
+    assert any(name.endswith("sinks") for name in grads_ours)
+    for name, grad in grads_ours.items():
+        if "mlp" in name:  # the experts' router picks by argmax: not attention's business
+            continue
+        assert_error_rule(f"grad {name}", grad, grads_low[name], grads_ref[name], 3)
+
+    tokens_ref, logits_ref = greedy(ref, ids, mask)
+    tokens_low, logits_low = greedy(eager, ids, mask)
+    tokens_ours, logits_ours = greedy(ours, ids, mask)
+    assert_same_greedy_path(tokens_ours, tokens_ref, logits_ref, logits_low)
+    if torch.equal(tokens_ours, tokens_ref) and torch.equal(tokens_low, tokens_ref):
+        assert_error_rule("generate logits", logits_ours, logits_low, logits_ref, 2)

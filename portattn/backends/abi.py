@@ -34,10 +34,11 @@ _make_fwd_args = FwdArgs._make
 
 def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-             rng_seed, rng_offset, rng_state=None) -> FwdArgs:
+             rng_seed, rng_offset, rng_state=None, seqused_k=None) -> FwdArgs:
     """The `fwd` arguments (a FwdArgs, a tuple in PORTATTN_FWD_ARGS order). lse may be None (not wanted).
     rng_state: None, or a device int64 [seed, offset] the kernels read instead of
-    rng_seed / rng_offset (dropout under CUDA-graph capture, portattn/rng.py)."""
+    rng_seed / rng_offset (dropout under CUDA-graph capture, portattn/rng.py).
+    seqused_k: None, or the varlen call's int32 (batch,) keys used per sequence."""
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         _, seqlen_k, nheads_k, _ = k.shape
@@ -62,7 +63,7 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         q.stride(), k.stride(), v.stride(), out.stride(),
         lse_batch_stride, lse_head_stride, DTYPE_CODES[q.dtype],
         batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
-        cu_q, cu_k, 0, softmax_scale, softcap,  # cu_seqlens_q, cu_seqlens_k, seqused_k, ...
+        cu_q, cu_k, 0 if seqused_k is None else seqused_k.data_ptr(), softmax_scale, softcap,
         window_left, window_right, alibi,
         alibi_batch_stride, dropout_p, rng_seed,
         rng_offset, raw_stream(q.device.index), total_q, total_k,
@@ -96,7 +97,7 @@ def _aligned(pointer: int, strides: tuple) -> bool:
 def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
             max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
             alibi_slopes, dropout_p, rng_seed, rng_offset, deterministic, entry=None,
-            ordered_dq=False, rng_state=None, launch=None) -> None:
+            ordered_dq=False, rng_state=None, launch=None, seqused_k=None) -> None:
     """One backward call of a compiled module (CUDA or ROCm: same `bwd` signature).
 
     `entry` is another of the module's functions with `bwd`'s arguments (the CUDA
@@ -112,7 +113,12 @@ def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seq
     """
     args = fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    rng_seed, rng_offset, rng_state)
+                    rng_seed, rng_offset, rng_state, seqused_k)
+    if seqused_k is not None:
+        # Key rows past seqused_k[b] take no part in the call and no kernel stores their
+        # gradient: they are 0.
+        dk.zero_()
+        dv.zero_()
     dout_pointer, dout_strides = dout.data_ptr(), dout.stride()
     # dout comes from autograd (the user did not choose its layout): copy rather than fail.
     if not _aligned(dout_pointer, dout_strides):

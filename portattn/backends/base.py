@@ -57,6 +57,7 @@ class Backend:
         rng_seed: int,
         rng_offset: int,
         rng_state: Optional[torch.Tensor] = None,
+        seqused_k: Optional[torch.Tensor] = None,
     ) -> None:
         raise NotImplementedError
 
@@ -86,5 +87,6 @@ class Backend:
         rng_offset: int,
         deterministic: bool,
         rng_state: Optional[torch.Tensor] = None,
+        seqused_k: Optional[torch.Tensor] = None,
     ) -> None:
         raise NotImplementedError

@@ -327,20 +327,24 @@ def _backward(pb: _Problem, dout, out, lse, dq, dk, dv) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _pieces(q, k, v, cu_seqlens_q, cu_seqlens_k, options):
+def _pieces(q, k, v, cu_seqlens_q, cu_seqlens_k, options, seqused_k=None):
     """(problem, query rows, key rows) per independent piece of a call.
 
     Rows are None for a batched call (one piece, the whole batch) and slices of the
-    packed axis for each varlen sequence (one host sync to read cu_seqlens).
+    packed axis for each varlen sequence (one host sync to read cu_seqlens). With
+    seqused_k, sequence b's keys are the first min(seqused_k[b], its rows) of its rows
+    (a negative count is 0: the kernels' clamping, common/seq_bounds.h).
     """
     if cu_seqlens_q is None:
         yield _Problem(q, k, v, batch_start=0, **options), None, None
         return
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
     for b in range(len(starts_q) - 1):
         rows_q = slice(starts_q[b], starts_q[b + 1])
-        rows_k = slice(starts_k[b], starts_k[b + 1])
+        end_k = starts_k[b + 1] if used is None else starts_k[b] + max(0, min(used[b], starts_k[b + 1] - starts_k[b]))
+        rows_k = slice(starts_k[b], end_k)
         pb = _Problem(q[None, rows_q], k[None, rows_k], v[None, rows_k], batch_start=b, **options)
         yield pb, rows_q, rows_k
 
@@ -375,7 +379,7 @@ class ReferenceBackend(Backend):
     # max_seqlen_q/k are not needed: every piece knows its own lengths.
 
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, rng_state=None, **options) -> None:
+                max_seqlen_k, rng_state=None, seqused_k=None, **options) -> None:
         _take_rng_state(options, rng_state)
         if lse is None:  # the caller does not need it; the algorithm does
             rows = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
@@ -385,16 +389,17 @@ class ReferenceBackend(Backend):
             # since `out` may arrive poisoned.
             out.zero_()
             lse.fill_(float("-inf"))
-        for pb, rows_q, _ in _pieces(q, k, v, cu_seqlens_q, cu_seqlens_k, options):
+        for pb, rows_q, _ in _pieces(q, k, v, cu_seqlens_q, cu_seqlens_k, options, seqused_k):
             _forward(pb, _seq(out, rows_q), _seq_lse(lse, rows_q))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k, deterministic, rng_state=None, **options) -> None:
+                 max_seqlen_q, max_seqlen_k, deterministic, rng_state=None, seqused_k=None,
+                 **options) -> None:
         _take_rng_state(options, rng_state)
         # Always deterministic: every accumulation is a fixed-order torch reduction.
         if cu_seqlens_q is not None:
             for grad in (dq, dk, dv):
                 grad.zero_()
-        for pb, rows_q, rows_k in _pieces(q, k, v, cu_seqlens_q, cu_seqlens_k, options):
+        for pb, rows_q, rows_k in _pieces(q, k, v, cu_seqlens_q, cu_seqlens_k, options, seqused_k):
             _backward(pb, _seq(dout, rows_q), _seq(out, rows_q), _seq_lse(lse, rows_q),
                       _seq(dq, rows_q), _seq(dk, rows_k), _seq(dv, rows_k))

@@ -42,8 +42,10 @@ serves float32 with its reference backend on every device (exact, but on a GPU m
 than the kernels, with portattn's one-time fallback warning): load the model in bfloat16
 for speed.
 
-Not supported (a clear error, never a silent wrong answer): attention sinks (`s_aux`),
-paged caches (continuous batching), 4-D masks built elsewhere. Under torch.compile with a
+Attention sinks (`s_aux`, gpt-oss) are passed on to every call (portattn/sinks.py).
+
+Not supported (a clear error, never a silent wrong answer): paged caches (continuous
+batching), 4-D masks built elsewhere. Under torch.compile with a
 cache, the 2-D mask is taken as left padding (generate()'s layout; holes inside a row are
 not read from it, since that would need a host read). `output_attentions=True`
 warns once and returns None as the weights.
@@ -150,6 +152,8 @@ def attention_forward(
         softcap=float(softcap or 0.0),
         deterministic=_deterministic(kwargs),
     )
+    if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss): one logit per head, portattn/sinks.py
+        options["s_aux"] = kwargs["s_aux"]
     out = _attend(q, k, v, attention_mask, kwargs, options)
     return out[..., :value_dim], None
 
@@ -166,7 +170,7 @@ def _attend(q, k, v, attention_mask, kwargs, options) -> torch.Tensor:
         return flash_attn_with_kvcache(
             q, k, v, cache_seqlens=bounds[1], cache_leftpad=bounds[0],
             softmax_scale=options["softmax_scale"], causal=options["causal"],
-            window_size=options["window_size"], softcap=options["softcap"])
+            window_size=options["window_size"], softcap=options["softcap"], s_aux=options.get("s_aux"))
     if attention_mask is not None:
         mask = attention_mask.bool()
         if k.shape[1] > mask.shape[1]:
@@ -390,8 +394,6 @@ def _refuse_unsupported(attention_mask, kwargs) -> None:
             f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: a mask built outside "
             "portattn's mask function (a custom 4-D mask, continuous batching). Use 'eager' or 'sdpa' for it."
         )
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attn_implementation='portattn' does not support attention sinks (s_aux)")
     if kwargs.get("block_table") is not None or type(kwargs.get("cache")).__name__ == "PagedAttentionCache":
         raise NotImplementedError("attn_implementation='portattn' does not support paged KV caches "
                                   "(continuous batching); use generate() with a DynamicCache")

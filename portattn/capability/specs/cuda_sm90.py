@@ -62,6 +62,7 @@ SPEC = BackendSpec(
     unsupported_notes={
         "alibi": "runs on the sm80+ path (cuda)",
         "dropout": "runs on the sm80+ path (cuda)",
+        "seqused_k": "runs on the sm80+ path (cuda)",
         "paged_kv": "is read by the sm80+ path's decode kernels (cuda)",
         "decode": "runs on the sm80+ path's decode kernels (cuda)",
     },
