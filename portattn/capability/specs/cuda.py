@@ -20,7 +20,9 @@ VERIFIED = {
                        "alibi", "dropout", "gqa", "varlen",
                        # the decode kernels: tests/gpu/test_cuda_decode.py, H100, 2026-11-24
                        # (bench/results: gpu_suite run of 56c1cd6, 2676 GPU tests passed)
-                       "decode", "paged_kv"}),
+                       "decode", "paged_kv",
+                       # tests/gpu/test_serving_surface_gpu.py (varlen forward and backward, paged), H100
+                       "seqused_k"}),
 }
 
 # Features whose GPU suite passed on one arch's hardware under another part's shared-memory
