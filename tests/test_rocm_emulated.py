@@ -14,6 +14,7 @@ first-use self-check covers the rest on a real device).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -37,6 +38,10 @@ HOST_CLANG = "clang++-19"  # _Float16 and ext_vector_type on the host need clang
 # pseudo-arch -> wave size of its kernel family (variants.ARCH_ISA): CDNA (MFMA,
 # wave64) and the two RDNA WMMA layouts (wave32), each its own module.
 EMU_ARCHS = {"emu": 64, "emu_gfx11": 32, "emu_gfx12": 32}
+# The RDNA decode instantiations (dtype, head dim) the RDNA decode tests below call; the
+# other three per arch are not compiled for the emulation (about 25 s of build per arch).
+# Their code differs only in template constants; tests/test_rocm_isa.py compiles all of them.
+EMU_RDNA_DECODE = {("float16", 64), ("bfloat16", 128), ("bfloat16", 256)}
 
 
 def build_emulation(build_dir: str, arch: str = "emu") -> str:
@@ -44,6 +49,9 @@ def build_emulation(build_dir: str, arch: str = "emu") -> str:
     ninja_build = rocm_build.ninja_build
     csrc = os.path.join(ROCM_DIR, "csrc")
     chosen = variants.select([arch])
+    if variants.isa_of(arch) != "mfma":
+        chosen = [v if (v.dtype, v.config.head_dim) in EMU_RDNA_DECODE
+                  else dataclasses.replace(v, config=dataclasses.replace(v.config, decode=None)) for v in chosen]
     gen = os.path.join(build_dir, "gen")
     os.makedirs(gen, exist_ok=True)
     flags = [HOST_CLANG, "-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-attributes",
@@ -642,8 +650,14 @@ def test_rdna_decode_varlen(rdna):
     _decode_and_check(rdna, q, k, v, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), window=(-1, 0), num_splits=1)
 
 
+@pytest.fixture(scope="module", params=list(EMU_ARCHS))
+def decode_family(request, tmp_path_factory):
+    """Each family's decode module: CDNA (MFMA), RDNA3 (gfx11 WMMA), RDNA4 (gfx12 WMMA)."""
+    return load_emulation(tmp_path_factory, request.param)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_rdna_decode_contains_out_of_range_metadata(rdna, paged):
+def test_decode_contains_out_of_range_metadata(decode_family, paged):
     """A cache_seqlens past the capacity (and, paged, a page number past the pool) empties its
     sequence: out = 0, lse = -inf, the other sequences exact, the first offender recorded."""
     dtype, head_dim, nheads_k, page_size, capacity = torch.float16, 64, 1, 16, 96
@@ -664,6 +678,6 @@ def test_rdna_decode_contains_out_of_range_metadata(rdna, paged):
         v_cache = _rand(3, capacity, nheads_k, head_dim, dtype=dtype)
         layout = {}
         contained, expected = (1,), [2, capacity + 1, 0, 0, 0, 0, 0, 0]
-    _decode_and_check(rdna, q, k_cache, v_cache, cache_seqlens=cache_seqlens, errors=errors, num_splits=2,
+    _decode_and_check(decode_family, q, k_cache, v_cache, cache_seqlens=cache_seqlens, errors=errors, num_splits=2,
                       contained=contained, **layout)
     assert errors.tolist() == expected
