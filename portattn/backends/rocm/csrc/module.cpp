@@ -260,8 +260,10 @@ void kvcache_append(const PortattnAppendParams& params) {
 }
 
 // {"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim
-// (the split planner's input); -1s when none is built. The same on every arch
-// that has one and every dtype, so no device is needed.
+// (the split planner's input); -1s when none is built. No device is needed: it
+// reports the first built arch with a decode. stage_keys is the same on every
+// arch; threads and LDS differ between CDNA and RDNA tiles, which in a build of
+// both only moves the planner's occupancy estimate (docs/rocm.md, "Not done").
 py::dict decode_tile(int head_dim) {
   const KernelVariant* best = nullptr;
   for (int index = 0; index < kNumVariants; ++index) {
