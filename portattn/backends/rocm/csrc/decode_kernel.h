@@ -168,13 +168,18 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const int hk = blockIdx.y / m_tiles;
   const int row0 = (blockIdx.y % m_tiles) * Tile::kBlockM;
 
-  // Out-of-range cache_seqlens / leftpad / batch_idx / page numbers: an empty sequence,
-  // reported once (Note [portattn decode errors]). The vote's word is sMerge's first, which
-  // no wave writes before the merge's barriers.
-  const decode::Sequence seq =
-      contained_sequence<Tile::kThreads>(p, b, split == 0 && blockIdx.y == 0, reinterpret_cast<int*>(sMerge));
+  const decode::Sequence seq = decode::Sequence::of(p, b);
   const int rows = seq.seqlen_q * group;
   if (row0 >= rows) return;  // a shorter varlen sequence: nothing of it here (the combine skips it too)
+  // Out-of-range cache_seqlens / leftpad / batch_idx: an empty sequence, reported once
+  // (Note [portattn decode errors]). Page numbers are only clamped here (KeyRowAddress):
+  // decode_common.h's block-table scan (contained_sequence, which the RDNA decode runs)
+  // costs this kernel 2-20 spilled SGPRs at D = 256 on gfx942, so it is not used yet.
+  if (seq.seqlen_k == 0 && split == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.errors != nullptr) {
+    int value = 0;
+    const int argument = decode::metadata_error(p, b, &value);
+    if (argument >= 0) decode::record_error(p.errors, argument, b, value);
+  }
   const decode::KeyRange range = decode::KeyRange::of(p, seq, row0, Tile::kBlockM, group, Tile::kStageKeys, split);
 
   const int wave = threadIdx.x / kWaveSize;
