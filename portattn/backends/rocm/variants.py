@@ -248,7 +248,8 @@ RDNA_CONFIGS = {
     "wmma11": (
         _wmma_config(64, (32, 6, True), (64, 6, True), "wmma11"),
         _wmma_config(128, (32, 3, True), (64, 3, True), "wmma11"),  # forward: 36 KiB of LDS, 3 workgroups per WGP
-        _wmma_config(256, (16, 2, False), (64, 2, False), "wmma11"),  # forward: 53 KiB, 2; decode: prefetching spills 41
+        # forward: 53 KiB, 2 workgroups per WGP; decode: prefetching spills 41 VGPRs
+        _wmma_config(256, (16, 2, False), (64, 2, False), "wmma11"),
     ),
     "wmma12": (
         _wmma_config(64, (32, 6, True), (64, 6, True), "wmma12"),

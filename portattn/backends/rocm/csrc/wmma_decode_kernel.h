@@ -38,9 +38,11 @@
 //   D    split  LDS bytes (stage / merge)  WMMA/stage  waves/SIMD (LDS allows)  VGPR budget  prefetch
 //   64   1      20736 (20736 / 13312)      8           6 (6)                    <= 240       yes
 //   128  1      40192 (40192 / 25600)      16          3 (3)                    <= 256       yes
-//   256  2      60672 (60672 / 25600)      24          2 (2)                    <= 256       yes
-// Measured with clang-19 (VGPRs, fp16 / bf16; no spills, no scratch): see
-// docs/rocm.md, "RDNA decode".
+//   256  2      60672 (60672 / 25600)      24          2 (2)                    <= 256       no (23-41 spills)
+// Measured with clang-19 (VGPRs fp16 / bf16; SGPRs 94-96; no spills, no
+// scratch): gfx1100 179 / 178, 241 / 241, 248 / 244; gfx1201 153 / 156,
+// 244 / 247, 228 / 228 at D = 64, 128, 256. The combine: 33 VGPRs, the
+// append: 16, no LDS.
 #pragma once
 #include <limits.h>
 #include <math.h>
