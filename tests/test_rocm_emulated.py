@@ -640,6 +640,14 @@ def test_rdna_decode_paged_cache_page16_gqa_window(rdna):
                       num_splits=2)
 
 
+def test_rdna_decode_tile_reports_the_wave32_tile(rdna):
+    """The split planner's facts for the RDNA tile: 64-key stages, 4 waves of 32, its own LDS."""
+    arch = rdna.build_config()["archs"][0]
+    config = variants.configs_for(arch)[0]
+    assert rdna.decode_tile(40) == {"stage_keys": 64, "threads": variants.DECODE_WAVES * 32,
+                                    "smem_bytes": config.decode.lds_bytes}
+
+
 def test_rdna_decode_varlen(rdna):
     lens_q, lens_k = [1, 2, 1], [100, 0, 130]
     cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)

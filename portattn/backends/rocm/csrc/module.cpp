@@ -260,16 +260,29 @@ void kvcache_append(const PortattnAppendParams& params) {
 }
 
 // {"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim
-// (the split planner's input); -1s when none is built. No device is needed: it
-// reports the first built arch with a decode. stage_keys is the same on every
-// arch; threads and LDS differ between CDNA and RDNA tiles, which in a build of
-// both only moves the planner's occupancy estimate (docs/rocm.md, "Not done").
+// (the split planner's input); -1s when none is built. That of the current
+// device's arch when it has one built, else (no device needed) of the first
+// built arch with a decode: stage_keys is the same on every arch, threads and
+// LDS differ between the CDNA and RDNA tiles.
 py::dict decode_tile(int head_dim) {
+  std::string device_arch_name;
+  int device = 0;
+  if (hipGetDevice(&device) == hipSuccess) {
+    try {
+      device_arch_name = device_arch(device);
+    } catch (const std::runtime_error&) {
+      device_arch_name.clear();
+    }
+  }
   const KernelVariant* best = nullptr;
-  for (int index = 0; index < kNumVariants; ++index) {
-    const KernelVariant& variant = kVariants[index];
-    if (variant.decode == nullptr) continue;
-    if (variant.head_dim >= head_dim && (best == nullptr || variant.head_dim < best->head_dim)) best = &variant;
+  for (const bool same_arch : {true, false}) {
+    if (same_arch && device_arch_name.empty()) continue;
+    for (int index = 0; index < kNumVariants; ++index) {
+      const KernelVariant& variant = kVariants[index];
+      if (variant.decode == nullptr || (same_arch && device_arch_name != variant.arch)) continue;
+      if (variant.head_dim >= head_dim && (best == nullptr || variant.head_dim < best->head_dim)) best = &variant;
+    }
+    if (best != nullptr) break;
   }
   py::dict tile;
   tile["stage_keys"] = best ? best->decode_stage_keys : -1;
