@@ -144,7 +144,7 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
     plan_key = (q.device.index, head_dim, batch, nheads, nheads_k, seqlen_q, key_capacity, num_splits)
     splits = _PLANS.get(plan_key)
     if splits is None:
-        tile = backend.decode_tile(head_dim)
+        tile = backend.decode_tile(head_dim, q.device)
         m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
         splits = _remember_plan(plan_key, choose_num_splits(
             batch * nheads_k * m_tiles, -(-key_capacity // tile["stage_keys"]),

@@ -5,8 +5,8 @@ and values are appended (and rotated) on the device, and the split-KV kernels re
 the cache in place, contiguous or paged (Note [portattn decode]). Nothing on this path
 reads a tensor's values on the host, so a decode step can be captured in a CUDA graph.
 
-Elsewhere (the reference backend, CPU, float32, ROCm until its decode kernels are
-verified) the same call is turned into a packed varlen call: rotate, append in place,
+Elsewhere (the reference backend, CPU, float32, a backend without decode kernels for
+the call) the same call is turned into a packed varlen call: rotate, append in place,
 gather the live keys, attend. Gathering copies the live part of the cache once per
 call and reads the lengths on the host.
 

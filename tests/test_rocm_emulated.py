@@ -5,7 +5,7 @@ variant sources and module.cpp for pseudo-archs with clang++-19 as host C++
 (one thread per lane, matrix and cross-lane ops emulated with the assumed
 layouts): "emu" for the CDNA kernels (wave64 MFMA, Note [portattn MFMA
 layout]; also what gfx950 compiles) and "emu_gfx11" / "emu_gfx12" for the RDNA
-forward (wave32 WMMA, Note [portattn WMMA layout]). It drives them through
+forward and decode (wave32 WMMA, Note [portattn WMMA layout]). It drives them through
 RocmBackend, checking every declared feature with the project's error rule
 (tests/error_rule.py).
 It cannot validate the MFMA layout against hardware or the device compiler's
@@ -14,6 +14,7 @@ first-use self-check covers the rest on a real device).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -37,6 +38,10 @@ HOST_CLANG = "clang++-19"  # _Float16 and ext_vector_type on the host need clang
 # pseudo-arch -> wave size of its kernel family (variants.ARCH_ISA): CDNA (MFMA,
 # wave64) and the two RDNA WMMA layouts (wave32), each its own module.
 EMU_ARCHS = {"emu": 64, "emu_gfx11": 32, "emu_gfx12": 32}
+# The RDNA decode instantiations (dtype, head dim) the RDNA decode tests below call; the
+# other three per arch are not compiled for the emulation (about 25 s of build per arch).
+# Their code differs only in template constants; tests/test_rocm_isa.py compiles all of them.
+EMU_RDNA_DECODE = {("float16", 64), ("bfloat16", 128), ("bfloat16", 256)}
 
 
 def build_emulation(build_dir: str, arch: str = "emu") -> str:
@@ -44,6 +49,9 @@ def build_emulation(build_dir: str, arch: str = "emu") -> str:
     ninja_build = rocm_build.ninja_build
     csrc = os.path.join(ROCM_DIR, "csrc")
     chosen = variants.select([arch])
+    if variants.isa_of(arch) != "mfma":
+        chosen = [v if (v.dtype, v.config.head_dim) in EMU_RDNA_DECODE
+                  else dataclasses.replace(v, config=dataclasses.replace(v.config, decode=None)) for v in chosen]
     gen = os.path.join(build_dir, "gen")
     os.makedirs(gen, exist_ok=True)
     flags = [HOST_CLANG, "-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-attributes",
@@ -71,7 +79,12 @@ def build_emulation(build_dir: str, arch: str = "emu") -> str:
     return ext_path
 
 
+_LOADED = {}  # pseudo-arch -> its module: one build per arch however many fixtures use it
+
+
 def load_emulation(tmp_path_factory, arch: str):
+    if arch in _LOADED:
+        return _LOADED[arch]
     if shutil.which(HOST_CLANG) is None:
         pytest.skip(f"{HOST_CLANG} not found (run .ci/install_rocm_toolchain.sh)")
     root = os.environ.get("PORTATTN_ROCM_EMU_BUILD_DIR")
@@ -81,6 +94,7 @@ def load_emulation(tmp_path_factory, arch: str):
     spec = importlib.util.spec_from_file_location(f"portattn_rocm_{arch}._C", ext_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    _LOADED[arch] = module
     return module
 
 
@@ -311,7 +325,7 @@ def _ptr(tensor):
 
 def _decode_call(module, q, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=0, leftpad=None, batch_idx=None,
                  block_table=None, cu_q=None, cu_k=None, max_q=0, seqlen_k=0, window=(-1, -1), softcap=0.0,
-                 alibi=None, num_splits=1):
+                 alibi=None, num_splits=1, errors=None):
     """decode(<PORTATTN_DECODE_ARGS>) on NaN-poisoned out / lse; returns (out, lse)."""
     varlen = cu_q is not None
     if varlen:
@@ -348,7 +362,7 @@ def _decode_call(module, q, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=
         q.shape[0] if varlen else 0, k_cache.shape[0] if cu_k is not None else 0,
         1.0 / math.sqrt(head_dim), softcap, window[0], window[1], _ptr(alibi),
         alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0, num_splits, _ptr(o_partial),
-        _ptr(lse_partial), 0, 0,  # stream, errors (no error buffer)
+        _ptr(lse_partial), 0, _ptr(errors),  # stream, errors (portattn/errors.py's buffer or none)
     ]
     module.decode(*args)
     return out, lse
@@ -376,8 +390,11 @@ def _sequence_keys(b, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=0, lef
 
 
 def _check_decode(out, lse, q, k_cache, v_cache, *, cu_q=None, window=(-1, -1), softcap=0.0, alibi=None,
-                  **layout):
-    """The error rule over all sequences: max|out - ref64| <= 2 max|torch lowp - ref64| + 1e-5."""
+                  contained=(), **layout):
+    """The error rule over all sequences: max|out - ref64| <= 2 max|torch lowp - ref64| + 1e-5.
+
+    Sequences in `contained` (out-of-range metadata, Note [portattn decode errors]) must
+    instead read as no keys: out = 0 and lse = -inf on all their rows."""
     batch = cu_q.numel() - 1 if cu_q is not None else q.shape[0]
     err = base = lse_err = lse_base = 0.0
     for b in range(batch):
@@ -386,6 +403,9 @@ def _check_decode(out, lse, q, k_cache, v_cache, *, cu_q=None, window=(-1, -1), 
             qb, ob, lb = q[start:end][None], out[start:end][None], lse[:, start:end][None]
         else:
             qb, ob, lb = q[b:b + 1], out[b:b + 1], lse[b:b + 1]
+        if b in contained:
+            assert (ob == 0).all() and torch.isneginf(lb).all(), f"sequence {b} is not contained"
+            continue
         kb, vb = (x[None] for x in _sequence_keys(b, k_cache, v_cache, **layout))
         slopes = alibi[b:b + 1] if alibi is not None and alibi.dim() == 2 else alibi
         options = dict(window=window, softcap=softcap, alibi_slopes=slopes)
@@ -407,10 +427,10 @@ def _check_decode(out, lse, q, k_cache, v_cache, *, cu_q=None, window=(-1, -1), 
     assert lse_err <= 2 * lse_base + 1e-4, f"lse error {lse_err:.3e} vs fp32 naive {lse_base:.3e}"
 
 
-def _decode_and_check(emulated, q, k_cache, v_cache, *, num_splits=1, **options):
-    check_options = {key: value for key, value in options.items() if key not in ("max_q",)}
+def _decode_and_check(emulated, q, k_cache, v_cache, *, num_splits=1, contained=(), **options):
+    check_options = {key: value for key, value in options.items() if key not in ("max_q", "errors")}
     out, lse = _decode_call(emulated, q, k_cache, v_cache, num_splits=num_splits, **options)
-    _check_decode(out, lse, q, k_cache, v_cache, **check_options)
+    _check_decode(out, lse, q, k_cache, v_cache, contained=contained, **check_options)
     return out, lse
 
 
@@ -577,3 +597,97 @@ def test_decode_after_append_reads_the_new_keys(emulated):
     emulated.kvcache_append(*args)
     _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=cache_seqlens, seqlen_new=seqlen_new,
                       window=(-1, 0), num_splits=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# RDNA decode (csrc/wmma_decode_kernel.h) in both WMMA layouts: the same entry points and
+# oracle as the CDNA decode above, on a few shapes (each workgroup is 128 CPU threads).
+
+
+@pytest.fixture(scope="module", params=["emu_gfx11", "emu_gfx12"])
+def rdna(request, tmp_path_factory):
+    """The emulated RDNA3 (gfx11 WMMA) or RDNA4 (gfx12 WMMA) `_C` module."""
+    return load_emulation(tmp_path_factory, request.param)
+
+
+@pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 64, 3), (torch.bfloat16, 256, 2)],
+                         ids=["fp16-64-splits3", "bf16-256-splits2"])
+def test_rdna_decode_contiguous_cache_gqa(rdna, dtype, head_dim, num_splits):
+    # GQA 4 (8 packed rows), an empty sequence, leftpad and a batch index into a larger cache;
+    # 200 keys are 4 stages of 64. D = 256 splits O's columns over two workgroups.
+    k_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
+    v_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
+    q = _rand(3, 1, 8, head_dim, dtype=dtype)
+    _decode_and_check(rdna, q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 77, 200], dtype=torch.int32),
+                      leftpad=torch.tensor([0, 5, 30], dtype=torch.int32),
+                      batch_idx=torch.tensor([2, 0, 3], dtype=torch.int32), num_splits=num_splits)
+
+
+def test_rdna_decode_paged_cache_page16_gqa_window(rdna):
+    # Page size 16 (a stage spans four pages), a shuffled block table, GQA 4 with seqlen_q 5
+    # (20 packed rows: two query tiles), a causal window with softcap and ALiBi, 2 splits.
+    generator = torch.Generator().manual_seed(16)
+    dtype, head_dim, nheads_k, batch, page_size = torch.bfloat16, 128, 2, 2, 16
+    lengths = [131, 40]
+    width = -(-max(lengths) // page_size)
+    num_pages = batch * width + 3
+    k_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
+    v_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
+    block_table = torch.randperm(num_pages, generator=generator)[:batch * width].reshape(batch, width).to(torch.int32)
+    q = _rand(batch, 5, nheads_k * 4, head_dim, dtype=dtype)
+    _decode_and_check(rdna, q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                      block_table=block_table, window=(40, 0), softcap=2.0, alibi=torch.rand(batch, 8),
+                      num_splits=2)
+
+
+def test_rdna_decode_tile_reports_the_wave32_tile(rdna):
+    """The split planner's facts for the RDNA tile: 64-key stages, 4 waves of 32, its own LDS."""
+    arch = rdna.build_config()["archs"][0]
+    config = variants.configs_for(arch)[0]
+    assert rdna.decode_tile(40) == {"stage_keys": 64, "threads": variants.DECODE_WAVES * 32,
+                                    "smem_bytes": config.decode.lds_bytes}
+
+
+def test_rdna_decode_varlen(rdna):
+    lens_q, lens_k = [1, 2, 1], [100, 0, 130]
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = _rand(sum(lens_q), 4, 64, dtype=torch.float16)
+    k = _rand(sum(lens_k), 2, 64, dtype=torch.float16)
+    v = _rand(sum(lens_k), 2, 64, dtype=torch.float16)
+    _decode_and_check(rdna, q, k, v, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), window=(-1, 0), num_splits=1)
+
+
+@pytest.fixture(scope="module", params=list(EMU_ARCHS))
+def decode_family(request, tmp_path_factory):
+    """Each family's decode module: CDNA (MFMA), RDNA3 (gfx11 WMMA), RDNA4 (gfx12 WMMA)."""
+    return load_emulation(tmp_path_factory, request.param)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_contains_out_of_range_metadata(decode_family, paged):
+    """A cache_seqlens past the capacity (and, paged, a page number past the pool) empties its
+    sequence: out = 0, lse = -inf, the other sequences exact, the first offender recorded."""
+    if paged and decode_family.build_config()["archs"] == ["emu"]:
+        pytest.skip("the CDNA decode clamps page numbers instead of containing them (decode_kernel.h)")
+    dtype, head_dim, nheads_k, page_size, capacity = torch.float16, 64, 1, 16, 96
+    cache_seqlens = torch.tensor([70, capacity + 1, 50], dtype=torch.int32)
+    errors = torch.zeros(8, dtype=torch.int32)  # portattn/errors.py's layout
+    q = _rand(3, 1, 4, head_dim, dtype=dtype)
+    if paged:
+        width = capacity // page_size
+        num_pages = 3 * width
+        k_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
+        v_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
+        block_table = torch.randperm(num_pages).reshape(3, width).to(torch.int32)
+        block_table[2, 1] = num_pages + 7  # inside sequence 2's 50 keys
+        layout = dict(block_table=block_table)
+        contained, expected = (1, 2), [2, capacity + 1, 0, 0, 0, 0, 3, num_pages + 7]
+    else:
+        k_cache = _rand(3, capacity, nheads_k, head_dim, dtype=dtype)
+        v_cache = _rand(3, capacity, nheads_k, head_dim, dtype=dtype)
+        layout = {}
+        contained, expected = (1,), [2, capacity + 1, 0, 0, 0, 0, 0, 0]
+    _decode_and_check(decode_family, q, k_cache, v_cache, cache_seqlens=cache_seqlens, errors=errors, num_splits=2,
+                      contained=contained, **layout)
+    assert errors.tolist() == expected

@@ -1,5 +1,5 @@
 """ROCm backend, statically: the device assembly of every kernel for every built arch
-(gfx90a, gfx942, gfx950: MFMA; gfx1100, gfx1201: the WMMA forward).
+(gfx90a, gfx942, gfx950: MFMA; gfx1100, gfx1201: the WMMA forward and decode).
 
 No AMD GPU is reachable, so nothing here runs a kernel. What the compiler
 produced is checked against each tile's designed budget (variants.FWD_TILES,
@@ -211,7 +211,7 @@ def test_module_features_equal_the_declaration(built):
     assert sorted(config["archs"]) == sorted(ISA_ARCHS)
     from portattn.capability.matrix import feature_status
 
-    for arch in ISA_ARCHS:  # per arch, e.g. RDNA's forward only
+    for arch in ISA_ARCHS:  # per arch, e.g. RDNA's missing backward
         declared = {f for f, status in feature_status("rocm", arch).items() if status != "no"}
         assert set(config["features_by_arch"][arch]) == declared, arch
     assert max(config["head_dims"]) == SPEC.head_dim_max == variants.MAX_HEAD_DIM
@@ -363,8 +363,8 @@ def test_backend_without_amd_gpu_is_unavailable_with_a_reason():
 
 def test_declaration_on_amd_devices():
     """On a (fake) MI300 the declared features (decode and paged caches included) are served;
-    on RDNA3 the forward is, its backward and decode are reasons (dispatch falls back), as is
-    a head dim past the largest built."""
+    on RDNA3 and RDNA4 the forward and the decode are, the backward is a reason (dispatch falls
+    back), as is a head dim past the largest built."""
     from portattn.capability.archs import amd_arch
     from portattn.capability.matrix import check_call
     from portattn.capability.probe import DeviceInfo
@@ -376,12 +376,12 @@ def test_declaration_on_amd_devices():
     assert check_call("rocm", mi300, forward) == []
     paged = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "decode", "paged_kv", "gqa"}))
     assert check_call("rocm", mi300, paged) == []
-    rdna = DeviceInfo(0, "amd", "AMD Radeon RX 7900 XTX", amd_arch("gfx1100"), 96, 32, 65536,
-                      None, None, None, "fake")
-    assert check_call("rocm", rdna, paged), "RDNA has no decode kernels"
     rdna_forward = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "causal", "dropout", "gqa"}))
-    assert check_call("rocm", rdna, rdna_forward) == []
-    assert any("backward" in r for r in check_call("rocm", rdna, forward)), "RDNA has no backward kernels"
+    for name, arch in (("AMD Radeon RX 7900 XTX", "gfx1100"), ("AMD Radeon RX 9070 XT", "gfx1201")):
+        rdna = DeviceInfo(0, "amd", name, amd_arch(arch), 64, 32, 65536, None, None, None, "fake")
+        assert check_call("rocm", rdna, paged) == [], arch
+        assert check_call("rocm", rdna, rdna_forward) == [], arch
+        assert any("backward" in r for r in check_call("rocm", rdna, forward)), f"{arch} has no backward kernels"
     too_big = CallSpec("float16", 264, 264, "cuda", frozenset({"forward"}))
     assert any("264" in reason for reason in check_call("rocm", mi300, too_big))
 
@@ -424,10 +424,11 @@ def test_arch_selection_from_env_and_toolchain(monkeypatch):
 def test_build_config_reports_lds_per_head_dim(built):
     """The smallest LDS per workgroup over the built archs, per direction and head dim."""
     config = _load_built_module(built[1]).build_config()
-    rdna = [c for isa, configs in variants.RDNA_CONFIGS.items() for c in configs]
+    every = [*variants.CONFIGS, *(c for configs in variants.RDNA_CONFIGS.values() for c in configs)]
     assert config["smem_bytes"] == {
-        "forward": {c.head_dim: min(x.fwd.lds_bytes for x in [*variants.CONFIGS, *rdna] if x.head_dim == c.head_dim)
+        "forward": {c.head_dim: min(x.fwd.lds_bytes for x in every if x.head_dim == c.head_dim)
                     for c in variants.CONFIGS},
         "backward": {c.head_dim: max(c.bwd_dq.lds_bytes, c.bwd_dkdv.lds_bytes) for c in variants.CONFIGS},
-        "decode": {c.head_dim: c.decode.lds_bytes for c in variants.CONFIGS},
+        "decode": {c.head_dim: min(x.decode.lds_bytes for x in every if x.head_dim == c.head_dim)
+                   for c in variants.CONFIGS},
     }

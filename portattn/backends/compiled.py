@@ -89,11 +89,18 @@ class CompiledBackend(Backend):
     def has_decode(self) -> bool:
         return self.module is not None and hasattr(self.module, "decode")
 
-    def decode_tile(self, head_dim: int) -> dict:
-        """{"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim."""
-        tile = self._decode_tiles.get(head_dim)
+    def decode_tile(self, head_dim: int, device: Optional[torch.device] = None) -> dict:
+        """{"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim on `device`
+        (asked with it current: the ROCm module's CDNA and RDNA tiles differ)."""
+        key = (device.index if device is not None else None, head_dim)
+        tile = self._decode_tiles.get(key)
         if tile is None:
-            tile = self._decode_tiles[head_dim] = dict(self.module.decode_tile(head_dim))
+            if device is not None and device.type == "cuda":
+                with torch.cuda.device(device):
+                    tile = dict(self.module.decode_tile(head_dim))
+            else:
+                tile = dict(self.module.decode_tile(head_dim))
+            self._decode_tiles[key] = tile
         return tile
 
     def decode(self, q, k, v, out, lse, **options) -> None:

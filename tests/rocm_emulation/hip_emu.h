@@ -238,6 +238,9 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
 
 }  // namespace hipemu
 
+// LDS atomics (the decode's workgroup vote, decode_common.h): lanes are threads here.
+inline int atomicOr(int* address, int value) { return __atomic_fetch_or(address, value, __ATOMIC_SEQ_CST); }
+
 #define threadIdx (::hipemu::thread_idx)
 #define blockIdx (::hipemu::block_idx)
 #define __syncthreads() (::hipemu::workgroup->block.arrive_and_wait())

@@ -8,9 +8,10 @@
 // (first_bad_page_slot), so no content of those tensors can move a read or a
 // write outside the tensors the call was given.
 //
-// Both decode kernels include this header (cuda/csrc/decode_kernel.cuh,
-// rocm/csrc/decode_kernel.h); tests/test_rocm_emulated.py checks it on the CPU
-// and tests/gpu/test_cuda_decode.py on the GPU.
+// Every decode kernel includes this header (cuda/csrc/decode_kernel.cuh; on ROCm
+// rocm/csrc/decode_kernel.h and wmma_decode_kernel.h, through decode_common.h);
+// tests/test_rocm_emulated.py checks it on the CPU and tests/gpu/test_cuda_decode.py
+// on the GPU.
 #pragma once
 #include <stdint.h>
 

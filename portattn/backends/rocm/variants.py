@@ -14,7 +14,7 @@ from typing import Optional
 # gfx target -> the matrix instructions its kernels use: "mfma" (CDNA2+:
 # v_mfma_f32_32x32x8{f16,bf16_1k}, and v_mfma_f32_16x16x16{f16,bf16_1k} in the
 # decode kernel; gfx950 keeps both shapes), "wmma11" / "wmma12" (RDNA3 / RDNA4:
-# wave32 v_wmma_f32_16x16x16_{f16,bf16}, forward only). "emu*" are the CPU
+# wave32 v_wmma_f32_16x16x16_{f16,bf16}: forward and decode). "emu*" are the CPU
 # emulation's pseudo-archs (tests/rocm_emulation), one per family.
 ARCH_ISA = {
     "gfx90a": "mfma", "gfx940": "mfma", "gfx941": "mfma", "gfx942": "mfma", "gfx950": "mfma",
@@ -57,10 +57,10 @@ RDNA_REGISTERS_PER_SIMD_LANE = 1536
 RDNA_MAX_VGPRS = 256
 RDNA_REGISTER_GRANULE = 24
 RDNA_LDS_BYTES_PER_WGP = 131072
-WMMA_LDS_PAD = 8  # kWmmaLdsPad in csrc/wmma_fwd_kernel.h
+WMMA_LDS_PAD = 8  # kWmmaLdsPad in csrc/rdna.h
 ROWDOT_WAVES_PER_SIMD = 4  # bwd_rowdot_kernel's launch bounds
 DECODE_WAVES = 4  # waves per decode workgroup (DecodeTile::kWaves); each takes 16 keys of a stage
-DECODE_ROWS = 16  # packed query rows per decode workgroup (one 16x16x16 MFMA tile)
+DECODE_ROWS = 16  # packed query rows per decode workgroup (one 16x16x16 MFMA / WMMA tile)
 COMBINE_WAVES_PER_SIMD = 2  # decode_combine_kernel's launch bounds
 APPEND_WAVES_PER_SIMD = 1  # kvcache_append_kernel's launch bounds
 
@@ -94,6 +94,10 @@ class KernelTile:
         return self.wmma and self.kernel == "fwd" and (self.isa == "wmma11" or self.head_dim > 128)
 
     @property
+    def wave_size(self) -> int:
+        return 32 if self.wmma else 64
+
+    @property
     def register_budget(self) -> int:
         """Most VGPR(+AGPR) per lane that still allows `waves_per_simd`."""
         if self.wmma:
@@ -109,6 +113,12 @@ class KernelTile:
                 q_rows = 64 if self.q_in_lds else 0
                 return 2 * ((self.block + q_rows) * (self.head_dim + WMMA_LDS_PAD)
                             + self.head_dim * (self.block + WMMA_LDS_PAD))
+            if self.kernel == "decode":  # Q, K, this workgroup's V^T; after the loop the merge reuses them
+                out_dim = self.head_dim // self.dim_split
+                stage = 2 * ((DECODE_ROWS + self.block) * (self.head_dim + WMMA_LDS_PAD)
+                             + out_dim * (self.block + WMMA_LDS_PAD))
+                merge = 4 * ((DECODE_WAVES - 1) * DECODE_ROWS * (out_dim + LDS_PAD) + DECODE_WAVES * DECODE_ROWS)
+                return max(stage, merge)
             return 0
         rows = self.block * (self.head_dim + LDS_PAD)  # a row-major tile of `block` rows
         if self.kernel == "fwd":  # K, V^T
@@ -133,19 +143,23 @@ class KernelTile:
         kQInLds rolls the Q K^T steps (unrolled by 2)."""
         if self.q_in_lds:
             return 2 * (self.block // 16) + self.head_dim // self.dim_split // 16 * (self.block // 16)
+        if self.wmma and self.kernel == "decode":  # S^T's D / 16 steps unrolled by 2, then O^T's tiles
+            return 2 + self.head_dim // self.dim_split // 16
         return self.mfma_per_iteration
 
     @property
     def dim_split(self) -> int:
         """Workgroups sharing one block, each owning a slice of the head dim (kDimSplit)."""
         if self.wmma:
-            return 2 if self.kernel == "fwd" and self.head_dim > 128 else 1
+            return 2 if self.kernel in ("fwd", "decode") and self.head_dim > 128 else 1
         return 2 if self.kernel in ("bwd_dq", "bwd_dkdv") and self.head_dim > 128 else 1
 
     @property
     def mfma_per_iteration(self) -> int:
         """Matrix instructions (of mfma_shape) per wave per block of the kernel's loop."""
         if self.wmma:
+            if self.kernel == "decode":  # one 16-key tile per wave: S^T's D / 16 steps, O^T's D' / 16 tiles
+                return (self.head_dim + self.head_dim // self.dim_split) // 16
             if self.kernel != "fwd":
                 return 0
             key_tiles, dim_steps = self.block // 16, self.head_dim // 16
@@ -164,7 +178,7 @@ class HeadDimConfig:
     fwd: KernelTile
     bwd_dq: Optional[KernelTile] = None  # None: the family has no backward (RDNA)
     bwd_dkdv: Optional[KernelTile] = None
-    decode: Optional[KernelTile] = None  # None: no decode kernels (RDNA)
+    decode: Optional[KernelTile] = None
 
     @property
     def directions(self) -> tuple:
@@ -177,8 +191,9 @@ class HeadDimConfig:
         """The decode instantiation's kernels: decode, split combine, cache append."""
         if self.decode is None:
             return ()
-        combine = KernelTile("decode_combine", self.head_dim, 0, COMBINE_WAVES_PER_SIMD)
-        append = KernelTile("kvcache_append", self.head_dim, 0, APPEND_WAVES_PER_SIMD)
+        isa = self.decode.isa
+        combine = KernelTile("decode_combine", self.head_dim, 0, COMBINE_WAVES_PER_SIMD, isa=isa)
+        append = KernelTile("kvcache_append", self.head_dim, 0, APPEND_WAVES_PER_SIMD, isa=isa)
         return (self.decode, combine, append)
 
     @property
@@ -214,26 +229,32 @@ CONFIGS = (
     _config(256, fwd=(32, 1, False), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, False), decode=(64, 1, True)),
 )
 
-# RDNA3/4 (wave32 WMMA, csrc/wmma_fwd_kernel.h): the forward only. The
-# occupancy is what the VGPRs (1536 per SIMD lane, <= 256 a wave) and the WGP's
-# 128 KiB of LDS allow. D=256 splits O's columns over 2 workgroups and, like
-# every gfx11 tile, reads Q from LDS (WmmaFwdTile::kQInLds), which takes 16-key
-# blocks at D=256 to stay within 64 KiB. The next key block is prefetched into
-# registers where they have room (no spills; tests/test_rocm_isa.py).
-def _wmma_config(head_dim, fwd, isa) -> HeadDimConfig:
-    return HeadDimConfig(head_dim, KernelTile("fwd", head_dim, *fwd, isa=isa))
+# RDNA3/4 (wave32 WMMA): the forward (csrc/wmma_fwd_kernel.h) and the decode
+# (csrc/wmma_decode_kernel.h); no backward. The occupancy is what the VGPRs
+# (1536 per SIMD lane, <= 256 a wave) and the WGP's 128 KiB of LDS allow. The
+# forward at D=256 splits O's columns over 2 workgroups and, like every gfx11
+# tile, reads Q from LDS (WmmaFwdTile::kQInLds), which takes 16-key blocks at
+# D=256 to stay within 64 KiB. The decode stages Q, K and V^T of a 64-key stage
+# in LDS (20 / 39 / 59 KiB at D = 64 / 128 / 256, the last with O's columns split
+# over 2 workgroups), which sets its occupancy: 6 / 3 / 2 workgroups per WGP.
+# The next block or stage is prefetched into registers where they have room (no
+# spills; tests/test_rocm_isa.py).
+def _wmma_config(head_dim, fwd, decode, isa) -> HeadDimConfig:
+    return HeadDimConfig(head_dim, KernelTile("fwd", head_dim, *fwd, isa=isa),
+                         decode=KernelTile("decode", head_dim, *decode, isa=isa))
 
 
 RDNA_CONFIGS = {
     "wmma11": (
-        _wmma_config(64, (32, 6, True), "wmma11"),
-        _wmma_config(128, (32, 3, True), "wmma11"),  # 36 KiB of LDS: 3 workgroups per WGP
-        _wmma_config(256, (16, 2, False), "wmma11"),  # 53 KiB: 2
+        _wmma_config(64, (32, 6, True), (64, 6, True), "wmma11"),
+        _wmma_config(128, (32, 3, True), (64, 3, True), "wmma11"),  # forward: 36 KiB of LDS, 3 workgroups per WGP
+        # forward: 53 KiB, 2 workgroups per WGP; decode: prefetching spills 41 VGPRs
+        _wmma_config(256, (16, 2, False), (64, 2, False), "wmma11"),
     ),
     "wmma12": (
-        _wmma_config(64, (32, 6, True), "wmma12"),
-        _wmma_config(128, (32, 6, False), "wmma12"),  # prefetching spills 19 VGPRs
-        _wmma_config(256, (16, 2, True), "wmma12"),
+        _wmma_config(64, (32, 6, True), (64, 6, True), "wmma12"),
+        _wmma_config(128, (32, 6, False), (64, 3, True), "wmma12"),  # forward: prefetching spills 19 VGPRs
+        _wmma_config(256, (16, 2, True), (64, 2, False), "wmma12"),  # decode: prefetching spills 23 VGPRs
     ),
 }
 
@@ -341,10 +362,13 @@ def instantiation_source(variant: Variant, direction: str) -> str:
               f"// {variant.arch} {variant.dtype} head dim <= {config.head_dim}.\n")
     if direction == "decode":
         tile = _template(variant, config.decode, "DecodeTile")
+        include = '#include "decode_kernel.h"'
+        if config.decode.wmma:
+            include = f'#define PORTATTN_ROCM_WMMA_GEN {config.decode.isa[4:]}\n#include "wmma_decode_kernel.h"'
         return f"""{header}{_budget_line(config.decode)}
 // Also the split combine and the cache append (with rotary) for this dtype.
 #define PORTATTN_ROCM_ARCH_NS {variant.arch}
-#include "decode_kernel.h"
+{include}
 
 static_assert({tile}::kLdsBytes == {config.decode.lds_bytes}, "variants.py and decode_kernel.h disagree on LDS");
 static_assert({tile}::kMfmaPerIter == {config.decode.mfma_per_iteration}, "variants.py and decode_kernel.h disagree");
@@ -413,7 +437,7 @@ def registry_source(variants: list[Variant], compilers: dict) -> str:
         f'{max(v.config.bwd_dq.lds_bytes, v.config.bwd_dkdv.lds_bytes) if v.config.bwd_dq else 0}, '
         f'{entry(v, "decode", "decode")}, {entry(v, "decode", "append")}, '
         f'{v.config.decode.lds_bytes if v.config.decode else 0}, {v.config.decode.block if v.config.decode else 0}, '
-        f'{DECODE_WAVES * 64 if v.config.decode else 0}}},'
+        f'{DECODE_WAVES * v.config.decode.wave_size if v.config.decode else 0}}},'
         for v in variants
     )
     compiler_rows = "\n".join(f'    {{"{arch}", "{_c_escape(text)}"}},' for arch, text in compilers.items())

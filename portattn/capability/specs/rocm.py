@@ -10,15 +10,15 @@ from ..declare import ALL_FEATURES, BackendSpec
 # ["features"] lists the same set and tests/test_rocm_isa.py keeps them equal.
 # The backward has no atomics, so it is always deterministic. Paged and
 # contiguous caches are read in place by the decode kernels (csrc/decode_kernel.h,
-# the CUDA module's decode ABI). Nothing here has run on AMD hardware: every
+# csrc/wmma_decode_kernel.h; the CUDA module's decode ABI). Nothing here has run on AMD hardware: every
 # entry is "compiled".
 SUPPORTED = ALL_FEATURES - {"seqused_k"}
 
-# RDNA3/4 (wave32 WMMA): the forward kernel only (csrc/wmma_fwd_kernel.h); a
-# backward or decode call there falls back. module.cpp's
-# build_config()["features_by_arch"] reports the same and tests/test_rocm_isa.py
-# keeps them equal.
-RDNA_FEATURES = SUPPORTED - {"backward", "deterministic_backward", "decode", "paged_kv"}
+# RDNA3/4 (wave32 WMMA): the forward (csrc/wmma_fwd_kernel.h) and the decode
+# over contiguous and paged caches (csrc/wmma_decode_kernel.h); a backward call
+# there falls back. module.cpp's build_config()["features_by_arch"] reports the
+# same and tests/test_rocm_isa.py keeps them equal.
+RDNA_FEATURES = SUPPORTED - {"backward", "deterministic_backward"}
 
 UNSUPPORTED_NOTES = {
     "seqused_k": "runs on the reference backend: the HIP kernels' sequence bounds read seqused_k "
@@ -37,7 +37,7 @@ SPEC = BackendSpec(
     archs=(ArchRange("amd", "gfx90a", "gfx90a"), ArchRange("amd", "gfx940", "gfx942"),
            ArchRange("amd", "gfx950", "gfx950"), ArchRange("amd", "gfx1100", "gfx1100"),
            ArchRange("amd", "gfx1201", "gfx1201")),
-    arch_note="CDNA2/CDNA3/CDNA4 (gfx90a, gfx942, gfx950); RDNA3 gfx1100 and RDNA4 gfx1201 forward only",
+    arch_note="CDNA2/CDNA3/CDNA4 (gfx90a, gfx942, gfx950); RDNA3 gfx1100 and RDNA4 gfx1201 forward and decode",
     ptx_forward_compatible=False,
     dtypes=("float16", "bfloat16"),
     head_dim_multiple=8,

@@ -50,7 +50,7 @@ constexpr int kMaxDecodeSplits = 128;
 const std::vector<std::string> kFeatures = {"forward", "backward", "causal",  "window",
                                             "softcap", "alibi",    "dropout", "gqa",
                                             "varlen",  "deterministic_backward", "decode", "paged_kv"};
-// The features an arch's variants lack with no backward (RDNA: forward only) or no decode.
+// The features an arch's variants lack without a backward (RDNA) or without a decode.
 const std::vector<std::string> kBackwardFeatures = {"backward", "deterministic_backward"};
 const std::vector<std::string> kDecodeFeatures = {"decode", "paged_kv"};
 
@@ -183,7 +183,7 @@ void check_append_invariants(const PortattnAppendParams& p) {
 }
 
 // The smallest built head dim >= headdim for this device's arch and dtype;
-// `direction` names the entry point the caller needs (RDNA builds the forward only).
+// `direction` names the entry point the caller needs (RDNA builds no backward).
 const KernelVariant& find_variant(int dtype, int headdim, const char* direction = "forward") {
   int device = 0;
   check_hip(hipGetDevice(&device), "hipGetDevice");
@@ -211,7 +211,7 @@ const KernelVariant& find_variant(int dtype, int headdim, const char* direction 
                                                             : best->decode != nullptr;
   if (!built) {
     throw std::invalid_argument(std::string("portattn ROCm: no ") + direction + " kernel is built for " + arch +
-                                " (forward only on RDNA)");
+                                " (RDNA: forward and decode only)");
   }
   return *best;
 }
@@ -260,14 +260,29 @@ void kvcache_append(const PortattnAppendParams& params) {
 }
 
 // {"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim
-// (the split planner's input); -1s when none is built. The same on every arch
-// that has one and every dtype, so no device is needed.
+// (the split planner's input); -1s when none is built. That of the current
+// device's arch when it has one built, else (no device needed) of the first
+// built arch with a decode: stage_keys is the same on every arch, threads and
+// LDS differ between the CDNA and RDNA tiles.
 py::dict decode_tile(int head_dim) {
+  std::string device_arch_name;
+  int device = 0;
+  if (hipGetDevice(&device) == hipSuccess) {
+    try {
+      device_arch_name = device_arch(device);
+    } catch (const std::runtime_error&) {
+      device_arch_name.clear();
+    }
+  }
   const KernelVariant* best = nullptr;
-  for (int index = 0; index < kNumVariants; ++index) {
-    const KernelVariant& variant = kVariants[index];
-    if (variant.decode == nullptr) continue;
-    if (variant.head_dim >= head_dim && (best == nullptr || variant.head_dim < best->head_dim)) best = &variant;
+  for (const bool same_arch : {true, false}) {
+    if (same_arch && device_arch_name.empty()) continue;
+    for (int index = 0; index < kNumVariants; ++index) {
+      const KernelVariant& variant = kVariants[index];
+      if (variant.decode == nullptr || (same_arch && device_arch_name != variant.arch)) continue;
+      if (variant.head_dim >= head_dim && (best == nullptr || variant.head_dim < best->head_dim)) best = &variant;
+    }
+    if (best != nullptr) break;
   }
   py::dict tile;
   tile["stage_keys"] = best ? best->decode_stage_keys : -1;
@@ -301,7 +316,7 @@ py::dict build_config() {
   config["compilers"] = compilers;
   config["features"] = kFeatures;
   config["hip_runtime_version"] = HIP_VERSION;
-  // Per arch, the features its variants implement (RDNA: no backward, no decode).
+  // Per arch, the features its variants implement (RDNA: no backward).
   py::dict features_by_arch;
   for (const std::string& arch : archs) {
     bool has_bwd = false, has_decode = false;
@@ -388,7 +403,7 @@ int64_t bwd_workspace_bytes_entry(int batch, int nheads, int nheads_k, int headd
 
 PYBIND11_MODULE(_C, m) {
   using namespace portattn::rocm;
-  m.doc() = "portattn ROCm kernels (MFMA: gfx90a / gfx942 / gfx950; WMMA forward: gfx1100 / gfx1201); see portattn/backends/rocm/__init__.py";
+  m.doc() = "portattn ROCm kernels (MFMA: gfx90a / gfx942 / gfx950; WMMA forward and decode: gfx1100 / gfx1201); see portattn/backends/rocm/__init__.py";
   m.def("fwd", &fwd_entry, "forward attention over raw pointers (see backends/common/params.h)");
   m.def("bwd", &bwd_entry, "backward attention over raw pointers (see backends/common/params.h)");
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes_entry,

@@ -38,6 +38,7 @@ typedef uint16_t u16x16 __attribute__((ext_vector_type(16)));
 
 constexpr int kWave32 = 32;
 constexpr int kWmma = 16;  // rows, columns and depth of one WMMA
+constexpr int kWmmaLdsPad = 8;  // elements: 16-byte aligned LDS rows for 16-byte operand reads
 
 template <int kGen>
 struct WmmaLayout;

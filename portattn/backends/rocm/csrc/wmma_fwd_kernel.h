@@ -46,8 +46,6 @@ namespace portattn {
 namespace rocm {
 namespace PORTATTN_ROCM_ARCH_NS {
 
-constexpr int kWmmaLdsPad = 8;  // elements: 16-byte aligned rows for 16-byte operand reads
-
 template <int kHeadDim_, int kBlockN_, bool kIsBf16_, int kWavesPerSimd_, bool kPrefetch_>
 struct WmmaFwdTile {
   static constexpr int kHeadDim = kHeadDim_;
