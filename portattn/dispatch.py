@@ -62,6 +62,7 @@ def feature_bits(
     deterministic: bool = False,
     paged_kv: bool = False,
     decode: bool = False,
+    fp8_kv: bool = False,
 ) -> int:
     """The features a call uses, as an int (cheap to hash; decoded by `call_spec`)."""
     bits = _BIT["forward"]
@@ -87,6 +88,8 @@ def feature_bits(
         bits |= _BIT["paged_kv"]
     if decode:
         bits |= _BIT["decode"]
+    if fp8_kv:
+        bits |= _BIT["fp8_kv"]
     return bits
 
 

@@ -88,11 +88,13 @@ class CompiledBackend(Backend):
     def has_decode(self) -> bool:
         return self.module is not None and hasattr(self.module, "decode")
 
-    def decode_tile(self, head_dim: int) -> dict:
-        """{"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim."""
-        tile = self._decode_tiles.get(head_dim)
+    def decode_tile(self, head_dim: int, fp8_kv: bool = False) -> dict:
+        """{"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim (the
+        e4m3-cache kernel's with fp8_kv: only the CUDA module has one)."""
+        tile = self._decode_tiles.get((head_dim, fp8_kv))
         if tile is None:
-            tile = self._decode_tiles[head_dim] = dict(self.module.decode_tile(head_dim))
+            found = self.module.decode_tile(head_dim, 1) if fp8_kv else self.module.decode_tile(head_dim)
+            tile = self._decode_tiles[(head_dim, fp8_kv)] = dict(found)
         return tile
 
     def decode(self, q, k, v, out, lse, **options) -> None:

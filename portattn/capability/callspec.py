@@ -25,6 +25,7 @@ FEATURES = (
     "paged_kv",
     "decode",
     "deterministic_backward",
+    "fp8_kv",
 )
 
 FEATURE_TITLES = {
@@ -40,6 +41,7 @@ FEATURE_TITLES = {
     "paged_kv": "paged KV cache",
     "decode": "KV-cache decode (split-KV, in place)",
     "deterministic_backward": "deterministic backward",
+    "fp8_kv": "FP8 (e4m3) KV cache",
 }
 
 
