@@ -312,6 +312,10 @@ def quantize_fp8(x, descale, batch_rows=None):
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
 
 
+def _bytes_if_fp8(cache):
+    return cache.view(torch.uint8) if _is_fp8_cache(cache) else cache
+
+
 def dequantize_fp8(rows, descale, owner):
     """float32 rows (n, nheads_k, headdim) of an e4m3 cache times descale[owner[i], hk]."""
     values = rows.float()
@@ -443,10 +447,11 @@ def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         chosen = torch.tensor(good, dtype=torch.long, device=device)
         new_k, new_v = k[chosen], v[chosen]
         if descales is not None:
-            new_k = quantize_fp8(new_k, descales[0], chosen)
-            new_v = quantize_fp8(new_v, descales[1], chosen)
-        k_cache[rows] = new_k.reshape(-1, *k.shape[2:]).to(k_cache.dtype)
-        v_cache[rows] = new_v.reshape(-1, *v.shape[2:]).to(v_cache.dtype)
+            # Indexed through byte views: the same bytes, and index_put needs no float8 kernel.
+            new_k = quantize_fp8(new_k, descales[0], chosen).view(torch.uint8)
+            new_v = quantize_fp8(new_v, descales[1], chosen).view(torch.uint8)
+        _bytes_if_fp8(k_cache)[rows] = new_k.reshape(-1, *k.shape[2:]).to(_bytes_if_fp8(k_cache).dtype)
+        _bytes_if_fp8(v_cache)[rows] = new_v.reshape(-1, *v.shape[2:]).to(_bytes_if_fp8(v_cache).dtype)
 
     spans = [(0, 0) if problems[b] is not None else (0 if lp is None else lp[b], cs[b] + seqlen_new)
              for b in range(batch)]
@@ -454,11 +459,12 @@ def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     lengths = [e - s for s, e in spans]
     cu_seqlens_k = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen_q
-    keys, values_ = k_cache[rows], v_cache[rows]
+    keys, values_ = _bytes_if_fp8(k_cache)[rows], _bytes_if_fp8(v_cache)[rows]
     q_packed = q.reshape(batch * seqlen_q, nheads, head_dim)
     if descales is not None:
         owner = torch.repeat_interleave(torch.arange(batch, device=device), torch.tensor(lengths, device=device))
-        keys, values_ = dequantize_fp8(keys, descales[0], owner), dequantize_fp8(values_, descales[1], owner)
+        keys = dequantize_fp8(keys.view(FP8_KV_DTYPE), descales[0], owner)
+        values_ = dequantize_fp8(values_.view(FP8_KV_DTYPE), descales[1], owner)
         q_packed, varlen_attention = q_packed.float(), _reference_varlen
     with torch.no_grad():  # inference only: the cache has no gradient
         out, lse, _ = varlen_attention(
