@@ -1,7 +1,8 @@
 """Decode benchmark: one new query token (or a few) against a KV cache, portattn vs SDPA.
 
   python bench/bench_decode.py [--batches 1,16,64] [--caches 4096,8192,32768] [--head-dims 64,128,256]
-                               [--heads 32/8,32/32] [--short-query] [--out bench/results/latest] [--dry-run]
+                               [--heads 32/8,32/32] [--short-query] [--kv-dtype bf16|fp8]
+                               [--out bench/results/latest] [--dry-run]
 
 Columns, side by side in one run (bf16):
 - portattn `flash_attn_with_kvcache` on a contiguous cache (batch, cache, Hk, D) with
@@ -12,7 +13,11 @@ Columns, side by side in one run (bf16):
 "bound" is the time to read K and V once at the HBM peak (3.35 TB/s on an H100 SXM; set
 --hbm-tbps for another part); "share" is bound / time. Timing: triton's do_bench (median,
 L2 flushed between calls). `--short-query` adds flash_attn_func with seqlen_q 1-16 against
-4k-8k keys (GQA 32/8, hd 128) vs SDPA. Results: <out>/decode_bench.{json,md,png}.
+4k-8k keys (GQA 32/8, hd 128) vs SDPA. `--kv-dtype fp8` measures instead, CUDA-graph replay
+only, an FP8 (e4m3) cache with per-(sequence, head) descales (contiguous and paged 16) against
+the bf16 cache holding the same (dequantised) values and SDPA on that bf16 cache; each
+column's share is its own bytes of K and V (1 byte a value for FP8, 2 for bf16) / time / peak.
+Results: <out>/decode_bench.{json,md,png} (--name names them).
 `--dry-run` runs tiny shapes on the CPU with fake timings (plumbing only).
 """
 from __future__ import annotations
@@ -94,6 +99,75 @@ def decode_point(batch, cache, heads, heads_k, head_dim, device, ms, dry_run, hb
             row["na"][name] = peers._reason(error)
     del q, k, v, kt, vt, qt, calls
     return row
+
+
+FP8_COLUMNS = ("fp8", "fp8_paged16", "bf16", "sdpa")
+
+
+def fp8_point(batch, cache, heads, heads_k, head_dim, device, ms, dry_run, hbm_tbps):
+    """CUDA-graph times of one decode step on an FP8 cache, the same values in a bf16 cache, and
+    SDPA on that bf16 cache; bytes and share of the bound per column."""
+    import torch.nn.functional as F
+
+    import portattn
+
+    values = batch * cache * heads_k * head_dim
+    row = {"batch": batch, "cache": cache, "heads": heads, "heads_k": heads_k, "head_dim": head_dim,
+           "us": {}, "na": {}, "bytes": {"fp8": 2 * values, "fp8_paged16": 2 * values, "bf16": 4 * values,
+                                          "sdpa": 4 * values}}
+    row["bound_us"] = {name: nbytes / (hbm_tbps * 1e12) * 1e6 for name, nbytes in row["bytes"].items()}
+    if 2 * values > MAX_CACHE_BYTES:
+        row["na"]["all"] = f"FP8 K+V = {2 * values / 2**30:.0f} GiB > the benchmark's {MAX_CACHE_BYTES >> 30} GiB cap"
+        return row
+    dtype = torch.bfloat16
+    q = torch.randn(batch, 1, heads, head_dim, device=device, dtype=dtype)
+    k8 = (torch.randn(batch, cache, heads_k, head_dim, device=device) * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(batch, cache, heads_k, head_dim, device=device) * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
+    k_descale = torch.rand(batch, heads_k, device=device) / 8
+    v_descale = torch.rand(batch, heads_k, device=device) / 8
+    seqlens = torch.full((batch,), cache, dtype=torch.int32, device=device)
+    calls = {"fp8": lambda: portattn.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens, k_descale=k_descale,
+                                                             v_descale=v_descale)}
+    if cache % 16 == 0:
+        pages = batch * cache // 16
+        table = torch.randperm(pages, device=device).reshape(batch, cache // 16).to(torch.int32)
+        kp, vp = k8.view(pages, 16, heads_k, head_dim), v8.view(pages, 16, heads_k, head_dim)
+        calls["fp8_paged16"] = lambda: portattn.flash_attn_with_kvcache(
+            q, kp, vp, cache_seqlens=seqlens, block_table=table, k_descale=k_descale, v_descale=v_descale)
+    # The bf16 cache (and SDPA's (batch, Hk, cache, D) copy of it) only where they fit beside the FP8 one.
+    if 4 * values * 2 <= 2 * MAX_CACHE_BYTES:
+        kb = (k8.float() * k_descale[:, None, :, None]).to(dtype)
+        vb = (v8.float() * v_descale[:, None, :, None]).to(dtype)
+        calls["bf16"] = lambda: portattn.flash_attn_with_kvcache(q, kb, vb, cache_seqlens=seqlens)
+        qt, kt, vt = q.transpose(1, 2).contiguous(), kb.transpose(1, 2).contiguous(), vb.transpose(1, 2).contiguous()
+        calls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=heads != heads_k)
+    else:
+        for name in ("bf16", "sdpa"):
+            row["na"][name] = f"bf16 K+V = {4 * values / 2**30:.0f} GiB beside the FP8 cache exceeds the cap"
+    for name, fn in calls.items():
+        try:
+            with torch.no_grad():
+                row["us"][name] = ms(fn if dry_run else _graphed(fn), f"f{name}{batch}{cache}{head_dim}") * 1e3
+        except Exception as error:  # one cell's failure must not end the run
+            row["na"][name] = peers._reason(error)
+    del calls
+    return row
+
+
+def fp8_markdown(result) -> list:
+    lines = ["## Decode on an FP8 (e4m3) KV cache, bf16 query; CUDA-graph replay, us per call "
+             "(share = bytes of K and V / time / peak)", "",
+             "| batch | cache | Hq/Hk | hd | FP8 | share | FP8 paged 16 | share | bf16 cache | share | "
+             "SDPA (bf16) | share | bf16 / FP8 | SDPA / FP8 |", "|---" * 14 + "|"]
+    for r in result["fp8"]:
+        us = r["us"]
+        share = lambda name: None if us.get(name) is None else r["bound_us"][name] / us[name]
+        ratio = lambda a: None if us.get(a) is None or us.get("fp8") is None else us[a] / us["fp8"]
+        cells = " | ".join(f"{_fmt(us.get(name), 1)} | {_fmt(share(name), 2)}" for name in FP8_COLUMNS)
+        lines.append(f"| {r['batch']} | {r['cache']} | {r['heads']}/{r['heads_k']} | {r['head_dim']} | {cells} | "
+                     f"{_fmt(ratio('bf16'), 2)} | {_fmt(ratio('sdpa'), 2)} |"
+                     + (f" n/a: {'; '.join(r['na'].values())}" if r["na"] else ""))
+    return lines + [""]
 
 
 def short_query_point(batch, seqlen_q, seqlen_k, device, ms):
@@ -193,6 +267,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--heads", default="32/8,32/32")
     parser.add_argument("--short-query", action="store_true")
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--hbm-tbps", type=float, default=3.35)
     parser.add_argument("--out", default=peers.LATEST)
     parser.add_argument("--name", default="decode_bench")
@@ -207,6 +282,8 @@ def main(argv=None) -> int:
     caches = peers.parse_ints(args.caches)
     if args.dry_run:
         caches = [min(c, 512) for c in caches]
+    if args.kv_dtype == "fp8":
+        return _fp8_main(args, result, heads, caches, device, ms)
     for batch in peers.parse_ints(args.batches):
         for cache in caches:
             for head_dim in peers.parse_ints(args.head_dims):
@@ -225,6 +302,25 @@ def main(argv=None) -> int:
                                                            seqlen_k if not args.dry_run else 64, device, ms))
     lines = markdown(result)
     peers.write_results(result, args.out, args.name, extra_markdown=lines, plot=plot)
+    print("\n".join(lines))
+    return 0
+
+
+def _fp8_main(args, result, heads, caches, device, ms) -> int:
+    result.update(title="Decode benchmark: FP8 KV cache vs bf16 cache vs SDPA", fp8=[])
+    for batch in peers.parse_ints(args.batches):
+        for cache in caches:
+            for head_dim in peers.parse_ints(args.head_dims):
+                for hq, hk in heads:
+                    if args.dry_run:
+                        batch, hq, hk = 1, 4, 2
+                    row = fp8_point(batch, cache, hq, hk, head_dim, device, ms, args.dry_run, args.hbm_tbps)
+                    result["fp8"].append(row)
+                    print(fp8_markdown(dict(result, fp8=[row]))[-2], flush=True)
+                    if not args.dry_run:
+                        torch.cuda.empty_cache()
+    lines = fp8_markdown(result)
+    peers.write_results(result, args.out, args.name, extra_markdown=lines)
     print("\n".join(lines))
     return 0
 

@@ -209,16 +209,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None,
-                            s_aux=None):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            k_descale=None, v_descale=None, q_descale=None, *, out=None, s_aux=None):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     if out is not None or s_aux is not None:
         return _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                     window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                    return_softmax_lse, out, s_aux)
+                                    return_softmax_lse, out, s_aux, k_descale, v_descale, q_descale)
     if torch.compiler.is_compiling():
         from .ops import compiled_kvcache
+
+        if k_descale is not None or v_descale is not None or q_descale is not None:
+            raise ValueError("k_descale/v_descale/q_descale are not supported under torch.compile yet: "
+                             "call flash_attn_with_kvcache with an FP8 cache eagerly")
 
         return compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
@@ -227,12 +231,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, return_softmax_lse, num_splits, flash_attn_varlen_func,
+        k_descale, v_descale, q_descale,
     )
 
 
 def _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, out, s_aux):
+                         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, out, s_aux,
+                         k_descale=None, v_descale=None, q_descale=None):
     """flash_attn_with_kvcache with `out=` or sinks: the call as usual, then the sinks folded in
     (sinks.py) and the result copied into out (a decode step's output is a few rows)."""
     if isinstance(q, torch.Tensor) and q.dim() == 4:
@@ -241,7 +247,7 @@ def _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     result, lse = flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-        True)
+        True, k_descale, v_descale, q_descale)
     if s_aux is not None:
         add_sink(result, lse, s_aux, False)
     if out is not None:
@@ -405,7 +411,7 @@ Arguments:
         decode step) or a few tokens (speculative decoding, a chunk of the prompt).
     k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim); or, with block_table,
         paged caches (num_blocks, page_block_size, nheads_k, headdim). Updated in place when k
-        and v are given.
+        and v are given. q's dtype, or both torch.float8_e4m3fn (see k_descale).
     k, v: (batch, seqlen_new, nheads_k, headdim), or None. New keys and values: new key i of
         sequence b is written (after rotation, if any) at absolute cache row
         cache_seqlens[b] + i, and attended to together with the cached ones.
@@ -432,6 +438,13 @@ Arguments:
     num_splits: int. How many thread blocks share one sequence's keys (split-KV). 0 (default)
         chooses from the shapes and the GPU; an explicit count is honoured up to 128.
     return_softmax_lse: bool. Also return softmax_lse.
+    k_descale, v_descale: float32 tensors (batch, nheads_k), or None (1.0), with k_cache and
+        v_cache of torch.float8_e4m3fn (FlashAttention-3's FP8 cache): the key attended to is
+        k_cache[...] * k_descale[b, hk], the value likewise; new k and v (of q's dtype) are
+        stored as e4m3(x / descale), rounded to nearest even and saturated to +-448. Index b
+        is the query's batch entry (also with cache_batch_idx). One scale for every head or
+        sequence: scale.expand(batch, nheads_k) (no copy).
+    q_descale: refused (ValueError): FP8 queries are not supported; q stays float16/bfloat16.
 
 Returns:
     out: (batch, seqlen_q, nheads, headdim); with return_softmax_lse=True, (out, softmax_lse),

@@ -111,14 +111,16 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
                window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
                num_splits: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                max_seqlen_k: int = 0, cache_seqlens=None, seqlen_new: int = 0, cache_leftpad=None,
-               cache_batch_idx=None, block_table=None, out=None, lse=None, errors=None):
+               cache_batch_idx=None, block_table=None, out=None, lse=None, errors=None,
+               k_descale=None, v_descale=None):
     """One decode call on `backend` (a compiled backend with decode kernels): (out, lse).
 
     lse is (batch, nheads, seqlen_q), or (nheads, total_q) with cu_seqlens_q, or None
     when not `need_lse`. Allocations (out, lse, the split workspace) come from torch's
     caching allocator, which CUDA-graph capture redirects to the graph's pool; `out` and
     `lse` may be passed in already allocated. `errors`: the device's error buffer
-    (portattn/errors.py) where the kernels record out-of-range cache metadata, or None."""
+    (portattn/errors.py) where the kernels record out-of-range cache metadata, or None.
+    k and v may be float8_e4m3fn caches with fp32 (batch, nheads_k) descales or None (1.0)."""
     varlen = cu_seqlens_q is not None
     if varlen:
         batch, seqlen_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
@@ -141,10 +143,11 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
     else:
         key_capacity = k.shape[1]
     key_capacity = key_bucket(key_capacity)
-    plan_key = (q.device.index, head_dim, batch, nheads, nheads_k, seqlen_q, key_capacity, num_splits)
+    fp8_kv = k.dtype == torch.float8_e4m3fn
+    plan_key = (q.device.index, head_dim, batch, nheads, nheads_k, seqlen_q, key_capacity, num_splits, fp8_kv)
     splits = _PLANS.get(plan_key)
     if splits is None:
-        tile = backend.decode_tile(head_dim, q.device)
+        tile = backend.decode_tile(head_dim, q.device, fp8_kv)
         m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
         splits = _remember_plan(plan_key, choose_num_splits(
             batch * nheads_k * m_tiles, -(-key_capacity // tile["stage_keys"]),
@@ -165,5 +168,6 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
         block_table=block_table, softmax_scale=softmax_scale, window_left=window_left,
         window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
         num_splits=splits, o_partial=o_partial, lse_partial=lse_partial, errors=errors,
+        k_descale=k_descale, v_descale=v_descale,
     )
     return out, lse

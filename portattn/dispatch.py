@@ -64,6 +64,7 @@ def feature_bits(
     paged_kv: bool = False,
     decode: bool = False,
     seqused_k: bool = False,
+    fp8_kv: bool = False,
 ) -> int:
     """The features a call uses, as an int (cheap to hash; decoded by `call_spec`)."""
     bits = _BIT["forward"]
@@ -91,6 +92,8 @@ def feature_bits(
         bits |= _BIT["decode"]
     if seqused_k:
         bits |= _BIT["seqused_k"]
+    if fp8_kv:
+        bits |= _BIT["fp8_kv"]
     return bits
 
 

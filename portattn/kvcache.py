@@ -14,6 +14,11 @@ Semantics (flash-attn 2): sequence b's live keys are cache rows [leftpad, cache_
 followed by the new ones; new key i is written at row cache_seqlens[b] + i and rotated
 at that index (which counts the left padding); queries are rotated at cache_seqlens[b],
 plus their own index when the attention is causal or local.
+
+FP8 caches (FlashAttention-3's semantics; Note [portattn fp8 kv cache] in
+backends/common/params.h): k_cache / v_cache of torch.float8_e4m3fn with a float16/bfloat16
+query; the key attended to is k_cache[...] * k_descale[b, hk] (v likewise), and new keys and
+values are stored as e4m3(x / descale), rounded to nearest even and saturated to +-448.
 """
 from __future__ import annotations
 
@@ -126,6 +131,44 @@ def gather_paged(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k=None)
     return k_cache[page_of, row_of], v_cache[page_of, row_of], new_cu
 
 
+# The FP8 cache dtype (OCP e4m3 "fn", torch's float8_e4m3fn) and its largest finite value.
+FP8_KV_DTYPE = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0
+# The decode kernels read e4m3 rows in 16-byte chunks (csrc/decode_kernel.cuh).
+FP8_KERNEL_HEAD_DIM_MULTIPLE = 16
+
+
+def _is_fp8_cache(t) -> bool:
+    return FP8_KV_DTYPE is not None and t.dtype == FP8_KV_DTYPE
+
+
+def _check_descales(q, k_cache, k_descale, v_descale, q_descale):
+    """The FP8 arguments: q_descale is refused (FP8 queries are not supported), k_descale and
+    v_descale are None (1.0) or fp32 (batch, nheads_k) on q's device, for an FP8 cache only.
+    Any strides: a per-tensor or per-head scale may be an expand()ed view."""
+    if q_descale is not None:
+        raise ValueError("q_descale scales an FP8 query, and portattn takes only float16/bfloat16 queries "
+                         "(with an FP8 k_cache/v_cache, pass k_descale/v_descale and leave q_descale None)")
+    if not _is_fp8_cache(k_cache):
+        for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if t is not None:
+                raise ValueError(f"{name} applies to FP8 (torch.float8_e4m3fn) caches only; k_cache is {k_cache.dtype}")
+        return
+    batch, nheads_k = q.shape[0], k_cache.shape[2]
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor of shape ({batch}, {nheads_k}) or None, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+        if tuple(t.shape) != (batch, nheads_k):
+            raise ValueError(f"{name} must have shape (batch, nheads_k) = ({batch}, {nheads_k}), got {tuple(t.shape)} "
+                             f"(one scale for all: scale.expand({batch}, {nheads_k}))")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} (with q), got {t.device}")
+
+
 def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, cache_batch_idx):
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
@@ -144,9 +187,14 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, 
         raise ValueError(f"k_cache's head dim {k_cache.shape[3]} differs from q's {head_dim}")
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    fp8 = _is_fp8_cache(k_cache)
+    if fp8 and q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"an FP8 (float8_e4m3fn) cache needs a float16 or bfloat16 q, got {q.dtype}")
+    cache_dtype = k_cache.dtype if fp8 else q.dtype
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+        if t.dtype != cache_dtype or t.device != q.device:
+            raise ValueError(f"{name} must have q's dtype or torch.float8_e4m3fn (both caches the same) and q's "
+                             f"device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append)")
     if k is not None:
@@ -180,8 +228,10 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, 
 def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                     window_size, softcap, rotary_interleaved, alibi_slopes, return_softmax_lse,
-                    num_splits, varlen_attention):
+                    num_splits, varlen_attention, k_descale=None, v_descale=None, q_descale=None):
     _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, cache_batch_idx)
+    _check_descales(q, k_cache, k_descale, v_descale, q_descale)
+    fp8 = _is_fp8_cache(k_cache)
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device
     paged = block_table is not None
@@ -213,13 +263,21 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     q_per_token = window_left >= 0 or window_right >= 0
 
     bits = dispatch.feature_bits(window_left, window_right, softcap, alibi_slopes is not None, 0.0,
-                                 nheads != k_cache.shape[2], False, paged_kv=paged, decode=True)
+                                 nheads != k_cache.shape[2], False, paged_kv=paged, decode=True, fp8_kv=fp8)
     backend = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits)
+    if fp8 and head_dim % FP8_KERNEL_HEAD_DIM_MULTIPLE:
+        backend = None  # the e4m3 loads move 16 values at a time; the reference path serves it
     if backend is None:
+        descales = None
+        if fp8:
+            # The gather path attends in float32 on the reference backend; this dispatch only
+            # warns (once) why no kernel serves the call, or raises for a forced backend.
+            dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
+            descales = (k_descale, v_descale)
         return _gather_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, leftpad,
             block_table, scale, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
-            return_softmax_lse, q_per_token, varlen_attention, values)
+            return_softmax_lse, q_per_token, varlen_attention, values, descales)
 
     errors = error_buffer(device)
     q_in = q if q.stride(-1) == 1 else q.contiguous()
@@ -230,7 +288,8 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             k_cache, v_cache, None if k is None else _last_contiguous(k), None if v is None else _last_contiguous(v),
             q_in, q_rot, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved, q_position_per_token=q_per_token, errors=errors)
+            rotary_interleaved=rotary_interleaved, q_position_per_token=q_per_token, errors=errors,
+            k_descale=k_descale, v_descale=v_descale)
         if rotate_q:
             q_in = q_rot
     out, lse = run_decode(
@@ -238,8 +297,42 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         window_left=window_left, window_right=window_right, softcap=float(softcap),
         alibi_slopes=alibi_slopes, num_splits=num_splits, cache_seqlens=cache_seqlens,
         seqlen_new=seqlen_new, cache_leftpad=leftpad, cache_batch_idx=cache_batch_idx,
-        block_table=block_table, errors=errors)
+        block_table=block_table, errors=errors, k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_softmax_lse else out
+
+
+def quantize_fp8(x, descale, batch_rows=None):
+    """e4m3(x / descale) of x (batch, seqlen, nheads_k, headdim): round to nearest even,
+    saturated to +-FP8_MAX (torch's own cast would turn values past it into NaN). descale:
+    None (1.0) or (batch, nheads_k), of which batch_rows picks x's rows."""
+    scaled = x.float()
+    if descale is not None:
+        d = descale if batch_rows is None else descale[batch_rows]
+        scaled = scaled / d[:, None, :, None]
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def _bytes_if_fp8(cache):
+    return cache.view(torch.uint8) if _is_fp8_cache(cache) else cache
+
+
+def dequantize_fp8(rows, descale, owner):
+    """float32 rows (n, nheads_k, headdim) of an e4m3 cache times descale[owner[i], hk]."""
+    values = rows.float()
+    return values if descale is None else values * descale[owner][:, :, None]
+
+
+def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_lse):
+    """flash_attn_varlen_func's signature on the reference backend directly (the FP8 gather path's
+    float32 call: dispatching it would warn about float32, not about what the caller asked)."""
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    dispatch.get_backend("reference").forward(
+        q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=scale, window_left=window_size[0], window_right=window_size[1],
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_seed=0, rng_offset=0)
+    return out, lse, None
 
 
 def _last_contiguous(t):
@@ -300,14 +393,18 @@ def _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_tab
 def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        leftpad, block_table, scale, window_left, window_right, softcap,
                        rotary_interleaved, alibi_slopes, return_softmax_lse, q_per_token,
-                       varlen_attention, values=None):
+                       varlen_attention, values=None, descales=None):
     """The reference path: check the metadata on the host (it reads the lengths anyway), append
     in place through the caller's own tensors (any strides: advanced-index writes into
     k_cache / v_cache themselves, never into a reshaped copy), gather the live keys, attend.
 
     A sequence with an out-of-range value (only possible on a GPU: CPU tensors were checked
     before) is contained as the decode kernels contain it (portattn/errors.py): nothing
-    appended, no key read, output 0 and LSE -inf, and the device's error buffer records it."""
+    appended, no key read, output 0 and LSE -inf, and the device's error buffer records it.
+
+    descales: None, or (k_descale, v_descale) of an FP8 cache: new rows are quantised into it,
+    the gathered rows dequantised in float32 and attended to in float32 on the reference
+    backend (the result rounded to q's dtype once)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device
     paged = block_table is not None
@@ -348,8 +445,13 @@ def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     if k is not None and good and seqlen_new:  # append in place, valid sequences only
         rows = index([where(b, cs[b] + i) for b in good for i in range(seqlen_new)])
         chosen = torch.tensor(good, dtype=torch.long, device=device)
-        k_cache[rows] = k[chosen].reshape(-1, *k.shape[2:]).to(k_cache.dtype)
-        v_cache[rows] = v[chosen].reshape(-1, *v.shape[2:]).to(v_cache.dtype)
+        new_k, new_v = k[chosen], v[chosen]
+        if descales is not None:
+            # Indexed through byte views: the same bytes, and index_put needs no float8 kernel.
+            new_k = quantize_fp8(new_k, descales[0], chosen).view(torch.uint8)
+            new_v = quantize_fp8(new_v, descales[1], chosen).view(torch.uint8)
+        _bytes_if_fp8(k_cache)[rows] = new_k.reshape(-1, *k.shape[2:]).to(_bytes_if_fp8(k_cache).dtype)
+        _bytes_if_fp8(v_cache)[rows] = new_v.reshape(-1, *v.shape[2:]).to(_bytes_if_fp8(v_cache).dtype)
 
     spans = [(0, 0) if problems[b] is not None else (0 if lp is None else lp[b], cs[b] + seqlen_new)
              for b in range(batch)]
@@ -357,13 +459,20 @@ def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     lengths = [e - s for s, e in spans]
     cu_seqlens_k = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen_q
+    keys, values_ = _bytes_if_fp8(k_cache)[rows], _bytes_if_fp8(v_cache)[rows]
+    q_packed = q.reshape(batch * seqlen_q, nheads, head_dim)
+    if descales is not None:
+        owner = torch.repeat_interleave(torch.arange(batch, device=device), torch.tensor(lengths, device=device))
+        keys = dequantize_fp8(keys.view(FP8_KV_DTYPE), descales[0], owner)
+        values_ = dequantize_fp8(values_.view(FP8_KV_DTYPE), descales[1], owner)
+        q_packed, varlen_attention = q_packed.float(), _reference_varlen
     with torch.no_grad():  # inference only: the cache has no gradient
         out, lse, _ = varlen_attention(
-            q.reshape(batch * seqlen_q, nheads, head_dim), k_cache[rows], v_cache[rows], cu_seqlens_q,
+            q_packed, keys, values_, cu_seqlens_q,
             cu_seqlens_k, seqlen_q, max(lengths), 0.0, scale,
             False, (window_left, window_right), softcap, alibi_slopes, False, True,
         )
-    out = out.reshape(batch, seqlen_q, nheads, head_dim)
+    out = out.to(q.dtype).reshape(batch, seqlen_q, nheads, head_dim)
     if return_softmax_lse:
         return out, lse.reshape(nheads, batch, seqlen_q).transpose(0, 1)
     return out

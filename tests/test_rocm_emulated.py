@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch")
 from error_rule import assert_grads, assert_lse, assert_output  # noqa: E402
 from naive import naive_attention  # noqa: E402
 from test_rocm_isa import rocm_build, variants  # noqa: E402  (the build helpers, loaded torch-free)
+from portattn.backends import abi  # noqa: E402  (kv_args: the FP8 arguments, here the query's dtype)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROCM_DIR = os.path.join(ROOT, "portattn", "backends", "rocm")
@@ -363,6 +364,7 @@ def _decode_call(module, q, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=
         1.0 / math.sqrt(head_dim), softcap, window[0], window[1], _ptr(alibi),
         alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0, num_splits, _ptr(o_partial),
         _ptr(lse_partial), 0, _ptr(errors),  # stream, errors (portattn/errors.py's buffer or none)
+        *abi.kv_args(k_cache, None, None),  # the query's dtype, no descales
     ]
     module.decode(*args)
     return out, lse
@@ -558,6 +560,7 @@ def test_kvcache_append_with_rotary(emulated, interleaved, paged):
             block_table.stride(0) if paged else 0, page_size if paged else 0, k_cache.shape[0] if paged else 0,
             k_cache.shape[0] if not paged else 0, capacity, _ptr(cos), _ptr(sin), cos.stride(0), 2, rotary_dim,
             seqlen_ro, interleaved, per_token, 0, _ptr(errors),  # stream, errors
+            *abi.kv_args(k_cache, None, None),
         ]
         emulated.kvcache_append(*args)
         assert errors.tolist() == [2, 46, 0, 0, 0, 0, 0, 0]  # cache_seqlens[1] = 46 recorded
@@ -593,6 +596,7 @@ def test_decode_after_append_reads_the_new_keys(emulated):
         _ptr(k_new), _ptr(v_new), k_new.stride(), v_new.stride(), _ptr(k_cache), _ptr(v_cache), k_cache.stride(),
         v_cache.stride(), 0, 0, q.stride(), q.stride(), DTYPE_CODE[dtype], batch, seqlen_new, seqlen_new, nheads,
         nheads_k, head_dim, _ptr(cache_seqlens), 0, 0, 0, 0, 0, batch, 96, 0, 0, 0, 2, 0, 0, False, False, 0, 0,
+        *abi.kv_args(k_cache, None, None),
     ]
     emulated.kvcache_append(*args)
     _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=cache_seqlens, seqlen_new=seqlen_new,

@@ -245,7 +245,8 @@ def _decode_args(**overrides):
         cache_leftpad=0, cache_batch_idx=0, block_table=0, block_table_batch_stride=0, page_size=0, num_pages=0,
         cache_batches=1, kv_capacity=16, total_q=0, total_k=0, softmax_scale=0.125, softcap=0.0, window_left=-1,
         window_right=-1, alibi_slopes=0, alibi_batch_stride=0, num_splits=1, o_partial=0, lse_partial=0, stream=0,
-        errors=0,
+        errors=0, cache_dtype=0, k_descale=0, v_descale=0, k_descale_batch_stride=0, k_descale_head_stride=0,
+        v_descale_batch_stride=0, v_descale_head_stride=0,
     )
     args.update(overrides)
     return list(args.values())

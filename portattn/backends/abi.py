@@ -168,7 +168,8 @@ def _ptr(t) -> int:
 def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
                 max_seqlen_k=0, cache_seqlens=None, seqlen_new=0, cache_leftpad=None,
                 cache_batch_idx=None, block_table=None, softmax_scale, window_left, window_right,
-                softcap, alibi_slopes, num_splits, o_partial=0, lse_partial=0, errors=None) -> tuple:
+                softcap, alibi_slopes, num_splits, o_partial=0, lse_partial=0, errors=None,
+                k_descale=None, v_descale=None) -> tuple:
     """The `decode` argument tuple (PORTATTN_DECODE_ARGS order in common/binding_args.h).
 
     q is (batch, seqlen_q, nheads, headdim) or, with cu_seqlens_q, (total_q, nheads, headdim).
@@ -177,7 +178,8 @@ def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_
     nheads_k, headdim) with cu_seqlens_k. o_partial / lse_partial: addresses of the fp32 split
     workspace (portattn/decode.py allocates both in one tensor), 0 with one split. errors: the
     device's int32 error buffer (portattn/errors.py), or None (out-of-range metadata is then
-    still contained, but not recorded)."""
+    still contained, but not recorded). k and v may be float8_e4m3fn caches, with k_descale /
+    v_descale None or fp32 (batch, nheads_k) (Note [portattn fp8 kv cache] in common/params.h)."""
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         lse_strides = (0, 0) if lse is None else lse.stride()[:2]
@@ -216,7 +218,19 @@ def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_
         page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
         softmax_scale, softcap, window_left, window_right, alibi, alibi_batch_stride,
         num_splits, o_partial, lse_partial, raw_stream(q.device.index), _ptr(errors),
+        *kv_args(k, k_descale, v_descale),
     )
+
+
+CACHE_FP8_E4M3 = 1  # PortattnCacheDtype in common/params.h (0: the query's dtype)
+
+
+def kv_args(cache, k_descale, v_descale) -> tuple:
+    """The PORTATTN_KV_ARGS (common/binding_args.h) of a cache and its descales."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    k_strides = (0, 0) if k_descale is None else k_descale.stride()
+    v_strides = (0, 0) if v_descale is None else v_descale.stride()
+    return (CACHE_FP8_E4M3 if fp8 else 0, _ptr(k_descale), _ptr(v_descale), *k_strides, *v_strides)
 
 
 ROTARY_FP32 = 2  # PortattnAppendParams.rotary_dtype for float32 tables
@@ -224,8 +238,9 @@ ROTARY_FP32 = 2  # PortattnAppendParams.rotary_dtype for float32 tables
 
 def append_args(k_cache, v_cache, k_new, v_new, q, q_out, *, cache_seqlens, cache_batch_idx=None,
                 block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                q_position_per_token=False, errors=None) -> tuple:
-    """The `kvcache_append` argument tuple (PORTATTN_APPEND_ARGS order in common/binding_args.h)."""
+                q_position_per_token=False, errors=None, k_descale=None, v_descale=None) -> tuple:
+    """The `kvcache_append` argument tuple (PORTATTN_APPEND_ARGS order in common/binding_args.h).
+    An FP8 cache takes new rows of q's dtype, quantised with k_descale / v_descale."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k_cache.shape[-2]
     seqlen_new = 0 if k_new is None else k_new.shape[1]
@@ -248,9 +263,10 @@ def append_args(k_cache, v_cache, k_new, v_new, q, q_out, *, cache_seqlens, cach
         no_strides if v_new is None else v_new.stride(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(), v_cache.stride(), _ptr(q) if q_out is not None else 0,
         _ptr(q_out), q.stride(), no_strides if q_out is None else q_out.stride(),
-        DTYPE_CODES[k_cache.dtype], batch, seqlen_new, seqlen_q, nheads, nheads_k, headdim,
+        DTYPE_CODES[q.dtype], batch, seqlen_new, seqlen_q, nheads, nheads_k, headdim,
         cache_seqlens.data_ptr(), _ptr(cache_batch_idx), _ptr(block_table), block_table_stride,
         page_size, num_pages, cache_batches, kv_capacity, _ptr(rotary_cos), _ptr(rotary_sin),
         rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro, bool(rotary_interleaved),
         bool(q_position_per_token), raw_stream(k_cache.device.index), _ptr(errors),
+        *kv_args(k_cache, k_descale, v_descale),
     )

@@ -89,17 +89,19 @@ class CompiledBackend(Backend):
     def has_decode(self) -> bool:
         return self.module is not None and hasattr(self.module, "decode")
 
-    def decode_tile(self, head_dim: int, device: Optional[torch.device] = None) -> dict:
+    def decode_tile(self, head_dim: int, device: Optional[torch.device] = None, fp8_kv: bool = False) -> dict:
         """{"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim on `device`
-        (asked with it current: the ROCm module's CDNA and RDNA tiles differ)."""
-        key = (device.index if device is not None else None, head_dim)
+        (asked with it current: the ROCm module's CDNA and RDNA tiles differ); the e4m3-cache
+        kernel's with fp8_kv (only the CUDA module has one)."""
+        key = (device.index if device is not None else None, head_dim, fp8_kv)
         tile = self._decode_tiles.get(key)
         if tile is None:
+            args = (head_dim, 1) if fp8_kv else (head_dim,)
             if device is not None and device.type == "cuda":
                 with torch.cuda.device(device):
-                    tile = dict(self.module.decode_tile(head_dim))
+                    tile = dict(self.module.decode_tile(*args))
             else:
-                tile = dict(self.module.decode_tile(head_dim))
+                tile = dict(self.module.decode_tile(*args))
             self._decode_tiles[key] = tile
         return tile
 

@@ -26,6 +26,7 @@ FEATURES = (
     "decode",
     "deterministic_backward",
     "seqused_k",
+    "fp8_kv",
 )
 
 FEATURE_TITLES = {
@@ -42,6 +43,7 @@ FEATURE_TITLES = {
     "decode": "KV-cache decode (split-KV, in place)",
     "deterministic_backward": "deterministic backward",
     "seqused_k": "seqused_k (keys used per sequence)",
+    "fp8_kv": "FP8 (e4m3) KV cache",
 }
 
 

@@ -32,6 +32,7 @@ HOPPER_HEAD_DIMS = [d for d in HOPPER_FWD_HEAD_DIMS if d not in cuda_sm90.SPEC.f
 HOPPER_DTYPES = list(cuda_sm90.SPEC.dtypes)
 
 _FWD, _BWD, _DEC = "test_cuda_forward.py", "test_cuda_backward.py", "test_cuda_decode.py"
+_FP8 = "test_cuda_decode_fp8.py"
 _HFWD, _HBWD = "test_cuda_hopper_forward.py", "test_cuda_hopper_backward.py"
 
 # spec name -> feature -> "file::test" entries under tests/gpu/.
@@ -50,6 +51,8 @@ COVERAGE = {
         "decode": [f"{_DEC}::test_decode_layouts_and_splits", f"{_DEC}::test_append_rotary_leftpad",
                    f"{_DEC}::test_cuda_graph_decode_steps_replay_with_changing_lengths"],
         "deterministic_backward": [f"{_BWD}::test_backward_features", f"{_BWD}::test_deterministic_is_bitwise_reproducible"],
+        "fp8_kv": [f"{_FP8}::test_fp8_decode_layouts_and_splits", f"{_FP8}::test_fp8_append_quantises_like_the_reference",
+                   f"{_FP8}::test_fp8_cuda_graph_replay_with_changing_lengths"],
     },
     "cuda-sm90": {
         "forward": [f"{_HFWD}::test_hopper_forward_grid", f"{_HFWD}::test_hopper_forward_every_launched_schedule",

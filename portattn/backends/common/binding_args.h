@@ -140,6 +140,27 @@ inline PortattnBwdParams bwd_params(PORTATTN_BWD_OWN_ARGS, const PortattnFwdPara
   return p;
 }
 
+// ---- FP8 caches (Note [portattn fp8 kv cache] in params.h): the last arguments of decode and
+// kvcache_append ----
+#define PORTATTN_KV_ARGS                                                                           \
+  int cache_dtype, uintptr_t k_descale, uintptr_t v_descale, int64_t k_descale_batch_stride,       \
+      int64_t k_descale_head_stride, int64_t v_descale_batch_stride, int64_t v_descale_head_stride
+#define PORTATTN_KV_ARG_NAMES                                                                      \
+  cache_dtype, k_descale, v_descale, k_descale_batch_stride, k_descale_head_stride,                \
+      v_descale_batch_stride, v_descale_head_stride
+
+inline PortattnKvDescale kv_descale(PORTATTN_KV_ARGS) {
+  PortattnKvDescale kv{};
+  kv.cache_dtype = cache_dtype;
+  kv.k_descale = address<const float>(k_descale);
+  kv.v_descale = address<const float>(v_descale);
+  kv.k_descale_batch_stride = k_descale_batch_stride;
+  kv.k_descale_head_stride = k_descale_head_stride;
+  kv.v_descale_batch_stride = v_descale_batch_stride;
+  kv.v_descale_head_stride = v_descale_head_stride;
+  return kv;
+}
+
 // ---- decode (Note [portattn decode] in params.h) ----
 // Built in one place on the Python side: portattn/backends/abi.py decode_args().
 #define PORTATTN_DECODE_ARGS                                                                       \
@@ -147,12 +168,12 @@ inline PortattnBwdParams bwd_params(PORTATTN_BWD_OWN_ARGS, const PortattnFwdPara
       uintptr_t cache_batch_idx, uintptr_t block_table, int64_t block_table_batch_stride,          \
       int page_size, int num_pages, int cache_batches, int kv_capacity, int64_t total_q,           \
       int64_t total_k, PORTATTN_SCORE_ARGS, int num_splits, uintptr_t o_partial,                   \
-      uintptr_t lse_partial, uintptr_t stream, uintptr_t errors
+      uintptr_t lse_partial, uintptr_t stream, uintptr_t errors, PORTATTN_KV_ARGS
 #define PORTATTN_DECODE_ARG_NAMES                                                                  \
   PORTATTN_TENSOR_ARG_NAMES, cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx,            \
       block_table, block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,     \
       total_q, total_k, PORTATTN_SCORE_ARG_NAMES, num_splits, o_partial, lse_partial, stream,      \
-      errors
+      errors, PORTATTN_KV_ARG_NAMES
 
 inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
   PortattnDecodeParams p{};
@@ -175,6 +196,7 @@ inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
   p.lse_partial = address<float>(lse_partial);
   p.stream = address<void>(stream);
   p.errors = address<int32_t>(errors);
+  p.kv = kv_descale(PORTATTN_KV_ARG_NAMES);
   return p;
 }
 
@@ -183,7 +205,7 @@ inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
 //                seqlen_q, nheads, nheads_k, headdim, cache_seqlens, cache_batch_idx, block_table,
 //                block_table_batch_stride, page_size, num_pages, cache_batches, kv_capacity,
 //                rotary_cos, rotary_sin, rotary_row_stride, rotary_dtype, rotary_dim, seqlen_ro,
-//                rotary_interleaved, q_position_per_token, stream, errors)
+//                rotary_interleaved, q_position_per_token, stream, errors, <PORTATTN_KV_ARGS>)
 #define PORTATTN_APPEND_ARGS                                                                       \
   uintptr_t k_new, uintptr_t v_new, pybind11::handle k_new_strides,                                \
       pybind11::handle v_new_strides, uintptr_t k_cache, uintptr_t v_cache,                        \
@@ -194,14 +216,14 @@ inline PortattnDecodeParams decode_params(PORTATTN_DECODE_ARGS) {
       int64_t block_table_batch_stride, int page_size, int num_pages, int cache_batches,           \
       int kv_capacity, uintptr_t rotary_cos, uintptr_t rotary_sin, int64_t rotary_row_stride,      \
       int rotary_dtype, int rotary_dim, int seqlen_ro, bool rotary_interleaved,                    \
-      bool q_position_per_token, uintptr_t stream, uintptr_t errors
+      bool q_position_per_token, uintptr_t stream, uintptr_t errors, PORTATTN_KV_ARGS
 #define PORTATTN_APPEND_ARG_NAMES                                                                  \
   k_new, v_new, k_new_strides, v_new_strides, k_cache, v_cache, k_cache_strides, v_cache_strides,  \
       q, q_out, q_strides, q_out_strides, dtype, batch, seqlen_new, seqlen_q, nheads, nheads_k,    \
       headdim, cache_seqlens, cache_batch_idx, block_table, block_table_batch_stride, page_size,   \
       num_pages, cache_batches, kv_capacity, rotary_cos, rotary_sin, rotary_row_stride,            \
       rotary_dtype, rotary_dim, seqlen_ro, rotary_interleaved, q_position_per_token, stream,       \
-      errors
+      errors, PORTATTN_KV_ARG_NAMES
 
 inline PortattnAppendParams append_params(PORTATTN_APPEND_ARGS) {
   PortattnAppendParams p{};
@@ -242,6 +264,7 @@ inline PortattnAppendParams append_params(PORTATTN_APPEND_ARGS) {
   p.q_position_per_token = q_position_per_token ? 1 : 0;
   p.stream = address<void>(stream);
   p.errors = address<int32_t>(errors);
+  p.kv = kv_descale(PORTATTN_KV_ARG_NAMES);
   return p;
 }
 

@@ -112,6 +112,25 @@ typedef struct PortattnBwdParams {
 
 // ---- decode: few query rows against a KV cache read in place ----------------
 //
+// Note [portattn fp8 kv cache]
+// A KV cache may hold float8 e4m3 (OCP "fn": bias 7, no infinities, max 448) with a query of
+// `dtype` (fp16/bf16). The key the attention sees is k_cache * k_descale[b, hk], the value
+// v_cache * v_descale[b, hk], indexed by the query's batch entry b and the KV head hk (as
+// FlashAttention-3). The decode kernels convert e4m3 to `dtype` exactly (both have more
+// exponent and mantissa bits), run the same mma path, fold k_descale into the score scale
+// and multiply the output by v_descale, so the descales never round. The append quantises
+// new rows as e4m3(x / descale): round to nearest even, saturating to +-448.
+enum PortattnCacheDtype { PORTATTN_CACHE_AS_QUERY = 0, PORTATTN_CACHE_FP8_E4M3 = 1 };
+
+typedef struct PortattnKvDescale {
+  int cache_dtype;         // PortattnCacheDtype
+  const float* k_descale;  // null (1.0), or fp32 read at b * batch_stride + hk * head_stride
+  const float* v_descale;
+  int64_t k_descale_batch_stride, k_descale_head_stride;
+  int64_t v_descale_batch_stride, v_descale_head_stride;
+} PortattnKvDescale;
+
+//
 // Note [portattn decode]
 // One CTA per (split, kv head x 16-row query tile, sequence). The query rows of
 // one KV head's group are packed into the tile's rows (row = query * group +
@@ -183,6 +202,10 @@ typedef struct PortattnDecodeParams {
   // portattn's per-device int32 buffer of PORTATTN_ERROR_SLOTS entries. Appended last so
   // that the fields before keep their offsets.
   int32_t* errors;
+
+  // FP8 caches (Note [portattn fp8 kv cache]): cache_dtype PORTATTN_CACHE_FP8_E4M3 means k and
+  // v hold e4m3 bytes (their strides count bytes) while q and out keep `dtype`.
+  PortattnKvDescale kv;
 } PortattnDecodeParams;
 
 // Appends new keys/values to a cache (rotating the keys) and writes rotated
@@ -230,6 +253,7 @@ typedef struct PortattnAppendParams {
 
   void* stream;
   int32_t* errors;  // as PortattnDecodeParams.errors
+  PortattnKvDescale kv;  // an FP8 cache: k_new / v_new (of `dtype`) are quantised into it
 } PortattnAppendParams;
 
 // Note [portattn decode errors]

@@ -69,6 +69,10 @@ FAMILIES: Tuple[Family, ...] = (
     # split-KV decode over a KV cache read in place (Note [portattn decode] in common/params.h)
     Family("decode", "decode_launch.cuh", "portattn::cuda::run_decode", "kDecodeVariants",
            "kNumDecodeVariants", "DecodeFn", "PortattnDecodeParams"),
+    # the same kernels over float8 e4m3 caches (Note [portattn fp8 kv cache] in common/params.h);
+    # the dtype is the query's
+    Family("decode_fp8", "decode_launch.cuh", "portattn::cuda::run_decode_fp8", "kDecodeFp8Variants",
+           "kNumDecodeFp8Variants", "DecodeFn", "PortattnDecodeParams"),
 )
 
 

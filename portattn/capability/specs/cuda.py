@@ -8,7 +8,9 @@ from ..declare import ALL_FEATURES, BackendSpec, ResourceRule
 
 # Paged caches are read in place by the decode kernels (csrc/decode_*; portattn/decode.py
 # routes flash_attn_with_kvcache and short-query calls there); a long-query varlen call
-# with block_table is gathered into a packed varlen call first.
+# with block_table is gathered into a packed varlen call first. FP8 (e4m3) caches are read by
+# the decode_fp8 kernels (Note [portattn fp8 kv cache] in common/params.h): not yet run on a
+# GPU, so "compiled" (tests/gpu/test_cuda_decode_fp8.py is their suite).
 SUPPORTED = ALL_FEATURES
 
 # arch name -> features our GPU suite passed on that hardware.

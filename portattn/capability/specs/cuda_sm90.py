@@ -65,6 +65,7 @@ SPEC = BackendSpec(
         "seqused_k": "runs on the sm80+ path (cuda)",
         "paged_kv": "is read by the sm80+ path's decode kernels (cuda)",
         "decode": "runs on the sm80+ path's decode kernels (cuda)",
+        "fp8_kv": "is read by the sm80+ path's decode kernels (cuda)",
     },
     build_arch_env="PORTATTN_CUDA_ARCHS",
     fallback_when_unbuilt="build with sm_90 among PORTATTN_CUDA_ARCHS (the default) to include it",

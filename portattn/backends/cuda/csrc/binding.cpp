@@ -26,7 +26,7 @@ int portattn_cuda_bwd_smem_bytes(int head_dim);
 // ---- decode (decode_entry.cu) ----
 int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len);
 int portattn_cuda_kvcache_append(const PortattnAppendParams* params, char* message, int message_len);
-void portattn_cuda_decode_tile(int head_dim, int* stage_keys, int* threads, int* smem_bytes);
+void portattn_cuda_decode_tile(int head_dim, int cache_dtype, int* stage_keys, int* threads, int* smem_bytes);
 #ifdef PORTATTN_WITH_HOPPER
 // Opt-in sm_90a forward (hopper_fwd_entry.cu; build with PORTATTN_CUDA_HOPPER=1).
 int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message, int message_len);
@@ -153,10 +153,11 @@ void kvcache_append(PORTATTN_APPEND_ARGS) {
   check(portattn_cuda_kvcache_append(&p, message, sizeof(message)), message);
 }
 
-// {"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim (the split planner's input).
-py::dict decode_tile(int head_dim) {
+// {"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim (the split planner's
+// input); cache_dtype: PortattnCacheDtype (1: an e4m3 cache).
+py::dict decode_tile(int head_dim, int cache_dtype) {
   int stage_keys = -1, threads = -1, smem_bytes = -1;
-  portattn_cuda_decode_tile(head_dim, &stage_keys, &threads, &smem_bytes);
+  portattn_cuda_decode_tile(head_dim, cache_dtype, &stage_keys, &threads, &smem_bytes);
   py::dict tile;
   tile["stage_keys"] = stage_keys;
   tile["threads"] = threads;
@@ -285,6 +286,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("decode", &decode, "split-KV decode over a KV cache read in place (common/params.h: PortattnDecodeParams)");
   m.def("kvcache_append", &kvcache_append,
         "append new k/v to a cache with rotary, and rotate q (common/params.h: PortattnAppendParams)");
-  m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim");
+  m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim", py::arg("head_dim"),
+        py::arg("cache_dtype") = 0);
   m.def("merge", &merge, "in-place LSE merge of a partial attention result (common/merge.h)");
 }

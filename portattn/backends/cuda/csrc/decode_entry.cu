@@ -7,6 +7,7 @@
 
 #include "../../common/rotary.h"
 #include "decode_launch.cuh"
+#include "fp8.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -144,7 +145,9 @@ using Rotary = rotary::Rotary<CudaRotaryFloats<Elem>>;
 // keys/values first (written into the cache), then the query rows (rotated
 // into q_out). Tiny next to the decode itself; its own launch keeps one writer
 // per cache element (no race between the CTAs of one KV head's splits).
-template <typename Elem>
+// kFp8: the cache holds e4m3; a rotated key is rounded to Elem first (as the reference
+// path rotates in the query's dtype), then quantised with its descale.
+template <typename Elem, bool kFp8>
 __global__ void kvcache_append_kernel(const PortattnAppendParams p) {
   wait_for_previous_grid();  // k_new, v_new, q and the lengths may come from the kernel before
   allow_next_grid();         // the decode kernel may be scheduled now; it waits for this grid
@@ -191,8 +194,17 @@ __global__ void kvcache_append_kernel(const PortattnAppendParams p) {
                         i * p.k_new_strides.row_stride + h * p.k_new_strides.head_stride;
     const Elem* v_src = static_cast<const Elem*>(p.v_new) + b * p.v_new_strides.batch_stride +
                         i * p.v_new_strides.row_stride + h * p.v_new_strides.head_stride;
-    static_cast<Elem*>(p.k_cache)[k_off] = from_float<Elem>(rotary.apply(k_src, e, pos));
-    static_cast<Elem*>(p.v_cache)[v_off] = v_src[e];
+    const Elem key = from_float<Elem>(rotary.apply(k_src, e, pos));
+    if constexpr (kFp8) {
+      const PortattnKvDescale& kv = p.kv;
+      static_cast<uint8_t*>(p.k_cache)[k_off] = fp8::quantize(
+          to_float(key), fp8::descale_of(kv.k_descale, kv.k_descale_batch_stride, kv.k_descale_head_stride, b, h));
+      static_cast<uint8_t*>(p.v_cache)[v_off] = fp8::quantize(
+          to_float(v_src[e]), fp8::descale_of(kv.v_descale, kv.v_descale_batch_stride, kv.v_descale_head_stride, b, h));
+    } else {
+      static_cast<Elem*>(p.k_cache)[k_off] = key;
+      static_cast<Elem*>(p.v_cache)[v_off] = v_src[e];
+    }
     return;
   }
   row -= kv_rows;
@@ -208,23 +220,31 @@ __global__ void kvcache_append_kernel(const PortattnAppendParams p) {
   q_dst[e] = from_float<Elem>(rotary.apply(q_src, e, pos));
 }
 
-template <int kHeadDim = 32>
+template <bool kFp8, int kHeadDim = 32>
 void decode_tile_of(int head_dim, int* stage_keys, int* threads, int* smem_bytes) {
   if constexpr (kHeadDim > 256) {
     *stage_keys = *threads = *smem_bytes = -1;
   } else if (head_dim == kHeadDim) {
-    *stage_keys = DecodeTileConfig<kHeadDim>::kStageKeys;
-    *threads = DecodeTileConfig<kHeadDim>::kThreads;
-    *smem_bytes = DecodeTileConfig<kHeadDim>::kSmemBytes;
+    *stage_keys = DecodeTileConfig<kHeadDim, kFp8>::kStageKeys;
+    *threads = DecodeTileConfig<kHeadDim, kFp8>::kThreads;
+    *smem_bytes = DecodeTileConfig<kHeadDim, kFp8>::kSmemBytes;
   } else {
-    decode_tile_of<kHeadDim + 32>(head_dim, stage_keys, threads, smem_bytes);
+    decode_tile_of<kFp8, kHeadDim + 32>(head_dim, stage_keys, threads, smem_bytes);
   }
 }
 
+bool fp8_cache(int cache_dtype) { return cache_dtype == PORTATTN_CACHE_FP8_E4M3; }
+
+// The loads move 16-byte chunks: 8 elements of a 16-bit cache, 16 of an e4m3 one.
+bool cache_strides_aligned(const PortattnTensor4& s, bool fp8) {
+  return fp8 ? s.batch_stride % 16 == 0 && s.row_stride % 16 == 0 && s.head_stride % 16 == 0 : strides_aligned(s);
+}
+
 bool decode_strides_aligned(const PortattnDecodeParams& p) {
+  const bool fp8 = fp8_cache(p.kv.cache_dtype);
   return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) &&
-         strides_aligned(p.q_strides) && strides_aligned(p.k_strides) && strides_aligned(p.v_strides) &&
-         strides_aligned(p.out_strides);
+         strides_aligned(p.q_strides) && cache_strides_aligned(p.k_strides, fp8) &&
+         cache_strides_aligned(p.v_strides, fp8) && strides_aligned(p.out_strides);
 }
 
 }  // namespace
@@ -258,30 +278,47 @@ bool pdl_supported() {
 
 using namespace portattn::cuda;
 
-// Tile facts of the decode kernel serving `head_dim` (-1s when none is built).
-extern "C" void portattn_cuda_decode_tile(int head_dim, int* stage_keys, int* threads, int* smem_bytes) {
-  const Variant<DecodeFn>* variant = find_variant(kDecodeVariants, kNumDecodeVariants, head_dim, PORTATTN_FP16);
-  if (variant == nullptr) variant = find_variant(kDecodeVariants, kNumDecodeVariants, head_dim, PORTATTN_BF16);
+// Tile facts of the decode kernel serving `head_dim` (-1s when none is built); cache_dtype is a
+// PortattnCacheDtype (the FP8 kernels keep raw stages and a converted one).
+extern "C" void portattn_cuda_decode_tile(int head_dim, int cache_dtype, int* stage_keys, int* threads,
+                                          int* smem_bytes) {
+  const bool fp8 = fp8_cache(cache_dtype);
+  const Variant<DecodeFn>* table = fp8 ? kDecodeFp8Variants : kDecodeVariants;
+  const int count = fp8 ? kNumDecodeFp8Variants : kNumDecodeVariants;
+  const Variant<DecodeFn>* variant = find_variant(table, count, head_dim, PORTATTN_FP16);
+  if (variant == nullptr) variant = find_variant(table, count, head_dim, PORTATTN_BF16);
   if (variant == nullptr) {
     *stage_keys = *threads = *smem_bytes = -1;
     return;
   }
-  decode_tile_of(variant->head_dim, stage_keys, threads, smem_bytes);
+  if (fp8)
+    decode_tile_of<true>(variant->head_dim, stage_keys, threads, smem_bytes);
+  else
+    decode_tile_of<false>(variant->head_dim, stage_keys, threads, smem_bytes);
 }
 
 extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len) {
+  const bool fp8 = fp8_cache(params->kv.cache_dtype);
+  if (params->kv.cache_dtype != PORTATTN_CACHE_AS_QUERY && !fp8) {
+    return fail(message, message_len, -1, "portattn cuda decode: unknown cache_dtype");
+  }
   const Variant<DecodeFn>* variant =
-      find_variant(kDecodeVariants, kNumDecodeVariants, params->headdim, params->dtype);
+      fp8 ? find_variant(kDecodeFp8Variants, kNumDecodeFp8Variants, params->headdim, params->dtype)
+          : find_variant(kDecodeVariants, kNumDecodeVariants, params->headdim, params->dtype);
   if (variant == nullptr) {
     char text[160];
-    snprintf(text, sizeof(text), "portattn cuda: no decode kernel built for head_dim %d dtype %d",
-             params->headdim, params->dtype);
+    snprintf(text, sizeof(text), "portattn cuda: no decode kernel built for head_dim %d dtype %d%s",
+             params->headdim, params->dtype, fp8 ? " with an e4m3 cache" : "");
     return fail(message, message_len, -1, text);
+  }
+  if (fp8 && (params->headdim % 16 != 0 || params->cu_seqlens_k != nullptr)) {
+    return fail(message, message_len, -1,
+                "portattn cuda decode: an e4m3 cache needs headdim % 16 == 0 and a cache layout (no cu_seqlens_k)");
   }
   if (!decode_strides_aligned(*params)) {
     return fail(message, message_len, -1,
                 "portattn cuda decode: q, the caches and out need 16-byte aligned data pointers and "
-                "strides that are multiples of 8 elements");
+                "strides that are multiples of 16 bytes (8 fp16/bf16 elements, 16 e4m3 ones)");
   }
   if (params->nheads_k <= 0 || params->nheads % params->nheads_k != 0 || params->headdim % 8 != 0) {
     return fail(message, message_len, -1, "portattn cuda decode: nheads % nheads_k and headdim % 8 must be 0");
@@ -311,6 +348,10 @@ extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* me
 
 extern "C" int portattn_cuda_kvcache_append(const PortattnAppendParams* params, char* message, int message_len) {
   const PortattnAppendParams& p = *params;
+  const bool fp8 = fp8_cache(p.kv.cache_dtype);
+  if (p.kv.cache_dtype != PORTATTN_CACHE_AS_QUERY && !fp8) {
+    return fail(message, message_len, -1, "portattn cuda append: unknown cache_dtype");
+  }
   if (p.headdim <= 0 || p.headdim > 1024 || (p.rotary_dim % 2) != 0 || p.rotary_dim > p.headdim) {
     return fail(message, message_len, -1,
                 "portattn cuda append: headdim must be in [1, 1024] and rotary_dim even and <= headdim");
@@ -331,9 +372,13 @@ extern "C" int portattn_cuda_kvcache_append(const PortattnAppendParams* params, 
   const dim3 threads((p.headdim + 31) / 32 * 32);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const dim3 grid(static_cast<unsigned>(blocks));
-  const cudaError_t err = p.dtype == PORTATTN_BF16
-                              ? launch_overlapped(&kvcache_append_kernel<__nv_bfloat16>, grid, threads, 0, stream, p)
-                              : launch_overlapped(&kvcache_append_kernel<__half>, grid, threads, 0, stream, p);
+  cudaError_t err;
+  if (p.dtype == PORTATTN_BF16)
+    err = fp8 ? launch_overlapped(&kvcache_append_kernel<__nv_bfloat16, true>, grid, threads, 0, stream, p)
+              : launch_overlapped(&kvcache_append_kernel<__nv_bfloat16, false>, grid, threads, 0, stream, p);
+  else
+    err = fp8 ? launch_overlapped(&kvcache_append_kernel<__half, true>, grid, threads, 0, stream, p)
+              : launch_overlapped(&kvcache_append_kernel<__half, false>, grid, threads, 0, stream, p);
   if (err != cudaSuccess) {
     char text[200];
     snprintf(text, sizeof(text), "portattn cuda append: %s", cudaGetErrorString(err));

@@ -25,23 +25,36 @@
 // masks only on boundary stages, runs the online-softmax step and O += P V.
 // At the end the warps' (O, LSE) pairs are merged through shared memory,
 // which is the same LSE-weighted sum the split combine does across CTAs.
+//
+// FP8 caches (kFp8, Note [portattn fp8 kv cache] in common/params.h): a stage
+// arrives as raw e4m3 rows (kHeadDim bytes a row, unswizzled, K then V: 16 KiB
+// at head dim 128), half the bytes of a 16-bit stage, so three stages take
+// 48 KiB. Before its mma each warp converts its own kWarpKeys keys of K and V
+// into one Elem stage (the swizzled tiles above, 32 KiB): a warp reads only the
+// keys it converted, so a __syncwarp orders the two and the CTA keeps one
+// barrier per stage. 80 KiB in all at head dims 64, 128 and 256. k_descale
+// scales the scores (folded into the softmax scale), v_descale the output.
 #pragma once
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/decode_sequence.h"
+#include "fp8.cuh"
 #include "fwd_kernel.cuh"
 #include "ptx.cuh"
 
 namespace portattn {
 namespace cuda {
 
-template <int kHeadDim_>
+template <int kHeadDim_, bool kFp8_ = false>
 struct DecodeTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kFp8 = kFp8_;  // the cache holds e4m3 bytes
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = 16;  // packed query rows per CTA
@@ -52,14 +65,23 @@ struct DecodeTileConfig {
   static constexpr int kStages = 3;
   using KVTile = ptx::SwizzledTile<kStageKeys, kHeadDim>;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;  // K then V
+  // What the loads bring in per stage: the Elem tiles, or (kFp8) raw e4m3 rows that the
+  // warps convert into one Elem stage placed after the kStages raw ones.
+  static constexpr int kRawTileBytes = kStageKeys * kHeadDim;
+  static constexpr int kLoadStageBytes = kFp8 ? 2 * kRawTileBytes : kStageBytes;
+  static constexpr int kConvertedOffset = kStages * kLoadStageBytes;
+  static constexpr int kPipeBytes = kConvertedOffset + (kFp8 ? kStageBytes : 0);
   // Stage loads: 16-byte chunks, a power-of-two number of lanes per key row.
-  static constexpr int kLoadLanesPerRow = next_pow2(kHeadDim / 8);
+  static constexpr int kChunkElems = kFp8 ? 16 : 8;
+  static constexpr int kLoadLanesPerRow = next_pow2(kHeadDim / kChunkElems);
   static constexpr int kLoadRowsPerStep = kThreads / kLoadLanesPerRow;
   static_assert(kLoadRowsPerStep > 0 && kStageKeys % kLoadRowsPerStep == 0, "loader layout");
   static constexpr int kMergeBytes = kWarps * kBlockM * (kHeadDim + 1) * 4;
-  static constexpr int kSmemBytes = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+  static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
   static_assert(KVTile::kBytes % 128 == 0, "stage buffers keep the swizzle's 128-byte alignment");
+  static_assert(kLoadStageBytes % 128 == 0, "the converted stage keeps the swizzle's 128-byte alignment");
+  static_assert(!kFp8 || kWarpKeys * kHeadDim % (32 * 16) == 0, "a warp converts whole 16-byte chunks per lane");
 };
 
 // Sequences, key rows and key ranges: common/decode_sequence.h (one copy of the rules for
@@ -109,10 +131,11 @@ __device__ __forceinline__ DecodeSequence contained_sequence(const PortattnDecod
   return seq;
 }
 
-template <int kHeadDim, typename Elem, bool kExtras>
-__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
+template <int kHeadDim, typename Elem, bool kExtras, bool kFp8 = false>
+__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
     decode_kernel(const PortattnDecodeParams params) {
-  using Config = DecodeTileConfig<kHeadDim>;
+  using Config = DecodeTileConfig<kHeadDim, kFp8>;
+  using CacheElem = typename std::conditional<kFp8, uint8_t, Elem>::type;
   using KVTile = typename Config::KVTile;
   constexpr int kThreads = Config::kThreads;
   constexpr int kStageKeys = Config::kStageKeys;
@@ -139,6 +162,14 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   const int rows = seq.seqlen_q * group;  // packed rows of this sequence
   const int row0 = m_tile * 16;
   if (row0 >= rows) return;  // a shorter varlen sequence: nothing of it here (the combine skips it too)
+  // k_descale scales every score of this CTA, v_descale its output (1 without an FP8 cache).
+  const float k_scale = kFp8 ? fp8::descale_of(params.kv.k_descale, params.kv.k_descale_batch_stride,
+                                               params.kv.k_descale_head_stride, batch, head_k)
+                             : 1.f;
+  const float v_scale = kFp8 ? fp8::descale_of(params.kv.v_descale, params.kv.v_descale_batch_stride,
+                                               params.kv.v_descale_head_stride, batch, head_k)
+                             : 1.f;
+  const float score_scale = params.softmax_scale * k_scale;
 
   // ---- the key range this CTA covers --------------------------------------------
   const KeyRange range = KeyRange::of(params, seq, row0, 16, group, kStageKeys, split);
@@ -194,11 +225,11 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   constexpr int kRowsPerStep = Config::kLoadRowsPerStep;
   constexpr int kSteps = kStageKeys / kRowsPerStep;
   const int load_row0 = threadIdx.x / kLanesPerRow;
-  const int load_col = (threadIdx.x % kLanesPerRow) * 8;
+  const int load_col = (threadIdx.x % kLanesPerRow) * Config::kChunkElems;
   const bool load_lane = load_col < kHeadDim;
   const bool load_col_ok = load_col < params.headdim;
-  const Elem* gK = static_cast<const Elem*>(params.k) + head_k * params.k_strides.head_stride;
-  const Elem* gV = static_cast<const Elem*>(params.v) + head_k * params.v_strides.head_stride;
+  const CacheElem* gK = static_cast<const CacheElem*>(params.k) + head_k * params.k_strides.head_stride;
+  const CacheElem* gV = static_cast<const CacheElem*>(params.v) + head_k * params.v_strides.head_stride;
   const KeyRowAddress rows_at(
       params.block_table != nullptr ? params.block_table + batch * params.block_table_batch_stride : nullptr,
       params.page_size, params.num_pages);
@@ -211,15 +242,17 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
   const int64_t v_step = kRowsPerStep * params.v_strides.row_stride;
   // Rows kRowsPerStep apart keep their swizzle bits when kRowsPerStep is a multiple of 8:
   // then the offsets are one register plus immediates; otherwise computed per use.
-  const uint32_t dst0 = KVTile::offset(load_row0, load_col);
+  // Raw e4m3 rows (kFp8) are plain row-major: one register plus immediates as well.
+  const uint32_t dst0 = kFp8 ? load_row0 * kHeadDim + load_col : KVTile::offset(load_row0, load_col);
   auto dst = [&](int step) -> uint32_t {
+    if constexpr (kFp8) return dst0 + step * kRowsPerStep * kHeadDim;
     if constexpr (kRowsPerStep % 8 == 0) return dst0 + step * kRowsPerStep * KVTile::kPanelRowBytes;
     return KVTile::offset(load_row0 + step * kRowsPerStep, load_col);
   };
 
   auto load_stage = [&](int stage) {
-    const uint32_t sK = smem + (stage % kStages) * Config::kStageBytes;
-    const uint32_t sV = sK + KVTile::kBytes;
+    const uint32_t sK = smem + (stage % kStages) * Config::kLoadStageBytes;
+    const uint32_t sV = sK + (kFp8 ? Config::kRawTileBytes : KVTile::kBytes);
     if (!load_lane) return;
     const int stage_key0 = stage * kStageKeys;
     const int key0 = stage_key0 + load_row0;           // this thread's first key of the stage
@@ -233,8 +266,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
       const int pos = seq.key_base + (rows_left > 0 ? key0 : 0);
       const int page = rows_at.pages != nullptr ? rows_at.page_of(pos) : cache_row;
       const int row = rows_at.pages != nullptr ? rows_at.row_in_page(pos) : pos;
-      const Elem* k_src = gK + KeyRowAddress::offset_of(params.k_strides, page, row) + load_col;
-      const Elem* v_src = gV + KeyRowAddress::offset_of(params.v_strides, page, row) + load_col;
+      const CacheElem* k_src = gK + KeyRowAddress::offset_of(params.k_strides, page, row) + load_col;
+      const CacheElem* v_src = gV + KeyRowAddress::offset_of(params.v_strides, page, row) + load_col;
 #pragma unroll
       for (int step = 0; step < kSteps; ++step) {
         const bool valid = load_col_ok && step * kRowsPerStep < rows_left;
@@ -278,13 +311,34 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
     for (int c = 0; c < kOCols; ++c) o[r][c] = 0.f;
   softmax::RowState<kRows> state;
   state.init();
-  const float scale_log2 = params.softmax_scale * softmax::kLog2e;
+  const float scale_log2 = score_scale * softmax::kLog2e;
   const float softmax_scale_log2 = kExtras ? 1.f : scale_log2;
 
   // ldmatrix lane addresses of this warp's keys (rows kWarpKeys w .. of a stage).
   const uint32_t k_frag = KVTile::lane(warp * kWarpKeys + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const uint32_t v_frag = KVTile::lane(warp * kWarpKeys + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
   const int col0 = 2 * (lane % 4);
+
+  // kFp8: this warp's kWarpKeys rows of a raw stage (K and V) -> the converted Elem stage.
+  auto convert_own_keys = [&](uint32_t raw) {
+    constexpr int kRowChunks = kHeadDim / 16;  // 16-byte chunks of an e4m3 row
+    constexpr int kLaneChunks = kWarpKeys * kRowChunks / 32;
+    const uint32_t converted = smem + Config::kConvertedOffset;
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+#pragma unroll
+      for (int i = 0; i < kLaneChunks; ++i) {
+        const int chunk = i * 32 + lane;
+        const int row = warp * kWarpKeys + chunk / kRowChunks;
+        const int col = (chunk % kRowChunks) * 16;
+        uint4 lo, hi;
+        fp8::e4m3x16_to<Elem>(fp8::ld_shared_16(raw + kv * Config::kRawTileBytes + row * kHeadDim + col), lo, hi);
+        const uint32_t tile = converted + kv * KVTile::kBytes;
+        fp8::st_shared_16(tile + KVTile::offset(row, col), lo);
+        fp8::st_shared_16(tile + KVTile::offset(row, col + 8), hi);
+      }
+    }
+  };
 
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
@@ -298,7 +352,12 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
     if (stage + kStages - 1 < stage_end) load_stage(stage + kStages - 1);
     ptx::cp_async_commit();
 
-    const uint32_t sK = smem + (stage % kStages) * Config::kStageBytes;
+    uint32_t sK = smem + (stage % kStages) * Config::kLoadStageBytes;
+    if constexpr (kFp8) {
+      convert_own_keys(sK);
+      __syncwarp();  // the warp reads back only the rows it converted
+      sK = smem + Config::kConvertedOffset;
+    }
     const uint32_t sV = sK + KVTile::kBytes;
     float s[kRows][kSCols];
 #pragma unroll
@@ -323,7 +382,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
         for (int c = 0; c < kSCols; ++c) {
-          float x = s[r][c] * params.softmax_scale;
+          float x = s[r][c] * score_scale;
           if (softcap > 0.f) x = softcap * tanhf(x * inv_softcap);
           const int j = key0 + (c / 2) * 8 + col0 + (c % 2);
           x -= slope[r] * fabsf(static_cast<float>(q_of_row[r] + diag - j));
@@ -394,6 +453,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
     float total_lse = softmax::neg_inf();
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if (m != softmax::neg_inf()) {
+      // v_scale (1 without an FP8 cache) rides on the weights: O is linear in V.
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < Config::kWarps; ++w) sum += __expf(sO[(w * 16 + row) * kRowPitch + kHeadDim] - m);
@@ -401,7 +461,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads)
 #pragma unroll
       for (int w = 0; w < Config::kWarps; ++w) {
         const float* src = sO + (w * 16 + row) * kRowPitch;
-        const float weight = __expf(src[kHeadDim] - total_lse);  // exp(-inf) = 0 for an empty warp
+        const float weight = v_scale * __expf(src[kHeadDim] - total_lse);  // exp(-inf) = 0 for an empty warp
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[e] += weight * src[col + e];
       }

@@ -38,13 +38,13 @@ cudaError_t launch_overlapped(void (*kernel)(KernelArgs...), dim3 grid, dim3 blo
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-template <int kHeadDim, typename Elem, bool kExtras>
+template <int kHeadDim, typename Elem, bool kExtras, bool kFp8>
 cudaError_t launch_decode(const PortattnDecodeParams& params) {
-  using Config = DecodeTileConfig<kHeadDim>;
-  auto kernel = &decode_kernel<kHeadDim, Elem, kExtras>;
+  using Config = DecodeTileConfig<kHeadDim, kFp8>;
+  auto kernel = &decode_kernel<kHeadDim, Elem, kExtras, kFp8>;
   constexpr int kSmem = Config::kSmemBytes;
   cudaError_t err = ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmem,
-                                        &DecodeSmemOptIn<kHeadDim, Elem, kExtras>::state);
+                                        &DecodeSmemOptIn<kHeadDim, Elem, kExtras, kFp8>::state);
   if (err != cudaSuccess) return err;
   const int group = params.nheads / params.nheads_k;
   const int m_tiles = (params.seqlen_q * group + Config::kBlockM - 1) / Config::kBlockM;
@@ -53,14 +53,26 @@ cudaError_t launch_decode(const PortattnDecodeParams& params) {
                            params);
 }
 
-template <int kHeadDim, typename Elem>
-cudaError_t run_decode(const PortattnDecodeParams& params) {
+template <int kHeadDim, typename Elem, bool kFp8>
+cudaError_t run_decode_of(const PortattnDecodeParams& params) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return cudaSuccess;
   const bool extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  cudaError_t err = extras ? launch_decode<kHeadDim, Elem, true>(params)
-                           : launch_decode<kHeadDim, Elem, false>(params);
+  cudaError_t err = extras ? launch_decode<kHeadDim, Elem, true, kFp8>(params)
+                           : launch_decode<kHeadDim, Elem, false, kFp8>(params);
   if (err != cudaSuccess || params.num_splits == 1) return err;
   return launch_decode_combine(params);
+}
+
+// The decode family: k/v of the query's dtype.
+template <int kHeadDim, typename Elem>
+cudaError_t run_decode(const PortattnDecodeParams& params) {
+  return run_decode_of<kHeadDim, Elem, false>(params);
+}
+
+// The decode_fp8 family: e4m3 k/v with a query of Elem (Note [portattn fp8 kv cache]).
+template <int kHeadDim, typename Elem>
+cudaError_t run_decode_fp8(const PortattnDecodeParams& params) {
+  return run_decode_of<kHeadDim, Elem, true>(params);
 }
 
 }  // namespace cuda

@@ -54,6 +54,11 @@ template <int kHeadDim, typename Elem>
 cudaError_t run_decode(const PortattnDecodeParams& params);
 extern const Variant<DecodeFn> kDecodeVariants[];
 extern const int kNumDecodeVariants;
+// The same kernels reading e4m3 caches (Note [portattn fp8 kv cache] in common/params.h).
+template <int kHeadDim, typename Elem>
+cudaError_t run_decode_fp8(const PortattnDecodeParams& params);
+extern const Variant<DecodeFn> kDecodeFp8Variants[];
+extern const int kNumDecodeFp8Variants;
 // ---- end decode family ----
 }  // namespace cuda
 
@@ -143,12 +148,12 @@ SmemOptInState SmemOptIn<kHeadDim, Elem, kFlag, kShape>::state = {0ull};
 
 // The decode kernels' own opt-in record (SmemOptIn's is keyed by the same
 // template arguments and belongs to the forward kernels).
-template <int kHeadDim, typename Elem, bool kFlag>
+template <int kHeadDim, typename Elem, bool kFlag, bool kFp8>
 struct DecodeSmemOptIn {
   static SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, bool kFlag>
-SmemOptInState DecodeSmemOptIn<kHeadDim, Elem, kFlag>::state = {0ull};
+template <int kHeadDim, typename Elem, bool kFlag, bool kFp8>
+SmemOptInState DecodeSmemOptIn<kHeadDim, Elem, kFlag, kFp8>::state = {0ull};
 
 }  // namespace cuda
 }  // namespace portattn

@@ -1,0 +1,277 @@
+"""The decode kernels over FP8 (e4m3) caches (Note [portattn fp8 kv cache] in common/params.h).
+
+Oracle: float64 naive attention on the dequantised cache (e4m3 value * descale[b, hk]). Error
+rule (tests/error_rule.py): the output within 2x PyTorch's error computing the same attention in
+q's dtype from the dequantised cache rounded to that dtype; the LSE within 2e-3 of the oracle's.
+Outputs come from allocator memory poisoned with NaN; unused pages and rows past each sequence's
+end hold e4m3 NaN bytes, which must never be read.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from error_rule import assert_output
+from naive import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+from cuda_gpu_setup import cuda_backend  # noqa: E402  (skips without a GPU)
+
+import portattn  # noqa: E402
+from portattn import kvcache  # noqa: E402
+from portattn.kvcache import apply_rotary  # noqa: E402
+
+if not hasattr(cuda_backend._C, "decode"):
+    pytest.skip("this CUDA build has no decode kernels", allow_module_level=True)
+
+FP8 = torch.float8_e4m3fn
+NAN_BYTE = 0x7F  # e4m3fn's NaN
+
+
+def poison_allocator(nbytes: int) -> None:
+    junk = torch.full((nbytes // 2,), float("nan"), dtype=torch.float16, device="cuda")
+    del junk
+
+
+@pytest.fixture
+def in_place_only(monkeypatch):
+    """Fails the test if the call fell back to gathering the cache."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the call gathered the cache instead of running the decode kernels")
+    monkeypatch.setattr(kvcache, "_gather_and_attend", refuse)
+
+
+def e4m3(shape, scale=1.0):
+    """Random e4m3 values across the format's range, subnormals included."""
+    x = torch.randn(*shape, device="cuda") * scale
+    x.view(-1)[::53] = 2.0 ** -8  # a subnormal
+    x.view(-1)[::101] = -448.0
+    return x.clamp(-448, 448).to(FP8)
+
+
+class Fp8Cache:
+    """A logical e4m3 cache (batch, capacity, Hk, D) with descales, laid out contiguous or paged."""
+
+    def __init__(self, batch, capacity, heads_k, dim, layout, page=16, descales=True):
+        self.logical_k = e4m3((batch, capacity, heads_k, dim), 0.5)
+        self.logical_v = e4m3((batch, capacity, heads_k, dim), 2.0)
+        self.k_descale = (torch.rand(batch, heads_k, device="cuda") * 0.4 + 0.05) if descales else None
+        self.v_descale = (torch.rand(batch, heads_k, device="cuda") * 2 + 0.25) if descales else None
+        self.layout, self.block_table = layout, None
+        if layout == "contiguous":
+            self.k, self.v = self.logical_k.clone(), self.logical_v.clone()
+        else:
+            per_seq = capacity // page
+            pages = batch * per_seq + 5
+            self.k = torch.full((pages, page, heads_k, dim), NAN_BYTE, dtype=torch.uint8, device="cuda").view(FP8)
+            self.v = self.k.clone()
+            order = torch.randperm(pages, device="cuda")[: batch * per_seq]
+            self.block_table = order.reshape(batch, per_seq).to(torch.int32)
+            self.rows = (self.block_table.long()[:, :, None] * page + torch.arange(page, device="cuda")).flatten()
+            # Indexed as bytes (the same bits; index_put needs no float8 kernel).
+            self.k.view(torch.uint8).view(-1, heads_k, dim)[self.rows] = self.logical_k.view(torch.uint8).reshape(-1, heads_k, dim)
+            self.v.view(torch.uint8).view(-1, heads_k, dim)[self.rows] = self.logical_v.view(torch.uint8).reshape(-1, heads_k, dim)
+
+    def nan_tail(self, ends):
+        """Rows past each sequence's end hold e4m3 NaN (a leak would show)."""
+        for b, end in enumerate(ends):
+            if self.layout == "contiguous":
+                self.k[b, end:].view(torch.uint8).fill_(NAN_BYTE)
+                self.v[b, end:].view(torch.uint8).fill_(NAN_BYTE)
+            else:
+                page = self.k.shape[1]
+                for pos in range(end, self.logical_k.shape[1]):
+                    self.k[self.block_table[b, pos // page], pos % page].view(torch.uint8).fill_(NAN_BYTE)
+                    self.v[self.block_table[b, pos // page], pos % page].view(torch.uint8).fill_(NAN_BYTE)
+
+    def read_back(self):
+        """The logical cache as the kernels now see it (after appends)."""
+        if self.layout == "contiguous":
+            return self.k, self.v
+        heads_k, dim = self.k.shape[2], self.k.shape[3]
+        shape = self.logical_k.shape
+        k, v = self.k.view(torch.uint8), self.v.view(torch.uint8)
+        return (k.view(-1, heads_k, dim)[self.rows].view(shape).view(FP8), v.view(-1, heads_k, dim)[self.rows].view(shape).view(FP8))
+
+    def dequantised(self, keys, values):
+        k, v = keys.double(), values.double()
+        if self.k_descale is not None:
+            k = k * self.k_descale.double()[:, None, :, None]
+            v = v * self.v_descale.double()[:, None, :, None]
+        return k, v
+
+
+def expected(q, keys, values, seqlens, compute_dtype=torch.float64):
+    """Per-sequence attention over dequantised (float64) caches of seqlens[b] live rows."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(seqlens[b])
+        qb = q[b : b + 1]
+        kb, vb = keys[b : b + 1, :n], values[b : b + 1, :n]
+        if compute_dtype != torch.float64:
+            kb, vb = kb.to(compute_dtype), vb.to(compute_dtype)
+        o, lse = naive_attention(qb, kb, vb, compute_dtype=compute_dtype)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check(out, lse, ref, ref_lse, low):
+    assert_output(out, ref, low)
+    if lse is not None:
+        empty = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse), empty), "lse = -inf on a different set of rows"
+        if (~empty).any():
+            assert (lse.double() - ref_lse)[~empty].abs().max().item() < 2e-3
+        assert (out[empty.transpose(1, 2)] == 0).all(), "rows without keys must be 0"
+
+
+@pytest.mark.parametrize("splits", [0, 1, 3, 1000])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged64", "paged256"])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8), (6, 1)], ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("dim", [64, 128, 256, 112])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_decode_layouts_and_splits(dtype, dim, heads, layout, splits, in_place_only):
+    batch, capacity = 4, 768
+    page = int(layout[5:]) if layout.startswith("paged") else 16
+    cache = Fp8Cache(batch, capacity, heads[1], dim, "contiguous" if layout == "contiguous" else "paged", page)
+    seqlens = torch.tensor([0, 1, 700, 333], dtype=torch.int32, device="cuda")
+    cache.nan_tail(seqlens.tolist())
+    q = torch.randn(batch, 1, heads[0], dim, device="cuda", dtype=dtype)
+    poison_allocator(64 << 20)
+    out, lse = portattn.flash_attn_with_kvcache(
+        q, cache.k, cache.v, cache_seqlens=seqlens, block_table=cache.block_table, num_splits=splits,
+        return_softmax_lse=True, k_descale=cache.k_descale, v_descale=cache.v_descale)
+    keys, values = cache.dequantised(cache.logical_k, cache.logical_v)
+    ref, ref_lse = expected(q, keys, values, seqlens)
+    low, _ = expected(q, keys, values, seqlens, compute_dtype=dtype)
+    check(out, lse, ref, ref_lse, low)
+
+
+@pytest.mark.parametrize("descales", ["per_head", "expanded", "none"])
+@pytest.mark.parametrize("softcap", [0.0, 8.0])
+def test_fp8_descale_forms_and_softcap(descales, softcap, in_place_only):
+    batch, heads, dim, capacity = 3, (16, 2), 128, 2048
+    cache = Fp8Cache(batch, capacity, heads[1], dim, "paged", 16, descales=descales == "per_head")
+    if descales == "expanded":
+        cache.k_descale = torch.tensor(0.125, device="cuda").expand(batch, heads[1])
+        cache.v_descale = torch.tensor(3.0, device="cuda").expand(batch, heads[1])
+    seqlens = torch.tensor([2048, 5, 1500], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, heads[0], dim, device="cuda", dtype=torch.bfloat16)
+    poison_allocator(64 << 20)
+    out = portattn.flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, block_table=cache.block_table,
+                                           softcap=softcap, k_descale=cache.k_descale, v_descale=cache.v_descale)
+    keys, values = cache.dequantised(cache.logical_k, cache.logical_v)
+    ref = torch.cat([naive_attention(q[b : b + 1], keys[b : b + 1, : int(seqlens[b])], values[b : b + 1, : int(seqlens[b])],
+                                     softcap=softcap)[0] for b in range(batch)])
+    low = torch.cat([naive_attention(q[b : b + 1], keys[b : b + 1, : int(seqlens[b])].bfloat16(),
+                                     values[b : b + 1, : int(seqlens[b])].bfloat16(), softcap=softcap,
+                                     compute_dtype=torch.bfloat16)[0] for b in range(batch)])
+    assert_output(out, ref, low)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("new", [1, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_append_quantises_like_the_reference(dtype, layout, new, rotary, in_place_only):
+    """The kernel's append writes the bytes the reference path writes (RNE, saturating), then attends."""
+    batch, heads, dim, capacity = 3, (32, 8), 128, 512
+    cache = Fp8Cache(batch, capacity, heads[1], dim, "contiguous" if layout == "contiguous" else "paged", 16)
+    seqlens = torch.tensor([0, 200, 500], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, new, heads[0], dim, device="cuda", dtype=dtype)
+    k_new = torch.randn(batch, new, heads[1], dim, device="cuda", dtype=dtype) * 0.3
+    v_new = torch.randn_like(k_new) * 4
+    k_new[0, 0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 2.0 ** -12], dtype=dtype)  # saturate / underflow
+    rot = None
+    if rotary:
+        angles = torch.rand(capacity + 8, 32, device="cuda") * 6
+        rot = (angles.cos().to(dtype), angles.sin().to(dtype))
+    reference_k, reference_v = cache.read_back()
+    reference_k, reference_v = reference_k.clone(), reference_v.clone()
+    poison_allocator(64 << 20)
+    out = portattn.flash_attn_with_kvcache(
+        q, cache.k, cache.v, k=k_new, v=v_new, rotary_cos=None if rot is None else rot[0],
+        rotary_sin=None if rot is None else rot[1], cache_seqlens=seqlens, block_table=cache.block_table,
+        causal=True, k_descale=cache.k_descale, v_descale=cache.v_descale)
+    got_k, got_v = cache.read_back()
+    positions = seqlens.long()[:, None] + torch.arange(new, device="cuda")
+    rotated = k_new if rot is None else apply_rotary(k_new, rot[0], rot[1], positions, True)
+    want_k = kvcache.quantize_fp8(rotated, cache.k_descale)
+    want_v = kvcache.quantize_fp8(v_new, cache.v_descale)
+    for b in range(batch):
+        n = int(seqlens[b])
+        reference_k.view(torch.uint8)[b, n : n + new] = want_k[b].view(torch.uint8)
+        reference_v.view(torch.uint8)[b, n : n + new] = want_v[b].view(torch.uint8)
+    assert torch.equal(got_k.view(torch.uint8), reference_k.view(torch.uint8)), "appended keys differ from the reference's bytes"
+    assert torch.equal(got_v.view(torch.uint8), reference_v.view(torch.uint8)), "appended values differ from the reference's bytes"
+    keys, values = cache.dequantised(got_k, got_v)
+    total = seqlens + new
+    ref_parts, low_parts = [], []
+    for b in range(batch):
+        qb = q[b : b + 1]
+        if rot is not None:
+            qpos = int(seqlens[b]) + torch.arange(new, device="cuda")[None]
+            qb = apply_rotary(qb, rot[0], rot[1], qpos, True)
+        n = int(total[b])
+        ref_parts.append(naive_attention(qb, keys[b : b + 1, :n], values[b : b + 1, :n], causal=True)[0])
+        low_parts.append(naive_attention(qb, keys[b : b + 1, :n].to(dtype), values[b : b + 1, :n].to(dtype), causal=True,
+                                         compute_dtype=dtype)[0])
+    assert_output(out, torch.cat(ref_parts), torch.cat(low_parts))
+
+
+def test_fp8_cuda_graph_replay_with_changing_lengths():
+    """One captured step (FP8 append + paged decode), replayed with new tokens, lengths and descales
+    written in place between replays."""
+    dtype, dim, heads, batch, capacity, page = torch.bfloat16, 128, (32, 8), 3, 1024, 16
+    cache = Fp8Cache(batch, capacity, heads[1], dim, "paged", page)
+    q = torch.randn(batch, 1, heads[0], dim, device="cuda", dtype=dtype)
+    k_new = torch.randn(batch, 1, heads[1], dim, device="cuda", dtype=dtype)
+    v_new = torch.randn_like(k_new)
+    seqlens = torch.tensor([5, 300, 0], dtype=torch.int32, device="cuda")
+
+    def step():
+        return portattn.flash_attn_with_kvcache(q, cache.k, cache.v, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                                block_table=cache.block_table, causal=True,
+                                                k_descale=cache.k_descale, v_descale=cache.v_descale)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the graph (dispatch decisions, smem opt-in)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lengths in ([6, 301, 1], [100, 1000, 17], [0, 0, 1023]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        k_new.copy_(torch.randn_like(k_new))
+        v_new.copy_(torch.randn_like(v_new))
+        cache.k_descale.copy_(torch.rand_like(cache.k_descale) * 0.3 + 0.05)
+        cache.v_descale.copy_(torch.rand_like(cache.v_descale) + 0.5)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        keys, values = cache.dequantised(*cache.read_back())
+        total = torch.tensor(lengths) + 1
+        ref = torch.cat([naive_attention(q[b : b + 1], keys[b : b + 1, : int(total[b])], values[b : b + 1, : int(total[b])],
+                                         causal=True)[0] for b in range(batch)])
+        low = torch.cat([naive_attention(q[b : b + 1], keys[b : b + 1, : int(total[b])].to(dtype),
+                                         values[b : b + 1, : int(total[b])].to(dtype), causal=True,
+                                         compute_dtype=dtype)[0] for b in range(batch)])
+        assert_output(out, ref, low)
+
+
+def test_fp8_head_dim_not_a_multiple_of_16_runs_on_the_reference_path():
+    batch, heads, dim = 2, (8, 2), 72
+    cache = Fp8Cache(batch, 256, heads[1], dim, "contiguous")
+    q = torch.randn(batch, 1, heads[0], dim, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor([256, 7], dtype=torch.int32, device="cuda")
+    out = portattn.flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens,
+                                           k_descale=cache.k_descale, v_descale=cache.v_descale)
+    keys, values = cache.dequantised(cache.logical_k, cache.logical_v)
+    ref, _ = expected(q, keys, values, seqlens)
+    low, _ = expected(q, keys, values, seqlens, compute_dtype=torch.bfloat16)
+    assert_output(out, ref, low)

@@ -1,0 +1,176 @@
+"""FP8 (e4m3) KV caches in flash_attn_with_kvcache on the reference path (CPU), and their checks.
+
+Oracle: the float64 naive attention on the dequantised cache (e4m3 value * descale); error rule:
+tests/error_rule.py, PyTorch's own error being the same attention in q's dtype on the dequantised
+cache rounded to that dtype. The GPU kernels' suite is tests/gpu/test_cuda_decode_fp8.py.
+"""
+import pytest
+import torch
+
+import portattn
+from error_rule import assert_output
+from naive import naive_attention
+from portattn import dispatch
+from portattn.capability import matrix, probe
+from portattn.capability.callspec import CallSpec
+from portattn.kvcache import quantize_fp8
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_cache(batch, capacity, heads_k, dim, scale=1.0):
+    """An e4m3 cache whose values span e4m3's range, subnormals included."""
+    x = torch.randn(batch, capacity, heads_k, dim) * scale
+    x.view(-1)[::97] = 2.0 ** -8  # subnormal in e4m3 (min normal 2^-6)
+    return x.clamp(-448, 448).to(FP8)
+
+
+def dequantised(cache, descale):
+    values = cache.double()
+    return values if descale is None else values * descale.double()[:, None, :, None]
+
+
+def check(out, q, keys, values, causal=False):
+    """keys/values: the dequantised float64 caches of each sequence (lists)."""
+    for b in range(q.shape[0]):
+        qb = q[b : b + 1]
+        want = naive_attention(qb, keys[b], values[b], causal=causal)[0]
+        low = naive_attention(qb, keys[b].to(q.dtype), values[b].to(q.dtype), causal=causal,
+                              compute_dtype=q.dtype)[0]
+        assert_output(out[b : b + 1], want, low)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("descales", [True, False])
+def test_fp8_cache_against_the_dequantised_oracle(dtype, paged, descales):
+    torch.manual_seed(0)
+    batch, heads, heads_k, dim, capacity, page = 3, 8, 2, 32, 48, 16
+    q = torch.randn(batch, 1, heads, dim, dtype=dtype)
+    dense_k, dense_v = fp8_cache(batch, capacity, heads_k, dim, 4.0), fp8_cache(batch, capacity, heads_k, dim)
+    k_descale = torch.rand(batch, heads_k) * 0.5 + 0.1 if descales else None
+    v_descale = torch.rand(batch, heads_k) * 2 + 0.5 if descales else None
+    seqlens = torch.tensor([1, 30, 48], dtype=torch.int32)
+    block_table = None
+    k_cache, v_cache = dense_k.clone(), dense_v.clone()
+    if paged:
+        order = torch.randperm(batch * capacity // page)
+        block_table = order.reshape(batch, capacity // page).to(torch.int32)
+        rows = (block_table.long()[:, :, None] * page + torch.arange(page)).flatten()
+        k_cache = torch.empty(batch * capacity // page, page, heads_k, dim, dtype=FP8)
+        v_cache = torch.empty_like(k_cache)
+        k_cache.view(-1, heads_k, dim)[rows] = dense_k.reshape(-1, heads_k, dim)
+        v_cache.view(-1, heads_k, dim)[rows] = dense_v.reshape(-1, heads_k, dim)
+    out = portattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table,
+                                           k_descale=k_descale, v_descale=v_descale)
+    assert out.dtype == dtype
+    keys, values = dequantised(dense_k, k_descale), dequantised(dense_v, v_descale)
+    check(out, q, [keys[b : b + 1, : int(seqlens[b])] for b in range(batch)],
+          [values[b : b + 1, : int(seqlens[b])] for b in range(batch)])
+
+
+def test_append_quantises_the_new_rows_with_their_descales():
+    torch.manual_seed(1)
+    batch, heads, heads_k, dim, capacity, new = 2, 4, 2, 16, 24, 3
+    q = torch.randn(batch, new, heads, dim, dtype=torch.bfloat16)
+    k_new = torch.randn(batch, new, heads_k, dim, dtype=torch.bfloat16) * 3
+    v_new = torch.randn(batch, new, heads_k, dim, dtype=torch.bfloat16)
+    k_new[0, 0, 0, 0] = 1000.0  # past 448 * descale: saturates, never NaN
+    k_new[0, 0, 0, 1] = -1000.0
+    k_new[1, 0, 1, 0] = 1.0625  # halfway between e4m3's 1.0 and 1.125: rounds to even (1.0)
+    k_descale = torch.tensor([[0.5, 2.0], [0.25, 1.0]])
+    v_descale = torch.tensor([[1.5, 0.75], [1.0, 3.0]])
+    k_cache, v_cache = fp8_cache(batch, capacity, heads_k, dim), fp8_cache(batch, capacity, heads_k, dim)
+    before_k = k_cache.clone()
+    seqlens = torch.tensor([4, 17], dtype=torch.int32)
+    out = portattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                           causal=True, k_descale=k_descale, v_descale=v_descale)
+    for b in range(batch):
+        n = int(seqlens[b])
+        rows = k_cache[b, n : n + new]
+        want = ((k_new[b].float() / k_descale[b][None, :, None]).clamp(-448, 448)).to(FP8)
+        assert torch.equal(rows.view(torch.uint8), want.view(torch.uint8))
+        want_v = ((v_new[b].float() / v_descale[b][None, :, None]).clamp(-448, 448)).to(FP8)
+        assert torch.equal(v_cache[b, n : n + new].view(torch.uint8), want_v.view(torch.uint8))
+        assert torch.equal(k_cache[b, :n].view(torch.uint8), before_k[b, :n].view(torch.uint8))
+    assert k_cache[0, 4, 0, 0].float() == 448 and k_cache[0, 4, 0, 1].float() == -448
+    assert k_cache[1, 17, 1, 0].float() == 1.0
+    assert not k_cache.float().isnan().any()
+    keys = dequantised(k_cache, k_descale)
+    values = dequantised(v_cache, v_descale)
+    check(out, q, [keys[b : b + 1, : int(seqlens[b]) + new] for b in range(batch)],
+          [values[b : b + 1, : int(seqlens[b]) + new] for b in range(batch)], causal=True)
+
+
+def test_quantize_fp8_rounds_to_nearest_even_and_saturates():
+    x = torch.tensor([1.0625, 1.1875, 448.0, 464.0, 1e6, -1e6, 2.0 ** -10, 0.0]).reshape(1, 1, 1, 8)
+    got = quantize_fp8(x, None).float().flatten().tolist()
+    assert got == [1.0, 1.25, 448.0, 448.0, 448.0, -448.0, 0.0, 0.0]
+    halved = quantize_fp8(x, torch.tensor([[2.0]])).float().flatten().tolist()
+    assert halved[:4] == [0.5, 0.625, 224.0, 224.0]  # x / 2 rounded once: ties to even
+
+
+def test_descales_default_to_one_and_may_be_expanded_views():
+    torch.manual_seed(2)
+    batch, heads_k, dim = 2, 2, 16
+    q = torch.randn(batch, 1, 4, dim, dtype=torch.bfloat16)
+    k_cache, v_cache = fp8_cache(batch, 32, heads_k, dim), fp8_cache(batch, 32, heads_k, dim)
+    plain = portattn.flash_attn_with_kvcache(q, k_cache, v_cache)
+    ones = torch.ones(batch, heads_k)
+    assert torch.equal(plain, portattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_descale=ones, v_descale=ones))
+    scale = torch.tensor(0.5)
+    expanded = portattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_descale=scale.expand(batch, heads_k),
+                                                v_descale=scale.expand(batch, heads_k))
+    full = torch.full((batch, heads_k), 0.5)
+    assert torch.equal(expanded, portattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_descale=full, v_descale=full))
+    assert not torch.equal(expanded, plain)
+
+
+def _call(**overrides):
+    batch, heads_k, dim = 2, 2, 16
+    args = dict(q=torch.randn(batch, 1, 4, dim, dtype=torch.bfloat16), k_cache=fp8_cache(batch, 8, heads_k, dim),
+                v_cache=fp8_cache(batch, 8, heads_k, dim))
+    args.update(overrides)
+    return portattn.flash_attn_with_kvcache(**args)
+
+
+@pytest.mark.parametrize("overrides, error, words", [
+    (dict(q_descale=torch.ones(2, 2)), ValueError, "FP8 query"),
+    (dict(k_descale=torch.ones(2, 2, dtype=torch.float16)), TypeError, "float32"),
+    (dict(v_descale=[1.0, 1.0]), TypeError, "v_descale"),
+    (dict(k_descale=torch.ones(2)), ValueError, "(batch, nheads_k) = (2, 2)"),
+    (dict(v_descale=torch.ones(2, 3)), ValueError, "(batch, nheads_k) = (2, 2)"),
+    (dict(k_cache=torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16), v_cache=torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16),
+          k_descale=torch.ones(2, 2)), ValueError,
+     "FP8 (torch.float8_e4m3fn) caches only"),
+    (dict(v_cache=torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16)), ValueError, "float8_e4m3fn"),
+    (dict(k_cache=torch.zeros(2, 8, 2, 16, dtype=torch.float8_e5m2),
+          v_cache=torch.zeros(2, 8, 2, 16, dtype=torch.float8_e5m2)), ValueError, "float8_e4m3fn"),
+    (dict(q=torch.randn(2, 1, 4, 16)), TypeError, "float16 or bfloat16 q"),
+    (dict(k=torch.zeros(2, 1, 2, 16, dtype=FP8), v=torch.zeros(2, 1, 2, 16, dtype=FP8),
+          cache_seqlens=torch.zeros(2, dtype=torch.int32)), ValueError, "q's dtype"),
+])
+def test_bad_fp8_arguments_name_the_argument(overrides, error, words):
+    with pytest.raises(error) as caught:
+        _call(**overrides)
+    assert words in str(caught.value)
+
+
+def test_bad_descale_is_refused_before_the_cache_is_written():
+    k_cache = fp8_cache(2, 8, 2, 16)
+    before = k_cache.clone()
+    with pytest.raises(ValueError):
+        _call(k_cache=k_cache, k=torch.ones(2, 1, 2, 16, dtype=torch.bfloat16),
+              v=torch.ones(2, 1, 2, 16, dtype=torch.bfloat16), cache_seqlens=torch.zeros(2, dtype=torch.int32),
+              k_descale=torch.ones(3, 2))
+    assert torch.equal(k_cache.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_fp8_kv_is_a_feature_of_the_support_matrix():
+    bits = dispatch.feature_bits(-1, -1, 0.0, False, 0.0, True, False, decode=True, fp8_kv=True)
+    assert "fp8_kv" in dispatch.call_spec(torch.device("cpu"), torch.bfloat16, 128, bits).features
+    fp8_call = CallSpec("bfloat16", 128, 128, "cuda", frozenset({"forward", "decode", "gqa", "fp8_kv"}))
+    assert matrix.check_call("cuda", probe.fake_device("h100"), fp8_call) == []
+    assert any("fp8" in r.lower() or "FP8" in r for r in matrix.check_call("rocm", probe.fake_device("mi300x"), fp8_call))
+    assert matrix.check_call("cuda-sm90", probe.fake_device("h100"), fp8_call) != []
+    assert matrix.check_call("reference", None, CallSpec("bfloat16", 72, 72, "cpu", fp8_call.features)) == []
