@@ -205,7 +205,7 @@ py::dict build_config() {
   for (py::handle hd : head_dims) {
     forward[hd] = portattn_cuda_fwd_smem_bytes(hd.cast<int>());
     int stage_keys = -1, threads = -1, smem_bytes = -1;
-    portattn_cuda_decode_tile(hd.cast<int>(), &stage_keys, &threads, &smem_bytes);
+    portattn_cuda_decode_tile(hd.cast<int>(), PORTATTN_CACHE_AS_QUERY, &stage_keys, &threads, &smem_bytes);
     if (smem_bytes > 0) decode[hd] = smem_bytes;
   }
   budgets["forward"] = forward;
