@@ -306,6 +306,35 @@ def main(argv=None) -> int:
     return 0
 
 
+def fp8_plot(result, path):
+    """Share of each cache's bandwidth bound per grid point (FP8, FP8 paged 16, bf16, SDPA)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in result["fp8"] if r["us"].get("fp8")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    names = [n for n in ("fp8", "fp8_paged16", "bf16", "sdpa") if any(r["us"].get(n) for r in rows)]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        shares = [r["bound_us"][name] / r["us"][name] if r["us"].get(name) else float("nan") for r in rows]
+        ax.bar([x + i * width for x in range(len(rows))], shares, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
+    ax.set_xticklabels([f"b{r['batch']}\n{r['cache'] // 1024}k" for r in rows], fontsize=8)
+    ax.set_ylabel("share of the bandwidth bound")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title(f"decode, FP8 vs bf16 KV cache: {result['device']} {result['date']} ({result['commit']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def _fp8_main(args, result, heads, caches, device, ms) -> int:
     result.update(title="Decode benchmark: FP8 KV cache vs bf16 cache vs SDPA", fp8=[])
     for batch in peers.parse_ints(args.batches):
@@ -320,7 +349,7 @@ def _fp8_main(args, result, heads, caches, device, ms) -> int:
                     if not args.dry_run:
                         torch.cuda.empty_cache()
     lines = fp8_markdown(result)
-    peers.write_results(result, args.out, args.name, extra_markdown=lines)
+    peers.write_results(result, args.out, args.name, extra_markdown=lines, plot=fp8_plot)
     print("\n".join(lines))
     return 0
 

@@ -24,7 +24,9 @@ VERIFIED = {
                        # (bench/results: gpu_suite run of 56c1cd6, 2676 GPU tests passed)
                        "decode", "paged_kv",
                        # tests/gpu/test_serving_surface_gpu.py (varlen forward and backward, paged), H100
-                       "seqused_k"}),
+                       "seqused_k",
+                       # tests/gpu/test_cuda_decode_fp8.py (408 passed), H100
+                       "fp8_kv"}),
 }
 
 # Features whose GPU suite passed on one arch's hardware under another part's shared-memory
