@@ -274,13 +274,13 @@ def test_feature_status_cuda():
     assert set(matrix.feature_status("cuda", "gfx942").values()) == {"no"}
     status = matrix.feature_status("cuda", "sm121")
     # Every feature, paged KV and decode included (csrc/decode_*).
-    assert {status[f] for f in FEATURES} <= {"compiled", "verified"}
+    assert {status[f] for f in FEATURES} <= {"compiled", "verified-at-budget", "verified"}
     assert matrix.feature_status("rocm", "gfx942")["decode"] in ("no", "compiled")
 
 
 def test_verified_list_moves_status(monkeypatch):
     spec = matrix.get_spec("cuda")
-    patched = dataclasses.replace(spec, verified={"sm90": frozenset({"forward", "causal"})})
+    patched = dataclasses.replace(spec, verified={"sm90": frozenset({"forward", "causal"})}, verified_at_budget=())
     monkeypatch.setitem(matrix._SPECS, "cuda", patched)
     on_h100 = matrix.feature_status("cuda", "sm90")
     assert on_h100["forward"] == on_h100["causal"] == "verified"

@@ -33,6 +33,7 @@ HOPPER_DTYPES = list(cuda_sm90.SPEC.dtypes)
 
 _FWD, _BWD, _DEC = "test_cuda_forward.py", "test_cuda_backward.py", "test_cuda_decode.py"
 _FP8 = "test_cuda_decode_fp8.py"
+_SRV = "test_serving_surface_gpu.py"
 _HFWD, _HBWD = "test_cuda_hopper_forward.py", "test_cuda_hopper_backward.py"
 
 # spec name -> feature -> "file::test" entries under tests/gpu/.
@@ -53,6 +54,9 @@ COVERAGE = {
         "deterministic_backward": [f"{_BWD}::test_backward_features", f"{_BWD}::test_deterministic_is_bitwise_reproducible"],
         "fp8_kv": [f"{_FP8}::test_fp8_decode_layouts_and_splits", f"{_FP8}::test_fp8_append_quantises_like_the_reference",
                    f"{_FP8}::test_fp8_cuda_graph_replay_with_changing_lengths"],
+        "seqused_k": [f"{_SRV}::test_seqused_k_forward_and_backward",
+                      f"{_SRV}::test_paged_varlen_seqused_k_mixed_rows_strided_views_and_out",
+                      f"{_SRV}::test_paged_varlen_step_replays_in_a_cuda_graph_with_new_lengths"],
     },
     "cuda-sm90": {
         "forward": [f"{_HFWD}::test_hopper_forward_grid", f"{_HFWD}::test_hopper_forward_every_launched_schedule",
