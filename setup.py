@@ -106,9 +106,9 @@ setup(
     # complete): matplotlib for the benchmark plots, pybind11 for the ROCm emulation
     # build, ring-flash-attn for the context-parallel tests, transformers for
     # tests/test_transformers_integration.py (pure Python, about 20 s to install), hypothesis
-    # for the property-based tests (tests/test_properties.py), pytest-xdist to run the suite's
-    # files on two processes (README's test command: about half the suite's time is
-    # single-threaded compiles of test drivers and of the ROCm emulation).
+    # for the property-based tests (tests/test_properties.py), pytest-xdist to run the suite on
+    # two processes (README's test command; tests/conftest.py groups the tests by file, and the
+    # ROCm emulation by family: much of the suite's time is single-threaded compiles).
     extras_require={"test": ["pytest>=7", "pytest-xdist>=3", "numpy", "hypothesis>=6", "matplotlib", "pybind11>=2.12",
                              "ring-flash-attn>=0.1.8,<0.2", "transformers>=4.57"]},
     ext_modules=ext_modules,

@@ -8,8 +8,29 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+# The families of the ROCm emulation (tests/test_rocm_emulated.py): each builds its own
+# emulated module (minutes of one clang process each), so each is a group of its own.
+_EMU_FAMILIES = ("emu_gfx11", "emu_gfx12", "emu")
+
+
+def _xdist_group(item) -> str:
+    """The worker group of a test under `pytest -n 2 --dist loadgroup` (README's command): its
+    file, so module-scoped fixtures (compiled drivers, models) are built once; the ROCm
+    emulation's tests split further by the family they build, so the three builds run on
+    both workers instead of one."""
+    name = os.path.basename(str(item.fspath))
+    if name == "test_rocm_emulated.py":
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        family = next((value for value in params.values() if value in _EMU_FAMILIES), "emu")
+        return f"{name}:{family}"
+    return name
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip with a reason on machines without a usable GPU (never pass vacuously)."""
+    """GPU tests skip with a reason on machines without a usable GPU (never pass vacuously).
+    Every test gets its xdist group (_xdist_group)."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     try:
         import torch
 
