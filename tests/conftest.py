@@ -26,6 +26,7 @@ def _xdist_group(item) -> str:
     return name
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip with a reason on machines without a usable GPU (never pass vacuously).
     Every test gets its xdist group (_xdist_group)."""
