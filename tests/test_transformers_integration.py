@@ -453,7 +453,8 @@ def test_padding_helpers_round_trip():
     assert _padding.packing_from_position_ids(positions[1:]) is None
 
 
-@pytest.mark.parametrize("device,dtype", DEVICE_CASES)
+# float32 on the CPU (bfloat16 there adds 40 s of CI for the same code path) and bfloat16 on the GPU.
+@pytest.mark.parametrize("device,dtype", [CPU_CASES[0], DEVICE_CASES[-1]])
 def test_gpt_oss_sinks_logits_training_and_generate_match_eager(device, dtype):
     """A gpt-oss-style model (attention sinks, a sliding layer): padded logits, a training
     step's gradients (the sinks' own included) and greedy generate() against eager."""
