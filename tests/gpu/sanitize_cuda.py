@@ -162,6 +162,27 @@ def decode_cases() -> int:
         portattn.flash_attn_with_kvcache(q, cache, cache.clone(), k=torch.randn(2, 1, 2, 128, **bf16),
                                          v=torch.randn(2, 1, 2, 128, **bf16), num_splits=2, **options)
         torch.cuda.synchronize()
+    # FP8 (e4m3) caches (csrc/decode_fp8_*): contiguous and paged (page 16), the quantising append
+    # with rotary, descales per (batch, KV head), several splits, and a 1-row varlen-free GQA query.
+    if torch.cuda.get_device_capability() >= (8, 9):
+        for page, splits, head_dim in ((0, 3, 128), (16, 1, 64), (16, 4, 256)):
+            q = torch.randn(3, 1, 8, head_dim, **bf16)
+            rows = 3 * 384 // page + 2 if page else 3
+            k_cache = torch.randn(rows, page or 384, 2, head_dim, **bf16).to(torch.float8_e4m3fn)
+            v_cache = torch.randn_like(k_cache, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            table = (torch.randperm(rows, device="cuda")[: 3 * 384 // page].reshape(3, -1).to(torch.int32)
+                     if page else None)
+            descale = torch.rand(3, 2, device="cuda") * 0.4 + 0.05
+            cos, sin = torch.rand(400, head_dim // 4, **bf16), torch.rand(400, head_dim // 4, **bf16)
+            out, lse = portattn.flash_attn_with_kvcache(
+                q, k_cache, v_cache, k=torch.randn(3, 1, 2, head_dim, **bf16), v=torch.randn(3, 1, 2, head_dim, **bf16),
+                rotary_cos=cos, rotary_sin=sin, cache_seqlens=torch.tensor([0, 100, 380], dtype=torch.int32, device="cuda"),
+                block_table=table, causal=True, num_splits=splits, return_softmax_lse=True,
+                k_descale=descale, v_descale=descale.flip(0))
+            torch.cuda.synchronize()
+            failures += int(out.isnan().any().item() or lse.isnan().any().item())
+    else:
+        print("sanitize_cuda: FP8 decode skipped (needs sm_89 or newer)")
     return failures
 
 
@@ -185,6 +206,8 @@ def main() -> int:
         (128, 113, 17, 1, dict()),  # narrow tiles at hd128
         (128, 400, 333, 2, dict(window_right=0)),  # the wide ones
         (200, 130, 70, 2, dict(window_left=20, window_right=3)),
+        # hd256: under PORTATTN_MAX_SMEM_KIB=99 the narrow 64 x 64 four-warp tile (csrc/fwd_launch.cuh).
+        (256, 130, 70, 2, dict(window_right=0)),
         (64, 65, 129, 2, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,
                               rng_seed=7, rng_offset=3)),
         (64, 65, 129, 1, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,
