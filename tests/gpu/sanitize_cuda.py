@@ -327,7 +327,7 @@ def main() -> int:
 
         for case in containment_cases():
             for splits in (1, 3):
-                wrong = run_containment_case(case, torch.bfloat16, splits)
+                wrong = run_containment_case(case, torch.bfloat16, splits, oracle=False)
                 if wrong:
                     print(f"sanitize_cuda: containment {case} splits={splits}: {wrong}")
                 failures += int(bool(wrong))

@@ -75,8 +75,12 @@ def rows_of(layout, meta, k_cache, b, positions):
     return torch.full_like(positions, entry), positions
 
 
-def run_case(name, dtype, splits=2):
-    """Runs one case; returns a list of failure strings (empty: contained as documented)."""
+def run_case(name, dtype, splits=2, oracle=True):
+    """Runs one case; returns a list of failure strings (empty: contained as documented).
+
+    oracle=False skips the comparison of the good sequences with the naive attention: under
+    compute-sanitizer initcheck, the bf16 oracle's matmul (cuBLAS kernels the tool does not
+    instrument) reads as uninitialised memory to the elementwise op after it."""
     layout, argument, bad_b, meta, good_meta, k_cache, v_cache = make_case(name, dtype)
     try:  # start clean: drop what earlier calls of this process recorded
         portattn.check_errors()
@@ -118,7 +122,7 @@ def run_case(name, dtype, splits=2):
         allowed.append((with_own_k, with_own_v))
     if not any(torch.equal(k_cache, ek) and torch.equal(v_cache, ev) for ek, ev in allowed):
         failures.append(f"{name}: cache elements other than the good sequences' appended rows changed")
-    for b in range(BATCH):
+    for b in range(BATCH if oracle else 0):
         if b == bad_b:
             continue
         n, start = int(good_meta["cache_seqlens"][b]) + 1, int(good_meta["cache_leftpad"][b])
