@@ -107,7 +107,7 @@ def resident_slots(device: torch.device, tile: dict) -> int:
     return slots
 
 
-def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window_left: int,
+def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_left: int,
                window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
                num_splits: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                max_seqlen_k: int = 0, cache_seqlens=None, seqlen_new: int = 0, cache_leftpad=None,
@@ -120,9 +120,13 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
     caching allocator, which CUDA-graph capture redirects to the graph's pool; `out` and
     `lse` may be passed in already allocated. `errors`: the device's error buffer
     (portattn/errors.py) where the kernels record out-of-range cache metadata, or None.
-    k and v may be float8_e4m3fn caches with fp32 (batch, nheads_k) descales or None (1.0)."""
-    varlen = cu_seqlens_q is not None
-    if varlen:
+    k and v may be float8_e4m3fn caches with fp32 (batch, nheads_k) descales or None (1.0).
+
+    A decode step of generation runs this once per layer, so the arguments are positional
+    all the way to the C call (ops.run_forward passes them so): keyword passing through the
+    two layers below cost ~4 us of the ~25 us host time of a 1-query call on an H200's host
+    (bench/results/latest/overhead.md has the per-call totals)."""
+    if cu_seqlens_q is not None:
         batch, seqlen_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
         _, nheads, head_dim = q.shape
         lse_shape = (nheads, q.shape[0])
@@ -136,6 +140,38 @@ def run_decode(backend, q, k, v, *, need_lse: bool, softmax_scale: float, window
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    if block_table is not None:
+        key_capacity = block_table.shape[1] * k.shape[1]
+    elif cu_seqlens_k is not None:
+        key_capacity = max_seqlen_k
+    else:
+        key_capacity = k.shape[1]
+    fp8_kv = k.dtype is torch.float8_e4m3fn
+    device = q.device
+    plan_key = (device.index, head_dim, batch, nheads, nheads_k, seqlen_q, key_bucket(key_capacity), num_splits,
+                fp8_kv)
+    splits = _PLANS.get(plan_key)
+    if splits is None:
+        tile = backend.decode_tile(head_dim, device, fp8_kv)
+        m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
+        splits = _remember_plan(plan_key, choose_num_splits(
+            batch * nheads_k * m_tiles, -(-plan_key[6] // tile["stage_keys"]),
+            resident_slots(device, tile), MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits,
+        ))
+    o_partial = lse_partial = 0
+    if splits > 1:
+        # One allocation for both: (splits, batch, nheads, seqlen_q, head_dim) partial outputs,
+        # then (splits, batch, nheads, seqlen_q) partial LSEs (16-byte aligned: head_dim % 8 == 0).
+        rows = splits * batch * nheads * seqlen_q
+        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=device)
+        o_partial = workspace.data_ptr()
+        lse_partial = o_partial + rows * head_dim * 4
+    backend.decode(
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cache_seqlens, seqlen_new,
+        cache_leftpad, cache_batch_idx, block_table, softmax_scale, window_left, window_right, softcap,
+        alibi_slopes, splits, o_partial, lse_partial, errors, k_descale, v_descale,
+    )
+    return out, lse
     if block_table is not None:
         key_capacity = block_table.shape[1] * k.shape[1]
     elif cu_seqlens_k is not None:

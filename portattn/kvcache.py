@@ -292,12 +292,10 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             k_descale=k_descale, v_descale=v_descale)
         if rotate_q:
             q_in = q_rot
-    out, lse = run_decode(
-        backend, q_in, k_cache, v_cache, need_lse=return_softmax_lse, softmax_scale=scale,
-        window_left=window_left, window_right=window_right, softcap=float(softcap),
-        alibi_slopes=alibi_slopes, num_splits=num_splits, cache_seqlens=cache_seqlens,
-        seqlen_new=seqlen_new, cache_leftpad=leftpad, cache_batch_idx=cache_batch_idx,
-        block_table=block_table, errors=errors, k_descale=k_descale, v_descale=v_descale)
+    out, lse = run_decode(  # by position: the hot path of a static cache's decode step
+        backend, q_in, k_cache, v_cache, return_softmax_lse, scale, window_left, window_right, float(softcap),
+        alibi_slopes, num_splits, None, None, 0, 0, cache_seqlens, seqlen_new, leftpad, cache_batch_idx,
+        block_table, None, None, errors, k_descale, v_descale)
     return (out, lse) if return_softmax_lse else out
 
 

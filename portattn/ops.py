@@ -110,10 +110,9 @@ def run_forward(
         if prefers_decode(seqlen_q, nheads // k.shape[-2], seqlen_k):
             decoder = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits | dispatch.DECODE_BIT)
             if decoder is not None:
-                run_decode(decoder, q, k, v, need_lse=lse is not None, softmax_scale=softmax_scale,
-                           window_left=window_left, window_right=window_right, softcap=softcap,
-                           alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, out=out, lse=lse)
+                run_decode(decoder, q, k, v, lse is not None, softmax_scale, window_left, window_right, softcap,
+                           alibi_slopes, 0, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, 0,
+                           None, None, None, out, lse)
                 return out, lse, NO_DROPOUT
     backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
     rng = draw_philox(device) if dropout_p > 0.0 else NO_DROPOUT

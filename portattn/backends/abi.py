@@ -165,10 +165,9 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-                max_seqlen_k=0, cache_seqlens=None, seqlen_new=0, cache_leftpad=None,
-                cache_batch_idx=None, block_table=None, softmax_scale, window_left, window_right,
-                softcap, alibi_slopes, num_splits, o_partial=0, lse_partial=0, errors=None,
+def decode_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cache_seqlens,
+                seqlen_new, cache_leftpad, cache_batch_idx, block_table, softmax_scale, window_left,
+                window_right, softcap, alibi_slopes, num_splits, o_partial=0, lse_partial=0, errors=None,
                 k_descale=None, v_descale=None) -> tuple:
     """The `decode` argument tuple (PORTATTN_DECODE_ARGS order in common/binding_args.h).
 
@@ -180,6 +179,8 @@ def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_
     device's int32 error buffer (portattn/errors.py), or None (out-of-range metadata is then
     still contained, but not recorded). k and v may be float8_e4m3fn caches, with k_descale /
     v_descale None or fp32 (batch, nheads_k) (Note [portattn fp8 kv cache] in common/params.h)."""
+    # Positional throughout and each tensor attribute read once: decode.run_decode calls this
+    # once per attention layer of every generated token.
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         lse_strides = (0, 0) if lse is None else lse.stride()[:2]
@@ -189,40 +190,53 @@ def decode_args(q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_
         batch = cu_seqlens_q.shape[0] - 1
         seqlen_q = max_seqlen_q
         lse_strides = (0, 0) if lse is None else (0, lse.stride(0))
-    nheads_k = k.shape[-2]
-    num_pages = page_size = cache_batches = 0
-    block_table_stride = 0
-    total_k = 0
+    k_shape = k.shape
+    nheads_k = k_shape[-2]
     if block_table is not None:
-        num_pages, page_size = k.shape[0], k.shape[1]
+        num_pages, page_size = k_shape[0], k_shape[1]
         kv_capacity = block_table.shape[1] * page_size
         block_table_stride = block_table.stride(0)
         seqlen_k = max_seqlen_k if cu_seqlens_k is not None else kv_capacity
+        cache_batches = total_k = 0
+        block_table = block_table.data_ptr()
     elif cu_seqlens_k is not None:
-        total_k = k.shape[0]
+        total_k = k_shape[0]
         kv_capacity = seqlen_k = max_seqlen_k
+        num_pages = page_size = cache_batches = block_table_stride = block_table = 0
     else:
-        cache_batches, kv_capacity = k.shape[0], k.shape[1]
-        seqlen_k = kv_capacity
+        cache_batches = k_shape[0]
+        kv_capacity = seqlen_k = k_shape[1]
+        num_pages = page_size = block_table_stride = block_table = total_k = 0
     if alibi_slopes is None:
         alibi = alibi_batch_stride = 0
     else:
         alibi = alibi_slopes.data_ptr()
         alibi_batch_stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+    dtype = k.dtype
+    if dtype is torch.float8_e4m3fn:
+        kv = kv_args(k, k_descale, v_descale)
+    else:
+        kv = _NO_KV_ARGS if k_descale is None and v_descale is None else kv_args(k, k_descale, v_descale)
     return (
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), _ptr(lse),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
         q.stride(), k.stride(), v.stride(), out.stride(), lse_strides[0], lse_strides[1],
         DTYPE_CODES[q.dtype], batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
-        _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cache_seqlens), seqlen_new,
-        _ptr(cache_leftpad), _ptr(cache_batch_idx), _ptr(block_table), block_table_stride,
+        0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+        0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+        0 if cache_seqlens is None else cache_seqlens.data_ptr(), seqlen_new,
+        0 if cache_leftpad is None else cache_leftpad.data_ptr(),
+        0 if cache_batch_idx is None else cache_batch_idx.data_ptr(), block_table, block_table_stride,
         page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
         softmax_scale, softcap, window_left, window_right, alibi, alibi_batch_stride,
-        num_splits, o_partial, lse_partial, raw_stream(q.device.index), _ptr(errors),
-        *kv_args(k, k_descale, v_descale),
+        num_splits, o_partial, lse_partial, raw_stream(q.device.index), 0 if errors is None else errors.data_ptr(),
+        *kv,
     )
 
 
 CACHE_FP8_E4M3 = 1  # PortattnCacheDtype in common/params.h (0: the query's dtype)
+
+
+_NO_KV_ARGS = (0, 0, 0, 0, 0, 0, 0)  # kv_args of a cache in the query's dtype without descales
 
 
 def kv_args(cache, k_descale, v_descale) -> tuple:

@@ -105,11 +105,11 @@ class CompiledBackend(Backend):
             self._decode_tiles[key] = tile
         return tile
 
-    def decode(self, q, k, v, out, lse, **options) -> None:
-        # launch() rather than @on_tensors_device: the decorator's re-packing of the keyword
-        # options is paid on every decode step (bench/host_overhead_cpu.py measured ~1 us on
-        # the forward; the same pattern here).
-        launch(q.device.index, self.module.decode, decode_args(q, k, v, out, lse, **options))
+    def decode(self, q, k, v, out, lse, *options) -> None:
+        """One decode launch; `options` are abi.decode_args' after lse, by position (decode.run_decode)."""
+        # launch() rather than @on_tensors_device: the decorator's re-packing of the options is
+        # paid on every decode step (bench/host_overhead_cpu.py measured ~1 us on the forward).
+        launch(q.device.index, self.module.decode, decode_args(q, k, v, out, lse, *options))
 
     @on_tensors_device
     def kvcache_append(self, k_cache, v_cache, k_new, v_new, q, q_out, **options) -> None:
