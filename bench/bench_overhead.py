@@ -44,7 +44,63 @@ def _child(calls: int) -> dict:
                      "portattn_causal_us": wall_us(lambda: portattn.flash_attn_func(q, k, v, causal=True)),
                      "sdpa_us": wall_us(lambda: F.scaled_dot_product_attention(qt, kt, vt)),
                      "sdpa_causal_us": wall_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))})
-    return {"first_call_ms": first_ms, "rows": rows, "backend": portattn.explain(q, k, v).chosen}
+    return {"first_call_ms": first_ms, "rows": rows, "backend": portattn.explain(q, k, v).chosen,
+            "decode": _decode_rows(calls)}
+
+
+def _decode_rows(calls: int) -> list:
+    """Host time of one generation step's attention call per layer: batch 1, one query, 16
+    heads x 128, 8192 keys, no gradients; the three portattn entry points that serve it and
+    SDPA (cuDNN on an H100 for these shapes). Least-disturbed of three loops. `growing` gives
+    each call one more key than the last, as a DynamicCache does."""
+    import torch
+    import torch.nn.functional as F
+
+    import portattn
+
+    def best_us(fn, n):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - start) / n * 1e6)
+            torch.cuda.synchronize()
+        return min(times)
+
+    rows = []
+    with torch.no_grad():
+        for heads_k in (16, 4):
+            q = torch.randn(1, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(1, 8192, heads_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            lens = torch.full((1,), 8192, dtype=torch.int32, device="cuda")
+            cu_q = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+            cu_k = torch.tensor([0, 8192], dtype=torch.int32, device="cuda")
+            gqa = heads_k != 16
+            rows.append({"heads_k": heads_k, "keys": "8192",
+                         "flash_attn_func": best_us(lambda: portattn.flash_attn_func(q, k, v, causal=True), calls),
+                         "flash_attn_varlen_func": best_us(lambda: portattn.flash_attn_varlen_func(
+                             q[0], k[0], v[0], cu_q, cu_k, 1, 8192, causal=True), calls),
+                         "flash_attn_with_kvcache": best_us(lambda: portattn.flash_attn_with_kvcache(
+                             q, k, v, cache_seqlens=lens, causal=True), calls),
+                         "sdpa": best_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=gqa), calls)})
+        # Every call of the warm-up and the three loops sees a key count not seen before (cuDNN
+        # builds a plan per new count; portattn's split planner buckets counts, decode.key_bucket).
+        count = 50 + 3 * 150
+        keys = [torch.randn(1, 4096 + i, 4, 128, device="cuda", dtype=torch.bfloat16) for i in range(count)]
+        keys_t = [x.transpose(1, 2) for x in keys]
+        ours_step, sdpa_step = iter(range(count)), iter(range(count))
+        ours = best_us(lambda: (lambda i: portattn.flash_attn_func(q, keys[i], keys[i], causal=True))(
+            next(ours_step)), 150)
+        theirs = best_us(lambda: (lambda i: F.scaled_dot_product_attention(
+            qt, keys_t[i], keys_t[i], enable_gqa=True))(next(sdpa_step)), 150)
+        rows.append({"heads_k": 4, "keys": "4096-4595, one more each call", "flash_attn_func": ours,
+                     "flash_attn_varlen_func": None, "flash_attn_with_kvcache": None, "sdpa": theirs})
+    return rows
 
 
 def main():
@@ -75,6 +131,16 @@ def main():
         lines.append(f"| {a['batch']} | {a['head_dim']} | {a['seqlen']} | {a['portattn_us']:.1f} | {b['portattn_us']:.1f} | "
                      f"{a['sdpa_us']:.1f} | {a['portattn_us'] / a['sdpa_us']:.2f} | {a['portattn_causal_us']:.1f} | "
                      f"{a['sdpa_causal_us']:.1f} | {a['portattn_causal_us'] / a['sdpa_causal_us']:.2f} |")
+    lines += ["", "## A decode step's call (batch 1, 1 query, 16 heads x 128, no gradients)", "",
+              "Least-disturbed of three loops. The key counts of `growing` change by one each call, as a "
+              "DynamicCache's do during generate().", "",
+              "| KV heads | keys | flash_attn_func | flash_attn_varlen_func | flash_attn_with_kvcache | SDPA | "
+              "flash_attn_func / SDPA |", "|---|---|---|---|---|---|---|"]
+    for row in off["decode"]:
+        cells = [f"{row[name]:.1f}" if row[name] is not None else "-"
+                 for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "sdpa")]
+        lines.append(f"| {row['heads_k']} | {row['keys']} | " + " | ".join(cells) +
+                     f" | {row['flash_attn_func'] / row['sdpa']:.2f} |")
     print(open(peers.write_results(result, args.out, "overhead", lines)).read())
 
 
