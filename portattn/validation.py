@@ -218,16 +218,24 @@ def _check_alibi(alibi_slopes, batch, nheads, device):
 
 
 def check_cu_seqlens(name: str, cu_seqlens, max_seqlen, total: int, device: torch.device) -> int:
-    """Type, dtype, shape and device of one cu_seqlens tensor; returns the batch size."""
-    _require_tensor(name, cu_seqlens)
+    """Type, dtype, shape and device of one cu_seqlens tensor, and its max_seqlen; returns the batch size."""
+    batch = _cu_seqlens_batch(name, cu_seqlens, device)
+    check_max_seqlen(name.replace("cu_seqlens", "max_seqlen"), max_seqlen)
+    return batch
+
+
+def _cu_seqlens_batch(name: str, cu_seqlens, device: torch.device) -> int:
+    """check_cu_seqlens without the max_seqlen."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        _require_tensor(name, cu_seqlens)
     if cu_seqlens.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    shape = cu_seqlens.shape
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(shape)}")
     if cu_seqlens.device != device:
         raise ValueError(f"{name} must be on {device} like q, got {cu_seqlens.device}")
-    check_max_seqlen(name.replace("cu_seqlens", "max_seqlen"), max_seqlen)
-    return cu_seqlens.shape[0] - 1
+    return shape[0] - 1
 
 
 def check_max_seqlen(name: str, max_seqlen) -> int:
@@ -318,10 +326,13 @@ def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q
                  device: torch.device) -> tuple[int, int, int]:
     """Metadata of a varlen call's cu_seqlens and max_seqlen (no values read).
     Returns (batch, max_seqlen_q, max_seqlen_k) with the maxima as host ints."""
-    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, total_q, device)
-    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, total_k, device)
+    # Every varlen call (and a decode step through varlen) runs this: host ints pass with one test.
+    if type(max_seqlen_q) is not int or max_seqlen_q < 0:
+        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    if type(max_seqlen_k) is not int or max_seqlen_k < 0:
+        max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    batch = _cu_seqlens_batch("cu_seqlens_q", cu_seqlens_q, device)
+    batch_k = _cu_seqlens_batch("cu_seqlens_k", cu_seqlens_k, device)
     if batch_k != batch:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
     return batch, max_seqlen_q, max_seqlen_k

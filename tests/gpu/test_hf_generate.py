@@ -119,14 +119,16 @@ def test_long_static_generation_has_flat_memory():
     ours = build(config("llama"), "portattn", torch.bfloat16)
     ids, mask = left_padded((64, 50), 64, int(torch.randint(0, 2**31 - 1, ()).item()))
     kwargs = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
+    from portattn import decode
+
     greedy(ours, ids, mask, 512, **kwargs)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
+    decode._PLANS.clear()  # process-wide: the other GPU tests of this run filled it
     greedy(ours, ids, mask, 512, **kwargs)
     torch.cuda.synchronize()
     grown = torch.cuda.max_memory_allocated() - before
     assert grown < 64 * 2**20, f"peak grew by {grown / 2**20:.1f} MiB over a warm 512-token generate()"
-    from portattn import decode
-
-    assert len(decode._PLANS) <= 64, "the split planner's cache grows with the key length"
+    # A static cache's key capacity is fixed: one plan per call shape, not one per step.
+    assert len(decode._PLANS) <= 8, f"{len(decode._PLANS)} split plans for one generate()"
