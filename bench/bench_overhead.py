@@ -141,7 +141,7 @@ def main():
         cells = [f"{row[name]:.1f}" if row[name] is not None else "-"
                  for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "sdpa")]
         lines.append(f"| {row['heads_k']} | {row['keys']} | " + " | ".join(cells) +
-                     f" | {row['flash_attn_func'] / row['sdpa']:.2f} |")
+                     f" | {row['flash_attn_func'] / row['sdpa']:.2g} |")
     print(open(peers.write_results(result, args.out, "overhead", lines)).read())
 
 

@@ -29,8 +29,8 @@
 #   overhead     bench_overhead.py                                       overhead                 150 s
 #   train        train_check.py                                          train_check              180 s
 #   ring         tools/bench_ring_proxy.py                               ring_proxy               90 s
-#   hf           bench_hf_generate.py: transformers generate(), eager and  hf_generate              budget 450 s
-#                static cache + torch.compile, portattn / SDPA / eager
+#   hf           bench_hf_generate.py: transformers generate(), eager and  hf_generate_eager,       budget 2 x 450 s
+#                static cache + torch.compile, portattn / SDPA / eager      hf_generate_static
 #   conformance  flash-attn's tests/test_flash_attn.py on portattn       flash_attn_conformance   300 s
 #                (bench/conformance/run.sh; needs that file: $CONFORMANCE_SRC, default
 #                .conformance/test_flash_attn.py; skipped without it; not in the default set)
@@ -147,7 +147,11 @@ for stage in $STAGES; do
       if [ "$DRY" = 1 ]; then skip train "no dry run"; else
         run train 180 python3 bench/train_check.py --out "$OUT"; fi ;;
     hf)
-      run hf 560 python3 bench/bench_hf_generate.py --budget-s "$(budget hf 450)" --out "$OUT" $dry ;;
+      # One table per cache mode: each fills most of a 10-minute device command.
+      run hf 560 python3 bench/bench_hf_generate.py --modes eager_dynamic --name hf_generate_eager \
+        --budget-s "$(budget hf 450)" --out "$OUT" $dry
+      run hf 560 python3 bench/bench_hf_generate.py --modes static_compile --name hf_generate_static \
+        --budget-s "$(budget hf 450)" --out "$OUT" $dry ;;
     ring)
       run ring 90 python3 bench/tools/bench_ring_proxy.py --out "$OUT" $dry ;;
     conformance)
