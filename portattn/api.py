@@ -141,10 +141,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, seqused_k=None, out=None,
-                           s_aux=None, num_splits=0):
+                           s_aux=None, num_splits=0, q_descale=None, k_descale=None, v_descale=None):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     if max_seqlen_q is None or max_seqlen_k is None:
         raise ValueError("max_seqlen_q and max_seqlen_k are required (ints: the longest query / key sequence)")
+    if (q_descale is not None or k_descale is not None or v_descale is not None
+            or getattr(k, "dtype", None) is _FP8 or getattr(v, "dtype", None) is _FP8):
+        return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs, block_table, seqused_k, out, s_aux, num_splits,
+                           q_descale, k_descale, v_descale)
     if block_table is not None:
         if cu_seqlens_k is None and seqused_k is None:
             raise ValueError("with block_table, give each sequence's key count as seqused_k or cu_seqlens_k")
@@ -170,6 +176,52 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                         deterministic, return_attn_probs, seqused_k, out, s_aux)
+
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
+                seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale):
+    """flash_attn_varlen_func on FP8 (e4m3) keys and values: a paged cache read in place by the
+    decode kernels (dequantised in registers, as flash_attn_with_kvcache does), else the keys
+    dequantised into q's dtype and attended as any varlen call. Inference only."""
+    from .kvcache import _check_descales, dequantize_packed
+
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if k.dtype is not v.dtype:
+        raise TypeError(f"k and v must share one dtype, got k {k.dtype}, v {v.dtype}")
+    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0], q.device)
+    _check_descales(q, k, k_descale, v_descale, q_descale, batch=batch)
+    if torch.is_grad_enabled() and q.requires_grad:
+        raise ValueError("FP8 (float8_e4m3fn) k/v are inference only: call under torch.no_grad() "
+                         "(or with a q that does not require grad)")
+    if block_table is not None:
+        if cu_seqlens_k is None and seqused_k is None:
+            raise ValueError("with block_table, give each sequence's key count as seqused_k or cu_seqlens_k")
+        in_place = _paged_varlen_in_place(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                                          alibi_slopes, seqused_k, out, s_aux, num_splits, k_descale, v_descale)
+        if in_place is not None:
+            result, lse = in_place
+            return (result, lse, None) if return_attn_probs else result
+        k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k, max_seqlen_k, seqused_k)
+        seqused_k = None
+    elif cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_k is required without block_table (where each sequence's keys start)")
+    elif not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1 or cu_seqlens_k.shape[0] != batch + 1:
+        check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, None, q.device)  # names the problem
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same batch")
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must share one shape (total_k, nheads_k, headdim), got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    k, v = dequantize_packed(k, v, cu_seqlens_k, k_descale, v_descale, q.dtype)
+    return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                        return_attn_probs, seqused_k, out, s_aux)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -383,6 +435,12 @@ flash_attn_varlen_func.__doc__ = _doc(
         paged caches: key j of sequence b lives in page block_table[b, j // page_block_size],
         row j % page_block_size, and cu_seqlens_k gives each sequence's key count. Inference
         only (no gradients).
+    k_descale, v_descale: float32 tensors (batch, nheads_k), or None (1.0), with k and v of
+        torch.float8_e4m3fn (FlashAttention-3's FP8 keys and values): key j of sequence b is
+        k[j] * k_descale[b, hk], the value likewise. Inference only. A paged cache is read in
+        place by the decode kernels (head dims that are multiples of 16) up to 2048 query rows
+        per sequence; other calls dequantise the keys into q's dtype first.
+    q_descale: refused (ValueError): FP8 queries are not supported; q stays float16/bfloat16.
 """, _VARLEN_RETURNS)
 
 flash_attn_varlen_qkvpacked_func.__doc__ = _doc(
@@ -475,7 +533,7 @@ PAGED_IN_PLACE_MAX_QUERIES = 2048
 def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, seqused_k=None, out=None, s_aux=None,
-                           num_splits=0):
+                           num_splits=0, k_descale=None, v_descale=None):
     """(out, lse) of a paged varlen inference call on a GPU, read in place by the decode
     kernels; None when this path cannot serve it (it is then gathered first).
 
@@ -497,8 +555,15 @@ def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
         return None
     nheads, head_dim = q.shape[1], q.shape[2]
     nheads_k = k_cache.shape[2]
-    if (k_cache.shape != v_cache.shape or nheads_k == 0 or nheads % nheads_k or k_cache.shape[3] != head_dim
-            or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype):
+    fp8 = k_cache.dtype is _FP8
+    if fp8:
+        from .kvcache import FP8_KERNEL_HEAD_DIM_MULTIPLE
+
+        if v_cache.dtype is not _FP8 or head_dim % FP8_KERNEL_HEAD_DIM_MULTIPLE:
+            return None
+    elif k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return None
+    if k_cache.shape != v_cache.shape or nheads_k == 0 or nheads % nheads_k or k_cache.shape[3] != head_dim:
         return None
     batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0], q.device)
     check_block_table(block_table, batch, q.device)
@@ -511,7 +576,7 @@ def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
     )
     s_aux = check_s_aux(s_aux, nheads, q.device)
     bits = dispatch.feature_bits(window_left, window_right, softcap, alibi_slopes is not None, 0.0,
-                                 nheads != nheads_k, True, paged_kv=True, decode=True)
+                                 nheads != nheads_k, True, paged_kv=True, decode=True, fp8_kv=fp8)
     decoder = dispatch.DISPATCHER.decode_backend_for(q.device, q.dtype, head_dim, bits)
     if decoder is None:
         return None
@@ -525,7 +590,8 @@ def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
                              softmax_scale=scale, window_left=window_left, window_right=window_right,
                              softcap=float(softcap), alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
-                             num_splits=num_splits, out=written, errors=_error_buffer(q.device), **lengths)
+                             num_splits=num_splits, out=written, errors=_error_buffer(q.device),
+                             k_descale=k_descale, v_descale=v_descale, **lengths)
     if s_aux is not None:
         add_sink(result, lse, s_aux, True)
     return _finish_out(result, target), lse

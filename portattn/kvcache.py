@@ -128,7 +128,22 @@ def gather_paged(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k=None)
                            dtype=torch.long, device=device)
     row_of = torch.tensor([pos % page for n in lengths for pos in range(n)], dtype=torch.long, device=device)
     new_cu = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    if _is_fp8_cache(k_cache):  # indexed as bytes (the same bits; indexing needs no float8 kernel)
+        return (k_cache.view(torch.uint8)[page_of, row_of].view(k_cache.dtype),
+                v_cache.view(torch.uint8)[page_of, row_of].view(v_cache.dtype), new_cu)
     return k_cache[page_of, row_of], v_cache[page_of, row_of], new_cu
+
+
+def dequantize_packed(keys, values, cu_seqlens_k, k_descale, v_descale, dtype):
+    """Packed FP8 keys and values (total_k, nheads_k, headdim) of a varlen call, times their
+    sequence's descale, in `dtype`. The owner of each row comes from cu_seqlens_k on the
+    device (rows past its last entry take the last sequence's scale; they are never read)."""
+    batch = cu_seqlens_k.shape[0] - 1
+    owner = None
+    if k_descale is not None or v_descale is not None:
+        rows = torch.arange(keys.shape[0], device=keys.device, dtype=cu_seqlens_k.dtype)
+        owner = torch.searchsorted(cu_seqlens_k[1:], rows, right=True).clamp_(max=max(batch - 1, 0))
+    return (dequantize_fp8(keys, k_descale, owner).to(dtype), dequantize_fp8(values, v_descale, owner).to(dtype))
 
 
 # The FP8 cache dtype (OCP e4m3 "fn", torch's float8_e4m3fn) and its largest finite value.
@@ -142,10 +157,11 @@ def _is_fp8_cache(t) -> bool:
     return FP8_KV_DTYPE is not None and t.dtype == FP8_KV_DTYPE
 
 
-def _check_descales(q, k_cache, k_descale, v_descale, q_descale):
+def _check_descales(q, k_cache, k_descale, v_descale, q_descale, batch=None):
     """The FP8 arguments: q_descale is refused (FP8 queries are not supported), k_descale and
     v_descale are None (1.0) or fp32 (batch, nheads_k) on q's device, for an FP8 cache only.
-    Any strides: a per-tensor or per-head scale may be an expand()ed view."""
+    Any strides: a per-tensor or per-head scale may be an expand()ed view. `batch`: the
+    sequence count (q.shape[0] unless given: varlen calls pass theirs)."""
     if q_descale is not None:
         raise ValueError("q_descale scales an FP8 query, and portattn takes only float16/bfloat16 queries "
                          "(with an FP8 k_cache/v_cache, pass k_descale/v_descale and leave q_descale None)")
@@ -154,7 +170,7 @@ def _check_descales(q, k_cache, k_descale, v_descale, q_descale):
             if t is not None:
                 raise ValueError(f"{name} applies to FP8 (torch.float8_e4m3fn) caches only; k_cache is {k_cache.dtype}")
         return
-    batch, nheads_k = q.shape[0], k_cache.shape[2]
+    batch, nheads_k = q.shape[0] if batch is None else batch, k_cache.shape[-2]
     for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
         if t is None:
             continue

@@ -174,3 +174,71 @@ def test_fp8_kv_is_a_feature_of_the_support_matrix():
     assert any("fp8" in r.lower() or "FP8" in r for r in matrix.check_call("rocm", probe.fake_device("mi300x"), fp8_call))
     assert matrix.check_call("cuda-sm90", probe.fake_device("h100"), fp8_call) != []
     assert matrix.check_call("reference", None, CallSpec("bfloat16", 72, 72, "cpu", fp8_call.features)) == []
+
+
+# ---- flash_attn_varlen_func on FP8 keys and values (paged, as vLLM calls it, and packed) ----
+
+
+def _varlen_fp8_case(page, paged, descales, seed=0):
+    """Mixed prefill and decode rows over an e4m3 pool; returns the call's arguments and the
+    dequantised float64 keys/values of each sequence."""
+    torch.manual_seed(seed)
+    heads, heads_k, dim = 8, 2, 32
+    lens_q, lens_k = [5, 1, 1, 7], [40, 17, 1, 64]
+    batch = len(lens_q)
+    k_descale = torch.rand(batch, heads_k) * 0.5 + 0.1 if descales else None
+    v_descale = torch.rand(batch, heads_k) * 2 + 0.5 if descales else None
+    per = max(-(-n // page) for n in lens_k)
+    pool_k = fp8_cache(batch * per + 3, page, heads_k, dim, 4.0)
+    pool_v = fp8_cache(batch * per + 3, page, heads_k, dim)
+    table = torch.randperm(batch * per + 3)[: batch * per].view(batch, per).to(torch.int32)
+    keys, values = [], []
+    for b, n in enumerate(lens_k):
+        pos = torch.arange(n)
+        pages, rows = table[b, pos // page].long(), pos % page
+        scale_k = 1.0 if k_descale is None else k_descale[b].double()[None, :, None]
+        scale_v = 1.0 if v_descale is None else v_descale[b].double()[None, :, None]
+        keys.append(pool_k[pages, rows].double() * scale_k)
+        values.append(pool_v[pages, rows].double() * scale_v)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads, dim, dtype=torch.bfloat16)
+    if paged:
+        args = dict(k=pool_k, v=pool_v, block_table=table, seqused_k=torch.tensor(lens_k, dtype=torch.int32),
+                    cu_seqlens_k=None)
+    else:
+        packed = [torch.cat([pool.view(torch.uint8)[table[b, torch.arange(n) // page].long(), torch.arange(n) % page]
+                             for b, n in enumerate(lens_k)]).view(FP8) for pool in (pool_k, pool_v)]
+        args = dict(k=packed[0], v=packed[1], block_table=None, seqused_k=None, cu_seqlens_k=cu_k)
+    return q, cu_q, cu_k, max(lens_q), max(lens_k), args, k_descale, v_descale, keys, values
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged16", "packed"])
+@pytest.mark.parametrize("descales", [True, False])
+def test_varlen_on_fp8_keys_against_the_dequantised_oracle(paged, descales):
+    q, cu_q, cu_k, max_q, max_k, args, k_descale, v_descale, keys, values = _varlen_fp8_case(16, paged, descales)
+    with torch.no_grad():
+        out = portattn.flash_attn_varlen_func(
+            q, args["k"], args["v"], cu_q, args["cu_seqlens_k"], max_q, max_k, causal=True,
+            block_table=args["block_table"], seqused_k=args["seqused_k"], k_descale=k_descale, v_descale=v_descale)
+    keys_all, values_all = torch.cat(keys), torch.cat(values)
+    want, _ = naive_attention(q, keys_all, values_all, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    low, _ = naive_attention(q, keys_all.to(q.dtype), values_all.to(q.dtype), causal=True, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, compute_dtype=q.dtype)
+    assert_output(out, want, low)
+
+
+def test_varlen_fp8_arguments_are_checked():
+    q, cu_q, cu_k, max_q, max_k, args, k_descale, v_descale, _, _ = _varlen_fp8_case(16, False, True)
+    k, v = args["k"], args["v"]
+    with pytest.raises(ValueError, match="q_descale scales an FP8 query"):
+        portattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, q_descale=torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(batch, nheads_k\) = \(4, 2\)"):
+        portattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, k_descale=torch.ones(3, 2))
+    with pytest.raises(ValueError, match="k_descale applies to FP8"):
+        portattn.flash_attn_varlen_func(q, k.float().to(q.dtype), v.float().to(q.dtype), cu_q, cu_k, max_q, max_k,
+                                        k_descale=k_descale)
+    with pytest.raises(ValueError, match="inference only"):
+        portattn.flash_attn_varlen_func(q.clone().requires_grad_(), k, v, cu_q, cu_k, max_q, max_k)
+    with pytest.raises(TypeError, match="k and v must share one dtype"):
+        portattn.flash_attn_varlen_func(q, k, v.float().to(q.dtype), cu_q, cu_k, max_q, max_k)
