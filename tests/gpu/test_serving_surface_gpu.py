@@ -169,3 +169,46 @@ def test_kvcache_decode_with_sinks():
         assert_output(out[b:b + 1], want, low)
         fp32 = naive_attention(*(a.float() for a in args), causal=True, sinks=sinks, compute_dtype=torch.float32)[1]
         assert_lse(lse[b:b + 1], want_lse, fp32)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="the decode kernels need sm80+")
+def test_paged_varlen_on_an_fp8_cache_replays_in_a_cuda_graph():
+    # vLLM's FP8 layout: one e4m3 pool whose K and V halves are strided views, 16-token pages,
+    # descales per (sequence, KV head), mixed prefill and decode rows. Graph capture proves the
+    # pages are read in place (the gather path reads lengths on the host, which capture refuses).
+    q, k_bf16, v_bf16, table, cu_q, used = _paged()
+    dim = q.shape[-1]
+    pool = torch.cat((k_bf16, v_bf16), dim=-1).to(torch.float8_e4m3fn)  # (blocks, page, Hk, 2 * dim)
+    k_cache, v_cache = pool[..., :dim], pool[..., dim:]
+    batch, heads_k = table.shape[0], k_cache.shape[2]
+    k_descale = torch.rand(batch, heads_k, device=DEV) * 0.5 + 0.25
+    v_descale = torch.rand(batch, heads_k, device=DEV) * 2 + 0.5
+    out = torch.empty_like(q)
+
+    def step():
+        portattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, max_seqlen_q=200, max_seqlen_k=2048, causal=True,
+                                        block_table=table, seqused_k=used, out=out, k_descale=k_descale,
+                                        v_descale=v_descale)
+
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    for lengths in ([700, 33, 1, 2048, 16], [201, 900, 17, 5, 1]):
+        used.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        keys, values, cu_k = _gathered(k_cache.view(torch.uint8), v_cache.view(torch.uint8), table, used)
+        owner = torch.repeat_interleave(torch.arange(batch, device=DEV), used.long())
+        keys = keys.view(torch.float8_e4m3fn).double() * k_descale.double()[owner][:, :, None]
+        values = values.view(torch.float8_e4m3fn).double() * v_descale.double()[owner][:, :, None]
+        want, _ = naive_attention(q, keys, values, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        low, _ = naive_attention(q, keys.to(BF16), values.to(BF16), causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 compute_dtype=BF16)
+        assert_output(out, want, low)
