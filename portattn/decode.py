@@ -124,8 +124,8 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
 
     A decode step of generation runs this once per layer, so the arguments are positional
     all the way to the C call (ops.run_forward passes them so): keyword passing through the
-    two layers below cost ~4 us of the ~25 us host time of a 1-query call on an H200's host
-    (bench/results/latest/overhead.md has the per-call totals)."""
+    layers down to abi.decode_args cost ~8 us of a 35 us `flash_attn_func` decode call on an
+    H200's host (docs/host-overhead.md; bench/results/latest/overhead.md has the totals)."""
     if cu_seqlens_q is not None:
         batch, seqlen_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
         _, nheads, head_dim = q.shape
@@ -170,40 +170,5 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cache_seqlens, seqlen_new,
         cache_leftpad, cache_batch_idx, block_table, softmax_scale, window_left, window_right, softcap,
         alibi_slopes, splits, o_partial, lse_partial, errors, k_descale, v_descale,
-    )
-    return out, lse
-    if block_table is not None:
-        key_capacity = block_table.shape[1] * k.shape[1]
-    elif cu_seqlens_k is not None:
-        key_capacity = max_seqlen_k
-    else:
-        key_capacity = k.shape[1]
-    key_capacity = key_bucket(key_capacity)
-    fp8_kv = k.dtype == torch.float8_e4m3fn
-    plan_key = (q.device.index, head_dim, batch, nheads, nheads_k, seqlen_q, key_capacity, num_splits, fp8_kv)
-    splits = _PLANS.get(plan_key)
-    if splits is None:
-        tile = backend.decode_tile(head_dim, q.device, fp8_kv)
-        m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
-        splits = _remember_plan(plan_key, choose_num_splits(
-            batch * nheads_k * m_tiles, -(-key_capacity // tile["stage_keys"]),
-            resident_slots(q.device, tile), MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits,
-        ))
-    o_partial = lse_partial = 0
-    if splits > 1:
-        # One allocation for both: (splits, batch, nheads, seqlen_q, head_dim) partial outputs,
-        # then (splits, batch, nheads, seqlen_q) partial LSEs (16-byte aligned: head_dim % 8 == 0).
-        rows = splits * batch * nheads * seqlen_q
-        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
-        o_partial = workspace.data_ptr()
-        lse_partial = o_partial + rows * head_dim * 4
-    backend.decode(
-        q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, cache_seqlens=cache_seqlens,
-        seqlen_new=seqlen_new, cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
-        block_table=block_table, softmax_scale=softmax_scale, window_left=window_left,
-        window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-        num_splits=splits, o_partial=o_partial, lse_partial=lse_partial, errors=errors,
-        k_descale=k_descale, v_descale=v_descale,
     )
     return out, lse
