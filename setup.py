@@ -108,9 +108,10 @@ setup(
     # tests/test_transformers_integration.py (pure Python, about 20 s to install), hypothesis
     # for the property-based tests (tests/test_properties.py), pytest-xdist to run the suite on
     # two processes (README's test command; tests/conftest.py groups the tests by file, and the
-    # ROCm emulation by family: much of the suite's time is single-threaded compiles).
+    # ROCm emulation by family: much of the suite's time is single-threaded compiles), ninja so
+    # the tests' builds run the ninja the install ran (backends/ninja_build.py says why).
     extras_require={"test": ["pytest>=7", "pytest-xdist>=3", "numpy", "hypothesis>=6", "matplotlib", "pybind11>=2.12",
-                             "ring-flash-attn>=0.1.8,<0.2", "transformers>=4.57"]},
+                             "ring-flash-attn>=0.1.8,<0.2", "transformers>=4.57", "ninja"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildBackends},
     entry_points={"console_scripts": ["portattn-report=portattn.report:main"]},

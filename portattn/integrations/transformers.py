@@ -292,11 +292,13 @@ def padding_mask(
         return attention_mask[:, -kv_length:].bool()
     # Sliding-window caches keep only the last keys: the mask's last columns are theirs.
     mask = attention_mask[:, -kv_length:].bool()
-    # One host read per mask (SDPA's mask builder reads its mask too): no padding, or left
-    # padding only (each row's real tokens contiguous up to its end).
+    # One host read per mask (SDPA's mask builder reads its mask too): each row's real-token and
+    # leading-padding counts, read together.
     columns = mask.shape[1]
-    real = mask.sum(-1)
-    full, left_only = torch.stack(((real == columns).all(), (real + _leading_zeros(mask) == columns).all())).tolist()
+    values = torch.cat((mask.sum(-1, dtype=torch.int32), _leading_zeros(mask))).tolist()
+    rows = len(values) // 2
+    full = all(n == columns for n in values[:rows])
+    left_only = all(n + lead == columns for n, lead in zip(values[:rows], values[rows:]))
     if full and columns == kv_length:
         return None
     if left_only and q_length <= BOUNDS_MAX_QUERIES and kv_length > q_length:  # a cache's decode step
