@@ -291,16 +291,18 @@ def padding_mask(
             return key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
         return attention_mask[:, -kv_length:].bool()
     # Sliding-window caches keep only the last keys: the mask's last columns are theirs.
-    mask = attention_mask[:, -kv_length:].bool()
-    # One host read per mask (SDPA's mask builder reads its mask too): each row's real-token and
-    # leading-padding counts, read together.
+    mask = attention_mask[:, -kv_length:]
     columns = mask.shape[1]
+    # One host read per mask, as SDPA's mask builder: all real tokens (an unpadded batch, the
+    # common case) is settled by one reduction, like its `all()`. The counts below take six
+    # more ops and a second read, paid only by padded batches.
+    if columns == kv_length and bool(mask.all()):
+        return None
+    mask = mask.bool()
+    # Each row's real-token and leading-padding counts, read together.
     values = torch.cat((mask.sum(-1, dtype=torch.int32), _leading_zeros(mask))).tolist()
     rows = len(values) // 2
-    full = all(n == columns for n in values[:rows])
     left_only = all(n + lead == columns for n, lead in zip(values[:rows], values[rows:]))
-    if full and columns == kv_length:
-        return None
     if left_only and q_length <= BOUNDS_MAX_QUERIES and kv_length > q_length:  # a cache's decode step
         return key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
     # A mask shorter than kv_length (a static cache's unwritten slots) must be kept so
