@@ -9,6 +9,7 @@ one custom op in the graph. Results are checked against eager attention on the s
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -137,14 +138,16 @@ def test_decode_step_explain_has_no_graph_breaks():
     ids, mask = left_padded(int(torch.randint(0, 2**31 - 1, ()).item()))
     cache = StaticCache(config=config, max_cache_len=24)
     with torch.no_grad():
-        first = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits
+        # transformers renamed the forward's cache argument (5.17: past_key_values; later: cache).
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        first = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_arg: cache}).logits
         token = first[:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = mask.sum(-1, keepdim=True) - 1
 
         def step(token, mask, position):
-            return model(input_ids=token, attention_mask=mask, position_ids=position, cache=cache,
-                         use_cache=True).logits
+            return model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
+                         **{cache_arg: cache}).logits
 
         explanation = torch._dynamo.explain(step)(token, mask, position)
     assert explanation.graph_break_count == 0, explanation.break_reasons

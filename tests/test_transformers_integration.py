@@ -323,6 +323,36 @@ def test_packed_sequences_match_eager(family, with_cu_seqlens, monkeypatch):
     assert max_error(got, logits(ref, ids, None)) > 1e-2
 
 
+def test_position_packing_is_read_once_per_forward(monkeypatch):
+    """Every layer of a forward passes the same position_ids: one host read decides, not one per layer."""
+    calls = []
+    real = _padding.packing_from_position_ids
+    monkeypatch.setattr(pt_hf, "packing_from_position_ids", lambda p: calls.append(1) or real(p))
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    first = pt_hf._packing_of_positions(positions, 1)
+    assert first.cu_seqlens.tolist() == [0, 3, 5]
+    assert pt_hf._packing_of_positions(positions, 1) is first and len(calls) == 1
+    assert pt_hf._packing_of_positions(positions, 2).cu_seqlens.tolist() == [0, 3, 5, 8, 10] and len(calls) == 2
+    positions[0, 3:] = torch.tensor([3, 4])  # changed in place: read again
+    assert pt_hf._packing_of_positions(positions, 1) is None and len(calls) == 3
+    assert pt_hf._packing_of_positions(positions.clone(), 1) is None and len(calls) == 4
+
+
+def test_static_prefill_cuts_the_keys_to_the_written_extent(monkeypatch):
+    """An eager prefill into a static cache: a dense call on the written keys, nothing packed."""
+    _, eager, ours = trio(llama_config(), torch.float32, "cpu")
+    seen = []
+    real = pt_hf.flash_attn_func
+    monkeypatch.setattr(pt_hf, "flash_attn_func", lambda q, k, v, **o: seen.append(k.shape[1]) or real(q, k, v, **o))
+    monkeypatch.setattr(pt_hf, "packing_from_mask", lambda *a: pytest.fail("an all-real prefill must not pack"))
+    # a prompt longer than BOUNDS_MAX_QUERIES (shorter ones read the cache in place, key bounds)
+    ids, _ = padded_batch("left", "cpu", seqlen=20, lengths=(20, 20))
+    tokens_ours, logits_ours = greedy(ours, ids, None, cache_implementation="static")
+    _, logits_eager = greedy(eager, ids, None, cache_implementation="static")
+    assert seen and seen[0] == 20, seen  # the prefill's keys: the 20 written of the cache's slots
+    torch.testing.assert_close(logits_ours, logits_eager, rtol=1e-4, atol=1e-4)
+
+
 def test_encoder_is_not_causal():
     from transformers.models.bert import modeling_bert
 
@@ -419,6 +449,9 @@ def test_padding_mask_function():
         return torch.ones_like(kv_idx, dtype=torch.bool)
 
     assert pt_hf.padding_mask(2, 4, 4, attention_mask=full) is None
+    # all real, in a cache of 8 slots: the written extent, the first 4 keys
+    extent = pt_hf.padding_mask(2, 4, 8, attention_mask=full)
+    assert extent.dtype == pt_hf.EXTENT_DTYPE and extent.shape == (2, 4)
     assert torch.equal(pt_hf.padding_mask(2, 4, 4, attention_mask=mask), mask)
     # a sliding cache keeps the last keys: the mask's last columns
     assert torch.equal(pt_hf.padding_mask(2, 1, 3, q_offset=3, kv_offset=1, attention_mask=mask), mask[:, 1:])
@@ -430,9 +463,11 @@ def test_padding_mask_function():
     # a static cache's device offset, a decode step with left padding: bounds from the mask
     bounds = pt_hf.padding_mask(2, 1, 8, q_offset=torch.tensor(3), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
     assert bounds.view(2, 2).tolist() == [[1, 0], [4, 4]]
-    # a long eager prefill into it keeps the 2-D form (packed onto the forward kernels)
+    # a long eager prefill into it: the written extent, keys cut to the first 20, a dense call
     extent = pt_hf.padding_mask(2, 20, 32, q_offset=0, mask_function=causal)
-    assert extent.dtype == torch.bool and extent.shape == (2, 20) and extent.all()
+    assert extent.dtype == pt_hf.EXTENT_DTYPE and extent.shape == (2, 20) and extent.all()
+    extent = pt_hf.padding_mask(2, 20, 32, q_offset=torch.tensor(4), mask_function=causal)
+    assert extent.dtype == pt_hf.EXTENT_DTYPE and extent.shape == (2, 24)
     assert pt_hf.padding_mask(2, 4, 4, mask_function=causal) is None
 
 
