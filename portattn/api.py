@@ -270,15 +270,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                     window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                                     return_softmax_lse, out, s_aux, k_descale, v_descale, q_descale)
     if torch.compiler.is_compiling():
+        from .kvcache import _check_descales
         from .ops import compiled_kvcache
 
         if k_descale is not None or v_descale is not None or q_descale is not None:
-            raise ValueError("k_descale/v_descale/q_descale are not supported under torch.compile yet: "
-                             "call flash_attn_with_kvcache with an FP8 cache eagerly")
-
+            _check_descales(q, k_cache, k_descale, v_descale, q_descale)  # shapes and dtypes: traceable
         return compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+                                rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, k_descale,
+                                v_descale)
     return _attend_to_cache()(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,

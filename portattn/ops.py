@@ -360,7 +360,7 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 def _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-            alibi_slopes, num_splits):
+            alibi_slopes, num_splits, k_descale, v_descale):
     """The eager body of both kvcache ops (two ops only because their schemas differ: one
     mutates the caches)."""
     from .api import flash_attn_varlen_func
@@ -369,7 +369,7 @@ def _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     return attend_to_cache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
-        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func)
+        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func, k_descale, v_descale)
 
 
 def _fake_outputs(q):
@@ -384,17 +384,17 @@ def _kvcache_op(
     cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
     window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
-    num_splits: int,
+    num_splits: int, k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _attend(q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                    cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                   rotary_interleaved, alibi_slopes, num_splits)
+                   rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale)
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                   block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  alibi_slopes, num_splits):
+                  alibi_slopes, num_splits, k_descale, v_descale):
     return _fake_outputs(q)
 
 
@@ -405,23 +405,24 @@ def _kvcache_append_op(
     cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
     window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
-    num_splits: int,
+    num_splits: int, k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                    cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                   rotary_interleaved, alibi_slopes, num_splits)
+                   rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale)
 
 
 @_kvcache_append_op.register_fake
 def _kvcache_append_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                         rotary_interleaved, alibi_slopes, num_splits):
+                         rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale):
     return _fake_outputs(q)
 
 
 def compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse):
+                     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, k_descale=None,
+                     v_descale=None):
     """flash_attn_with_kvcache traced by torch.compile: one custom op, so the graph holds it
     whole (the CPU gather path reads lengths on the host, which dynamo could not trace).
     An append mutates the caches: a second op declares that, so the common read-only call
@@ -435,12 +436,12 @@ def compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         out, lse = torch.ops.portattn.kvcache(
             q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, int(left), int(right), float(softcap), bool(rotary_interleaved),
-            alibi_slopes, int(num_splits))
+            alibi_slopes, int(num_splits), k_descale, v_descale)
     else:
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k/v (where to write them)")
         out, lse = torch.ops.portattn.kvcache_append(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, int(left), int(right), float(softcap), bool(rotary_interleaved),
-            alibi_slopes, int(num_splits))
+            alibi_slopes, int(num_splits), k_descale, v_descale)
     return (out, lse) if return_softmax_lse else out

@@ -242,3 +242,35 @@ def test_varlen_fp8_arguments_are_checked():
         portattn.flash_attn_varlen_func(q.clone().requires_grad_(), k, v, cu_q, cu_k, max_q, max_k)
     with pytest.raises(TypeError, match="k and v must share one dtype"):
         portattn.flash_attn_varlen_func(q, k, v.float().to(q.dtype), cu_q, cu_k, max_q, max_k)
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["read", "append"])
+def test_fp8_cache_under_torch_compile_matches_eager(append):
+    """fullgraph=True through the kvcache custom ops, descales passed on: the eager call's numbers
+    and cache writes, and a descale that differs changes the result (it is not dropped)."""
+    torch.manual_seed(2)
+    batch, heads, heads_k, dim, capacity, new = 2, 4, 2, 16, 32, 2
+    q = torch.randn(batch, new, heads, dim, dtype=torch.bfloat16)
+    k_new = torch.randn(batch, new, heads_k, dim, dtype=torch.bfloat16) if append else None
+    v_new = torch.randn(batch, new, heads_k, dim, dtype=torch.bfloat16) if append else None
+    k_descale = torch.rand(batch, heads_k) + 0.5
+    v_descale = torch.rand(batch, heads_k) + 0.5
+    seqlens = torch.tensor([5, 20], dtype=torch.int32)
+    caches = fp8_cache(batch, capacity, heads_k, dim), fp8_cache(batch, capacity, heads_k, dim)
+
+    def step(q, k_cache, v_cache, k_descale, v_descale):
+        return portattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                                causal=True, k_descale=k_descale, v_descale=v_descale)
+
+    eager_caches = [c.clone() for c in caches]
+    compiled_caches = [c.clone() for c in caches]
+    want = step(q, *eager_caches, k_descale, v_descale)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, *compiled_caches, k_descale, v_descale)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for mine, theirs in zip(compiled_caches, eager_caches):
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    if not append:
+        other = compiled(q, *compiled_caches, k_descale * 2, v_descale)
+        assert (other - got).abs().max() > 1e-2
