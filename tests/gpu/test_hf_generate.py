@@ -83,11 +83,12 @@ def _finite_float64_eager_mask(monkeypatch):
 
 
 # Gemma 2 on an H100 (transformers 5.17, torch 2.11): 3 graphs for 23 decode steps, one more
-# than the CPU test sees; not yet explained, so the bound stays and the case is marked.
-_GEMMA2_GRAPHS = pytest.mark.xfail(strict=False, reason="3 compiled graphs for 23 decode steps on an H100")
+# than the CPU test sees; not yet explained, so the bound stays and exactly that count is an
+# expected failure, reported after the tokens and logits were checked.
+_GEMMA2_KNOWN_GRAPHS = 3
 
 
-@pytest.mark.parametrize("family,most_graphs", [("llama", 1), pytest.param("gemma2", 2, marks=_GEMMA2_GRAPHS)])
+@pytest.mark.parametrize("family,most_graphs", [("llama", 1), ("gemma2", 2)])
 @pytest.mark.parametrize("cache", ["dynamic", "static_compiled"])
 def test_generate_matches_eager(family, most_graphs, cache):
     from torch._dynamo.utils import counters
@@ -110,6 +111,8 @@ def test_generate_matches_eager(family, most_graphs, cache):
     assert_same_greedy_path(tokens, tokens_ref, logits_ref, logits_low)
     if cache == "static_compiled":
         graphs = counters["stats"]["unique_graphs"]
+        if family == "gemma2" and graphs == _GEMMA2_KNOWN_GRAPHS:
+            pytest.xfail(f"{graphs} compiled graphs for {steps - 1} decode steps on an H100 (tokens matched)")
         assert 1 <= graphs <= most_graphs, f"{graphs} compiled graphs for {steps - 1} decode steps (seed {seed})"
 
 
