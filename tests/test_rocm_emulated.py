@@ -668,14 +668,15 @@ def decode_family(request, tmp_path_factory):
     return load_emulation(tmp_path_factory, request.param)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2], ids=["one_split", "two_splits"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_decode_contains_out_of_range_metadata(decode_family, paged):
+def test_decode_contains_out_of_range_metadata(decode_family, paged, num_splits):
     """A cache_seqlens past the capacity (and, paged, a page number past the pool) empties its
-    sequence: out = 0, lse = -inf, the other sequences exact, the first offender recorded."""
-    if paged and decode_family.build_config()["archs"] == ["emu"]:
-        pytest.skip("the CDNA decode clamps page numbers instead of containing them (decode_kernel.h)")
+    sequence: out = 0, lse = -inf, the other sequences exact, the first offender recorded. With
+    two splits the bad page lies in one split's keys only: the combine must empty the row."""
     dtype, head_dim, nheads_k, page_size, capacity = torch.float16, 64, 1, 16, 96
-    cache_seqlens = torch.tensor([70, capacity + 1, 50], dtype=torch.int32)
+    # sequence 2 spans two 64-key stages, one per split, its bad page (below) in the first
+    cache_seqlens = torch.tensor([70, capacity + 1, 90], dtype=torch.int32)
     errors = torch.zeros(8, dtype=torch.int32)  # portattn/errors.py's layout
     q = _rand(3, 1, 4, head_dim, dtype=dtype)
     if paged:
@@ -684,7 +685,7 @@ def test_decode_contains_out_of_range_metadata(decode_family, paged):
         k_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
         v_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
         block_table = torch.randperm(num_pages).reshape(3, width).to(torch.int32)
-        block_table[2, 1] = num_pages + 7  # inside sequence 2's 50 keys
+        block_table[2, 1] = num_pages + 7  # keys 16-31 of sequence 2
         layout = dict(block_table=block_table)
         contained, expected = (1, 2), [2, capacity + 1, 0, 0, 0, 0, 3, num_pages + 7]
     else:
@@ -692,6 +693,6 @@ def test_decode_contains_out_of_range_metadata(decode_family, paged):
         v_cache = _rand(3, capacity, nheads_k, head_dim, dtype=dtype)
         layout = {}
         contained, expected = (1,), [2, capacity + 1, 0, 0, 0, 0, 0, 0]
-    _decode_and_check(decode_family, q, k_cache, v_cache, cache_seqlens=cache_seqlens, errors=errors, num_splits=2,
-                      contained=contained, **layout)
+    _decode_and_check(decode_family, q, k_cache, v_cache, cache_seqlens=cache_seqlens, errors=errors,
+                      num_splits=num_splits, contained=contained, **layout)
     assert errors.tolist() == expected

@@ -131,9 +131,18 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(kCombineWaves * Tile::kWaveLanes, 2)
   const decode::PartialRow partial = decode::PartialRow::of(p, row);
   if (!partial.in_sequence) return;
   const int splits = p.num_splits;
+  uint16_t* gO = static_cast<uint16_t*>(p.out) + partial.out.out_offset(p);
+  // A split that met an out-of-range page number (the CDNA decode reads none of its rows) left a
+  // +inf partial LSE, which no attended key gives: the row is contained, out 0 and lse -inf.
+  float top = softmax::neg_inf();
+  for (int s = lane; s < splits; s += kLanes) top = fmaxf(top, p.lse_partial[s * rows_total + row]);
+  if (WaveReduce<kLanes>::max(top) == __builtin_huge_valf()) {
+    for (int col = lane * 4; col < p.headdim; col += kLanes * 4) store<u16x4>(gO + col, u16x4{0, 0, 0, 0});
+    if (lane == 0 && p.lse != nullptr) p.lse[partial.out.lse_offset(p)] = softmax::neg_inf();
+    return;
+  }
   const float lse = softmax::merged_lse<WaveReduce<kLanes>>(p.lse_partial + row, rows_total, splits, lane, kLanes);
 
-  uint16_t* gO = static_cast<uint16_t*>(p.out) + partial.out.out_offset(p);
   for (int col = lane * 4; col < p.headdim; col += kLanes * 4) {
     f32x4 acc{0.f, 0.f, 0.f, 0.f};
     for (int s = 0; s < splits; ++s) {

@@ -172,9 +172,14 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const int rows = seq.seqlen_q * group;
   if (row0 >= rows) return;  // a shorter varlen sequence: nothing of it here (the combine skips it too)
   // Out-of-range cache_seqlens / leftpad / batch_idx: an empty sequence, reported once
-  // (Note [portattn decode errors]). Page numbers are only clamped here (KeyRowAddress):
-  // decode_common.h's block-table scan (contained_sequence, which the RDNA decode runs)
-  // costs this kernel 2-20 spilled SGPRs at D = 256 on gfx942, so it is not used yet.
+  // (Note [portattn decode errors]). Out-of-range page numbers: a workgroup scans the pages of
+  // the keys it will read (below, before the key loop) and, if one lies outside the pool, reads
+  // no key and writes its rows as contained: out 0 and lse -inf, or a +inf partial LSE that the
+  // split combine turns into that, so every split of the sequence agrees. decode_common.h's
+  // contained_sequence (the RDNA decode's: the whole sequence's pages, and Sequence::contain()
+  // feeding the key loop) cost this kernel 2-20 spilled SGPRs at D = 256 on gfx942; this form
+  // none. Unlike that scan, a bad page outside every key the workgroup reads (a sliding
+  // window's past) does not empty the sequence: no key of it is read either.
   if (seq.seqlen_k == 0 && split == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.errors != nullptr) {
     int value = 0;
     const int argument = decode::metadata_error(p, b, &value);
@@ -219,6 +224,35 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   for (int u = 0; u < Tile::kDimTiles; ++u) acc_o[u] = f32x4{0.f, 0.f, 0.f, 0.f};
   softmax::RowState<1> state;
   state.init();
+
+  // Paged: the block-table slots of the keys this workgroup reads, scanned by all its lanes, and
+  // one vote before the loop; a workgroup that met a page outside the pool writes its rows as
+  // contained and reads no key.
+  if (p.block_table != nullptr) {
+    const int32_t* pages = p.block_table + b * p.block_table_batch_stride;
+    const int lo = range.begin * Tile::kStageKeys;
+    const int hi = min(range.end * Tile::kStageKeys, seq.seqlen_k);
+    const int bad_slot = hi > lo ? decode::first_bad_page_slot(pages, p.page_size, p.num_pages, seq.key_base + lo,
+                                                               hi - lo, threadIdx.x, Tile::kThreads)
+                                 : -1;
+    // The vote's word is sMerge's first, which nothing touches before the merge's barriers.
+    if (workgroup_any(bad_slot >= 0, reinterpret_cast<int*>(sMerge))) {
+      if (bad_slot >= 0) decode::record_error(p.errors, PORTATTN_ERR_BLOCK_TABLE, b, pages[bad_slot]);
+      if (wave != 0 || !row_valid) return;
+      const int col0 = lg * kLaneDims;
+      const decode::OutputRow at{b, h, seq.q_start, i};
+      if (p.num_splits == 1) {
+        uint16_t* gO = static_cast<uint16_t*>(p.out) + at.out_offset(p);
+#pragma unroll
+        for (int e = 0; e < kLaneDims; e += 4)
+          if (col0 + e < p.headdim) store<u16x4>(gO + col0 + e, u16x4{0, 0, 0, 0});
+        if (lg == 0 && p.lse != nullptr) p.lse[at.lse_offset(p)] = softmax::neg_inf();
+      } else if (lg == 0) {
+        p.lse_partial[at.partial_row(p, split)] = __builtin_huge_valf();  // the combine's "contained"
+      }
+      return;
+    }
+  }
 
   DecodeKV<Tile> kv;
   const int wave_key0 = wave * Tile::kWaveKeys;
