@@ -225,9 +225,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   softmax::RowState<1> state;
   state.init();
 
-  // Paged: the block-table slots of the keys this workgroup reads, scanned by all its lanes, and
-  // one vote before the loop; a workgroup that met a page outside the pool writes its rows as
-  // contained and reads no key.
+  // The containment of out-of-range page numbers described above.
   if (p.block_table != nullptr) {
     const int32_t* pages = p.block_table + b * p.block_table_batch_stride;
     const int lo = range.begin * Tile::kStageKeys;
