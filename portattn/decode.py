@@ -21,10 +21,19 @@ MAX_SPLITS = 128
 # A split shorter than this spends more on its prologue, its partial write and the
 # combine than it saves (FA2/FA3 and FlashInfer settle on 128-256 keys).
 MIN_KEYS_PER_SPLIT = 256
-# Splitting a grid that already fills most of the GPU only adds the combine.
+# Splitting a grid that already has a CTA on most SMs only adds the combine: a decode CTA is
+# memory-bound, and one per SM already streams at the bandwidth bound. H100, hd 128, 16/4
+# heads, batch 32 (128 CTAs, two resident per SM): 2 splits against 1, 30.7 / 27.9 us at 1k
+# keys, 183 / 178 us at 8k (graph replay; docs/decode.md, "Split count").
 FULL_GRID_FRACTION = 0.8
 # Among split counts whose last wave is this close to the best, take the smallest.
 WAVE_EFFICIENCY_SLACK = 0.85
+# An eager call (no CUDA-graph capture) of at most this many keys per sequence is host-bound:
+# the unsplit kernel (16 us at 1k keys, 27 us at 2k on an H100, hd 128) ends before the host has
+# issued the next call (23-31 us per decode-shaped call), so a split would save no wall time and
+# adds a launch and an allocation that every call pays on the host (31 -> 23 us per call).
+# Captured calls replay without host cost and keep their splits (10 against 16 us at 1k keys).
+EAGER_UNSPLIT_MAX_KEYS = 2048
 
 # Dense/varlen calls go to the decode kernels when their packed query rows (queries x
 # heads per KV head) fill at most this many 16-row tiles and the keys are many: the
@@ -41,19 +50,20 @@ def prefers_decode(seqlen_q: int, group: int, seqlen_k: int) -> bool:
 
 
 def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_split_min: int,
-                      requested: int = 0) -> int:
+                      requested: int = 0, sms: int = 0) -> int:
     """Split count for a grid of `base_ctas` CTAs whose longest key range has `key_stages`
-    stages, on a device with `slots` resident CTAs. `requested` > 0 is honoured (capped at
-    MAX_SPLITS and the stage count: a split beyond the last stage would have no keys).
+    stages, on a device with `sms` SMs (0: as many as `slots`) and `slots` resident CTAs.
+    `requested` > 0 is honoured (capped at MAX_SPLITS and the stage count: a split beyond the
+    last stage would have no keys).
 
-    Without a request: one split when the grid already fills the device; otherwise the
+    Without a request: one split when the grid already has a CTA on most SMs; otherwise the
     smallest count whose last wave is within WAVE_EFFICIENCY_SLACK of the best wave
     efficiency (FA2's rule, with resident slots rather than SMs as the unit).
     """
     most = max(1, min(MAX_SPLITS, key_stages))
     if requested > 0:
         return min(requested, most)
-    if base_ctas <= 0 or base_ctas >= FULL_GRID_FRACTION * slots:
+    if base_ctas <= 0 or base_ctas >= FULL_GRID_FRACTION * (sms or slots):
         return 1
     most = max(1, min(most, key_stages // max(1, stages_per_split_min)))
 
@@ -66,6 +76,9 @@ def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_sp
 
 
 _SLOTS: dict = {}
+# Whether the current stream is capturing a CUDA graph (torch.cuda.is_current_stream_capturing
+# minus its Python wrapper; HIP builds answer for HIP graphs).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 # Split counts per call shape: the planner runs once per shape, not per decode step. The key
 # length enters as a bucket (`key_bucket`), so a dynamic cache growing by one key per step
 # adds an entry per bucket, not per step; the table is bounded all the same (past _MAX_PLANS
@@ -92,8 +105,8 @@ def key_bucket(keys: int) -> int:
     return -(-keys // step) * step
 
 
-def resident_slots(device: torch.device, tile: dict) -> int:
-    """CTAs of the decode kernel that fit on the device at once (SMs x CTAs per SM)."""
+def resident_slots(device: torch.device, tile: dict) -> tuple:
+    """(SMs, CTAs of the decode kernel that fit on the device at once: SMs x CTAs per SM)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, tile["smem_bytes"], tile["threads"])
     slots = _SLOTS.get(key)
@@ -103,7 +116,8 @@ def resident_slots(device: torch.device, tile: dict) -> int:
         threads_per_sm = getattr(props, "max_threads_per_multi_processor", 0) or 2048
         # 1 KiB per block is reserved by the hardware on sm80+.
         per_sm = min(smem_per_sm // (tile["smem_bytes"] + 1024), threads_per_sm // tile["threads"])
-        slots = _SLOTS[key] = props.multi_processor_count * max(1, per_sm)
+        sms = props.multi_processor_count
+        slots = _SLOTS[key] = (sms, sms * max(1, per_sm))
     return slots
 
 
@@ -148,15 +162,19 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
         key_capacity = k.shape[1]
     fp8_kv = k.dtype is torch.float8_e4m3fn
     device = q.device
-    plan_key = (device.index, head_dim, batch, nheads, nheads_k, seqlen_q, key_bucket(key_capacity), num_splits,
-                fp8_kv)
+    keys = key_bucket(key_capacity)
+    # Short eager calls run unsplit (EAGER_UNSPLIT_MAX_KEYS); one query of the capture state
+    # (~0.2 us) is paid only by them.
+    eager_short = num_splits == 0 and keys <= EAGER_UNSPLIT_MAX_KEYS and _capturing is not None and not _capturing()
+    plan_key = (device.index, head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short)
     splits = _PLANS.get(plan_key)
     if splits is None:
         tile = backend.decode_tile(head_dim, device, fp8_kv)
         m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
-        splits = _remember_plan(plan_key, choose_num_splits(
-            batch * nheads_k * m_tiles, -(-plan_key[6] // tile["stage_keys"]),
-            resident_slots(device, tile), MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits,
+        sms, slots = resident_slots(device, tile)
+        splits = _remember_plan(plan_key, 1 if eager_short else choose_num_splits(
+            batch * nheads_k * m_tiles, -(-keys // tile["stage_keys"]), slots,
+            MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits, sms,
         ))
     o_partial = lse_partial = 0
     if splits > 1:

@@ -2,6 +2,7 @@
 calls to the decode kernels, flash-attn 2's rotary positions with cache_leftpad, the
 opt-in value checks, and the decode benchmark's plumbing (the kernels themselves are
 tested on the GPU: tests/gpu/test_cuda_decode.py)."""
+import inspect
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 import portattn
 from naive import naive_attention
 from portattn import decode, kvcache
+from portattn.backends import abi
 from portattn.kvcache import apply_rotary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +50,48 @@ def test_chosen_count_fills_its_last_wave(base):
     waves = base * splits / H100_SLOTS
     best = max((base * s / H100_SLOTS) / -(-base * s // H100_SLOTS) for s in range(1, 129))
     assert waves / -(-waves // 1) >= decode.WAVE_EFFICIENCY_SLACK * best
+
+
+def test_a_cta_on_most_sms_is_not_split():
+    """128 CTAs (batch 32, 4 KV heads) on 132 SMs with two slots each: unsplit (the H100 measurement
+    in docs/decode.md: 2 splits were 3-10% slower)."""
+    assert decode.choose_num_splits(128, 128, H100_SLOTS, 4, sms=132) == 1
+    assert decode.choose_num_splits(32, 128, H100_SLOTS, 4, sms=132) > 1  # batch 8: still spread
+
+
+class _RecordingBackend:
+    """A compiled backend's decode surface on the CPU: records the split count of each launch."""
+
+    SPLITS_AT = list(inspect.signature(abi.decode_args).parameters).index("num_splits") - 5
+
+    def __init__(self):
+        self.splits = []
+
+    def decode_tile(self, head_dim, device=None, fp8_kv=False):
+        return {"stage_keys": 64, "threads": 128, "smem_bytes": 96 * 1024}
+
+    def decode(self, q, k, v, out, lse, *options):
+        self.splits.append(options[self.SPLITS_AT])
+
+
+@pytest.mark.parametrize("keys, capturing, requested, expect", [
+    (1024, False, 0, "one"),      # eager and short: host-bound, unsplit
+    (2048, False, 0, "one"),
+    (1024, True, 0, "planned"),   # captured: the planner's split count
+    (8192, False, 0, "planned"),  # long: the split pays for its launch
+    (1024, False, 3, 3),          # an explicit num_splits is honoured
+])
+def test_short_eager_decode_calls_run_unsplit(monkeypatch, keys, capturing, requested, expect):
+    monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(decode, "_capturing", lambda: capturing)
+    monkeypatch.setattr(decode, "resident_slots", lambda device, tile: (132, H100_SLOTS))
+    backend = _RecordingBackend()
+    q = torch.randn(1, 1, 16, 64)
+    k = v = torch.randn(1, keys, 4, 64)
+    decode.run_decode(backend, q, k, v, False, 0.125, -1, 0, 0.0, None, num_splits=requested)
+    planned = decode.choose_num_splits(4, keys // 64, H100_SLOTS, decode.MIN_KEYS_PER_SPLIT // 64, sms=132)
+    assert planned > 1
+    assert backend.splits == [{"one": 1, "planned": planned}.get(expect, expect)]
 
 
 def test_decode_shaped_calls():
