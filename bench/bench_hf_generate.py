@@ -8,7 +8,7 @@ A Llama-style model with random weights from a config (no download): 8 layers, h
 - static_compile: cache_implementation="static"; generate() compiles the decode step itself
   (CompileConfig(): inductor, mode="reduce-overhead", i.e. CUDA graphs);
 `warm` is the fastest of --repeats generate() calls after the first of the same shapes in one
-process (compiled graphs, caches and allocator warm); `cold` is the first generate() of a fresh process (imports excluded,
+process (compiled graphs, caches and allocator warm), the implementations called in turn; `cold` is the first generate() of a fresh process (imports excluded,
 compilation included), run for the --cold cells only (a process each). tokens/s = batch x
 new tokens / generate()'s wall time. Cells past --budget-s are n/a with that reason, as are
 out-of-memory ones (eager attention materialises batch x heads x prompt^2 scores).
@@ -88,16 +88,34 @@ def generate_once(model, batch: int, prompt: int, new_tokens: int, mode: str, dr
     return elapsed
 
 
-def measure_cell(impl, mode, batch, prompt, new_tokens, dry_run, model=None, repeats=1) -> dict:
-    """{"first_s", "warm_s": seconds} of one cell in this process: the first call, then the
-    least-disturbed of `repeats` more (a decode step is host-bound at small batches, and the
-    host's speed varies by 10-20% from one generate() to the next)."""
-    model = model or build(impl, dry_run)
+def warm_cells(impls, models, mode, batch, prompt, new_tokens, dry_run, repeats, na) -> dict:
+    """{impl: seconds} of one (mode, batch, prompt) cell in this process for each impl: each
+    model's first call, then `repeats` rounds calling the implementations in turn, the fastest
+    call of each counting. A decode step is host-bound at small batches and the host's speed
+    drifts by 10-20% over seconds, so the implementations alternate rather than run one after
+    the other. A failed call (out of memory, a compile error) makes that impl's cell n/a in `na`."""
+    def attempt(impl):
+        try:
+            return generate_once(models[impl], batch, prompt, new_tokens, mode, dry_run)
+        except Exception as error:  # an n/a cell with its reason
+            na[impl] = _reason(error)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+
     if mode == "static_compile":
         _allow_a_compile_per_cell()
-    first = generate_once(model, batch, prompt, new_tokens, mode, dry_run)
-    warm = min(generate_once(model, batch, prompt, new_tokens, mode, dry_run) for _ in range(max(1, repeats)))
-    return {"first_s": first, "warm_s": warm}
+    alive = [impl for impl in impls if attempt(impl) is not None]
+    best = {}
+    for _ in range(max(1, repeats)):
+        for impl in list(alive):
+            seconds = attempt(impl)
+            if seconds is None:
+                alive.remove(impl)
+                best.pop(impl, None)
+            else:
+                best[impl] = min(seconds, best.get(impl, math.inf))
+    return best
 
 
 def _allow_a_compile_per_cell() -> None:
@@ -136,7 +154,7 @@ def _reason(error: BaseException) -> str:
 
 def markdown(result) -> list:
     lines = [f"{result['new_tokens']} new tokens per sequence; tokens/s = batch x new tokens / generate() time "
-             f"(warm: the fastest of {result.get('repeats', 1)} calls after the first). "
+             f"(warm: the fastest of {result.get('repeats', 1)} calls after the first, the implementations called in turn). "
              "portattn / SDPA > 1 means portattn is faster.", ""]
     for when in ("warm", "cold"):
         rows = [r for r in result["rows"] if when in r["tokens_per_s"]]
@@ -234,29 +252,33 @@ def main(argv=None) -> int:
         for batch in peers.parse_ints(args.batches):
             for mode in modes:
                 row = dict(mode=mode, batch=batch, prompt=prompt, tokens_per_s={"warm": {}}, seconds={}, na={})
-                for impl in impls:
-                    when = ["warm"] + (["cold"] if (batch, prompt) in cold else [])
-                    for phase in when:
-                        spent = time.perf_counter() - begin
-                        if spent > args.budget_s:
-                            row["na"].setdefault(phase, {})[impl] = f"time budget ({args.budget_s:.0f} s) spent"
-                            continue
-                        try:
-                            if phase == "warm":
-                                if impl not in models:
-                                    models[impl] = build(impl, args.dry_run)
-                                seconds = measure_cell(impl, mode, batch, prompt, args.new_tokens, args.dry_run,
-                                                       models[impl], args.repeats)["warm_s"]
-                            else:
-                                left = max(30.0, args.budget_s - spent + 60.0)
-                                seconds = cold_cell(impl, mode, batch, prompt, args.new_tokens, args.dry_run, left)
-                        except Exception as error:  # OOM, compile failure, timeout: an n/a cell with its reason
-                            row["na"].setdefault(phase, {})[impl] = _reason(error)
-                            if torch.cuda.is_available():
-                                torch.cuda.empty_cache()
-                            continue
-                        row["seconds"].setdefault(phase, {})[impl] = seconds
-                        row["tokens_per_s"].setdefault(phase, {})[impl] = batch * args.new_tokens / seconds
+                if time.perf_counter() - begin > args.budget_s:
+                    row["na"]["warm"] = {impl: f"time budget ({args.budget_s:.0f} s) spent" for impl in impls}
+                else:
+                    for impl in impls:
+                        if impl not in models:
+                            models[impl] = build(impl, args.dry_run)
+                    na = {}
+                    warm = warm_cells(impls, models, mode, batch, prompt, args.new_tokens, args.dry_run,
+                                      args.repeats, na)
+                    if na:
+                        row["na"]["warm"] = na
+                    for impl, seconds in warm.items():
+                        row["seconds"].setdefault("warm", {})[impl] = seconds
+                        row["tokens_per_s"]["warm"][impl] = batch * args.new_tokens / seconds
+                for impl in impls if (batch, prompt) in cold else ():
+                    spent = time.perf_counter() - begin
+                    if spent > args.budget_s:
+                        row["na"].setdefault("cold", {})[impl] = f"time budget ({args.budget_s:.0f} s) spent"
+                        continue
+                    try:
+                        seconds = cold_cell(impl, mode, batch, prompt, args.new_tokens, args.dry_run,
+                                            max(30.0, args.budget_s - spent + 60.0))
+                    except Exception as error:  # OOM, compile failure, timeout: an n/a cell with its reason
+                        row["na"].setdefault("cold", {})[impl] = _reason(error)
+                        continue
+                    row["seconds"].setdefault("cold", {})[impl] = seconds
+                    row["tokens_per_s"].setdefault("cold", {})[impl] = batch * args.new_tokens / seconds
                 result["rows"].append(row)
                 print(markdown(dict(result, rows=[row]))[-2] if row["tokens_per_s"]["warm"] else row, flush=True)
     result["wall_s"] = time.perf_counter() - begin
