@@ -154,7 +154,8 @@ def _reason(error: BaseException) -> str:
 
 def markdown(result) -> list:
     lines = [f"{result['new_tokens']} new tokens per sequence; tokens/s = batch x new tokens / generate() time "
-             f"(warm: the fastest of {result.get('repeats', 1)} calls after the first, the implementations called in turn). "
+             f"(warm: the fastest of {result.get('repeats', 1)} calls after the first"
+             f"{', the implementations called in turn' if result.get('interleaved') else ''}). "
              "portattn / SDPA > 1 means portattn is faster.", ""]
     for when in ("warm", "cold"):
         rows = [r for r in result["rows"] if when in r["tokens_per_s"]]
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
     cold = {tuple(int(x) for x in cell.split("x")) for cell in args.cold.split(",") if cell}
     result = dict(peers.header(args.dry_run), title="generate() tokens/s: portattn vs SDPA vs eager (transformers)",
                   impls=impls, modes=modes, new_tokens=args.new_tokens, rows=[], budget_s=args.budget_s,
-                  repeats=args.repeats)
+                  repeats=args.repeats, interleaved=True)
     try:
         import transformers
 
