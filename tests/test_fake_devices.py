@@ -84,15 +84,12 @@ def test_t4_reason_names_the_minimum():
     assert set(matrix.feature_status("cuda", "sm75").values()) == {"no"}
 
 
-def test_rdna3_gets_the_rocm_forward_and_decode():
+def test_rdna3_gets_the_rocm_forward_backward_and_decode():
     device = probe.fake_device("rx7900xtx")
     assert matrix.check_call("rocm", device, FWD) == []
-    reasons = matrix.check_call("rocm", device, BWD_256)
-    assert reasons == ["feature backward not built for gfx1100 by rocm (its kernels there: alibi, causal, "
-                       "decode, dropout, forward, gqa, paged_kv, softcap, varlen, window)"]
+    assert matrix.check_call("rocm", device, BWD_256) == []
     status = matrix.feature_status("rocm", "gfx1100")
-    assert status["forward"] == status["decode"] == status["paged_kv"] == "compiled"
-    assert status["backward"] == "no"
+    assert status["forward"] == status["backward"] == status["decode"] == status["paged_kv"] == "compiled"
     # RDNA2 (no matrix instructions) is outside every range.
     assert "arch gfx1030" in matrix.check_call("rocm", _with_arch(probe.fake_device("rx7900xtx"), "gfx1030"), FWD)[0]
 

@@ -43,6 +43,8 @@ EMU_ARCHS = {"emu": 64, "emu_gfx11": 32, "emu_gfx12": 32}
 # other three per arch are not compiled for the emulation (about 25 s of build per arch).
 # Their code differs only in template constants; tests/test_rocm_isa.py compiles all of them.
 EMU_RDNA_DECODE = {("float16", 64), ("bfloat16", 128), ("bfloat16", 256)}
+# Likewise the RDNA backward instantiations the RDNA backward tests below call.
+EMU_RDNA_BWD = {("float16", 64), ("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256)}
 
 
 def build_emulation(build_dir: str, arch: str = "emu") -> str:
@@ -51,8 +53,14 @@ def build_emulation(build_dir: str, arch: str = "emu") -> str:
     csrc = os.path.join(ROCM_DIR, "csrc")
     chosen = variants.select([arch])
     if variants.isa_of(arch) != "mfma":
-        chosen = [v if (v.dtype, v.config.head_dim) in EMU_RDNA_DECODE
-                  else dataclasses.replace(v, config=dataclasses.replace(v.config, decode=None)) for v in chosen]
+        def emulated_only(v):
+            key, config = (v.dtype, v.config.head_dim), v.config
+            if key not in EMU_RDNA_DECODE:
+                config = dataclasses.replace(config, decode=None)
+            if key not in EMU_RDNA_BWD:
+                config = dataclasses.replace(config, bwd_dq=None, bwd_dkdv=None)
+            return dataclasses.replace(v, config=config)
+        chosen = [emulated_only(v) for v in chosen]
     gen = os.path.join(build_dir, "gen")
     os.makedirs(gen, exist_ok=True)
     flags = [HOST_CLANG, "-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-attributes",
@@ -660,6 +668,56 @@ def test_rdna_decode_varlen(rdna):
     k = _rand(sum(lens_k), 2, 64, dtype=torch.float16)
     v = _rand(sum(lens_k), 2, 64, dtype=torch.float16)
     _decode_and_check(rdna, q, k, v, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), window=(-1, 0), num_splits=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# RDNA backward (csrc/wmma_bwd_kernel.h) in both WMMA layouts, through RocmBackend as the CDNA
+# backward above: the instantiations of EMU_RDNA_BWD, D = 256 included (2-wave workgroups,
+# dQ split over 2 workgroups and dK/dV over 4).
+
+
+@pytest.fixture(scope="module", params=["emu_gfx11", "emu_gfx12"])
+def rdna_backend(request, tmp_path_factory):
+    """The emulated RDNA3 (gfx11 WMMA) or RDNA4 (gfx12 WMMA) kernels behind RocmBackend."""
+    yield from _backend_of(load_emulation(tmp_path_factory, request.param))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, head_dim, seqlens", [(torch.float16, 40, (150, 70)), (torch.bfloat16, 128, (70, 113)),
+                                                      (torch.bfloat16, 256, (40, 45))],
+                         ids=["fp16-40-150x70", "bf16-128-70x113", "bf16-256-40x45"])
+def test_rdna_backward_matches_oracle(rdna_backend, dtype, head_dim, seqlens, causal):
+    q, k, v = _qkv(*seqlens, head_dim, dtype)
+    _run_backward(rdna_backend, q, k, v, window=(-1, 0 if causal else -1), naive_options=dict(causal=causal))
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 64), (torch.bfloat16, 256)], ids=["fp16-64", "bf16-256"])
+def test_rdna_backward_window_alibi_softcap_gqa(rdna_backend, dtype, head_dim):
+    # GQA 2 (the dK/dV kernel sums both query heads of a KV head), a two-sided window; fewer
+    # rows at D = 256, whose 2-wave workgroups and 4 dK/dV slices cost the emulation most.
+    seqlen_q, seqlen_k = (90, 77) if head_dim <= 128 else (50, 45)
+    q = _rand(1, seqlen_q, 4, head_dim, dtype=dtype)
+    k = _rand(1, seqlen_k, 2, head_dim, dtype=dtype)
+    v = _rand(1, seqlen_k, 2, head_dim, dtype=dtype)
+    slopes = torch.rand(1, 4)
+    _run_backward(rdna_backend, q, k, v, window=(20, 3), softcap=2.0, alibi=slopes,
+                  naive_options=dict(window=(20, 3), softcap=2.0, alibi_slopes=slopes))
+
+
+def test_rdna_backward_varlen_causal_gqa_with_empty_sequences(rdna_backend):
+    lens_q, lens_k = [17, 70, 1, 0], [100, 33, 0, 9]
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = _rand(sum(lens_q), 4, 64, dtype=torch.float16)
+    k = _rand(sum(lens_k), 1, 64, dtype=torch.float16)
+    v = _rand(sum(lens_k), 1, 64, dtype=torch.float16)
+    _run_backward(rdna_backend, q, k, v, window=(-1, 0), cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q),
+                  max_k=max(lens_k), naive_options=dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+
+
+def test_rdna_backward_dropout_matches_reference_mask(rdna_backend):
+    q, k, v, run, oracle = _dropout_problem(True, 0.17, 424242, (7 << 32) + 9)
+    _run_backward(rdna_backend, q, k, v, naive_options=oracle, **run)
 
 
 @pytest.fixture(scope="module", params=list(EMU_ARCHS))

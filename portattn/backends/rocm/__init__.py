@@ -1,5 +1,5 @@
 """ROCm backend: MFMA tiled attention for AMD CDNA2/3/4 (gfx90a, gfx942, gfx950) and the WMMA
-forward and decode for RDNA3/4 (gfx1100, gfx1201); csrc/, built by build.py.
+forward, backward and decode for RDNA3/4 (gfx1100, gfx1201); csrc/, built by build.py.
 
 Never run on hardware by us (no AMD GPU is reachable): every ROCm entry of the
 support matrix is "compiled", and selfcheck.py verifies it on first use. The

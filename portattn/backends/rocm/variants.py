@@ -94,6 +94,13 @@ class KernelTile:
         return self.wmma and self.kernel == "fwd" and (self.isa == "wmma11" or self.head_dim > 128)
 
     @property
+    def workgroup_waves(self) -> int:
+        """Waves per workgroup: 4, except the RDNA backward at D > 128 (2: wmma_bwd_waves)."""
+        if self.wmma and self.kernel in ("bwd_dq", "bwd_dkdv") and self.head_dim > 128:
+            return 2
+        return 4
+
+    @property
     def wave_size(self) -> int:
         return 32 if self.wmma else 64
 
@@ -119,6 +126,14 @@ class KernelTile:
                              + out_dim * (self.block + WMMA_LDS_PAD))
                 merge = 4 * ((DECODE_WAVES - 1) * DECODE_ROWS * (out_dim + LDS_PAD) + DECODE_WAVES * DECODE_ROWS)
                 return max(stage, merge)
+            own_rows = 16 * self.workgroup_waves  # dq: Q, dO; dkdv: K, V (the workgroup's rows)
+            out_dim = self.head_dim // self.dim_split  # rows of the transposed block tiles
+            padded = self.head_dim + WMMA_LDS_PAD
+            if self.kernel == "bwd_dq":  # Q, dO, K, V, this slice of K^T
+                return 2 * ((2 * own_rows + 2 * self.block) * padded + out_dim * (self.block + WMMA_LDS_PAD))
+            if self.kernel == "bwd_dkdv":  # K, V, Q, dO, this slice of Q^T and dO^T, fp32 LSE and Dr
+                return (2 * ((2 * own_rows + 2 * self.block) * padded + 2 * out_dim * (self.block + WMMA_LDS_PAD))
+                        + 2 * 4 * self.block)
             return 0
         rows = self.block * (self.head_dim + LDS_PAD)  # a row-major tile of `block` rows
         if self.kernel == "fwd":  # K, V^T
@@ -145,13 +160,21 @@ class KernelTile:
             return 2 * (self.block // 16) + self.head_dim // self.dim_split // 16 * (self.block // 16)
         if self.wmma and self.kernel == "decode":  # S^T's D / 16 steps unrolled by 2, then O^T's tiles
             return 2 + self.head_dim // self.dim_split // 16
+        if self.wmma and self.kernel in ("bwd_dq", "bwd_dkdv"):
+            # S and dP steps unrolled by 2 (dq) or rolled (dkdv) per tile, then the output products.
+            tiles, out_tiles = self.block // 16, self.head_dim // self.dim_split // 16
+            if self.kernel == "bwd_dq":
+                return 2 * 2 * tiles + out_tiles * tiles
+            return 2 * tiles + 2 * out_tiles * tiles
         return self.mfma_per_iteration
 
     @property
     def dim_split(self) -> int:
         """Workgroups sharing one block, each owning a slice of the head dim (kDimSplit)."""
         if self.wmma:
-            return 2 if self.kernel in ("fwd", "decode") and self.head_dim > 128 else 1
+            if self.kernel == "bwd_dkdv" and self.head_dim > 128:  # 64 columns each: wmma_bwd_kernel.h
+                return 4
+            return 2 if self.kernel in ("fwd", "decode", "bwd_dq") and self.head_dim > 128 else 1
         return 2 if self.kernel in ("bwd_dq", "bwd_dkdv") and self.head_dim > 128 else 1
 
     @property
@@ -160,9 +183,12 @@ class KernelTile:
         if self.wmma:
             if self.kernel == "decode":  # one 16-key tile per wave: S^T's D / 16 steps, O^T's D' / 16 tiles
                 return (self.head_dim + self.head_dim // self.dim_split) // 16
+            tiles, dim_steps, out_tiles = self.block // 16, self.head_dim // 16, self.head_dim // self.dim_split // 16
+            if self.kernel in ("bwd_dq", "bwd_dkdv"):  # S and dP; dQ^T, or dK^T and dV^T
+                return 2 * tiles * dim_steps + (1 if self.kernel == "bwd_dq" else 2) * out_tiles * tiles
             if self.kernel != "fwd":
                 return 0
-            key_tiles, dim_steps = self.block // 16, self.head_dim // 16
+            key_tiles = tiles
             return key_tiles * dim_steps + self.head_dim // self.dim_split // 16 * key_tiles
         if self.kernel == "decode":  # S^T = K Q^T and O^T += V^T P^T, D / 16 steps each
             return 2 * self.head_dim // 16
@@ -200,7 +226,7 @@ class HeadDimConfig:
     def kernels(self) -> tuple:
         if self.bwd_dq is None:
             return (self.fwd, *self.decode_kernels)
-        rowdot = KernelTile("bwd_rowdot", self.head_dim, 0, ROWDOT_WAVES_PER_SIMD)
+        rowdot = KernelTile("bwd_rowdot", self.head_dim, 0, ROWDOT_WAVES_PER_SIMD, isa=self.bwd_dq.isa)
         return (self.fwd, self.bwd_dq, self.bwd_dkdv, rowdot, *self.decode_kernels)
 
 
@@ -229,32 +255,47 @@ CONFIGS = (
     _config(256, fwd=(32, 1, False), bwd_dq=(32, 1, True), bwd_dkdv=(32, 1, False), decode=(64, 1, True)),
 )
 
-# RDNA3/4 (wave32 WMMA): the forward (csrc/wmma_fwd_kernel.h) and the decode
-# (csrc/wmma_decode_kernel.h); no backward. The occupancy is what the VGPRs
-# (1536 per SIMD lane, <= 256 a wave) and the WGP's 128 KiB of LDS allow. The
-# forward at D=256 splits O's columns over 2 workgroups and, like every gfx11
-# tile, reads Q from LDS (WmmaFwdTile::kQInLds), which takes 16-key blocks at
-# D=256 to stay within 64 KiB. The decode stages Q, K and V^T of a 64-key stage
-# in LDS (20 / 39 / 59 KiB at D = 64 / 128 / 256, the last with O's columns split
-# over 2 workgroups), which sets its occupancy: 6 / 3 / 2 workgroups per WGP.
-# The next block or stage is prefetched into registers where they have room (no
-# spills; tests/test_rocm_isa.py).
-def _wmma_config(head_dim, fwd, decode, isa) -> HeadDimConfig:
+# RDNA3/4 (wave32 WMMA): the forward (csrc/wmma_fwd_kernel.h), the backward
+# (csrc/wmma_bwd_kernel.h) and the decode (csrc/wmma_decode_kernel.h). The
+# occupancy is what the VGPRs (1536 per SIMD lane, <= 256 a wave) and the WGP's
+# 128 KiB of LDS allow. The forward at D=256 splits O's columns over 2
+# workgroups and, like every gfx11 tile, reads Q from LDS
+# (WmmaFwdTile::kQInLds), which takes 16-key blocks at D=256 to stay within
+# 64 KiB. The backward stages every operand in LDS (its docblock says why):
+# 32 / 61 / 55.5 KiB (dq) and 37 / 55 / 55.6 KiB (dkdv) at D = 64 / 128 / 256,
+# the last two with 2-wave workgroups and the output head dim split over 2 (dq)
+# and 4 (dkdv); prefetching the dkdv's next query block at D = 128 spills 18
+# (gfx1100) / 3 (gfx1201) VGPRs. The
+# decode stages Q, K and V^T of a 64-key stage in LDS (20 / 39 / 59 KiB at
+# D = 64 / 128 / 256, the last with O's columns split over 2 workgroups), which
+# sets its occupancy: 6 / 3 / 2 workgroups per WGP. The next block or stage is
+# prefetched into registers where they have room (no spills;
+# tests/test_rocm_isa.py).
+def _wmma_config(head_dim, fwd, bwd_dq, bwd_dkdv, decode, isa) -> HeadDimConfig:
     return HeadDimConfig(head_dim, KernelTile("fwd", head_dim, *fwd, isa=isa),
+                         bwd_dq=KernelTile("bwd_dq", head_dim, *bwd_dq, isa=isa),
+                         bwd_dkdv=KernelTile("bwd_dkdv", head_dim, *bwd_dkdv, isa=isa),
                          decode=KernelTile("decode", head_dim, *decode, isa=isa))
 
 
+# Backward tiles, (block, waves per SIMD, prefetch), the same on both generations.
+_RDNA_BWD = {64: ((32, 4, True), (32, 3, True)), 128: ((32, 2, True), (16, 2, False)),
+             256: ((16, 1, False), (16, 1, False))}
+
 RDNA_CONFIGS = {
     "wmma11": (
-        _wmma_config(64, (32, 6, True), (64, 6, True), "wmma11"),
-        _wmma_config(128, (32, 3, True), (64, 3, True), "wmma11"),  # forward: 36 KiB of LDS, 3 workgroups per WGP
+        _wmma_config(64, (32, 6, True), *_RDNA_BWD[64], (64, 6, True), "wmma11"),
+        # forward: 36 KiB of LDS, 3 workgroups per WGP
+        _wmma_config(128, (32, 3, True), *_RDNA_BWD[128], (64, 3, True), "wmma11"),
         # forward: 53 KiB, 2 workgroups per WGP; decode: prefetching spills 41 VGPRs
-        _wmma_config(256, (16, 2, False), (64, 2, False), "wmma11"),
+        _wmma_config(256, (16, 2, False), *_RDNA_BWD[256], (64, 2, False), "wmma11"),
     ),
     "wmma12": (
-        _wmma_config(64, (32, 6, True), (64, 6, True), "wmma12"),
-        _wmma_config(128, (32, 6, False), (64, 3, True), "wmma12"),  # forward: prefetching spills 19 VGPRs
-        _wmma_config(256, (16, 2, True), (64, 2, False), "wmma12"),  # decode: prefetching spills 23 VGPRs
+        _wmma_config(64, (32, 6, True), *_RDNA_BWD[64], (64, 6, True), "wmma12"),
+        # forward: prefetching spills 19 VGPRs
+        _wmma_config(128, (32, 6, False), *_RDNA_BWD[128], (64, 3, True), "wmma12"),
+        # decode: prefetching spills 23 VGPRs
+        _wmma_config(256, (16, 2, True), *_RDNA_BWD[256], (64, 2, False), "wmma12"),
     ),
 }
 
@@ -268,8 +309,9 @@ for _configs in RDNA_CONFIGS.values():
     assert [c.head_dim for c in _configs] == [c.head_dim for c in CONFIGS], "one head-dim ladder for every arch"
     for _config_ in _configs:
         for _tile in _config_.kernels:
-            if _tile.lds_bytes * _tile.waves_per_simd > RDNA_LDS_BYTES_PER_WGP:
-                raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per WGP")
+            # A WGP's 4 SIMDs hold waves_per_simd * 4 / workgroup_waves workgroups.
+            if _tile.lds_bytes * _tile.waves_per_simd * 4 // _tile.workgroup_waves > RDNA_LDS_BYTES_PER_WGP:
+                raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} waves per SIMD")
 
 
 # gfx950 (clang-22) runs the CDNA tiles, except that the D=64 forward does not
@@ -402,10 +444,13 @@ extern "C" int {variant.entry_point("fwd")}(const PortattnFwdParams* params) {{
 """
     dq = _template(variant, config.bwd_dq, "BwdDqTile")
     dkdv = _template(variant, config.bwd_dkdv, "BwdDkdvTile")
+    include = '#include "bwd_kernel.h"'
+    if config.bwd_dq.wmma:
+        include = f'#define PORTATTN_ROCM_WMMA_GEN {config.bwd_dq.isa[4:]}\n#include "wmma_bwd_kernel.h"'
     return f"""{header}{_budget_line(config.bwd_dq)}
 {_budget_line(config.bwd_dkdv)}
 #define PORTATTN_ROCM_ARCH_NS {variant.arch}
-#include "bwd_kernel.h"
+{include}
 
 static_assert({dq}::kLdsBytes == {config.bwd_dq.lds_bytes}, "variants.py and bwd_kernel.h disagree on LDS");
 static_assert({dq}::kMfmaPerIter == {config.bwd_dq.mfma_per_iteration}, "variants.py and bwd_kernel.h disagree");

@@ -16,11 +16,12 @@ from ..declare import ALL_FEATURES, BackendSpec
 # written by torch would need its own conversion there; module.cpp refuses them.
 SUPPORTED = ALL_FEATURES - {"seqused_k", "fp8_kv"}
 
-# RDNA3/4 (wave32 WMMA): the forward (csrc/wmma_fwd_kernel.h) and the decode
-# over contiguous and paged caches (csrc/wmma_decode_kernel.h); a backward call
-# there falls back. module.cpp's build_config()["features_by_arch"] reports the
-# same and tests/test_rocm_isa.py keeps them equal.
-RDNA_FEATURES = SUPPORTED - {"backward", "deterministic_backward"}
+# RDNA3/4 (wave32 WMMA): the forward (csrc/wmma_fwd_kernel.h), the backward
+# (csrc/wmma_bwd_kernel.h, no atomics: always deterministic) and the decode over
+# contiguous and paged caches (csrc/wmma_decode_kernel.h): every feature CDNA
+# has. module.cpp's build_config()["features_by_arch"] reports the same and
+# tests/test_rocm_isa.py keeps them equal.
+RDNA_FEATURES = SUPPORTED
 
 UNSUPPORTED_NOTES = {
     "seqused_k": "runs on the reference backend: the HIP kernels' sequence bounds read seqused_k "
@@ -40,7 +41,7 @@ SPEC = BackendSpec(
     archs=(ArchRange("amd", "gfx90a", "gfx90a"), ArchRange("amd", "gfx940", "gfx942"),
            ArchRange("amd", "gfx950", "gfx950"), ArchRange("amd", "gfx1100", "gfx1100"),
            ArchRange("amd", "gfx1201", "gfx1201")),
-    arch_note="CDNA2/CDNA3/CDNA4 (gfx90a, gfx942, gfx950); RDNA3 gfx1100 and RDNA4 gfx1201 forward and decode",
+    arch_note="CDNA2/CDNA3/CDNA4 (gfx90a, gfx942, gfx950); RDNA3 gfx1100 and RDNA4 gfx1201",
     ptx_forward_compatible=False,
     dtypes=("float16", "bfloat16"),
     head_dim_multiple=8,

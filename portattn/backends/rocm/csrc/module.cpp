@@ -50,7 +50,8 @@ constexpr int kMaxDecodeSplits = 128;
 const std::vector<std::string> kFeatures = {"forward", "backward", "causal",  "window",
                                             "softcap", "alibi",    "dropout", "gqa",
                                             "varlen",  "deterministic_backward", "decode", "paged_kv"};
-// The features an arch's variants lack without a backward (RDNA) or without a decode.
+// The features an arch's variants lack without a backward or without a decode (a
+// variant table may leave either direction out; the CPU emulation builds only some).
 const std::vector<std::string> kBackwardFeatures = {"backward", "deterministic_backward"};
 const std::vector<std::string> kDecodeFeatures = {"decode", "paged_kv"};
 
@@ -183,7 +184,7 @@ void check_append_invariants(const PortattnAppendParams& p) {
 }
 
 // The smallest built head dim >= headdim for this device's arch and dtype;
-// `direction` names the entry point the caller needs (RDNA builds no backward).
+// `direction` names the entry point the caller needs (a variant may lack one).
 const KernelVariant& find_variant(int dtype, int headdim, const char* direction = "forward") {
   int device = 0;
   check_hip(hipGetDevice(&device), "hipGetDevice");
@@ -211,7 +212,7 @@ const KernelVariant& find_variant(int dtype, int headdim, const char* direction 
                                                             : best->decode != nullptr;
   if (!built) {
     throw std::invalid_argument(std::string("portattn ROCm: no ") + direction + " kernel is built for " + arch +
-                                " (RDNA: forward and decode only)");
+                                " at head dim " + std::to_string(best->head_dim));
   }
   return *best;
 }
@@ -326,7 +327,7 @@ py::dict build_config() {
   config["compilers"] = compilers;
   config["features"] = kFeatures;
   config["hip_runtime_version"] = HIP_VERSION;
-  // Per arch, the features its variants implement (RDNA: no backward).
+  // Per arch, the features its variants implement (those of a direction none of them built are left out).
   py::dict features_by_arch;
   for (const std::string& arch : archs) {
     bool has_bwd = false, has_decode = false;
@@ -413,7 +414,7 @@ int64_t bwd_workspace_bytes_entry(int batch, int nheads, int nheads_k, int headd
 
 PYBIND11_MODULE(_C, m) {
   using namespace portattn::rocm;
-  m.doc() = "portattn ROCm kernels (MFMA: gfx90a / gfx942 / gfx950; WMMA forward and decode: gfx1100 / gfx1201); see portattn/backends/rocm/__init__.py";
+  m.doc() = "portattn ROCm kernels (MFMA: gfx90a / gfx942 / gfx950; WMMA: gfx1100 / gfx1201); see portattn/backends/rocm/__init__.py";
   m.def("fwd", &fwd_entry, "forward attention over raw pointers (see backends/common/params.h)");
   m.def("bwd", &bwd_entry, "backward attention over raw pointers (see backends/common/params.h)");
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes_entry,

@@ -89,7 +89,10 @@ constexpr int transposed_stride() {
 // Rows [row0, row0 + kRows) of one head (g points at row 0), in flight from
 // global memory to LDS: `fetch` issues this lane's 16-byte reads into
 // registers, `deposit` writes them row-major into `lds_rows` and/or
-// transposed (kHeadDim rows of kRows) into `lds_cols` (either may be null).
+// transposed into `lds_cols` (either may be null): the head-dim columns
+// [cols_begin, cols_end) as rows of kRows, for a kernel that needs only its
+// slice of the head dim transposed (multiples of 8, so a 16-byte chunk is
+// wholly in or out).
 // Between the two a kernel can compute on the previous tile, which hides the
 // global-memory latency (software pipelining through registers).
 template <int kRows, int kHeadDim, int kThreads, int kPad = kLdsPad>
@@ -110,15 +113,16 @@ struct TileInFlight {
     }
   }
 
-  __device__ __forceinline__ void deposit(uint16_t* lds_rows, uint16_t* lds_cols) const {
+  __device__ __forceinline__ void deposit(uint16_t* lds_rows, uint16_t* lds_cols, int cols_begin = 0,
+                                          int cols_end = kHeadDim) const {
 #pragma unroll
     for (int it = 0; it < kChunks; ++it) {
       const int c = threadIdx.x + it * kThreads;
       const int n = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-      if (lds_cols != nullptr) {
+      if (lds_cols != nullptr && col >= cols_begin && col < cols_end) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          lds_cols[(col + e) * transposed_stride<kRows, kPad>() + n] =
+          lds_cols[(col - cols_begin + e) * transposed_stride<kRows, kPad>() + n] =
               static_cast<uint16_t>(chunk[it][e / 2] >> (16 * (e % 2)));
         }
       }
@@ -152,12 +156,13 @@ struct KeyBlockStream {
     if (kPrefetch && n_first < j_end) fetch(n_first);
   }
 
+  // k_cols / v_cols take the head-dim columns [cols_begin, cols_end) (TileInFlight::deposit).
   __device__ __forceinline__ void stage(int n0, uint16_t* k_rows, uint16_t* k_cols, uint16_t* v_rows,
-                                        uint16_t* v_cols) {
+                                        uint16_t* v_cols, int cols_begin = 0, int cols_end = kHeadDim) {
     __syncthreads();  // the previous block's LDS reads are done
     if (!kPrefetch) fetch(n0);
-    k.deposit(k_rows, k_cols);
-    v.deposit(v_rows, v_cols);
+    k.deposit(k_rows, k_cols, cols_begin, cols_end);
+    v.deposit(v_rows, v_cols, cols_begin, cols_end);
     __syncthreads();
     if (kPrefetch && n0 + kBlockN < j_end) fetch(n0 + kBlockN);
   }
