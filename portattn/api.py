@@ -97,6 +97,9 @@ def _out_target(out, q, k=None, v=None):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
         raise ValueError("out= is for inference: it cannot be used when q, k or v requires grad "
                          "(call under torch.no_grad(), or drop out=)")
+    if torch.compiler.is_compiling():
+        # A traced graph's ops return new tensors; the copy into out is an op it can hold.
+        return None, out
     strides = out.stride()
     if strides[-1] == 1 and out.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides[:-1]):
         return out, None
@@ -145,6 +148,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     if max_seqlen_q is None or max_seqlen_k is None:
         raise ValueError("max_seqlen_q and max_seqlen_k are required (ints: the longest query / key sequence)")
+    if block_table is not None and torch.compiler.is_compiling():
+        from .ops import compiled_paged_varlen
+
+        return compiled_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                     softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                                     block_table, seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale)
     if (q_descale is not None or k_descale is not None or v_descale is not None
             or getattr(k, "dtype", None) is _FP8 or getattr(v, "dtype", None) is _FP8):
         return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

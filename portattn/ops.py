@@ -445,3 +445,47 @@ def compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             block_table, softmax_scale, causal, int(left), int(right), float(softcap), bool(rotary_interleaved),
             alibi_slopes, int(num_splits), k_descale, v_descale)
     return (out, lse) if return_softmax_lse else out
+
+
+@torch.library.custom_op("portattn::paged_varlen", mutates_args=())
+def _paged_varlen_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float], causal: bool,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+    s_aux: Optional[torch.Tensor], num_splits: int, q_descale: Optional[torch.Tensor],
+    k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .api import flash_attn_varlen_func
+
+    out, lse, _ = flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, return_attn_probs=True, block_table=block_table, seqused_k=seqused_k,
+        s_aux=s_aux, num_splits=num_splits, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    return out, lse
+
+
+@_paged_varlen_op.register_fake
+def _paged_varlen_fake(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                       max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                       alibi_slopes, s_aux, num_splits, q_descale, k_descale, v_descale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def compiled_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                          softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                          block_table, seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale):
+    """flash_attn_varlen_func with block_table traced by torch.compile: one custom op whose body is
+    the eager call (on a GPU the decode kernels read the pages in place; elsewhere the pages are
+    gathered after the CPU's value checks, which dynamo could not trace). Inference only, as
+    eagerly: the output carries no gradient. `out=` is filled by a copy after the op."""
+    left, right = window_size
+    with torch.no_grad():
+        result, lse = torch.ops.portattn.paged_varlen(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+            int(max_seqlen_k), float(dropout_p), softmax_scale, bool(causal), int(left), int(right), float(softcap),
+            alibi_slopes, s_aux, int(num_splits), q_descale, k_descale, v_descale)
+        if out is not None:
+            result = out.copy_(result)
+    return (result, lse, None) if return_attn_probs else result

@@ -274,3 +274,52 @@ def test_fp8_cache_under_torch_compile_matches_eager(append):
     if not append:
         other = compiled(q, *compiled_caches, k_descale * 2, v_descale)
         assert (other - got).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged16", "packed"])
+def test_fp8_varlen_under_torch_compile_matches_eager(paged):
+    """flash_attn_varlen_func on FP8 keys under fullgraph=True (paged: the portattn::paged_varlen
+    custom op; packed: the traced dequantisation): the eager call's numbers and LSE, a changed
+    descale changes the result, and `out=` is filled."""
+    q, cu_q, cu_k, max_q, max_k, args, k_descale, v_descale, _, _ = _varlen_fp8_case(17, paged, True)
+
+    def call(q, k, v, k_descale, v_descale, out=None):
+        return portattn.flash_attn_varlen_func(
+            q, k, v, cu_q, args["cu_seqlens_k"], max_q, max_k, causal=True, return_attn_probs=True,
+            block_table=args["block_table"], seqused_k=args["seqused_k"], k_descale=k_descale, v_descale=v_descale,
+            out=out)
+
+    with torch.no_grad():
+        want, want_lse, _ = call(q, args["k"], args["v"], k_descale, v_descale)
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        got, got_lse, _ = compiled(q, args["k"], args["v"], k_descale, v_descale)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=0)
+        other, _, _ = compiled(q, args["k"], args["v"], k_descale * 2, v_descale)
+        assert (other.float() - got.float()).abs().max() > 1e-2
+        target = torch.full_like(q, float("nan"))
+        filled, _, _ = compiled(q, args["k"], args["v"], k_descale, v_descale, out=target)
+        assert filled.data_ptr() == target.data_ptr()
+        torch.testing.assert_close(target, want, rtol=0, atol=0)
+
+
+def test_paged_varlen_under_torch_compile_checks_values_at_run_time():
+    """A block-table page outside the pool raises the eager call's ValueError from the compiled call
+    too (the CPU value check runs inside the custom op, where dynamo does not trace it)."""
+    q, cu_q, cu_k, max_q, max_k, args, k_descale, v_descale, _, _ = _varlen_fp8_case(18, True, True)
+    table = args["block_table"].clone()
+    table[1, 0] = args["k"].shape[0]
+
+    def call(q, table):
+        return portattn.flash_attn_varlen_func(q, args["k"], args["v"], cu_q, None, max_q, max_k, causal=True,
+                                               block_table=table, seqused_k=args["seqused_k"],
+                                               k_descale=k_descale, v_descale=v_descale)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="block_table") as eager:
+            call(q, table)
+        with pytest.raises(ValueError, match="block_table") as compiled:
+            torch.compile(call, fullgraph=True, backend="aot_eager")(q, table)
+    assert str(compiled.value) == str(eager.value)

@@ -261,3 +261,32 @@ def test_kvcache_with_sinks_matches_the_oracle():
                                        compute_dtype=torch.float32)
         assert_output(out[b:b + 1], want, low)
         assert_lse(lse[b:b + 1], want_lse, low_lse)
+
+
+@pytest.mark.parametrize("entry", ["dense", "varlen", "kvcache"])
+def test_out_under_torch_compile_fills_the_callers_buffer(entry):
+    """`out=` traced with fullgraph=True: the result lands in the caller's tensor (returned as is),
+    equal to the eager call's. The kernels' direct write needs the buffer's address, which a
+    traced graph does not have, so the compiled call copies into it."""
+    torch.manual_seed(21)
+    q = torch.randn(2, 3, 4, 32, dtype=torch.bfloat16)
+    k = torch.randn(2, 12, 2, 32, dtype=torch.bfloat16)
+    v = torch.randn(2, 12, 2, 32, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 3, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 12, 24], dtype=torch.int32)
+    lens = torch.tensor([7, 12], dtype=torch.int32)
+    calls = {
+        "dense": lambda q, out: portattn.flash_attn_func(q, k, v, causal=True, out=out),
+        "varlen": lambda q, out: portattn.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                                                 cu_q, cu_k, 3, 12, causal=True, out=out),
+        "kvcache": lambda q, out: portattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, out=out),
+    }
+    call = calls[entry]
+    shaped = q.flatten(0, 1) if entry == "varlen" else q
+    with torch.no_grad():
+        want = call(q, torch.empty_like(shaped))
+        target = torch.full_like(shaped, float("nan"))
+        torch._dynamo.reset()
+        got = torch.compile(call, fullgraph=True, backend="aot_eager")(q, target)
+    assert got.data_ptr() == target.data_ptr()
+    torch.testing.assert_close(target, want, rtol=0, atol=0)
