@@ -88,7 +88,8 @@ struct DecodeTile {
   static constexpr int kLaneDims = kHeadDim / 4;         // output columns a lane owns
   static constexpr int kMergePitch = kHeadDim + kLdsPad;  // fp32 per merge row
   static constexpr int kLdsBytes = 4 * ((kWaves - 1) * kBlockM * kMergePitch + kWaves * kBlockM);
-  static constexpr int kMfmaPerIter = 2 * kDimSteps;
+  // S^T's steps pair up on CDNA4 (16x16x32); O^T's do not: a wave has only 16 keys.
+  static constexpr int kMfmaPerIter = kDimSteps / kStepsPerMfma + kDimTiles;
 
   static_assert(kWaveKeys == kMfma16, "a wave takes one 16-key MFMA tile per stage");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "K chunks of 8 columns x 4 lanes, V words per lane");
@@ -141,6 +142,15 @@ struct DecodeKV {
     const u32x4& chunk = k[s / 2];
     return s % 2 == 0 ? __builtin_bit_cast(u16x4, u32x2{chunk.x, chunk.y})
                       : __builtin_bit_cast(u16x4, u32x2{chunk.z, chunk.w});
+  }
+
+  // ... of steps s..s + kStepsPerMfma - 1 (on CDNA4 the whole chunk of steps s, s + 1).
+  __device__ __forceinline__ MfmaOperand k_mfma_operand(int s) const {
+#if defined(PORTATTN_ROCM_CDNA4)
+    return __builtin_bit_cast(u16x8, k[s / 2]);
+#else
+    return k_operand(s);
+#endif
   }
 
   // A operand of O^T tile u: V^T[column m D/16 + u][keys 4g..4g+3].
@@ -266,7 +276,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
     f32x4 acc_s{0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int s = 0; s < Tile::kDimSteps; ++s) acc_s = T::mfma16(cur.k_operand(s), rQ[s], acc_s);
+    for (int s = 0; s < Tile::kDimSteps; s += kStepsPerMfma)
+      acc_s = T::mfma16(cur.k_mfma_operand(s), operand_at(rQ, s), acc_s);
 
     // Register r is key j = key0 + 4g + r of row i (scores in log2 units after this).
     const bool all_visible = range.all_visible(p, seq, stage_key0, Tile::kStageKeys);

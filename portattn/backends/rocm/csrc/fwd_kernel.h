@@ -69,7 +69,7 @@ struct FwdTile {
   static constexpr int kKStride = row_stride<kHeadDim>();         // sK: kBlockN rows of kHeadDim
   static constexpr int kVtStride = transposed_stride<kBlockN>();  // sVt: kHeadDim rows of kBlockN
   static constexpr int kLdsBytes = 2 * (kBlockN * kKStride + kHeadDim * kVtStride);
-  static constexpr int kMfmaPerIter = kKeyTiles * kDimSteps + kDimTiles * kKeySteps;
+  static constexpr int kMfmaPerIter = (kKeyTiles * kDimSteps + kDimTiles * kKeySteps) / kStepsPerMfma;
 
   static_assert(kHeadDim % kMfmaM == 0 && kBlockN % kMfmaM == 0, "tiles are whole MFMA tiles");
   static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
@@ -140,9 +140,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     for (int t = 0; t < Tile::kKeyTiles; ++t) {
       acc_s[t] = f32x16{};
 #pragma unroll
-      for (int s = 0; s < Tile::kDimSteps; ++s) {
-        const u16x4 a = frag_along_row(sK, Tile::kKStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh);
-        acc_s[t] = T::mfma(a, rQ[s], acc_s[t]);
+      for (int s = 0; s < Tile::kDimSteps; s += kStepsPerMfma) {
+        const MfmaOperand a = operand_along_row(sK, Tile::kKStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh);
+        acc_s[t] = T::mfma(a, operand_at(rQ, s), acc_s[t]);
       }
     }
 
@@ -204,9 +204,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
     for (int u = 0; u < Tile::kDimTiles; ++u) {
 #pragma unroll
-      for (int s = 0; s < Tile::kKeySteps; ++s) {
-        const u16x4 a = frag_along_row(sVt, Tile::kVtStride, u * kMfmaM + lq, s * kMfmaK + 4 * lh);
-        acc_o[u] = T::mfma(a, rP[s], acc_o[u]);
+      for (int s = 0; s < Tile::kKeySteps; s += kStepsPerMfma) {
+        const MfmaOperand a = operand_along_row(sVt, Tile::kVtStride, u * kMfmaM + lq, s * kMfmaK + 4 * lh);
+        acc_o[u] = T::mfma(a, operand_at(rP, s), acc_o[u]);
       }
     }
   }
