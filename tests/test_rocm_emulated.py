@@ -4,7 +4,8 @@ No AMD GPU is reachable. This builds the real kernel headers, the generated
 variant sources and module.cpp for pseudo-archs with clang++-19 as host C++
 (one thread per lane, matrix and cross-lane ops emulated with the assumed
 layouts): "emu" for the CDNA kernels (wave64 MFMA, Note [portattn MFMA
-layout]; also what gfx950 compiles) and "emu_gfx11" / "emu_gfx12" for the RDNA
+layout]), "emu_gfx950" for them as gfx950 builds them (CDNA4's double-depth
+MFMAs, Note [portattn MFMA double depth], and its tiles) and "emu_gfx11" / "emu_gfx12" for the RDNA
 forward and decode (wave32 WMMA, Note [portattn WMMA layout]). It drives them through
 RocmBackend, checking every declared feature with the project's error rule
 (tests/error_rule.py).

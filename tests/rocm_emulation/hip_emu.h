@@ -8,8 +8,9 @@
 // per-wave buffer between two wave barriers, so they need what the hardware
 // needs anyway: every lane of the wave reaches them in the same order.
 //
-// What this cannot check: that Note [portattn MFMA layout] (cdna.h) matches
-// the hardware (it is emulated with the same assumed layout), the compiler's
+// What this cannot check: that Note [portattn MFMA layout] and Note [portattn
+// MFMA double depth] (cdna.h) match the hardware (they are emulated with the
+// same assumed layouts), the compiler's
 // code generation, timing, or races the hardware would expose but a CPU with
 // barriers hides. Those are for the self-check on a real device.
 #pragma once

@@ -51,7 +51,8 @@ DTYPES = {
 
 REGISTERS_PER_SIMD_LANE = 512  # CDNA2/3/4: unified VGPR + AGPR file
 REGISTER_GRANULE = 8
-LDS_BYTES_PER_CU = 65536  # what the CDNA tiles are designed for (gfx950 has 160 KiB; not used yet)
+LDS_BYTES_PER_CU = 65536  # CDNA2/3 (and a workgroup's limit on RDNA)
+CDNA4_LDS_BYTES_PER_CU = 163840  # gfx950: 160 KiB, all of it addressable by one workgroup
 LDS_PAD = 4  # kLdsPad in csrc/tiles.h
 # RDNA3/4 in wave32 (LLVM's model of gfx1100 and gfx1201): 1536 VGPRs per SIMD
 # lane, at most 256 addressable by one wave, allocated in granules of 24 (the
@@ -89,6 +90,7 @@ class KernelTile:
     isa: str = "mfma"  # ARCH_ISA's family
     # Shallow MFMA steps per instruction: 2 on CDNA4 (kStepsPerMfma in csrc/cdna.h).
     steps_per_mfma: int = 1
+    lds_per_cu: int = LDS_BYTES_PER_CU  # kLdsBytesPerCu in csrc/cdna.h
 
     @property
     def wmma(self) -> bool:
@@ -316,10 +318,6 @@ RDNA_CONFIGS = {
 
 MAX_HEAD_DIM = max(config.head_dim for config in CONFIGS)
 
-for _config_ in CONFIGS:
-    for _tile in _config_.kernels:
-        if _tile.lds_bytes * _tile.waves_per_simd > LDS_BYTES_PER_CU:
-            raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per CU")
 for _configs in RDNA_CONFIGS.values():
     assert [c.head_dim for c in _configs] == [c.head_dim for c in CONFIGS], "one head-dim ladder for every arch"
     for _config_ in _configs:
@@ -330,17 +328,30 @@ for _configs in RDNA_CONFIGS.values():
 
 
 # gfx950 (clang-22) runs the CDNA tiles with the double-depth MFMAs (half the
-# instructions of every product but the decode's O^T), except that the D=64
+# instructions of every product but the decode's O^T) and 160 KiB of LDS per CU.
+# Registers, not LDS, bound every tile's occupancy but one, so the extra LDS
+# changes one tile: the D=256 forward takes 64-key blocks (66.5 KiB of LDS, which
+# a CDNA3 CU cannot hold; 375 / 365 VGPR+AGPR bf16 / fp16 of its 512, one wave
+# per SIMD as before), halving its barriers and softmax passes per key. The D=64
 # forward does not prefetch: clang-22 spills 9 VGPRs of the bf16 variant with it
-# (256 allocated; 246 without).
+# (256 allocated; 246 without). What else the LDS could buy and why it does not:
+# docs/rocm.md, "CDNA4".
 def _cdna4(config: HeadDimConfig) -> HeadDimConfig:
-    wide = {name: replace(getattr(config, name), steps_per_mfma=2) for name in ("fwd", "bwd_dq", "bwd_dkdv", "decode")}
+    wide = {name: replace(getattr(config, name), steps_per_mfma=2, lds_per_cu=CDNA4_LDS_BYTES_PER_CU)
+            for name in ("fwd", "bwd_dq", "bwd_dkdv", "decode")}
     if config.head_dim == 64:
         wide["fwd"] = replace(wide["fwd"], prefetch=False)
+    if config.head_dim == 256:
+        wide["fwd"] = replace(wide["fwd"], block=64)
     return replace(config, **wide)
 
 
 CDNA4_CONFIGS = tuple(_cdna4(c) for c in CONFIGS)
+
+for _config_ in CONFIGS + CDNA4_CONFIGS:
+    for _tile in _config_.kernels:
+        if _tile.lds_bytes * _tile.waves_per_simd > _tile.lds_per_cu:
+            raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per CU")
 
 
 def configs_for(arch: str) -> tuple:

@@ -1,4 +1,4 @@
-// Backward attention on CDNA matrix cores (gfx90a, gfx942): three kernels,
+// Backward attention on CDNA matrix cores (gfx90a, gfx942, gfx950): three kernels,
 // no atomics, so the result is bitwise reproducible by construction.
 //
 // Note [portattn rocm backward]
@@ -42,6 +42,13 @@
 //   dkdv    128  32     17152      64         512     1           yes       442 (186) / 404 (160)
 //   dkdv    256  32     33536      96         512     1           no        483 (227) / 453 (197)
 //   rowdot  any  -          0       0         128     4           -         22-26 (0)
+// gfx950 (clang-22): the same tiles with the double-depth 32x32x16 MFMAs (Note
+// [portattn MFMA double depth] in cdna.h), MFMA/iter halved (dq 24 / 24 / 40,
+// dkdv 16 / 32 / 48 at D = 64 / 128 / 256); measured fp16 / bf16:
+//   dq 232 / 233, 282 (26) / 282 (26), 380 (124) / 380 (124);
+//   dkdv 239 / 240, 362 (106) / 364 (108), 443 (187) / 445 (189).
+// At D=128 two waves per SIMD spill there too (bf16 without prefetch: dq 6,
+// dkdv 83 VGPRs), so CDNA4's larger LDS buys the backward nothing.
 // SGPRs 66-101, no spills, no scratch. dq LDS: K, V and K^T; dkdv LDS: Q, dO
 // and 256 bytes of per-query LSE and rowsum. At D=128 both dq and dkdv need a
 // few registers more than 256 (2-4 spills when held to 2 waves per SIMD), so
@@ -120,7 +127,7 @@ struct BwdDqTile {
   static constexpr int kLdsBytes = 2 * (2 * kBlockN * kStride + kHeadDim * kTStride);
   static constexpr int kMfmaPerIter = (2 * kKeyTiles * kDimSteps + kOutTiles * kKeySteps) / kStepsPerMfma;
   static_assert(kHeadDim % kMfmaM == 0 && kBlockN % kMfmaM == 0, "tiles are whole MFMA tiles");
-  static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
+  static_assert(kLdsBytes <= kLdsBytesPerCu, "one workgroup must fit a CU's LDS");
 };
 
 template <class Tile>
@@ -262,7 +269,7 @@ struct BwdDkdvTile {
   static_assert(kHeadDim % kMfmaM == 0 && kBlockQ % kMfmaM == 0, "tiles are whole MFMA tiles");
   static_assert(kOutDim % kMfmaM == 0, "head-dim slices are whole MFMA tiles");
   static_assert(kBlockQ <= kThreads, "one lane per query stages LSE and Dr");
-  static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
+  static_assert(kLdsBytes <= kLdsBytesPerCu, "one workgroup must fit a CU's LDS");
 };
 
 template <class Tile>

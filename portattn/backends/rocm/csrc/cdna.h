@@ -32,8 +32,8 @@
 // Instinct CDNA4 ISA reference guide, "Dense matrix layouts" of the MFMA
 // chapter: A[i][k] is item k % 8 of lane i + M (k / 8), B[k][j] item k % 8 of
 // lane j + N (k / 8), M = N = 32 or 16). One of them does the work of two of
-// the shallower instructions (8 passes for the 32x32x16, as many as the
-// 32x32x8 takes: half the issue slots per product).
+// the shallower instructions in the 8 passes a 32x32x8 takes on CDNA3, which is
+// CDNA4's doubled 16-bit rate per CU and clock (docs/rocm.md, "CDNA4").
 // The kernels never rearrange data for it: with kStepsPerMfma = 2 a lane
 // concatenates its operands of two consecutive shallow steps (steps 2p and
 // 2p + 1, 4 + 4 elements) into one 8-element operand. Which depth index an
@@ -90,17 +90,17 @@ typedef uint16_t u16x8 __attribute__((ext_vector_type(8)));
 // generated gfx950 sources (variants.py).
 #if defined(PORTATTN_ROCM_CDNA4)
 constexpr int kStepsPerMfma = 2;
+constexpr int kLdsBytesPerCu = 163840;  // 160 KiB, all of it addressable by one workgroup
 typedef u16x8 MfmaOperand;
 typedef _Float16 f16x8 __attribute__((ext_vector_type(8)));
 typedef __bf16 bf16x8 __attribute__((ext_vector_type(8)));
 #else
 constexpr int kStepsPerMfma = 1;
+constexpr int kLdsBytesPerCu = 65536;
 typedef u16x4 MfmaOperand;
 #endif
 
-// One instruction's operand from a lane's operands of kStepsPerMfma
-// consecutive shallow steps.
-__device__ __forceinline__ u16x4 operand_of(u16x4 step0) { return step0; }
+// One double-depth operand from a lane's operands of two consecutive shallow steps.
 __device__ __forceinline__ u16x8 operand_of(u16x4 step0, u16x4 step1) {
   return __builtin_shufflevector(step0, step1, 0, 1, 2, 3, 4, 5, 6, 7);
 }
