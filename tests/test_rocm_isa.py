@@ -197,12 +197,12 @@ CDNA4_SHAPES = {"fwd": ("32x32x16",), "bwd_dq": ("32x32x16",), "bwd_dkdv": ("32x
                 "decode": ("16x16x32", "16x16x16")}
 
 
-@pytest.mark.parametrize("variant", [v for v in variants.select(["gfx950"])], ids=lambda v: v.stem("fwd"))
+@pytest.mark.parametrize("variant", variants.select(["gfx950"]), ids=lambda v: v.stem("fwd"))
 def test_cdna4_kernels_use_the_double_depth_mfma(built, variant):
     """gfx950: every product but the decode's O^T (16 keys per wave: one shallow step) is a
-    double-depth MFMA, one instruction per two of gfx942's, in a loop body of exactly
-    mfma_per_iteration of them: per key, as many shallow steps as the gfx942 build of the
-    head dim does (whose key block is 32 where gfx950's D=256 forward takes 64)."""
+    double-depth MFMA, one instruction per two of gfx942's: the kernel holds whole loop bodies of
+    mfma_per_iteration MFMAs, each doing per key as many shallow steps as the gfx942 build of the
+    head dim (whose key block is 32 where gfx950's D=256 forward takes 64), without spills."""
     cdna3 = dataclasses.replace(variant, arch="gfx942",
                                 config=next(c for c in variants.CONFIGS if c.head_dim == variant.config.head_dim))
     for direction in variant.directions:
@@ -218,7 +218,8 @@ def test_cdna4_kernels_use_the_double_depth_mfma(built, variant):
             copies = len(r["mfma"]) // tile.mfma_per_iteration  # loop bodies the compiler emitted
             steps = (2 * n_wide + len(r["mfma"]) - n_wide) // copies  # shallow steps per block
             cdna3_tile, cdna3_r = shallow[tile.kernel]
-            cdna3_steps = len(cdna3_r["mfma"]) // (len(cdna3_r["mfma"]) // cdna3_tile.mfma_per_iteration)
+            assert cdna3_r["mfma"] and len(cdna3_r["mfma"]) % cdna3_tile.mfma_per_iteration == 0, tile.kernel
+            cdna3_steps = cdna3_tile.mfma_per_iteration  # one shallow step per instruction
             assert steps * cdna3_tile.block == cdna3_steps * tile.block, (tile.kernel, steps, cdna3_steps)
 
 

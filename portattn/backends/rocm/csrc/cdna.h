@@ -44,7 +44,7 @@
 // still feed the next one's B operand without cross-lane traffic (registers
 // 8p..8p+7 of a 32x32 score tile are keys 16p + 4(l / 32) + {0..3, 8..11}),
 // and LDS operand reads stay 8-byte reads at the same addresses.
-// kStepsPerMfma = 1 (gfx90a, gfx942) is the code before CDNA4, unchanged.
+// With kStepsPerMfma = 1 (gfx90a, gfx942) the loops are the shallow-step ones.
 #pragma once
 #if defined(PORTATTN_ROCM_EMULATE)
 // tests/rocm_emulation: the kernels on the CPU, one thread per lane, MFMA and
