@@ -4,7 +4,8 @@ No AMD GPU is reachable. This builds the real kernel headers, the generated
 variant sources and module.cpp for pseudo-archs with clang++-19 as host C++
 (one thread per lane, matrix and cross-lane ops emulated with the assumed
 layouts): "emu" for the CDNA kernels (wave64 MFMA, Note [portattn MFMA
-layout]; also what gfx950 compiles) and "emu_gfx11" / "emu_gfx12" for the RDNA
+layout]), "emu_gfx950" for them as gfx950 builds them (CDNA4's double-depth
+MFMAs, Note [portattn MFMA double depth], and its tiles) and "emu_gfx11" / "emu_gfx12" for the RDNA
 forward and decode (wave32 WMMA, Note [portattn WMMA layout]). It drives them through
 RocmBackend, checking every declared feature with the project's error rule
 (tests/error_rule.py).
@@ -38,7 +39,12 @@ HOST_CLANG = "clang++-19"  # _Float16 and ext_vector_type on the host need clang
 
 # pseudo-arch -> wave size of its kernel family (variants.ARCH_ISA): CDNA (MFMA,
 # wave64) and the two RDNA WMMA layouts (wave32), each its own module.
-EMU_ARCHS = {"emu": 64, "emu_gfx11": 32, "emu_gfx12": 32}
+EMU_ARCHS = {"emu": 64, "emu_gfx950": 64, "emu_gfx11": 32, "emu_gfx12": 32}
+# The CDNA4 (gfx950: double-depth MFMAs, Note [portattn MFMA double depth]) instantiations the
+# CDNA4 tests below call, each with its forward, backward and decode: both dtypes and every
+# head-dim tile. The other three are not compiled for the emulation (about 50 s of build);
+# they differ only in template constants, and tests/test_rocm_isa.py compiles all of them.
+EMU_CDNA4 = {("bfloat16", 64), ("float16", 128), ("bfloat16", 256)}
 # The RDNA decode instantiations (dtype, head dim) the RDNA decode tests below call; the
 # other three per arch are not compiled for the emulation (about 25 s of build per arch).
 # Their code differs only in template constants; tests/test_rocm_isa.py compiles all of them.
@@ -52,6 +58,8 @@ def build_emulation(build_dir: str, arch: str = "emu") -> str:
     ninja_build = rocm_build.ninja_build
     csrc = os.path.join(ROCM_DIR, "csrc")
     chosen = variants.select([arch])
+    if arch in variants.CDNA4_ARCHS:
+        chosen = [v for v in chosen if (v.dtype, v.config.head_dim) in EMU_CDNA4]
     if variants.isa_of(arch) != "mfma":
         def emulated_only(v):
             key, config = (v.dtype, v.config.head_dim), v.config
@@ -139,9 +147,10 @@ def backend(emulated):
     yield from _backend_of(emulated)
 
 
-@pytest.fixture(scope="module", params=list(EMU_ARCHS))
+@pytest.fixture(scope="module", params=[arch for arch in EMU_ARCHS if arch not in variants.CDNA4_ARCHS])
 def fwd_backend(request, tmp_path_factory):
-    """Each family's forward behind RocmBackend: CDNA, RDNA3 (gfx11 WMMA), RDNA4 (gfx12 WMMA)."""
+    """Each family's forward behind RocmBackend: CDNA, RDNA3 (gfx11 WMMA), RDNA4 (gfx12 WMMA)
+    (CDNA4, which builds a subset of the head dims, has its own tests below)."""
     yield from _backend_of(load_emulation(tmp_path_factory, request.param))
 
 
@@ -720,7 +729,7 @@ def test_rdna_backward_dropout_matches_reference_mask(rdna_backend):
     _run_backward(rdna_backend, q, k, v, naive_options=oracle, **run)
 
 
-@pytest.fixture(scope="module", params=list(EMU_ARCHS))
+@pytest.fixture(scope="module", params=[arch for arch in EMU_ARCHS if arch not in variants.CDNA4_ARCHS])
 def decode_family(request, tmp_path_factory):
     """Each family's decode module: CDNA (MFMA), RDNA3 (gfx11 WMMA), RDNA4 (gfx12 WMMA)."""
     return load_emulation(tmp_path_factory, request.param)
@@ -754,3 +763,92 @@ def test_decode_contains_out_of_range_metadata(decode_family, paged, num_splits)
     _decode_and_check(decode_family, q, k_cache, v_cache, cache_seqlens=cache_seqlens, errors=errors,
                       num_splits=num_splits, contained=contained, **layout)
     assert errors.tolist() == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# CDNA4 (gfx950): the CDNA kernels with the double-depth MFMAs (32x32x16, 16x16x32) in the
+# emulated ISA layout, on the instantiations of EMU_CDNA4 (fp16 runs on the D = 128 tile only).
+
+
+@pytest.fixture(scope="module")
+def cdna4(tmp_path_factory):
+    """The emulated gfx950 `_C` module."""
+    return load_emulation(tmp_path_factory, "emu_gfx950")
+
+
+@pytest.fixture(scope="module")
+def cdna4_backend(cdna4):
+    yield from _backend_of(cdna4)
+
+
+CDNA4_SHAPES = [(torch.bfloat16, 40), (torch.float16, 128), (torch.bfloat16, 256)]
+CDNA4_IDS = ["bf16-40", "fp16-128", "bf16-256"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, head_dim", CDNA4_SHAPES, ids=CDNA4_IDS)
+def test_cdna4_forward_matches_oracle(cdna4_backend, dtype, head_dim, causal):
+    q, k, v = _qkv(130, 70, head_dim, dtype)
+    out, lse = _run(cdna4_backend, q, k, v, window=(-1, 0 if causal else -1))
+    _check(out, lse, q, k, v, causal=causal)
+
+
+def test_cdna4_forward_window_alibi_softcap_gqa(cdna4_backend):
+    q = _rand(2, 150, 4, 64, dtype=torch.bfloat16)
+    k = _rand(2, 97, 2, 64, dtype=torch.bfloat16)
+    v = _rand(2, 97, 2, 64, dtype=torch.bfloat16)
+    slopes = torch.rand(2, 4)
+    out, lse = _run(cdna4_backend, q, k, v, window=(20, 3), softcap=2.0, alibi=slopes)
+    _check(out, lse, q, k, v, window=(20, 3), softcap=2.0, alibi_slopes=slopes)
+
+
+def test_cdna4_forward_dropout_matches_reference_mask(cdna4_backend):
+    q, k, v, run, oracle = _dropout_problem(True, 0.17, 31337, (2 << 32) + 3)
+    out, lse = _run(cdna4_backend, q, k, v, **run)
+    _check(out, lse, q, k, v, **oracle)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, head_dim, seqlens", [(torch.bfloat16, 40, (17, 113)), (torch.float16, 128, (150, 40)),
+                                                      (torch.bfloat16, 256, (40, 45))],
+                         ids=["bf16-40-17x113", "fp16-128-150x40", "bf16-256-40x45"])
+def test_cdna4_backward_matches_oracle(cdna4_backend, dtype, head_dim, seqlens, causal):
+    q, k, v = _qkv(*seqlens, head_dim, dtype)
+    _run_backward(cdna4_backend, q, k, v, window=(-1, 0 if causal else -1), naive_options=dict(causal=causal))
+
+
+def test_cdna4_backward_window_alibi_softcap_gqa_dropout(cdna4_backend):
+    q = _rand(1, 90, 4, 64, dtype=torch.bfloat16)
+    k = _rand(1, 77, 2, 64, dtype=torch.bfloat16)
+    v = _rand(1, 77, 2, 64, dtype=torch.bfloat16)
+    slopes = torch.rand(1, 4)
+    _run_backward(cdna4_backend, q, k, v, window=(20, 3), softcap=2.0, alibi=slopes,
+                  naive_options=dict(window=(20, 3), softcap=2.0, alibi_slopes=slopes))
+    q, k, v, run, oracle = _dropout_problem(True, 0.17, 271828, (4 << 32) + 1)
+    _run_backward(cdna4_backend, q, k, v, naive_options=oracle, **run)
+
+
+@pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 128, 3), (torch.bfloat16, 256, 2)],
+                         ids=["fp16-128-splits3", "bf16-256-splits2"])
+def test_cdna4_decode_contiguous_cache_gqa(cdna4, dtype, head_dim, num_splits):
+    k_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
+    v_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
+    q = _rand(3, 1, 8, head_dim, dtype=dtype)
+    _decode_and_check(cdna4, q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 77, 200], dtype=torch.int32),
+                      leftpad=torch.tensor([0, 5, 30], dtype=torch.int32),
+                      batch_idx=torch.tensor([2, 0, 3], dtype=torch.int32), num_splits=num_splits)
+
+
+def test_cdna4_decode_paged_cache_page16_gqa_window(cdna4):
+    generator = torch.Generator().manual_seed(950)
+    dtype, head_dim, nheads_k, batch, page_size = torch.bfloat16, 64, 2, 2, 16
+    lengths = [131, 40]
+    width = -(-max(lengths) // page_size)
+    num_pages = batch * width + 3
+    k_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
+    v_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
+    block_table = torch.randperm(num_pages, generator=generator)[:batch * width].reshape(batch, width).to(torch.int32)
+    q = _rand(batch, 5, nheads_k * 4, head_dim, dtype=dtype)
+    _decode_and_check(cdna4, q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                      block_table=block_table, window=(40, 0), softcap=2.0, alibi=torch.rand(batch, 8),
+                      num_splits=2)

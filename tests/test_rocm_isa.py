@@ -4,8 +4,9 @@
 No AMD GPU is reachable, so nothing here runs a kernel. What the compiler
 produced is checked against each tile's designed budget (variants.FWD_TILES,
 the numbers fwd_kernel.h's docblock states): MFMA instructions of the right
-dtype and shape (32x32x8; 16x16x16 in the decode kernel; wave32 WMMA 16x16x16 on
-RDNA) present, no VGPR/SGPR spills, no scratch, LDS as designed and within 64 KiB,
+dtype and shape (32x32x8; 16x16x16 in the decode kernel; on gfx950 the double-depth
+32x32x16 and 16x16x32; wave32 WMMA 16x16x16 on RDNA) present, no VGPR/SGPR spills,
+no scratch, LDS as designed and within the CU's (64 KiB; 160 KiB on gfx950),
 and VGPR(+AGPR) few enough for the designed waves per SIMD.
 
 The build needs the toolchain from .ci/install_rocm_toolchain.sh (skips
@@ -16,6 +17,7 @@ module's implemented features equal the support declaration.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -50,13 +52,18 @@ MFMA_MNEMONICS = {  # (arch family, dtype, KernelTile.mfma_shape) -> the instruc
     ("gfx90a", "bfloat16", "16x16x16"): "v_mfma_f32_16x16x16bf16_1k",
     ("gfx94", "float16", "16x16x16"): "v_mfma_f32_16x16x16_f16",
     ("gfx94", "bfloat16", "16x16x16"): "v_mfma_f32_16x16x16_bf16",
+    # CDNA4 (gfx950) only: the double-depth shapes (Note [portattn MFMA double depth] in csrc/cdna.h)
+    ("gfx94", "float16", "32x32x16"): "v_mfma_f32_32x32x16_f16",
+    ("gfx94", "bfloat16", "32x32x16"): "v_mfma_f32_32x32x16_bf16",
+    ("gfx94", "float16", "16x16x32"): "v_mfma_f32_16x16x32_f16",
+    ("gfx94", "bfloat16", "16x16x32"): "v_mfma_f32_16x16x32_bf16",
     ("wmma", "float16", "16x16x16"): "v_wmma_f32_16x16x16_f16",
     ("wmma", "bfloat16", "16x16x16"): "v_wmma_f32_16x16x16_bf16",
 }
 
 
 def _mfma_mnemonic(arch: str, dtype: str, shape: str = "32x32x8") -> str:
-    # gfx950 keeps gfx94x's encodings of these shapes (and adds wider ones, not used).
+    # gfx950 keeps gfx94x's mnemonics of the shallow shapes and adds the double-depth ones.
     if variants.isa_of(arch).startswith("wmma"):
         family = "wmma"
     else:
@@ -147,14 +154,14 @@ def resource_reports(build_dir: str, variant, direction: str) -> list:
 def budget_problems(variant, tile, r) -> list:
     # .vgpr_count is the unified VGPR+AGPR total on gfx90a/gfx94x (AGPRs sit above the arch VGPRs).
     problems = []
-    want = _mfma_mnemonic(variant.arch, variant.dtype, tile.mfma_shape)
+    want = {_mfma_mnemonic(variant.arch, variant.dtype, shape) for shape in tile.mfma_shapes}
     if tile.mfma_per_iteration == 0:
         if r["mfma"]:
             problems.append(f"unexpected MFMA instructions {sorted(set(r['mfma']))}")
     elif not r["mfma"]:
         problems.append("no MFMA instruction")
-    elif set(r["mfma"]) != {want}:
-        problems.append(f"MFMA instructions {sorted(set(r['mfma']))}, expected only {want}")
+    elif set(r["mfma"]) != want:
+        problems.append(f"MFMA instructions {sorted(set(r['mfma']))}, expected {sorted(want)}")
     elif len(r["mfma"]) % tile.static_mfma_count:
         problems.append(f"{len(r['mfma'])} MFMAs is not a whole number of {tile.static_mfma_count}-MFMA blocks")
     if r["wave"] != (32 if tile.wmma else 64):
@@ -165,8 +172,8 @@ def budget_problems(variant, tile, r) -> list:
         problems.append(f"{r['scratch']} bytes of scratch (private segment)")
     if r["lds"] != tile.lds_bytes:
         problems.append(f"LDS {r['lds']} bytes, designed {tile.lds_bytes}")
-    if r["lds"] > variants.LDS_BYTES_PER_CU:
-        problems.append(f"LDS {r['lds']} > {variants.LDS_BYTES_PER_CU}")
+    if r["lds"] > tile.lds_per_cu:
+        problems.append(f"LDS {r['lds']} > {tile.lds_per_cu}")
     if r["vgpr"] > tile.register_budget or designed_waves(r["vgpr"], tile) < tile.waves_per_simd:
         problems.append(
             f"VGPR+AGPR {r['vgpr']} (AGPR {r['agpr']}) > budget {tile.register_budget} "
@@ -184,6 +191,36 @@ def test_kernels_isa_meet_their_budget(built, variant, direction):
     assert {tile.kernel for tile, _ in reports} == set(variants.DIRECTION_KERNELS[direction])
     problems = [f"{tile.kernel}: {problem}" for tile, r in reports for problem in budget_problems(variant, tile, r)]
     assert not problems, f"{variant.stem(direction)}: " + "; ".join(problems)
+
+
+CDNA4_SHAPES = {"fwd": ("32x32x16",), "bwd_dq": ("32x32x16",), "bwd_dkdv": ("32x32x16",),
+                "decode": ("16x16x32", "16x16x16")}
+
+
+@pytest.mark.parametrize("variant", variants.select(["gfx950"]), ids=lambda v: v.stem("fwd"))
+def test_cdna4_kernels_use_the_double_depth_mfma(built, variant):
+    """gfx950: every product but the decode's O^T (16 keys per wave: one shallow step) is a
+    double-depth MFMA, one instruction per two of gfx942's: the kernel holds whole loop bodies of
+    mfma_per_iteration MFMAs, each doing per key as many shallow steps as the gfx942 build of the
+    head dim (whose key block is 32 where gfx950's D=256 forward takes 64), without spills."""
+    cdna3 = dataclasses.replace(variant, arch="gfx942",
+                                config=next(c for c in variants.CONFIGS if c.head_dim == variant.config.head_dim))
+    for direction in variant.directions:
+        shallow = {tile.kernel: (tile, r) for tile, r in resource_reports(built[0], cdna3, direction)}
+        for tile, r in resource_reports(built[0], variant, direction):
+            if tile.kernel not in CDNA4_SHAPES:
+                continue
+            assert tile.mfma_shapes == CDNA4_SHAPES[tile.kernel]
+            wide = _mfma_mnemonic("gfx950", variant.dtype, CDNA4_SHAPES[tile.kernel][0])
+            n_wide = r["mfma"].count(wide)
+            assert n_wide and len(r["mfma"]) % tile.mfma_per_iteration == 0, (tile.kernel, len(r["mfma"]))
+            assert not (r["vgpr_spill"] or r["sgpr_spill"] or r["scratch"]), tile.kernel
+            copies = len(r["mfma"]) // tile.mfma_per_iteration  # loop bodies the compiler emitted
+            steps = (2 * n_wide + len(r["mfma"]) - n_wide) // copies  # shallow steps per block
+            cdna3_tile, cdna3_r = shallow[tile.kernel]
+            assert cdna3_r["mfma"] and len(cdna3_r["mfma"]) % cdna3_tile.mfma_per_iteration == 0, tile.kernel
+            cdna3_steps = cdna3_tile.mfma_per_iteration  # one shallow step per instruction
+            assert steps * cdna3_tile.block == cdna3_steps * tile.block, (tile.kernel, steps, cdna3_steps)
 
 
 def test_every_variant_has_assembly_for_both_archs(built):

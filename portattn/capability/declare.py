@@ -95,6 +95,8 @@ class BackendSpec:
     verified_at_budget: Tuple[BudgetVerification, ...] = ()
     resource_rules: Tuple[ResourceRule, ...] = ()
     unsupported_notes: Mapping[str, str] = field(default_factory=dict)  # feature -> what happens instead
+    # arch name -> one line on what is built for it and how it was checked (the README's footnotes)
+    arch_notes: Mapping[str, str] = field(default_factory=dict)
     # Supported in calls without a backward only: feature -> where training calls with it go.
     forward_only: Mapping[str, str] = field(default_factory=dict)
     build_arch_env: str = ""  # the restriction variable naming the built archs

@@ -84,6 +84,8 @@ def _footnotes() -> List[str]:
     notes = []
     devices = [fake_device(k) for k in FAKE_DEVICE_KINDS]
     for spec in backend_specs():
+        for arch, note in spec.arch_notes.items():
+            notes.append(f"- {spec.name} {arch}: {note}.")
         for feature, note in spec.unsupported_notes.items():
             notes.append(f"- {spec.name}: {FEATURE_TITLES.get(feature, feature)} {note}.")
         for feature, note in spec.forward_only.items():

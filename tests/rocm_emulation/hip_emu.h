@@ -8,8 +8,9 @@
 // per-wave buffer between two wave barriers, so they need what the hardware
 // needs anyway: every lane of the wave reaches them in the same order.
 //
-// What this cannot check: that Note [portattn MFMA layout] (cdna.h) matches
-// the hardware (it is emulated with the same assumed layout), the compiler's
+// What this cannot check: that Note [portattn MFMA layout] and Note [portattn
+// MFMA double depth] (cdna.h) match the hardware (they are emulated with the
+// same assumed layouts), the compiler's
 // code generation, timing, or races the hardware would expose but a CPU with
 // barriers hides. Those are for the self-check on a real device.
 #pragma once
@@ -86,6 +87,8 @@ struct WaveScratch {
   float b[8][32];  // and B operand (8 x 32)
   float a16[16][16];  // the 16x16x16 shapes' A and B operands (MFMA and WMMA)
   float b16[16][16];
+  float a_x16[32][16], b_x16[16][32];  // CDNA4's 32x32x16
+  float a_x32[16][32], b_x32[32][16];  // CDNA4's 16x16x32
   uint16_t raw_a[64][16], raw_b[64][16];  // WMMA operand slots per lane (gfx11 replication check)
   float lanes[kWave];
   uint32_t words[kWave];
@@ -136,6 +139,7 @@ inline float half_to_float(short bf16_bits) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+typedef short i16x8 __attribute__((ext_vector_type(8)));  // CDNA4's bf16 operands, as bits
 
 // D(32x32) += A(32x8) B(8x32) with Note [portattn MFMA layout]'s lane mapping.
 template <class V4, class V16>
@@ -171,6 +175,35 @@ VC mfma_16x16x16(V4 a, V4 b, VC c) {
     const int row = 4 * (l / 16) + r, col = l % 16;
     float acc = c[r];
     for (int k = 0; k < 16; ++k) acc += s.a16[row][k] * s.b16[k][col];
+    c[r] = acc;
+  }
+  wave_barrier();
+  return c;
+}
+
+// CDNA4's double-depth shapes, D(32x32) += A(32x16) B(16x32) and D(16x16) +=
+// A(16x32) B(32x16), with the operand layout of the AMD Instinct CDNA4 ISA
+// reference guide's dense-MFMA layout tables: A[i][k] is item k % 8 of lane
+// i + M (k / 8), B[k][j] item k % 8 of lane j + N (k / 8) (M = N = 32 / 16);
+// D as the 32x32x8 / 16x16x16 shapes above. The kernels rely only on A and B
+// sharing that (lane, item) -> k map (Note [portattn MFMA double depth]).
+template <int kM, class V8, class VC>
+VC mfma_double_depth(V8 a, V8 b, VC c) {
+  constexpr int kK = kM == 32 ? 16 : 32;  // depth
+  WaveScratch& s = workgroup->scratch[wave()];
+  float* sa = kM == 32 ? &s.a_x16[0][0] : &s.a_x32[0][0];  // [kM][kK]
+  float* sb = kM == 32 ? &s.b_x16[0][0] : &s.b_x32[0][0];  // [kK][kM]
+  const int l = lane();
+  for (int e = 0; e < 8; ++e) {
+    const int k = 8 * (l / kM) + e;
+    sa[(l % kM) * kK + k] = half_to_float(a[e]);
+    sb[k * kM + l % kM] = half_to_float(b[e]);
+  }
+  wave_barrier();
+  for (int r = 0; r < (kM == 32 ? 16 : 4); ++r) {
+    const int row = kM == 32 ? 8 * (r / 4) + 4 * (l / 32) + r % 4 : 4 * (l / 16) + r, col = l % kM;
+    float acc = c[r];
+    for (int k = 0; k < kK; ++k) acc += sa[row * kK + k] * sb[k * kM + col];
     c[r] = acc;
   }
   wave_barrier();
@@ -249,6 +282,16 @@ inline int atomicOr(int* address, int value) { return __atomic_fetch_or(address,
 #define __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_32x32x8((a), (b), (c))
 #define __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_16x16x16((a), (b), (c))
 #define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_16x16x16((a), (b), (c))
+// The bf16 operands are read back as 16-bit integers: with __bf16 elements clang
+// folds the kernels' float -> bf16 rounding into a conversion that needs
+// compiler-rt's __truncsfbf2, which the host link (libgcc 12) lacks.
+#define PORTATTN_EMU_BF16_BITS(x) __builtin_bit_cast(::hipemu::i16x8, (x))
+#define __builtin_amdgcn_mfma_f32_32x32x16_f16(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_double_depth<32>((a), (b), (c))
+#define __builtin_amdgcn_mfma_f32_32x32x16_bf16(a, b, c, cbsz, abid, blgp) \
+  ::hipemu::mfma_double_depth<32>(PORTATTN_EMU_BF16_BITS(a), PORTATTN_EMU_BF16_BITS(b), (c))
+#define __builtin_amdgcn_mfma_f32_16x16x32_f16(a, b, c, cbsz, abid, blgp) ::hipemu::mfma_double_depth<16>((a), (b), (c))
+#define __builtin_amdgcn_mfma_f32_16x16x32_bf16(a, b, c, cbsz, abid, blgp) \
+  ::hipemu::mfma_double_depth<16>(PORTATTN_EMU_BF16_BITS(a), PORTATTN_EMU_BF16_BITS(b), (c))
 #define __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(a, b, c) ::hipemu::wmma_16x16x16<11>((a), (b), (c))
 #define __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a, b, c) ::hipemu::wmma_16x16x16<11>((a), (b), (c))
 #define __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12(a, b, c) ::hipemu::wmma_16x16x16<12>((a), (b), (c))

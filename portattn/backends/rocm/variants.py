@@ -19,8 +19,12 @@ from typing import Optional
 ARCH_ISA = {
     "gfx90a": "mfma", "gfx940": "mfma", "gfx941": "mfma", "gfx942": "mfma", "gfx950": "mfma",
     "gfx1100": "wmma11", "gfx1201": "wmma12",
-    "emu": "mfma", "emu_gfx11": "wmma11", "emu_gfx12": "wmma12",
+    "emu": "mfma", "emu_gfx950": "mfma", "emu_gfx11": "wmma11", "emu_gfx12": "wmma12",
 }
+# CDNA4: the 16-bit MFMAs come in double depth too (v_mfma_f32_32x32x16_{f16,bf16},
+# v_mfma_f32_16x16x32_{f16,bf16}); the kernels built for these take two shallow
+# steps per instruction (Note [portattn MFMA double depth] in csrc/cdna.h).
+CDNA4_ARCHS = ("gfx950", "emu_gfx950")
 SUPPORTED_ARCHS = tuple(arch for arch in ARCH_ISA if arch.startswith("gfx"))
 # Built when no AMD GPU is present and PORTATTN_HIP_ARCHS is unset: MI200, MI300,
 # MI350/MI355X, Radeon RX 7900 / PRO W7900, RX 9070.
@@ -47,7 +51,8 @@ DTYPES = {
 
 REGISTERS_PER_SIMD_LANE = 512  # CDNA2/3/4: unified VGPR + AGPR file
 REGISTER_GRANULE = 8
-LDS_BYTES_PER_CU = 65536  # what the CDNA tiles are designed for (gfx950 has 160 KiB; not used yet)
+LDS_BYTES_PER_CU = 65536  # CDNA2/3 (and a workgroup's limit on RDNA)
+CDNA4_LDS_BYTES_PER_CU = 163840  # gfx950: 160 KiB, all of it addressable by one workgroup
 LDS_PAD = 4  # kLdsPad in csrc/tiles.h
 # RDNA3/4 in wave32 (LLVM's model of gfx1100 and gfx1201): 1536 VGPRs per SIMD
 # lane, at most 256 addressable by one wave, allocated in granules of 24 (the
@@ -83,6 +88,9 @@ class KernelTile:
     # costs 2 x block x head_dim / 128 VGPRs (CDNA), so only where the budget has room.
     prefetch: bool = False
     isa: str = "mfma"  # ARCH_ISA's family
+    # Shallow MFMA steps per instruction: 2 on CDNA4 (kStepsPerMfma in csrc/cdna.h).
+    steps_per_mfma: int = 1
+    lds_per_cu: int = LDS_BYTES_PER_CU  # kLdsBytesPerCu in csrc/cdna.h
 
     @property
     def wmma(self) -> bool:
@@ -150,7 +158,16 @@ class KernelTile:
     def mfma_shape(self) -> str:
         """MxNxK of the kernel's matrix instruction (Note [portattn MFMA layout] in csrc/cdna.h,
         Note [portattn WMMA layout] in csrc/rdna.h)."""
-        return "16x16x16" if self.kernel == "decode" or self.wmma else "32x32x8"
+        return self.mfma_shapes[0]
+
+    @property
+    def mfma_shapes(self) -> tuple:
+        """Every matrix instruction shape the kernel issues: on CDNA4 the double-depth ones
+        (Note [portattn MFMA double depth]), and the decode's O^T += V^T P^T stays 16x16x16
+        there (16 keys per wave are one shallow step)."""
+        if self.kernel == "decode" or self.wmma:
+            return ("16x16x32", "16x16x16") if self.steps_per_mfma == 2 else ("16x16x16",)
+        return ("32x32x16",) if self.steps_per_mfma == 2 else ("32x32x8",)
 
     @property
     def static_mfma_count(self) -> int:
@@ -190,12 +207,12 @@ class KernelTile:
                 return 0
             key_tiles = tiles
             return key_tiles * dim_steps + self.head_dim // self.dim_split // 16 * key_tiles
-        if self.kernel == "decode":  # S^T = K Q^T and O^T += V^T P^T, D / 16 steps each
-            return 2 * self.head_dim // 16
+        if self.kernel == "decode":  # S^T = K Q^T (D / 16 steps, paired on CDNA4) and O^T += V^T P^T (D / 16)
+            return self.head_dim // 16 // self.steps_per_mfma + self.head_dim // 16
         tiles, steps = self.block // 32, self.block // 8
         dim_steps, out_tiles = self.head_dim // 8, self.head_dim // self.dim_split // 32
         per_product = {"fwd": (1, 1), "bwd_dq": (2, 1), "bwd_dkdv": (2, 2)}.get(self.kernel, (0, 0))
-        return per_product[0] * tiles * dim_steps + per_product[1] * out_tiles * steps
+        return (per_product[0] * tiles * dim_steps + per_product[1] * out_tiles * steps) // self.steps_per_mfma
 
 
 @dataclass(frozen=True)
@@ -301,10 +318,6 @@ RDNA_CONFIGS = {
 
 MAX_HEAD_DIM = max(config.head_dim for config in CONFIGS)
 
-for _config_ in CONFIGS:
-    for _tile in _config_.kernels:
-        if _tile.lds_bytes * _tile.waves_per_simd > LDS_BYTES_PER_CU:
-            raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per CU")
 for _configs in RDNA_CONFIGS.values():
     assert [c.head_dim for c in _configs] == [c.head_dim for c in CONFIGS], "one head-dim ladder for every arch"
     for _config_ in _configs:
@@ -314,19 +327,38 @@ for _configs in RDNA_CONFIGS.values():
                 raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} waves per SIMD")
 
 
-# gfx950 (clang-22) runs the CDNA tiles, except that the D=64 forward does not
-# prefetch: clang-22 spills 9 VGPRs of the bf16 variant with it (256 allocated;
-# 246 without).
-CDNA4_CONFIGS = tuple(
-    replace(c, fwd=replace(c.fwd, prefetch=False)) if c.head_dim == 64 else c for c in CONFIGS
-)
+# gfx950 (clang-22) runs the CDNA tiles with the double-depth MFMAs (half the
+# instructions of every product but the decode's O^T) and 160 KiB of LDS per CU.
+# Registers, not LDS, bound every tile's occupancy but one, so the extra LDS
+# changes one tile: the D=256 forward takes 64-key blocks (66.5 KiB of LDS, which
+# a CDNA3 CU cannot hold; 375 / 365 VGPR+AGPR bf16 / fp16 of its 512, one wave
+# per SIMD as before), halving its barriers and softmax passes per key. The D=64
+# forward does not prefetch: clang-22 spills 9 VGPRs of the bf16 variant with it
+# (256 allocated; 246 without). What else the LDS could buy and why it does not:
+# docs/rocm.md, "CDNA4".
+def _cdna4(config: HeadDimConfig) -> HeadDimConfig:
+    wide = {name: replace(getattr(config, name), steps_per_mfma=2, lds_per_cu=CDNA4_LDS_BYTES_PER_CU)
+            for name in ("fwd", "bwd_dq", "bwd_dkdv", "decode")}
+    if config.head_dim == 64:
+        wide["fwd"] = replace(wide["fwd"], prefetch=False)
+    if config.head_dim == 256:
+        wide["fwd"] = replace(wide["fwd"], block=64)
+    return replace(config, **wide)
+
+
+CDNA4_CONFIGS = tuple(_cdna4(c) for c in CONFIGS)
+
+for _config_ in CONFIGS + CDNA4_CONFIGS:
+    for _tile in _config_.kernels:
+        if _tile.lds_bytes * _tile.waves_per_simd > _tile.lds_per_cu:
+            raise AssertionError(f"{_tile}: LDS cannot hold {_tile.waves_per_simd} workgroups per CU")
 
 
 def configs_for(arch: str) -> tuple:
     """The head-dim configurations (tiles) built for `arch`."""
     isa = isa_of(arch)
     if isa == "mfma":
-        return CDNA4_CONFIGS if arch == "gfx950" else CONFIGS
+        return CDNA4_CONFIGS if arch in CDNA4_ARCHS else CONFIGS
     return RDNA_CONFIGS[isa]
 
 
@@ -392,7 +424,7 @@ def _template(variant: Variant, tile: KernelTile, name: str) -> str:
 
 
 def _budget_line(tile: KernelTile) -> str:
-    unit = "WMMAs" if tile.wmma else "MFMAs"
+    unit = "WMMAs" if tile.wmma else "MFMAs" if tile.steps_per_mfma == 1 else f"MFMAs ({' / '.join(tile.mfma_shapes)})"
     return (f"// {tile.kernel}: block {tile.block}, LDS {tile.lds_bytes} bytes, {tile.mfma_per_iteration} {unit} "
             f"per block per wave, {tile.waves_per_simd} wave(s) per SIMD (VGPR+AGPR <= {tile.register_budget})"
             f"{', next block prefetched' if tile.prefetch else ''}.")
@@ -402,9 +434,11 @@ def instantiation_source(variant: Variant, direction: str) -> str:
     config = variant.config
     header = (f"// Generated by portattn/backends/rocm/variants.py; do not edit.\n"
               f"// {variant.arch} {variant.dtype} head dim <= {config.head_dim}.\n")
+    # The CDNA4 kernels' double-depth MFMAs (csrc/cdna.h); one tile of the instantiation says so for all.
+    cdna4 = "#define PORTATTN_ROCM_CDNA4 1\n" if config.fwd.steps_per_mfma == 2 else ""
     if direction == "decode":
         tile = _template(variant, config.decode, "DecodeTile")
-        include = '#include "decode_kernel.h"'
+        include = cdna4 + '#include "decode_kernel.h"'
         if config.decode.wmma:
             include = f'#define PORTATTN_ROCM_WMMA_GEN {config.decode.isa[4:]}\n#include "wmma_decode_kernel.h"'
         return f"""{header}{_budget_line(config.decode)}
@@ -428,7 +462,7 @@ extern "C" int {variant.entry_point("append")}(const PortattnAppendParams* param
     if direction == "fwd":
         fwd = _template(variant, config.fwd, "FwdTile")
         isa = isa_of(variant.arch)
-        include = '#include "fwd_kernel.h"'
+        include = cdna4 + '#include "fwd_kernel.h"'
         if isa != "mfma":
             include = f'#define PORTATTN_ROCM_WMMA_GEN {isa[4:]}\n#include "wmma_fwd_kernel.h"'
         return f"""{header}{_budget_line(config.fwd)}
@@ -444,7 +478,7 @@ extern "C" int {variant.entry_point("fwd")}(const PortattnFwdParams* params) {{
 """
     dq = _template(variant, config.bwd_dq, "BwdDqTile")
     dkdv = _template(variant, config.bwd_dkdv, "BwdDkdvTile")
-    include = '#include "bwd_kernel.h"'
+    include = cdna4 + '#include "bwd_kernel.h"'
     if config.bwd_dq.wmma:
         include = f'#define PORTATTN_ROCM_WMMA_GEN {config.bwd_dq.isa[4:]}\n#include "wmma_bwd_kernel.h"'
     return f"""{header}{_budget_line(config.bwd_dq)}

@@ -32,6 +32,14 @@ UNSUPPORTED_NOTES = {
 # arch name -> features our GPU suite passed on that hardware.
 VERIFIED = {}
 
+# What the 🟡 of an arch rests on where it differs from its family's kernels.
+ARCH_NOTES = {
+    "gfx950": "the CDNA kernels (forward, backward, decode) built with CDNA4's double-depth MFMAs "
+              "(32x32x16, 16x16x32) and, at head dim 256, a 64-key forward block in its 160 KiB of LDS; "
+              "compiled (clang-22), ISA-checked and run by a CPU emulation of the documented MFMA layout "
+              "(docs/rocm.md), never on an MI350/MI355X",
+}
+
 SPEC = BackendSpec(
     name="rocm",
     title="ROCm",
@@ -51,6 +59,7 @@ SPEC = BackendSpec(
                    (ArchRange("amd", "gfx1201", "gfx1201"), RDNA_FEATURES)),
     verified=VERIFIED,
     unsupported_notes=UNSUPPORTED_NOTES,
+    arch_notes=ARCH_NOTES,
     build_arch_env="PORTATTN_HIP_ARCHS",
     fallback_when_unbuilt="install with ROCm (hipcc) available to build it",
     implementation="portattn.backends.rocm:RocmBackend",

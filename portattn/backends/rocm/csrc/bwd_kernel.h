@@ -1,4 +1,4 @@
-// Backward attention on CDNA matrix cores (gfx90a, gfx942): three kernels,
+// Backward attention on CDNA matrix cores (gfx90a, gfx942, gfx950): three kernels,
 // no atomics, so the result is bitwise reproducible by construction.
 //
 // Note [portattn rocm backward]
@@ -42,6 +42,13 @@
 //   dkdv    128  32     17152      64         512     1           yes       442 (186) / 404 (160)
 //   dkdv    256  32     33536      96         512     1           no        483 (227) / 453 (197)
 //   rowdot  any  -          0       0         128     4           -         22-26 (0)
+// gfx950 (clang-22): the same tiles with the double-depth 32x32x16 MFMAs (Note
+// [portattn MFMA double depth] in cdna.h), MFMA/iter halved (dq 24 / 24 / 40,
+// dkdv 16 / 32 / 48 at D = 64 / 128 / 256); measured fp16 / bf16:
+//   dq 232 / 233, 282 (26) / 282 (26), 380 (124) / 380 (124);
+//   dkdv 239 / 240, 362 (106) / 364 (108), 443 (187) / 445 (189).
+// At D=128 two waves per SIMD spill there too (bf16 without prefetch: dq 6,
+// dkdv 83 VGPRs), so CDNA4's larger LDS buys the backward nothing.
 // SGPRs 66-101, no spills, no scratch. dq LDS: K, V and K^T; dkdv LDS: Q, dO
 // and 256 bytes of per-query LSE and rowsum. At D=128 both dq and dkdv need a
 // few registers more than 256 (2-4 spills when held to 2 waves per SIMD), so
@@ -67,9 +74,9 @@ __device__ __forceinline__ void scores_and_grads(f32x16& acc_s, f32x16& acc_dp, 
   using T = Dtype<kIsBf16>;
   acc_s = acc_dp = f32x16{};
 #pragma unroll
-  for (int s = 0; s < kDimSteps; ++s) {
-    acc_s = T::mfma(frag_along_row(lds_s, stride, row, s * kMfmaK + 4 * lh), b_s[s], acc_s);
-    acc_dp = T::mfma(frag_along_row(lds_dp, stride, row, s * kMfmaK + 4 * lh), b_dp[s], acc_dp);
+  for (int s = 0; s < kDimSteps; s += kStepsPerMfma) {
+    acc_s = T::mfma(operand_along_row(lds_s, stride, row, s * kMfmaK + 4 * lh), operand_at(b_s, s), acc_s);
+    acc_dp = T::mfma(operand_along_row(lds_dp, stride, row, s * kMfmaK + 4 * lh), operand_at(b_dp, s), acc_dp);
   }
 }
 
@@ -118,9 +125,9 @@ struct BwdDqTile {
   // the transposed copy makes that operand one 8-byte read instead of four
   // 2-byte ones, which also keeps fewer fragments in flight.
   static constexpr int kLdsBytes = 2 * (2 * kBlockN * kStride + kHeadDim * kTStride);
-  static constexpr int kMfmaPerIter = 2 * kKeyTiles * kDimSteps + kOutTiles * kKeySteps;
+  static constexpr int kMfmaPerIter = (2 * kKeyTiles * kDimSteps + kOutTiles * kKeySteps) / kStepsPerMfma;
   static_assert(kHeadDim % kMfmaM == 0 && kBlockN % kMfmaM == 0, "tiles are whole MFMA tiles");
-  static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
+  static_assert(kLdsBytes <= kLdsBytesPerCu, "one workgroup must fit a CU's LDS");
 };
 
 template <class Tile>
@@ -222,9 +229,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
     for (int u = 0; u < Tile::kOutTiles; ++u) {
 #pragma unroll
-      for (int s = 0; s < Tile::kKeySteps; ++s) {
-        const u16x4 a = frag_along_row(sKt, Tile::kTStride, d0 + u * kMfmaM + lq, s * kMfmaK + 4 * lh);
-        acc_dq[u] = T::mfma(a, rdS[s], acc_dq[u]);
+      for (int s = 0; s < Tile::kKeySteps; s += kStepsPerMfma) {
+        const MfmaOperand a = operand_along_row(sKt, Tile::kTStride, d0 + u * kMfmaM + lq, s * kMfmaK + 4 * lh);
+        acc_dq[u] = T::mfma(a, operand_at(rdS, s), acc_dq[u]);
       }
     }
   }
@@ -258,11 +265,11 @@ struct BwdDkdvTile {
   static constexpr int kOutTiles = kOutDim / kMfmaM;
   static constexpr int kStride = row_stride<kHeadDim>();
   static constexpr int kLdsBytes = 2 * 2 * kBlockQ * kStride + 2 * kBlockQ * 4;  // sQ, sdO, LSE, Dr
-  static constexpr int kMfmaPerIter = 2 * kQueryTiles * kDimSteps + 2 * kOutTiles * kQuerySteps;
+  static constexpr int kMfmaPerIter = (2 * kQueryTiles * kDimSteps + 2 * kOutTiles * kQuerySteps) / kStepsPerMfma;
   static_assert(kHeadDim % kMfmaM == 0 && kBlockQ % kMfmaM == 0, "tiles are whole MFMA tiles");
   static_assert(kOutDim % kMfmaM == 0, "head-dim slices are whole MFMA tiles");
   static_assert(kBlockQ <= kThreads, "one lane per query stages LSE and Dr");
-  static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
+  static_assert(kLdsBytes <= kLdsBytesPerCu, "one workgroup must fit a CU's LDS");
 };
 
 template <class Tile>
@@ -391,10 +398,10 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
       for (int u = 0; u < Tile::kOutTiles; ++u) {
 #pragma unroll
-        for (int s = 0; s < Tile::kQuerySteps; ++s) {
+        for (int s = 0; s < Tile::kQuerySteps; s += kStepsPerMfma) {
           const int q0 = s * kMfmaK + 4 * lh, col = d0 + u * kMfmaM + lk;
-          acc_dv[u] = T::mfma(frag_down_column(sdO, Tile::kStride, q0, col), rP[s], acc_dv[u]);
-          acc_dk[u] = T::mfma(frag_down_column(sQ, Tile::kStride, q0, col), rdS[s], acc_dk[u]);
+          acc_dv[u] = T::mfma(operand_down_column(sdO, Tile::kStride, q0, col), operand_at(rP, s), acc_dv[u]);
+          acc_dk[u] = T::mfma(operand_down_column(sQ, Tile::kStride, q0, col), operand_at(rdS, s), acc_dk[u]);
         }
       }
     }

@@ -24,6 +24,27 @@
 //   and owns D[4 * (l / 16) + r][l % 16] for r = 0..3,
 // so again D's four registers are the B operand of a following product, and a
 // row of the transposed product (one query) lives in lanes l % 16 + 16 g.
+//
+// Note [portattn MFMA double depth]
+// CDNA4 (gfx950) adds v_mfma_f32_32x32x16_{f16,bf16} and
+// v_mfma_f32_16x16x32_{f16,bf16}: the M x N tile and D layout of the shapes
+// above at twice the depth, 8 16-bit elements per lane and operand (AMD
+// Instinct CDNA4 ISA reference guide, "Dense matrix layouts" of the MFMA
+// chapter: A[i][k] is item k % 8 of lane i + M (k / 8), B[k][j] item k % 8 of
+// lane j + N (k / 8), M = N = 32 or 16). One of them does the work of two of
+// the shallower instructions in the 8 passes a 32x32x8 takes on CDNA3, which is
+// CDNA4's doubled 16-bit rate per CU and clock (docs/rocm.md, "CDNA4").
+// The kernels never rearrange data for it: with kStepsPerMfma = 2 a lane
+// concatenates its operands of two consecutive shallow steps (steps 2p and
+// 2p + 1, 4 + 4 elements) into one 8-element operand. Which depth index an
+// (lane, item) slot stands for then differs from the ISA's numbering, but A
+// and B go through the same relabelling and the depth is summed over, so the
+// product is the same; what matters is only that A and B use one slot ->
+// depth map, which the ISA's layout gives. So the D registers of a product
+// still feed the next one's B operand without cross-lane traffic (registers
+// 8p..8p+7 of a 32x32 score tile are keys 16p + 4(l / 32) + {0..3, 8..11}),
+// and LDS operand reads stay 8-byte reads at the same addresses.
+// With kStepsPerMfma = 1 (gfx90a, gfx942) the loops are the shallow-step ones.
 #pragma once
 #if defined(PORTATTN_ROCM_EMULATE)
 // tests/rocm_emulation: the kernels on the CPU, one thread per lane, MFMA and
@@ -62,6 +83,36 @@ typedef short i16x4 __attribute__((ext_vector_type(4)));
 typedef uint16_t u16x4 __attribute__((ext_vector_type(4)));
 typedef uint32_t u32x2 __attribute__((ext_vector_type(2)));
 typedef uint32_t u32x4 __attribute__((ext_vector_type(4)));
+typedef uint16_t u16x8 __attribute__((ext_vector_type(8)));
+
+// 8-deep (32x32) or 16-deep (16x16) MFMA steps one instruction takes (Note
+// [portattn MFMA double depth]); PORTATTN_ROCM_CDNA4 is defined by the
+// generated gfx950 sources (variants.py).
+#if defined(PORTATTN_ROCM_CDNA4)
+constexpr int kStepsPerMfma = 2;
+constexpr int kLdsBytesPerCu = 163840;  // 160 KiB, all of it addressable by one workgroup
+typedef u16x8 MfmaOperand;
+typedef _Float16 f16x8 __attribute__((ext_vector_type(8)));
+typedef __bf16 bf16x8 __attribute__((ext_vector_type(8)));
+#else
+constexpr int kStepsPerMfma = 1;
+constexpr int kLdsBytesPerCu = 65536;
+typedef u16x4 MfmaOperand;
+#endif
+
+// One double-depth operand from a lane's operands of two consecutive shallow steps.
+__device__ __forceinline__ u16x8 operand_of(u16x4 step0, u16x4 step1) {
+  return __builtin_shufflevector(step0, step1, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+// ... from an array of per-step operands, steps s..s + kStepsPerMfma - 1.
+template <int kSteps>
+__device__ __forceinline__ MfmaOperand operand_at(const u16x4 (&steps)[kSteps], int s) {
+#if defined(PORTATTN_ROCM_CDNA4)
+  return operand_of(steps[s], steps[s + 1]);
+#else
+  return steps[s];
+#endif
+}
 
 // A kernel's fixed workgroup size and the occupancy (waves per SIMD) the
 // register allocator must preserve. The CPU emulation defines it away.
@@ -99,6 +150,16 @@ struct Dtype<false> {
                                                 __builtin_bit_cast(f16x4, b), c, 0, 0, 0);
   }
 #endif
+#if defined(PORTATTN_ROCM_CDNA4)
+  static __device__ __forceinline__ f32x16 mfma(u16x8 a, u16x8 b, f32x16 c) {
+    return __builtin_amdgcn_mfma_f32_32x32x16_f16(__builtin_bit_cast(f16x8, a),
+                                                 __builtin_bit_cast(f16x8, b), c, 0, 0, 0);
+  }
+  static __device__ __forceinline__ f32x4 mfma16(u16x8 a, u16x8 b, f32x4 c) {
+    return __builtin_amdgcn_mfma_f32_16x16x32_f16(__builtin_bit_cast(f16x8, a),
+                                                 __builtin_bit_cast(f16x8, b), c, 0, 0, 0);
+  }
+#endif
 };
 
 template <>
@@ -120,6 +181,16 @@ struct Dtype<true> {
   static __device__ __forceinline__ f32x4 mfma16(u16x4 a, u16x4 b, f32x4 c) {
     return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(i16x4, a),
                                                     __builtin_bit_cast(i16x4, b), c, 0, 0, 0);
+  }
+#endif
+#if defined(PORTATTN_ROCM_CDNA4)
+  static __device__ __forceinline__ f32x16 mfma(u16x8 a, u16x8 b, f32x16 c) {
+    return __builtin_amdgcn_mfma_f32_32x32x16_bf16(__builtin_bit_cast(bf16x8, a),
+                                                  __builtin_bit_cast(bf16x8, b), c, 0, 0, 0);
+  }
+  static __device__ __forceinline__ f32x4 mfma16(u16x8 a, u16x8 b, f32x4 c) {
+    return __builtin_amdgcn_mfma_f32_16x16x32_bf16(__builtin_bit_cast(bf16x8, a),
+                                                  __builtin_bit_cast(bf16x8, b), c, 0, 0, 0);
   }
 #endif
 };

@@ -1,4 +1,4 @@
-// Split-KV decode on CDNA matrix cores (gfx90a, gfx942): few query rows
+// Split-KV decode on CDNA matrix cores (gfx90a, gfx942, gfx950): few query rows
 // against many keys, read in place from a contiguous cache, a paged cache or
 // packed (varlen) sequences. Design: Note [portattn decode] in
 // common/params.h; the sequence, page and key-range rules (with every
@@ -49,6 +49,13 @@
 // Measured (VGPR+AGPR total, of which AGPR; gfx90a / gfx942; SGPRs 82-100,
 // no spills, no scratch): 64: 116-117, 0 / 124, 0;  128: 178-180, 0 / 178, 0;
 // 256: 338-339, 82-83 / 349-350, 93-94.
+// gfx950 (clang-22): S^T = K Q^T takes D/32 double-depth 16x16x32 MFMAs (a
+// lane's 16-byte K chunk and Q chunk are one operand each; Note [portattn MFMA
+// double depth] in cdna.h); O^T += V^T P^T stays D/16 16x16x16 ones, a wave's 16
+// keys being one shallow step. MFMA/stage 6 / 12 / 24; measured fp16 / bf16:
+// 123 / 124, 176 / 177, 296 (40) / 296 (40); the same LDS and occupancy (at
+// D = 256 two workgroups per CU would fit its 160 KiB of LDS, but not 256
+// registers: 40 VGPRs spilled with the prefetch; docs/rocm.md, "CDNA4").
 // The merge buffer sets the occupancy here (K/V need no LDS); at D = 256 a
 // workgroup still keeps 4 waves x 2 stages x 16 KiB of K/V reads in flight.
 #pragma once
@@ -88,11 +95,12 @@ struct DecodeTile {
   static constexpr int kLaneDims = kHeadDim / 4;         // output columns a lane owns
   static constexpr int kMergePitch = kHeadDim + kLdsPad;  // fp32 per merge row
   static constexpr int kLdsBytes = 4 * ((kWaves - 1) * kBlockM * kMergePitch + kWaves * kBlockM);
-  static constexpr int kMfmaPerIter = 2 * kDimSteps;
+  // S^T's steps pair up on CDNA4 (16x16x32); O^T's do not: a wave has only 16 keys.
+  static constexpr int kMfmaPerIter = kDimSteps / kStepsPerMfma + kDimTiles;
 
   static_assert(kWaveKeys == kMfma16, "a wave takes one 16-key MFMA tile per stage");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "K chunks of 8 columns x 4 lanes, V words per lane");
-  static_assert(kLdsBytes * kWavesPerSimd <= 65536, "the designed occupancy must fit a CU's LDS");
+  static_assert(kLdsBytes * kWavesPerSimd <= kLdsBytesPerCu, "the designed occupancy must fit a CU's LDS");
 };
 
 // This lane's share of one wave's 16 keys, read straight into MFMA operand
@@ -141,6 +149,15 @@ struct DecodeKV {
     const u32x4& chunk = k[s / 2];
     return s % 2 == 0 ? __builtin_bit_cast(u16x4, u32x2{chunk.x, chunk.y})
                       : __builtin_bit_cast(u16x4, u32x2{chunk.z, chunk.w});
+  }
+
+  // ... of steps s..s + kStepsPerMfma - 1 (on CDNA4 the whole chunk of steps s, s + 1).
+  __device__ __forceinline__ MfmaOperand k_mfma_operand(int s) const {
+#if defined(PORTATTN_ROCM_CDNA4)
+    return __builtin_bit_cast(u16x8, k[s / 2]);
+#else
+    return k_operand(s);
+#endif
   }
 
   // A operand of O^T tile u: V^T[column m D/16 + u][keys 4g..4g+3].
@@ -266,7 +283,8 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 
     f32x4 acc_s{0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int s = 0; s < Tile::kDimSteps; ++s) acc_s = T::mfma16(cur.k_operand(s), rQ[s], acc_s);
+    for (int s = 0; s < Tile::kDimSteps; s += kStepsPerMfma)
+      acc_s = T::mfma16(cur.k_mfma_operand(s), operand_at(rQ, s), acc_s);
 
     // Register r is key j = key0 + 4g + r of row i (scores in log2 units after this).
     const bool all_visible = range.all_visible(p, seq, stage_key0, Tile::kStageKeys);

@@ -26,8 +26,17 @@
 // Measured (VGPR+AGPR total, of which AGPR; gfx90a / gfx942):
 //   64: 190-195, 0 / 213-214, 0;  128: 208, 0 / 222, 0;
 //   256: 425-427, 169-171 / 452-501, 196-245.  SGPRs 86-90, no spills, no scratch.
-// gfx950 (clang-22) builds the same tiles except D=64 without prefetch (with it,
-// 9 spilled VGPRs in bf16; without, 246 VGPRs), variants.CDNA4_CONFIGS.
+// gfx950 (clang-22, variants.CDNA4_CONFIGS) issues the double-depth 32x32x16
+// MFMAs (Note [portattn MFMA double depth] in cdna.h: half the instructions,
+// the same operand registers and LDS reads) and has 160 KiB of LDS per CU:
+//   D    kBlockN  LDS bytes  MFMA/iter  budget  waves/SIMD  prefetch  measured fp16 / bf16
+//   64   64       17408      16         256     2           no        194 / 246
+//   128  32       17664      16         256     2           yes       218 / 240
+//   256  64       68096      64         512     1           no        365 (109) / 375 (119)
+// D=64 does not prefetch (9 spilled VGPRs in bf16 with it). D=256 takes 64-key
+// blocks, which only CDNA4's LDS holds: per 64 keys one softmax pass and two
+// barriers instead of two and four, at the same one wave per SIMD (304 / 329
+// VGPR+AGPR with 32-key blocks).
 //
 // LDS rows are padded by 4 elements (8 bytes) so the 32 rows read by one MFMA
 // operand fall on distinct bank pairs. With kPrefetch (D <= 128) the next key
@@ -69,10 +78,10 @@ struct FwdTile {
   static constexpr int kKStride = row_stride<kHeadDim>();         // sK: kBlockN rows of kHeadDim
   static constexpr int kVtStride = transposed_stride<kBlockN>();  // sVt: kHeadDim rows of kBlockN
   static constexpr int kLdsBytes = 2 * (kBlockN * kKStride + kHeadDim * kVtStride);
-  static constexpr int kMfmaPerIter = kKeyTiles * kDimSteps + kDimTiles * kKeySteps;
+  static constexpr int kMfmaPerIter = (kKeyTiles * kDimSteps + kDimTiles * kKeySteps) / kStepsPerMfma;
 
   static_assert(kHeadDim % kMfmaM == 0 && kBlockN % kMfmaM == 0, "tiles are whole MFMA tiles");
-  static_assert(kLdsBytes <= 65536, "one workgroup must fit a CU's LDS");
+  static_assert(kLdsBytes <= kLdsBytesPerCu, "one workgroup must fit a CU's LDS");
 };
 
 template <class Tile>
@@ -140,9 +149,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     for (int t = 0; t < Tile::kKeyTiles; ++t) {
       acc_s[t] = f32x16{};
 #pragma unroll
-      for (int s = 0; s < Tile::kDimSteps; ++s) {
-        const u16x4 a = frag_along_row(sK, Tile::kKStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh);
-        acc_s[t] = T::mfma(a, rQ[s], acc_s[t]);
+      for (int s = 0; s < Tile::kDimSteps; s += kStepsPerMfma) {
+        const MfmaOperand a = operand_along_row(sK, Tile::kKStride, t * kMfmaM + lq, s * kMfmaK + 4 * lh);
+        acc_s[t] = T::mfma(a, operand_at(rQ, s), acc_s[t]);
       }
     }
 
@@ -204,9 +213,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
     for (int u = 0; u < Tile::kDimTiles; ++u) {
 #pragma unroll
-      for (int s = 0; s < Tile::kKeySteps; ++s) {
-        const u16x4 a = frag_along_row(sVt, Tile::kVtStride, u * kMfmaM + lq, s * kMfmaK + 4 * lh);
-        acc_o[u] = T::mfma(a, rP[s], acc_o[u]);
+      for (int s = 0; s < Tile::kKeySteps; s += kStepsPerMfma) {
+        const MfmaOperand a = operand_along_row(sVt, Tile::kVtStride, u * kMfmaM + lq, s * kMfmaK + 4 * lh);
+        acc_o[u] = T::mfma(a, operand_at(rP, s), acc_o[u]);
       }
     }
   }

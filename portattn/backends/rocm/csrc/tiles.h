@@ -180,6 +180,25 @@ __device__ __forceinline__ u16x4 frag_down_column(const uint16_t* lds, int strid
                lds[(row0 + 3) * stride + col]};
 }
 
+// One MFMA instruction's operand (kStepsPerMfma steps; Note [portattn MFMA
+// double depth] in cdna.h): the step at col0 / row0 and, on CDNA4, the next
+// 8-deep step 8 elements on.
+__device__ __forceinline__ MfmaOperand operand_along_row(const uint16_t* lds, int stride, int row, int col0) {
+#if defined(PORTATTN_ROCM_CDNA4)
+  return operand_of(frag_along_row(lds, stride, row, col0), frag_along_row(lds, stride, row, col0 + kMfmaK));
+#else
+  return frag_along_row(lds, stride, row, col0);
+#endif
+}
+
+__device__ __forceinline__ MfmaOperand operand_down_column(const uint16_t* lds, int stride, int row0, int col) {
+#if defined(PORTATTN_ROCM_CDNA4)
+  return operand_of(frag_down_column(lds, stride, row0, col), frag_down_column(lds, stride, row0 + kMfmaK, col));
+#else
+  return frag_down_column(lds, stride, row0, col);
+#endif
+}
+
 template <bool kIsBf16>
 __device__ __forceinline__ u16x4 pack4(float a, float b, float c, float d) {
   using T = Dtype<kIsBf16>;
