@@ -24,7 +24,7 @@ MIN_KEYS_PER_SPLIT = 256
 # Splitting a grid that already has a CTA on most SMs only adds the combine: a decode CTA is
 # memory-bound, and one per SM already streams at the bandwidth bound. H100, hd 128, 16/4
 # heads, batch 32 (128 CTAs, two resident per SM): 2 splits against 1, 30.7 / 27.9 us at 1k
-# keys, 183 / 178 us at 8k (graph replay; docs/decode.md, "Split count").
+# keys, 183 / 178 us at 8k (graph replay; docs/decode.md, "The split planner").
 FULL_GRID_FRACTION = 0.8
 # Among split counts whose last wave is this close to the best, take the smallest.
 WAVE_EFFICIENCY_SLACK = 0.85
@@ -163,8 +163,7 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     fp8_kv = k.dtype is torch.float8_e4m3fn
     device = q.device
     keys = key_bucket(key_capacity)
-    # Short eager calls run unsplit (EAGER_UNSPLIT_MAX_KEYS); one query of the capture state
-    # (~0.2 us) is paid only by them.
+    # Short eager calls run unsplit (EAGER_UNSPLIT_MAX_KEYS); only they query the capture state.
     eager_short = num_splits == 0 and keys <= EAGER_UNSPLIT_MAX_KEYS and _capturing is not None and not _capturing()
     plan_key = (device.index, head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short)
     splits = _PLANS.get(plan_key)
