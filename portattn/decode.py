@@ -22,7 +22,7 @@ MAX_SPLITS = 128
 # combine than it saves (FA2/FA3 and FlashInfer settle on 128-256 keys).
 MIN_KEYS_PER_SPLIT = 256
 # Splitting a grid that already has a CTA on most SMs only adds the combine: a decode CTA is
-# memory-bound, and one per SM already streams at the bandwidth bound. H100, hd 128, 16/4
+# memory-bound, and one per SM already streams near the bandwidth bound. H100, hd 128, 16/4
 # heads, batch 32 (128 CTAs, two resident per SM): 2 splits against 1, 30.7 / 27.9 us at 1k
 # keys, 183 / 178 us at 8k (graph replay; docs/decode.md, "The split planner").
 FULL_GRID_FRACTION = 0.8
