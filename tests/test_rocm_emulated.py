@@ -631,24 +631,22 @@ def rdna(request, tmp_path_factory):
     return load_emulation(tmp_path_factory, request.param)
 
 
-@pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 64, 3), (torch.bfloat16, 256, 2)],
-                         ids=["fp16-64-splits3", "bf16-256-splits2"])
-def test_rdna_decode_contiguous_cache_gqa(rdna, dtype, head_dim, num_splits):
+def _decode_contiguous_cache_gqa(module, dtype, head_dim, num_splits):
     # GQA 4 (8 packed rows), an empty sequence, leftpad and a batch index into a larger cache;
-    # 200 keys are 4 stages of 64. D = 256 splits O's columns over two workgroups.
+    # 200 keys are 4 stages of 64.
     k_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
     v_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
     q = _rand(3, 1, 8, head_dim, dtype=dtype)
-    _decode_and_check(rdna, q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 77, 200], dtype=torch.int32),
+    _decode_and_check(module, q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 77, 200], dtype=torch.int32),
                       leftpad=torch.tensor([0, 5, 30], dtype=torch.int32),
                       batch_idx=torch.tensor([2, 0, 3], dtype=torch.int32), num_splits=num_splits)
 
 
-def test_rdna_decode_paged_cache_page16_gqa_window(rdna):
+def _decode_paged_cache_page16_gqa_window(module, seed, head_dim):
     # Page size 16 (a stage spans four pages), a shuffled block table, GQA 4 with seqlen_q 5
     # (20 packed rows: two query tiles), a causal window with softcap and ALiBi, 2 splits.
-    generator = torch.Generator().manual_seed(16)
-    dtype, head_dim, nheads_k, batch, page_size = torch.bfloat16, 128, 2, 2, 16
+    generator = torch.Generator().manual_seed(seed)
+    dtype, nheads_k, batch, page_size = torch.bfloat16, 2, 2, 16
     lengths = [131, 40]
     width = -(-max(lengths) // page_size)
     num_pages = batch * width + 3
@@ -656,9 +654,20 @@ def test_rdna_decode_paged_cache_page16_gqa_window(rdna):
     v_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
     block_table = torch.randperm(num_pages, generator=generator)[:batch * width].reshape(batch, width).to(torch.int32)
     q = _rand(batch, 5, nheads_k * 4, head_dim, dtype=dtype)
-    _decode_and_check(rdna, q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+    _decode_and_check(module, q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
                       block_table=block_table, window=(40, 0), softcap=2.0, alibi=torch.rand(batch, 8),
                       num_splits=2)
+
+
+@pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 64, 3), (torch.bfloat16, 256, 2)],
+                         ids=["fp16-64-splits3", "bf16-256-splits2"])
+def test_rdna_decode_contiguous_cache_gqa(rdna, dtype, head_dim, num_splits):
+    # D = 256 splits O's columns over two workgroups.
+    _decode_contiguous_cache_gqa(rdna, dtype, head_dim, num_splits)
+
+
+def test_rdna_decode_paged_cache_page16_gqa_window(rdna):
+    _decode_paged_cache_page16_gqa_window(rdna, 16, 128)
 
 
 def test_rdna_decode_tile_reports_the_wave32_tile(rdna):
@@ -831,24 +840,8 @@ def test_cdna4_backward_window_alibi_softcap_gqa_dropout(cdna4_backend):
 @pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 128, 3), (torch.bfloat16, 256, 2)],
                          ids=["fp16-128-splits3", "bf16-256-splits2"])
 def test_cdna4_decode_contiguous_cache_gqa(cdna4, dtype, head_dim, num_splits):
-    k_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
-    v_cache = _rand(4, 200, 2, head_dim, dtype=dtype)
-    q = _rand(3, 1, 8, head_dim, dtype=dtype)
-    _decode_and_check(cdna4, q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 77, 200], dtype=torch.int32),
-                      leftpad=torch.tensor([0, 5, 30], dtype=torch.int32),
-                      batch_idx=torch.tensor([2, 0, 3], dtype=torch.int32), num_splits=num_splits)
+    _decode_contiguous_cache_gqa(cdna4, dtype, head_dim, num_splits)
 
 
 def test_cdna4_decode_paged_cache_page16_gqa_window(cdna4):
-    generator = torch.Generator().manual_seed(950)
-    dtype, head_dim, nheads_k, batch, page_size = torch.bfloat16, 64, 2, 2, 16
-    lengths = [131, 40]
-    width = -(-max(lengths) // page_size)
-    num_pages = batch * width + 3
-    k_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
-    v_cache = _rand(num_pages, page_size, nheads_k, head_dim, dtype=dtype)
-    block_table = torch.randperm(num_pages, generator=generator)[:batch * width].reshape(batch, width).to(torch.int32)
-    q = _rand(batch, 5, nheads_k * 4, head_dim, dtype=dtype)
-    _decode_and_check(cdna4, q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
-                      block_table=block_table, window=(40, 0), softcap=2.0, alibi=torch.rand(batch, 8),
-                      num_splits=2)
+    _decode_paged_cache_page16_gqa_window(cdna4, 950, 64)
