@@ -123,7 +123,7 @@ _RING_MODULES = ("llama3_flash_attn_varlen", "ring_flash_attn", "ring_flash_attn
                  "zigzag_ring_flash_attn", "zigzag_ring_flash_attn_varlen", "stripe_flash_attn")
 
 
-def import_ring_flash_attn(merge: str = "auto"):
+def import_ring_flash_attn(merge: str = "auto", backward: str = "portattn"):
     """`import ring_flash_attn`, on portattn, with or without transformers 4.x.
 
     Calls provide_flash_attn() first. When the package imports normally (transformers
@@ -136,9 +136,14 @@ def import_ring_flash_attn(merge: str = "auto"):
     `merge` picks the per-step merge of partial outputs its forwards call
     (install_ring_merge): "auto" (default) portattn's fused kernel on GPUs where it is
     built, ring-flash-attn's own elsewhere; "portattn" always portattn's merge; "ring"
-    ring-flash-attn's own."""
+    ring-flash-attn's own.
+
+    `backward` picks the zigzag backward (install_ring_backward): "portattn" (default) sends
+    each rank's bf16 partial dK/dV to the block's owner, "ring" ring-flash-attn's own fp32 ring
+    of accumulators."""
     package = _import_ring_package()
     install_ring_merge(merge)
+    install_ring_backward(backward)
     return package
 
 
@@ -238,3 +243,39 @@ def ring_merge_mode() -> str:
 
     module = importlib.import_module("ring_flash_attn.zigzag_ring_flash_attn")
     return getattr(module.update_out_and_lse, "__portattn_merge__", "ring")
+
+
+_BACKWARD_MODES = ("portattn", "ring")
+_RING_ORIGINAL_BACKWARD = {}
+
+
+def install_ring_backward(mode: str = "portattn") -> str:
+    """Choose the zigzag backward ring-flash-attn's ZigZagRingFlashAttnFunc calls: "portattn"
+    (portattn.ring_backward, Note [zigzag backward partials]: half the dK/dV bytes a step) or
+    "ring" (ring-flash-attn's own). Call after import_ring_flash_attn (which calls this with
+    its `backward`); returns a line saying what it did."""
+    import importlib
+
+    if mode not in _BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {', '.join(_BACKWARD_MODES)}, got {mode!r}")
+    module = importlib.import_module("ring_flash_attn.zigzag_ring_flash_attn")
+    original = _RING_ORIGINAL_BACKWARD.setdefault("zigzag", module.zigzag_ring_flash_attn_backward)
+    if mode == "portattn":
+        from .ring_backward import zigzag_ring_flash_attn_backward as function
+    else:
+        function = original
+    # ZigZagRingFlashAttnFunc.backward looks the name up in its module's globals at each call.
+    module.zigzag_ring_flash_attn_backward = function
+    message = f"portattn: ring-flash-attn's zigzag backward is {mode!r}"
+    _LOG.info(message)
+    return message
+
+
+def ring_backward_mode() -> str:
+    """The zigzag backward ring-flash-attn calls now: "portattn" or "ring"."""
+    import importlib
+
+    from .ring_backward import zigzag_ring_flash_attn_backward
+
+    module = importlib.import_module("ring_flash_attn.zigzag_ring_flash_attn")
+    return "portattn" if module.zigzag_ring_flash_attn_backward is zigzag_ring_flash_attn_backward else "ring"

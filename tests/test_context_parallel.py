@@ -5,10 +5,12 @@ sequences of uneven lengths (varlen functions); forward outputs and q/k/v gradie
 compared with a float64 oracle of the whole input (tests/naive.py) under the error rule: our
 max error at most 2x (outputs) / 3x (gradients) that of PyTorch's own bf16 attention (the
 same oracle computed in bf16), plus an absolute slack (SLACK, 1e-4, in place of the rule's
-1e-5 floor): tests/error_rule.py. Every case runs twice, with
-ring-flash-attn's own merge of the steps' partial outputs and with portattn's in its place
-(portattn.compat.install_ring_merge; on the CPU its torch path), which must agree bit for
-bit. Every case runs in the same spawned processes: starting them is most of the cost.
+1e-5 floor): tests/error_rule.py. Every case runs twice: with ring-flash-attn as published
+(its own merge of the steps' partial outputs, its own zigzag backward), and with portattn's
+replacements (portattn.compat.install_ring_merge, on the CPU its torch path, and
+install_ring_backward, Note [zigzag backward partials]). Both must meet the rule, and agree bit
+for bit except the zigzag dK/dV, which portattn sums in another order. Every case runs in the
+same spawned processes: starting them is most of the cost.
 """
 import importlib.util
 import os
@@ -28,8 +30,10 @@ if importlib.util.find_spec("ring_flash_attn") is None:
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("this torch has no gloo backend for torch.distributed", allow_module_level=True)
 
-SEQLEN, NHEADS, NHEADS_K, HEAD_DIM = 64, 4, 2, 32
-MERGES = ("ring", "portattn")  # portattn.compat.install_ring_merge modes  # GQA: 2 query heads per K/V head
+SEQLEN, NHEADS, NHEADS_K, HEAD_DIM = 64, 4, 2, 32  # GQA: 2 query heads per K/V head
+# What runs inside ring-flash-attn: "ring" as published, "portattn" with portattn's merge and
+# zigzag backward (portattn.compat.install_ring_merge / install_ring_backward modes).
+VARIANTS = ("ring", "portattn")
 SLACK = 1e-4
 # Packings of the SEQLEN tokens for the varlen functions. ring and zigzag varlen cut every
 # sequence into world (zigzag: 2 x world) equal pieces, one per rank, so each length is a
@@ -128,7 +132,7 @@ def _run_case(ring, case, local, rank, world):
 
 
 def _worker(rank, world, rendezvous, result_dir):
-    from portattn.compat import import_ring_flash_attn, install_ring_merge
+    from portattn.compat import import_ring_flash_attn, install_ring_backward, install_ring_merge
 
     torch.set_num_threads(1)  # tiny tensors; world processes share the CI machine's cores
     ring = import_ring_flash_attn()  # provide_flash_attn(), then ring-flash-attn as published
@@ -136,10 +140,11 @@ def _worker(rank, world, rendezvous, result_dir):
     try:
         q, k, v, dout = _inputs()
         results = {}
-        # Every case with ring-flash-attn's own merge, then with portattn's in its place (on
-        # the CPU its torch path, the same fp32 operations): the parent checks they agree.
-        for merge in MERGES:
+        # Every case as published, then with portattn's merge (on the CPU its torch path, the
+        # same fp32 operations) and zigzag backward: the parent checks both and compares them.
+        for merge in VARIANTS:
             install_ring_merge(merge)
+            install_ring_backward(merge)
             for case, (_, seqlens, _, _, layout) in CASES.items():
                 rows = _rows(layout, seqlens or (SEQLEN,), rank, world)
                 local = [t[rows].clone().requires_grad_() for t in (q, k, v)]
@@ -170,14 +175,17 @@ def test_ring_flash_attn_runs_on_portattn_within_the_error_rule(world, tmp_path)
                                             ("dv", GRAD_FACTOR))):
             baseline = max_error(pytorch_bf16[i], oracle[i])
             assert baseline > 0  # the rule needs a real bf16 error to compare with
-            for got in per_rank:  # portattn's merge in ring-flash-attn changes no result
-                if not torch.equal(got[("portattn", case)][i], got[("ring", case)][i]):
-                    failures.append(f"{case} {name}: portattn's merge differs from ring-flash-attn's")
-            ours = max(max_error(got[("portattn", case)][i], oracle[i][rows]) for got, rows in zip(per_rank, shards))
-            try:
-                assert_errors(f"{case} {name}", ours, baseline, factor, SLACK, "bfloat16")
-            except AssertionError as error:  # collect every case's verdict, then fail once
-                failures.append(str(error))
+            # portattn's merge changes no result; its zigzag backward sums dK/dV in another order.
+            resummed = case == "zigzag" and name in ("dk", "dv")
+            for got in per_rank:
+                if not resummed and not torch.equal(got[("portattn", case)][i], got[("ring", case)][i]):
+                    failures.append(f"{case} {name}: portattn's replacements change ring-flash-attn's result")
+            for variant in VARIANTS:
+                error = max(max_error(got[(variant, case)][i], oracle[i][rows]) for got, rows in zip(per_rank, shards))
+                try:
+                    assert_errors(f"{case} {name} ({variant})", error, baseline, factor, SLACK, "bfloat16")
+                except AssertionError as verdict:  # collect every case's verdict, then fail once
+                    failures.append(str(verdict))
     assert not failures, failures
 
 
