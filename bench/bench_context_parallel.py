@@ -1,29 +1,35 @@
 """Context-parallel throughput: zigzag ring attention (ring-flash-attn on portattn) over N GPUs.
 
     torchrun --nproc_per_node N bench/bench_context_parallel.py [--tokens 131072,262144,524288]
-        [--reps 3] [--merge portattn,ring] [--profile] [--out DIR]
+        [--reps 3] [--variants ring,portattn,portattn+hp,portattn+margin8]
+        [--torch-cp cudnn/allgather,cudnn/alltoall] [--profile] [--out DIR]
 
 Each rank holds a zigzag shard of one causal sequence (bf16, 16 heads x 128); ring-flash-attn
 passes K/V around the ring over NCCL and portattn runs every step's attention. Times the
 forward and forward+backward with CUDA events (median of --reps after warm-up, a barrier
-before each), once per --merge: which function merges the steps' partial outputs
-(portattn.compat.install_ring_merge: "portattn" the fused kernel, "ring" ring-flash-attn's
-own update_out_and_lse). On the same ranks, one GPU's whole call at the per-rank token count
-(weak-scaling baseline) and at the total when it fits (strong-scaling baseline). Rank 0
-prints and writes <out>/context_parallel_<N>gpu.{json,md} through peers.write_results:
+before each), once per --variants entry (_variant): "ring" is ring-flash-attn as published
+(its own merge of the steps' partial outputs, its fp32 ring of dK/dV accumulators),
+"portattn" what portattn.compat.import_ring_flash_attn installs by default (the fused merge,
+Note [ring merge]; the zigzag backward of Note [zigzag backward partials]); "+hp" puts the
+ring's NCCL communicator on a high-priority stream, "+margin<N>" passes sm_margin=N. On the
+same ranks, one GPU's whole call at the per-rank token count (weak-scaling baseline) and at
+the total when it fits (strong-scaling baseline). --torch-cp times PyTorch's own context
+parallelism (context_parallel with SDPA, a head-tail sharded sequence) beside. Rank 0 prints
+and writes <out>/context_parallel_<N>gpu.{json,md} through peers.write_results:
 
     weak efficiency   = time of one GPU on tokens/N / time of N GPUs on tokens (causal work
                         per GPU is the same when the whole causal call's work is split N ways:
                         a causal call on tokens/N does 1/N^2 of the work, so it is scaled by N)
     strong efficiency = time of one GPU on tokens / (N x time of N GPUs on tokens)
 
---profile: one more forward+backward step per merge at --profile-tokens (default the first
+--profile: one more forward+backward step per variant at --profile-tokens (default the first
 of --tokens), every rank running it and rank 0 recording it with torch.profiler (CPU and
 CUDA activities). Its kernels are put in categories (profile_summary below): attention
 kernels, their per-call passes, the merge, other elementwise work of the forward and of the
 backward (the backward's fp32 gradient accumulation and casts), and the compute stream's
 idle time, split into waiting while an NCCL kernel runs and host gaps (no NCCL kernel
-running). The table goes into the .md and .json; --trace-dir also keeps the Chrome traces.
+running); and how much of the NCCL kernels' time an attention kernel ran beside. The table
+goes into the .md and .json; --trace-dir also keeps the Chrome traces.
 
 --dry-run: the same plumbing on the CPU over gloo with tiny shapes (timings meaningless).
 """
@@ -40,10 +46,9 @@ import torch.distributed as dist
 
 import peers
 import portattn  # noqa: F401
-from portattn.compat import import_ring_flash_attn, install_ring_merge
+from portattn.compat import import_ring_flash_attn
 
 HEADS, HEAD_DIM = 16, 128
-MERGES = ("portattn", "ring")
 
 
 def _time_ms(fn, reps, cuda):
@@ -170,6 +175,10 @@ def profile_summary(trace: dict) -> dict:
         summary["categories_ms"]["idle: host gap"] += (start - end - waiting) / 1e3
     summary["step_ms"] = (busy_union[-1][1] - busy_union[0][0]) / 1e3
     summary["nccl_kernel_ms"] = sum(e - s for s, e in nccl_union) / 1e3
+    # Communication hidden behind attention: NCCL kernel time during which an attention kernel ran.
+    attention_union = _union((k["ts"], k["ts"] + k["dur"]) for k in compute
+                             if any(a in k["name"] for a in _ATTENTION) and not any(p in k["name"] for p in _ATTENTION_PASSES))
+    summary["nccl_beside_attention_ms"] = sum(_overlap(s, e, attention_union) for s, e in nccl_union) / 1e3
     return summary
 
 
@@ -198,20 +207,23 @@ def _profile(run, rank, trace_path):
 
 
 def _profile_lines(world, tokens, profiles, ideal_ms=None):
-    merges = list(profiles)
+    names = list(profiles)
     lines = ["", f"Profile of one forward+backward step on rank 0 of {world}, {tokens} tokens "
              "(time on the compute stream, ms and % of the step):", "",
-             "| category | " + " | ".join(f"{m} merge" for m in merges) + " |",
-             "|---|" + "---|" * len(merges)]
-    for category in (*CATEGORIES, "step (compute stream span)", "NCCL kernels (any stream)"):
+             "| category | " + " | ".join(names) + " |",
+             "|---|" + "---|" * len(names)]
+    for category in (*CATEGORIES, "step (compute stream span)", "NCCL kernels (any stream)",
+                     "NCCL kernels beside an attention kernel"):
         cells = []
-        for merge in merges:
-            p = profiles[merge]
+        for name in names:
+            p = profiles[name]
             step = p["step_ms"] or 1.0
             if category.startswith("step"):
                 cells.append(f"{p['step_ms']:.2f}")
-            elif category.startswith("NCCL"):
+            elif category == "NCCL kernels (any stream)":
                 cells.append(f"{p['nccl_kernel_ms']:.2f}")
+            elif category.startswith("NCCL kernels beside"):
+                cells.append(f"{p.get('nccl_beside_attention_ms', 0.0):.2f}")
             else:
                 ms = p["categories_ms"][category]
                 cells.append(f"{ms:.2f} ({100 * ms / step:.1f}%, {p['kernel_counts'].get(category, 0)} kernels)"
@@ -225,22 +237,81 @@ def _profile_lines(world, tokens, profiles, ideal_ms=None):
 
 # ---- main ------------------------------------------------------------------------------------
 
+def _variant(name: str) -> dict:
+    """A --variants entry: "ring" (ring-flash-attn as published: its merge and zigzag backward)
+    or "portattn" (portattn's merge and backward, compat.import_ring_flash_attn's defaults),
+    each with optional "+hp" (the ring's NCCL communicator on a high-priority stream, so its
+    kernels take SMs ahead of an attention kernel's waiting CTAs) and "+margin<N>" (sm_margin:
+    N SMs left out of portattn's persistent grids)."""
+    base, *modifiers = name.split("+")
+    if base not in ("ring", "portattn"):
+        raise SystemExit(f"--variants: {name!r} does not start with ring or portattn")
+    config = {"merge": base, "backward": base, "high_priority": False, "sm_margin": 0}
+    for modifier in modifiers:
+        if modifier == "hp":
+            config["high_priority"] = True
+        elif modifier.startswith("margin") and modifier[len("margin"):].isdigit():
+            config["sm_margin"] = int(modifier[len("margin"):])
+        else:
+            raise SystemExit(f"--variants: {name!r}: unknown modifier {modifier!r} (hp, margin<N>)")
+    return config
+
+
+def _configure(config: dict):
+    """Install a variant's merge, backward and sm_margin into ring-flash-attn."""
+    margin = {"sm_margin": config["sm_margin"]} if config["sm_margin"] else {}
+    return import_ring_flash_attn(merge=config["merge"], backward=config["backward"], **margin)
+
+
+def _torch_cp_runner(spec, mesh, tokens, device, heads, head_dim, backward):
+    """PyTorch's own context parallelism (torch.distributed.tensor.experimental.context_parallel:
+    SDPA on a head-tail (zigzag) sharded sequence) for a "--torch-cp" spec "<sdpa backend>/<rotate
+    method>". Returns (run, exit): enter the context once, time run(), then exit()."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend, rotate = spec.split("/")
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    set_rotate_method(rotate)
+    generator = torch.Generator(device=device).manual_seed(0)  # every rank the same whole sequence
+    shape = (1, heads, tokens, head_dim)
+    buffers = [torch.randn(shape, device=device, dtype=torch.bfloat16, generator=generator) for _ in range(4)]
+    stack = contextlib.ExitStack()
+    stack.enter_context(sdpa_kernel([backends[backend]]))
+    stack.enter_context(context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4,
+                                         no_restore_buffers=set(buffers)))
+    q, k, v, dout = buffers  # now this rank's shards
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def run():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if backward:
+            torch.autograd.grad(out, (q, k, v), dout)
+    return run, stack.close
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="131072,262144")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--merge", default=",".join(MERGES),
-                        help="comma-separated merges to time, each a portattn.compat.install_ring_merge mode")
-    parser.add_argument("--profile", action="store_true", help="also profile one step per merge (rank 0)")
+    parser.add_argument("--variants", default="ring,portattn",
+                        help="comma-separated: ring | portattn, each with optional +hp and +margin<N> (_variant)")
+    parser.add_argument("--torch-cp", default="",
+                        help="comma-separated <sdpa backend>/<rotate method> of PyTorch's context parallelism to time "
+                             "beside, e.g. cudnn/allgather,cudnn/alltoall,flash/allgather")
+    parser.add_argument("--profile", action="store_true", help="also profile one step per variant (rank 0)")
+    parser.add_argument("--profile-variants", default="", help="the variants to profile (default: all)")
     parser.add_argument("--profile-tokens", type=int, default=0, help="tokens of the profiled step (0: the first of --tokens)")
     parser.add_argument("--trace-dir", default="", help="keep rank 0's Chrome traces here")
     parser.add_argument("--dry-run", action="store_true", help="CPU over gloo, tiny shapes: the plumbing only")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "latest"))
     args = parser.parse_args(argv)
-    merges = [m.strip() for m in args.merge.split(",") if m.strip()]
-    for merge in merges:
-        if merge not in ("auto", "portattn", "ring"):
-            raise SystemExit(f"--merge: {merge!r} is not one of auto, portattn, ring")
+    variants = {name: _variant(name) for name in (v.strip() for v in args.variants.split(",")) if name}
+    profiled = [v.strip() for v in args.profile_variants.split(",") if v.strip()] or list(variants)
+    torch_cp = [c.strip() for c in args.torch_cp.split(",") if c.strip()]
     cuda = not args.dry_run
     heads, head_dim = (HEADS, HEAD_DIM) if cuda else (2, 32)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -252,39 +323,70 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(1)
     ring = import_ring_flash_attn()
+    groups = {False: None}
+    if any(c["high_priority"] for c in variants.values()):
+        options = {}
+        if cuda:
+            options["pg_options"] = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        groups[True] = dist.new_group(list(range(world)), **options)
+    mesh = None
+    if torch_cp:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (world,))
     token_counts = peers.parse_ints(args.tokens)
     profile_tokens = args.profile_tokens or token_counts[0]
     rows, profiles = [], {}
+
+    def attention(config):
+        group = groups[config["high_priority"]]
+        return lambda q, k, v, causal: ring.zigzag_ring_flash_attn_func(q, k, v, causal=causal, group=group)
+
     for tokens in token_counts:
         local = tokens // world
-        row = {"tokens": tokens, "world": world, "ms": {}, "merges": {m: {} for m in merges}}
+        row = {"tokens": tokens, "world": world, "ms": {}, "variants": {name: {} for name in variants},
+               "torch_cp": {}}
         q, k, v, dout = _inputs(local, device, heads, head_dim)
-        for merge in merges:
-            install_ring_merge(merge)
+        for name, config in variants.items():
+            _configure(config)
             for backward in (False, True):
                 mode = "fwd_bwd" if backward else "fwd"
-                row["merges"][merge][mode] = _time_ms(
-                    _step(ring.zigzag_ring_flash_attn_func, q, k, v, dout, backward), args.reps, cuda)
+                row["variants"][name][mode] = _time_ms(_step(attention(config), q, k, v, dout, backward),
+                                                       args.reps, cuda)
         for backward in (False, True):
             mode = "fwd_bwd" if backward else "fwd"
             # One GPU on the per-rank token count, every rank at once (no communication).
             row["ms"][f"single_local_{mode}"] = _time_ms(_step(portattn.flash_attn_func, q, k, v, dout, backward),
                                                          args.reps, cuda)
         if args.profile and tokens == profile_tokens:
-            for merge in merges:
-                install_ring_merge(merge)
+            for name in profiled:
+                _configure(variants[name])
                 trace = os.path.join(args.trace_dir or tempfile.gettempdir(),
-                                     f"context_parallel_{world}gpu_{tokens}_{merge}_rank0.json")
+                                     f"context_parallel_{world}gpu_{tokens}_{name}_rank0.json")
                 if args.trace_dir:
                     os.makedirs(args.trace_dir, exist_ok=True)
-                summary = _profile(_step(ring.zigzag_ring_flash_attn_func, q, k, v, dout, True), rank, trace)
+                summary = _profile(_step(attention(variants[name]), q, k, v, dout, True), rank, trace)
                 if rank == 0:
-                    profiles[merge] = summary
+                    profiles[name] = summary
                     if not args.trace_dir:
                         os.remove(trace)
         del q, k, v, dout
         if cuda:
             torch.cuda.empty_cache()
+        for spec in torch_cp:
+            row["torch_cp"][spec] = {}
+            for backward in (False, True):
+                mode = "fwd_bwd" if backward else "fwd"
+                close = None
+                try:
+                    run, close = _torch_cp_runner(spec, mesh, tokens, device, heads, head_dim, backward)
+                    row["torch_cp"][spec][mode] = _time_ms(run, args.reps, cuda)
+                except Exception as error:  # recorded in the table: PyTorch's CP is a prototype API
+                    row["torch_cp"][spec]["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                finally:
+                    if close is not None:
+                        close()
+                if cuda:
+                    torch.cuda.empty_cache()
         try:
             q, k, v, dout = _inputs(tokens, device, heads, head_dim)
             for backward in (False, True):
@@ -296,8 +398,7 @@ def main(argv=None) -> int:
             row["note"] = "the whole sequence does not fit one GPU"
         if cuda:
             torch.cuda.empty_cache()
-        for merge in merges:
-            timings = row["merges"][merge]
+        for name, timings in row["variants"].items():
             for mode in ("fwd", "fwd_bwd"):
                 ring_ms = timings[mode]
                 # A causal call on tokens/N does 1/N^2 of the whole call's work; N GPUs share the
@@ -308,27 +409,43 @@ def main(argv=None) -> int:
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
-    install_ring_merge("auto")
+    _configure(_variant("portattn"))
     if rank == 0:
         result = dict(peers.header(args.dry_run), title=f"Context parallelism: zigzag ring attention on {world} GPUs",
                       note=(f"bf16, causal, batch 1, {heads} heads x {head_dim}; ring-flash-attn on portattn over "
-                            f"{'NCCL' if cuda else 'gloo (dry run)'}; merge: the function merging the steps' partial "
-                            "outputs (portattn: merge_attention_states, ring: ring-flash-attn's update_out_and_lse)"),
+                            f"{'NCCL' if cuda else 'gloo (dry run)'}; variant: ring = ring-flash-attn as published "
+                            "(its merge of the steps' outputs, its fp32 ring of dK/dV), portattn = portattn's merge "
+                            "(merge_attention_states) and zigzag backward (Note [zigzag backward partials]); +hp: "
+                            "the ring's NCCL stream at high priority; +margin<N>: sm_margin=N; torch_cp: PyTorch's "
+                            "context_parallel with SDPA (<backend>/<rotate method>)"),
                       rows=rows, modes=[], impls=[], grid=[], profile_tokens=profile_tokens if profiles else None,
                       profiles=profiles)
-        lines = ["| tokens | GPUs | merge | ring fwd ms | ring fwd+bwd ms | 1 GPU, tokens/N: fwd / fwd+bwd ms | "
+        lines = ["| tokens | GPUs | variant | ring fwd ms | ring fwd+bwd ms | 1 GPU, tokens/N: fwd / fwd+bwd ms | "
                  "1 GPU, all tokens: fwd / fwd+bwd ms | weak eff. fwd / fwd+bwd | strong eff. fwd / fwd+bwd |",
                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ms = r["ms"]
             total = (f"{ms['single_total_fwd']:.1f} / {ms['single_total_fwd_bwd']:.1f}"
                      if "single_total_fwd" in ms else r.get("note", "n/a"))
-            for merge, t in r["merges"].items():
+            for name, t in r["variants"].items():
                 strong = (f"{t['strong_efficiency_fwd']:.2f} / {t['strong_efficiency_fwd_bwd']:.2f}"
                           if "strong_efficiency_fwd" in t else "n/a")
-                lines.append(f"| {r['tokens']} | {world} | {merge} | {t['fwd']:.1f} | {t['fwd_bwd']:.1f} | "
+                lines.append(f"| {r['tokens']} | {world} | {name} | {t['fwd']:.1f} | {t['fwd_bwd']:.1f} | "
                              f"{ms['single_local_fwd']:.1f} / {ms['single_local_fwd_bwd']:.1f} | {total} | "
                              f"{t['weak_efficiency_fwd']:.2f} / {t['weak_efficiency_fwd_bwd']:.2f} | {strong} |")
+        if torch_cp:
+            best = {r["tokens"]: min((t for t in r["variants"].values()), key=lambda t: t["fwd_bwd"]) for r in rows}
+            lines += ["", "PyTorch's context parallelism on the same GPUs (SDPA backend / rotate method); "
+                      "ratio = its time / the fastest variant above:", "",
+                      "| tokens | torch CP | fwd ms | fwd+bwd ms | ratio fwd / fwd+bwd |", "|---|---|---|---|---|"]
+            for r in rows:
+                for spec, t in r["torch_cp"].items():
+                    if "fwd_bwd" in t and "fwd" in t:
+                        b = best[r["tokens"]]
+                        lines.append(f"| {r['tokens']} | {spec} | {t['fwd']:.1f} | {t['fwd_bwd']:.1f} | "
+                                     f"{t['fwd'] / b['fwd']:.2f} / {t['fwd_bwd'] / b['fwd_bwd']:.2f} |")
+                    else:
+                        lines.append(f"| {r['tokens']} | {spec} | n/a | n/a | {t.get('error', 'n/a')} |")
         if profiles:
             ideal = [world * r["ms"]["single_local_fwd_bwd"] for r in rows if r["tokens"] == profile_tokens]
             lines += _profile_lines(world, profile_tokens, profiles, ideal[0] if ideal else None)
