@@ -2,7 +2,8 @@
 seqused_k (varlen forward and backward on the sm80+ kernels), attention sinks (dense and
 varlen, forward and gradients, on whichever kernels dispatch picks; decode), paged varlen with
 16-token pages, K and V as strided views of one buffer, mixed prefill and decode rows, out=,
-and CUDA-graph capture of a paged step with changing seqused_k. The CPU side is
+CUDA-graph capture of a paged step with changing seqused_k, and the same step under
+torch.compile (fullgraph, reduce-overhead). The CPU side is
 tests/test_serving_surface.py.
 """
 from __future__ import annotations
@@ -212,3 +213,40 @@ def test_paged_varlen_on_an_fp8_cache_replays_in_a_cuda_graph():
         low, _ = naive_attention(q, keys.to(BF16), values.to(BF16), causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                  compute_dtype=BF16)
         assert_output(out, want, low)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="the decode kernels need sm80+")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_varlen_under_torch_compile_with_cuda_graphs(fp8):
+    # A serving step compiled as vLLM compiles it (fullgraph, CUDA graphs from reduce-overhead):
+    # the paged call is one custom op (portattn::paged_varlen) that reads the pages in place, and
+    # out= is filled by the compiled graph. New seqused_k values between replays, no recompile.
+    q, k_bf16, v_bf16, table, cu_q, used = _paged(query_lengths=(1, 1, 7, 1, 1))
+    dim, batch = q.shape[-1], table.shape[0]
+    scales = {}
+    if fp8:
+        pool = torch.cat((k_bf16, v_bf16), dim=-1).to(torch.float8_e4m3fn)
+        k_cache, v_cache = pool[..., :dim], pool[..., dim:]
+        scales = {"k_descale": torch.rand(batch, k_cache.shape[2], device=DEV) + 0.5,
+                  "v_descale": torch.rand(batch, k_cache.shape[2], device=DEV) + 0.5}
+    else:
+        k_cache, v_cache = k_bf16, v_bf16
+    out = torch.empty_like(q)
+
+    def step(q, used, out):
+        return portattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, max_seqlen_q=7, max_seqlen_k=2048,
+                                               causal=True, block_table=table, seqused_k=used, out=out, **scales)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for lengths in ([5, 900, 17, 2048, 1], [64, 64, 1000, 3, 16], [1, 1, 1, 1, 1]):
+            used.copy_(torch.tensor(lengths, dtype=torch.int32))
+            out.fill_(float("nan"))
+            got = compiled(q, used, out)
+            torch.cuda.synchronize()
+            want_eager = step(q, used, torch.empty_like(q))
+            torch.testing.assert_close(out, want_eager, rtol=0, atol=0)  # the same kernels, the same bits
+            torch.testing.assert_close(got, want_eager, rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
