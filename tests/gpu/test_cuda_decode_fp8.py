@@ -5,8 +5,18 @@ rule (tests/error_rule.py): the output within 2x PyTorch's error computing the s
 q's dtype from the dequantised cache rounded to that dtype; the LSE within 2e-3 of the oracle's.
 Outputs come from allocator memory poisoned with NaN; unused pages and rows past each sequence's
 end hold e4m3 NaN bytes, which must never be read.
+
+Every kernel case runs on both FP8 paths (PORTATTN_DECODE_FP8_PATH: "smem", the conversion pass,
+and "regs", the register fragments; Note [portattn fp8 register fragments] in docs/decode.md),
+switched in-process with `_C.decode_fp8_path` (the fixture `fp8_path`); the split plans do not
+depend on the path (decode_entry.cu: decode_tile_of). The variable itself is checked in a fresh
+process per value (test_fp8_path_env_is_read_at_the_first_call).
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,6 +37,20 @@ if not hasattr(cuda_backend._C, "decode"):
 
 FP8 = torch.float8_e4m3fn
 NAN_BYTE = 0x7F  # e4m3fn's NaN
+FP8_PATHS = ["smem", "regs"]
+
+
+@pytest.fixture(params=FP8_PATHS)
+def fp8_path(request):
+    """Runs the test with the FP8 decode path `request.param`, then restores the one in effect."""
+    if not hasattr(cuda_backend._C, "decode_fp8_path"):
+        pytest.skip("this CUDA build predates PORTATTN_DECODE_FP8_PATH (no _C.decode_fp8_path)")
+    before = cuda_backend._C.decode_fp8_path()
+    cuda_backend._C.decode_fp8_path(request.param)
+    try:
+        yield request.param
+    finally:
+        cuda_backend._C.decode_fp8_path(before if before != "invalid" else "smem")
 
 
 def poison_allocator(nbytes: int) -> None:
@@ -132,7 +156,7 @@ def check(out, lse, ref, ref_lse, low):
 @pytest.mark.parametrize("heads", [(32, 8), (8, 8), (6, 1)], ids=lambda h: f"{h[0]}x{h[1]}")
 @pytest.mark.parametrize("dim", [64, 128, 256, 112])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_decode_layouts_and_splits(dtype, dim, heads, layout, splits, in_place_only):
+def test_fp8_decode_layouts_and_splits(dtype, dim, heads, layout, splits, in_place_only, fp8_path):
     batch, capacity = 4, 768
     page = int(layout[5:]) if layout.startswith("paged") else 16
     cache = Fp8Cache(batch, capacity, heads[1], dim, "contiguous" if layout == "contiguous" else "paged", page)
@@ -151,7 +175,7 @@ def test_fp8_decode_layouts_and_splits(dtype, dim, heads, layout, splits, in_pla
 
 @pytest.mark.parametrize("descales", ["per_head", "expanded", "none"])
 @pytest.mark.parametrize("softcap", [0.0, 8.0])
-def test_fp8_descale_forms_and_softcap(descales, softcap, in_place_only):
+def test_fp8_descale_forms_and_softcap(descales, softcap, in_place_only, fp8_path):
     batch, heads, dim, capacity = 3, (16, 2), 128, 2048
     cache = Fp8Cache(batch, capacity, heads[1], dim, "paged", 16, descales=descales == "per_head")
     if descales == "expanded":
@@ -175,7 +199,7 @@ def test_fp8_descale_forms_and_softcap(descales, softcap, in_place_only):
 @pytest.mark.parametrize("new", [1, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_append_quantises_like_the_reference(dtype, layout, new, rotary, in_place_only):
+def test_fp8_append_quantises_like_the_reference(dtype, layout, new, rotary, in_place_only, fp8_path):
     """The kernel's append writes the bytes the reference path writes (RNE, saturating), then attends."""
     batch, heads, dim, capacity = 3, (32, 8), 128, 512
     cache = Fp8Cache(batch, capacity, heads[1], dim, "contiguous" if layout == "contiguous" else "paged", 16)
@@ -221,7 +245,7 @@ def test_fp8_append_quantises_like_the_reference(dtype, layout, new, rotary, in_
     assert_output(out, torch.cat(ref_parts), torch.cat(low_parts))
 
 
-def test_fp8_cuda_graph_replay_with_changing_lengths():
+def test_fp8_cuda_graph_replay_with_changing_lengths(fp8_path):
     """One captured step (FP8 append + paged decode), replayed with new tokens, lengths and descales
     written in place between replays."""
     dtype, dim, heads, batch, capacity, page = torch.bfloat16, 128, (32, 8), 3, 1024, 16
@@ -275,3 +299,71 @@ def test_fp8_head_dim_not_a_multiple_of_16_runs_on_the_reference_path():
     ref, _ = expected(q, keys, values, seqlens)
     low, _ = expected(q, keys, values, seqlens, compute_dtype=torch.bfloat16)
     assert_output(out, ref, low)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (100, 0)])
+def test_fp8_paths_agree_on_windows_and_alibi(dim, window, in_place_only):
+    """Local windows and ALiBi on both paths (the key order of the scores is the 16-bit path's on both),
+    each against the oracle; a 16-token paged cache with GQA and splits."""
+    if not hasattr(cuda_backend._C, "decode_fp8_path"):
+        pytest.skip("this CUDA build predates PORTATTN_DECODE_FP8_PATH (no _C.decode_fp8_path)")
+    batch, heads, capacity, new = 3, (16, 4), 1024, 3
+    cache = Fp8Cache(batch, capacity, heads[1], dim, "paged", 16)
+    seqlens = torch.tensor([1024, 77, 600], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, new, heads[0], dim, device="cuda", dtype=torch.float16)
+    slopes = torch.rand(batch, heads[0], device="cuda") * 0.05
+    before = cuda_backend._C.decode_fp8_path()
+    try:
+        outs = {}
+        for path in FP8_PATHS:
+            cuda_backend._C.decode_fp8_path(path)
+            poison_allocator(64 << 20)
+            outs[path] = portattn.flash_attn_with_kvcache(
+                q, cache.k, cache.v, cache_seqlens=seqlens, block_table=cache.block_table, causal=True,
+                window_size=window, alibi_slopes=slopes, num_splits=3, k_descale=cache.k_descale,
+                v_descale=cache.v_descale)
+    finally:
+        cuda_backend._C.decode_fp8_path(before if before != "invalid" else "smem")
+    keys, values = cache.dequantised(cache.logical_k, cache.logical_v)
+    ref_parts, low_parts = [], []
+    for b in range(batch):
+        n = int(seqlens[b])
+        kb, vb = keys[b : b + 1, :n], values[b : b + 1, :n]
+        options = dict(causal=True, window=window, alibi_slopes=slopes[b : b + 1])
+        ref_parts.append(naive_attention(q[b : b + 1], kb, vb, **options)[0])
+        low_parts.append(naive_attention(q[b : b + 1], kb.half(), vb.half(), compute_dtype=torch.float16, **options)[0])
+    for path in FP8_PATHS:
+        assert_output(outs[path], torch.cat(ref_parts), torch.cat(low_parts))
+
+
+@pytest.mark.parametrize("value, expected", [("regs", "regs"), ("smem", "smem"), ("", "smem"), ("bogus", "invalid")])
+def test_fp8_path_env_is_read_at_the_first_call(value, expected):
+    """A fresh process per value: the variable is read once. An invalid value fails every FP8 decode call
+    with a message naming the variable; the setter repairs it."""
+    code = (
+        "import torch, portattn\n"
+        "from portattn.backends.cuda import _C\n"
+        "print('path', _C.decode_fp8_path())\n"
+        "q = torch.randn(1, 1, 8, 128, device='cuda', dtype=torch.bfloat16)\n"
+        "k = (torch.randn(1, 64, 2, 128, device='cuda') * 0.1).to(torch.float8_e4m3fn)\n"
+        "call = lambda: portattn.flash_attn_with_kvcache(q, k, k, cache_seqlens=torch.tensor([64], dtype=torch.int32, "
+        "device='cuda'), k_descale=torch.ones(1, 2, device='cuda'), v_descale=torch.ones(1, 2, device='cuda'))\n"
+        "from portattn import kvcache\n"
+        "def refuse(*args, **kwargs):\n    raise AssertionError('gathered')\n"
+        "kvcache._gather_and_attend = refuse\n"
+        "try:\n    call(); torch.cuda.synchronize(); print('ran')\n"
+        "except Exception as error:\n    print('error', error)\n"
+        "_C.decode_fp8_path('regs'); call(); torch.cuda.synchronize(); print('after set', _C.decode_fp8_path())\n"
+    )
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = dict(os.environ, PORTATTN_DECODE_FP8_PATH=value)
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"path {expected}" in result.stdout
+    if expected == "invalid":
+        assert "PORTATTN_DECODE_FP8_PATH" in result.stdout and "'bogus'" in result.stdout
+    else:
+        assert "ran" in result.stdout
+    assert "after set regs" in result.stdout

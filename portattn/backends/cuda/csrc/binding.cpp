@@ -27,6 +27,8 @@ int portattn_cuda_bwd_smem_bytes(int head_dim);
 int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len);
 int portattn_cuda_kvcache_append(const PortattnAppendParams* params, char* message, int message_len);
 void portattn_cuda_decode_tile(int head_dim, int cache_dtype, int* stage_keys, int* threads, int* smem_bytes);
+// Tuning: the FP8 decode path (0 smem, 1 regs; other values only read it).
+int portattn_cuda_decode_fp8_path(int path);
 #ifdef PORTATTN_WITH_HOPPER
 // Opt-in sm_90a forward (hopper_fwd_entry.cu; build with PORTATTN_CUDA_HOPPER=1).
 int portattn_cuda_hopper_fwd(const PortattnFwdParams* params, char* message, int message_len);
@@ -164,6 +166,18 @@ py::dict decode_tile(int head_dim, int cache_dtype) {
   tile["smem_bytes"] = smem_bytes;
   return tile;
 }
+
+// PORTATTN_DECODE_FP8_PATH at run time (tuning): "" reads, "smem" or "regs" sets; returns the
+// path now in effect ("invalid": the variable holds neither name).
+std::string decode_fp8_path(const std::string& path) {
+  int code = -2;
+  if (path == "smem") code = 0;
+  else if (path == "regs") code = 1;
+  else if (!path.empty())
+    throw std::invalid_argument("decode_fp8_path: expected 'smem' or 'regs', got '" + path + "'");
+  const int now = portattn_cuda_decode_fp8_path(code);
+  return now == 1 ? "regs" : now == 0 ? "smem" : "invalid";
+}
 // ---- end decode ----
 
 // ---- merge (common/merge_binding.h) ----
@@ -288,5 +302,8 @@ PYBIND11_MODULE(_C, m) {
         "append new k/v to a cache with rotary, and rotate q (common/params.h: PortattnAppendParams)");
   m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim", py::arg("head_dim"),
         py::arg("cache_dtype") = 0);
+  m.def("decode_fp8_path", &decode_fp8_path, py::arg("path") = "",
+        "tuning: the FP8 decode's path, 'smem' (conversion pass) or 'regs' (register fragments) "
+        "(PORTATTN_DECODE_FP8_PATH); no argument reads it");
   m.def("merge", &merge, "in-place LSE merge of a partial attention result (common/merge.h)");
 }

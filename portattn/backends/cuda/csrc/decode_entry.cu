@@ -2,7 +2,10 @@
 // the split combine, the cache append with rotary, and the per-head-dim tile
 // facts the Python split planner (portattn/decode.py) needs.
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include <atomic>
 #include <mutex>
 
 #include "../../common/rotary.h"
@@ -220,6 +223,10 @@ __global__ void kvcache_append_kernel(const PortattnAppendParams p) {
   q_dst[e] = from_float<Elem>(rotary.apply(q_src, e, pos));
 }
 
+// The FP8 facts are the conversion pass's for both paths: the planner's CTAs per SM then do
+// not depend on the path (registers, ~170-200 a thread, hold both at two CTAs per SM on an
+// H100 although the register path's 48 KiB would fit four), so an A/B of the two runs the same
+// split counts, and the cached plans stay valid when the path is switched in-process.
 template <bool kFp8, int kHeadDim = 32>
 void decode_tile_of(int head_dim, int* stage_keys, int* threads, int* smem_bytes) {
   if constexpr (kHeadDim > 256) {
@@ -234,6 +241,28 @@ void decode_tile_of(int head_dim, int* stage_keys, int* threads, int* smem_bytes
 }
 
 bool fp8_cache(int cache_dtype) { return cache_dtype == PORTATTN_CACHE_FP8_E4M3; }
+
+// PORTATTN_DECODE_FP8_PATH (tuning; docs/environment.md): "smem" (unset, the default) converts
+// each stage through a 16-bit stage in shared memory, "regs" reads the e4m3 bytes into mma
+// operand registers and converts them there (Note [portattn fp8 register fragments],
+// docs/decode.md). The default stays "smem" until an A/B on a GPU
+// (bench/tools/ab_decode_fp8.py) says otherwise. Read once, at the first FP8 decode call;
+// portattn_cuda_decode_fp8_path changes it afterwards (tests and the A/B run both paths in
+// one process).
+constexpr const char* kFp8PathEnv = "PORTATTN_DECODE_FP8_PATH";
+std::atomic<int> g_fp8_path{kDecodeFp8Smem};
+std::once_flag g_fp8_path_once;
+
+int fp8_path_from_text(const char* text) {
+  if (text == nullptr || *text == '\0' || strcmp(text, "smem") == 0) return kDecodeFp8Smem;
+  if (strcmp(text, "regs") == 0) return kDecodeFp8Regs;
+  return kDecodeFp8Invalid;
+}
+
+int fp8_path_now() {
+  std::call_once(g_fp8_path_once, [] { g_fp8_path.store(fp8_path_from_text(getenv(kFp8PathEnv))); });
+  return g_fp8_path.load();
+}
 
 // The loads move 16-byte chunks: 8 elements of a 16-bit cache, 16 of an e4m3 one.
 bool cache_strides_aligned(const PortattnTensor4& s, bool fp8) {
@@ -256,6 +285,8 @@ cudaError_t launch_decode_combine(const PortattnDecodeParams& params) {
     return launch_overlapped(&decode_combine_kernel<__nv_bfloat16>, blocks, dim3(kCombineWarps * 32), 0, stream, params);
   return launch_overlapped(&decode_combine_kernel<__half>, blocks, dim3(kCombineWarps * 32), 0, stream, params);
 }
+
+DecodeFp8Path decode_fp8_path() { return static_cast<DecodeFp8Path>(fp8_path_now()); }
 
 bool pdl_supported() {
   static std::mutex mutex;
@@ -311,6 +342,12 @@ extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* me
              params->headdim, params->dtype, fp8 ? " with an e4m3 cache" : "");
     return fail(message, message_len, -1, text);
   }
+  if (fp8 && fp8_path_now() == kDecodeFp8Invalid) {
+    char text[200];
+    snprintf(text, sizeof(text), "portattn cuda decode: %s is '%s'; expected 'smem' (default) or 'regs'",
+             kFp8PathEnv, getenv(kFp8PathEnv) ? getenv(kFp8PathEnv) : "");
+    return fail(message, message_len, -1, text);
+  }
   if (fp8 && (params->headdim % 16 != 0 || params->cu_seqlens_k != nullptr)) {
     return fail(message, message_len, -1,
                 "portattn cuda decode: an e4m3 cache needs headdim % 16 == 0 and a cache layout (no cu_seqlens_k)");
@@ -344,6 +381,15 @@ extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* me
     return fail(message, message_len, static_cast<int>(err), text);
   }
   return 0;
+}
+
+// The FP8 decode path (PORTATTN_DECODE_FP8_PATH; tuning): 0 = smem, 1 = regs sets it for the
+// calls that follow; any other value only reads it. Returns the path now in effect (-1: the
+// environment variable names neither, and FP8 decode calls fail until a path is set).
+extern "C" int portattn_cuda_decode_fp8_path(int path) {
+  fp8_path_now();  // the environment's value first, so a later first read cannot undo the set
+  if (path == kDecodeFp8Smem || path == kDecodeFp8Regs) g_fp8_path.store(path);
+  return g_fp8_path.load();
 }
 
 extern "C" int portattn_cuda_kvcache_append(const PortattnAppendParams* params, char* message, int message_len) {

@@ -34,6 +34,10 @@
 // keys it converted, so a __syncwarp orders the two and the CTA keeps one
 // barrier per stage. 80 KiB in all at head dims 64, 128 and 256. k_descale
 // scales the scores (folded into the softmax scale), v_descale the output.
+// kFp8Regs (the register path, PORTATTN_DECODE_FP8_PATH=regs; Note [portattn fp8 register
+// fragments] in docs/decode.md, decode_fp8_frag.h): the raw rows are stored swizzled, and each
+// warp's ldmatrix reads them straight into mma operand registers, where they are converted;
+// no converted stage, so 48 KiB at head dims 64, 128 and 256.
 #pragma once
 #include <cuda_runtime.h>
 #include <math.h>
@@ -44,6 +48,7 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/decode_sequence.h"
+#include "decode_fp8_frag.h"
 #include "fp8.cuh"
 #include "fwd_kernel.cuh"
 #include "ptx.cuh"
@@ -51,10 +56,11 @@
 namespace portattn {
 namespace cuda {
 
-template <int kHeadDim_, bool kFp8_ = false>
+template <int kHeadDim_, bool kFp8_ = false, bool kFp8Regs_ = false>
 struct DecodeTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kFp8 = kFp8_;  // the cache holds e4m3 bytes
+  static constexpr bool kFp8Regs = kFp8 && kFp8Regs_;  // ... converted in registers, not through a stage
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = 16;  // packed query rows per CTA
@@ -66,11 +72,13 @@ struct DecodeTileConfig {
   using KVTile = ptx::SwizzledTile<kStageKeys, kHeadDim>;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;  // K then V
   // What the loads bring in per stage: the Elem tiles, or (kFp8) raw e4m3 rows that the
-  // warps convert into one Elem stage placed after the kStages raw ones.
-  static constexpr int kRawTileBytes = kStageKeys * kHeadDim;
+  // warps convert into one Elem stage placed after the kStages raw ones; kFp8Regs: raw rows
+  // in the swizzled layout the register fragments read, and no converted stage.
+  using RawLayout = fp8_frag::StageLayout<kHeadDim, kStageKeys, kWarpKeys>;
+  static constexpr int kRawTileBytes = kFp8Regs ? RawLayout::kTileBytes : kStageKeys * kHeadDim;
   static constexpr int kLoadStageBytes = kFp8 ? 2 * kRawTileBytes : kStageBytes;
   static constexpr int kConvertedOffset = kStages * kLoadStageBytes;
-  static constexpr int kPipeBytes = kConvertedOffset + (kFp8 ? kStageBytes : 0);
+  static constexpr int kPipeBytes = kConvertedOffset + (kFp8 && !kFp8Regs ? kStageBytes : 0);
   // Stage loads: 16-byte chunks, a power-of-two number of lanes per key row.
   static constexpr int kChunkElems = kFp8 ? 16 : 8;
   static constexpr int kLoadLanesPerRow = next_pow2(kHeadDim / kChunkElems);
@@ -131,10 +139,11 @@ __device__ __forceinline__ DecodeSequence contained_sequence(const PortattnDecod
   return seq;
 }
 
-template <int kHeadDim, typename Elem, bool kExtras, bool kFp8 = false>
-__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
+template <int kHeadDim, typename Elem, bool kExtras, bool kFp8 = false, bool kFp8Regs = false>
+__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8, kFp8Regs>::kThreads)
     decode_kernel(const PortattnDecodeParams params) {
-  using Config = DecodeTileConfig<kHeadDim, kFp8>;
+  using Config = DecodeTileConfig<kHeadDim, kFp8, kFp8Regs>;
+  using RawLayout = typename Config::RawLayout;
   using CacheElem = typename std::conditional<kFp8, uint8_t, Elem>::type;
   using KVTile = typename Config::KVTile;
   constexpr int kThreads = Config::kThreads;
@@ -190,7 +199,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
       slope[r] = params.alibi_slopes[batch * params.alibi_batch_stride + head_k * group + packed % group];
   }
 
-  // ---- Q straight into A fragments: a[kk] = rows (g, g+8) x cols kk*16 + (2q, 2q+1, 8+2q, 9+2q)
+  // ---- Q straight into A fragments: a[kk] = rows (g, g+8) x cols kk*16 + (2q, 2q+1, 8+2q, 9+2q),
+  // or with kFp8Regs in K's order, kk*16 + (4q, 4q+1, 4q+2, 4q+3) (fp8_frag::q_col)
   const Elem* gQ = static_cast<const Elem*>(params.q);
   uint32_t qa[kHeadDim / 16][4];
   {
@@ -210,7 +220,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int col = kk * 16 + half * 8 + c0;
+        const int col = Config::kFp8Regs ? fp8_frag::q_col(kk, half, lane) : kk * 16 + half * 8 + c0;
         const bool col_ok = col < params.headdim;
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
@@ -242,9 +252,17 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
   const int64_t v_step = kRowsPerStep * params.v_strides.row_stride;
   // Rows kRowsPerStep apart keep their swizzle bits when kRowsPerStep is a multiple of 8:
   // then the offsets are one register plus immediates; otherwise computed per use.
-  // Raw e4m3 rows (kFp8) are plain row-major: one register plus immediates as well.
-  const uint32_t dst0 = kFp8 ? load_row0 * kHeadDim + load_col : KVTile::offset(load_row0, load_col);
+  // Raw e4m3 rows of the conversion pass (kFp8, not kFp8Regs) are plain row-major: one
+  // register plus immediates as well; those of kFp8Regs are swizzled as KVTile's.
+  using RawTile = typename RawLayout::Tile;
+  const uint32_t dst0 = Config::kFp8Regs ? RawLayout::offset(load_row0, load_col)
+                        : kFp8           ? load_row0 * kHeadDim + load_col
+                                         : KVTile::offset(load_row0, load_col);
   auto dst = [&](int step) -> uint32_t {
+    if constexpr (Config::kFp8Regs) {
+      if constexpr (kRowsPerStep % 8 == 0) return dst0 + step * kRowsPerStep * RawTile::kPanelRowBytes;
+      return RawLayout::offset(load_row0 + step * kRowsPerStep, load_col);
+    }
     if constexpr (kFp8) return dst0 + step * kRowsPerStep * kHeadDim;
     if constexpr (kRowsPerStep % 8 == 0) return dst0 + step * kRowsPerStep * KVTile::kPanelRowBytes;
     return KVTile::offset(load_row0 + step * kRowsPerStep, load_col);
@@ -318,6 +336,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
   const uint32_t k_frag = KVTile::lane(warp * kWarpKeys + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const uint32_t v_frag = KVTile::lane(warp * kWarpKeys + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
   const int col0 = 2 * (lane % 4);
+  // kFp8Regs: the same for the raw tiles (one address serves K's ldmatrix and V's ldmatrix.trans).
+  const uint32_t raw_frag = RawLayout::lane_part(warp, lane);
 
   // kFp8: this warp's kWarpKeys rows of a raw stage (K and V) -> the converted Elem stage.
   auto convert_own_keys = [&](uint32_t raw) {
@@ -353,24 +373,45 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
     ptx::cp_async_commit();
 
     uint32_t sK = smem + (stage % kStages) * Config::kLoadStageBytes;
-    if constexpr (kFp8) {
+    if constexpr (kFp8 && !Config::kFp8Regs) {
       convert_own_keys(sK);
       __syncwarp();  // the warp reads back only the rows it converted
       sK = smem + Config::kConvertedOffset;
     }
-    const uint32_t sV = sK + KVTile::kBytes;
+    const uint32_t sV = sK + (Config::kFp8Regs ? Config::kRawTileBytes : KVTile::kBytes);
     float s[kRows][kSCols];
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
       for (int c = 0; c < kSCols; ++c) s[r][c] = 0.f;
+    if constexpr (Config::kFp8Regs) {
+      // e4m3 K rows -> B operands in registers (fp8_frag: dims in Q's q_col order).
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      for (int pair = 0; pair < RawLayout::kPairs; ++pair) {
 #pragma unroll
-      for (int np = 0; np < kWarpKeys / 16; ++np) {
-        uint32_t b[4];
-        ptx::ldmatrix_x4(b, sK + (k_frag ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(np * 16, kk * 2));
-        mma_m16n16<Elem>(s, 0, np, qa[kk], b);
+        for (int np = 0; np < RawLayout::kBlocks; ++np) {
+          uint32_t raw[4];
+          ptx::ldmatrix_x4(raw, sK + RawLayout::address(raw_frag, np, pair));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              b[i] = fp8::e4m3x2_from_spread<Elem>(
+                  __byte_perm(raw[2 * h + fp8_frag::key_source(i)], 0u, fp8_frag::key_selector(i)));
+            mma_m16n16<Elem>(s, 0, np, qa[2 * pair + h], b);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < kWarpKeys / 16; ++np) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4(b, sK + (k_frag ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(np * 16, kk * 2));
+          mma_m16n16<Elem>(s, 0, np, qa[kk], b);
+        }
       }
     }
 
@@ -410,11 +451,30 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
       p[1] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk], s[1][4 * kk + 1]);
       p[2] = ptx::ElemTraits<Elem>::pack(s[0][4 * kk + 2], s[0][4 * kk + 3]);
       p[3] = ptx::ElemTraits<Elem>::pack(s[1][4 * kk + 2], s[1][4 * kk + 3]);
+      if constexpr (Config::kFp8Regs) {
+        // e4m3 V rows -> B operands in registers: per chunk, an even-dim and an odd-dim n8
+        // tile (fp8_frag::o_col).
 #pragma unroll
-      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-        uint32_t b[4];
-        ptx::ldmatrix_x4_trans(b, sV + (v_frag ^ KVTile::chunk_xor(dp * 2)) + KVTile::fixed(kk * 16, dp * 2));
-        mma_m16n16<Elem>(o, 0, dp, p, b);
+        for (int pair = 0; pair < RawLayout::kPairs; ++pair) {
+          uint32_t raw[4];
+          ptx::ldmatrix_x4_trans(raw, sV + RawLayout::address(raw_frag, kk, pair));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              b[i] = fp8::e4m3x2_from_spread<Elem>(
+                  __byte_perm(raw[2 * h + fp8_frag::value_source(i)], 0u, fp8_frag::value_selector(i)));
+            mma_m16n16<Elem>(o, 0, 2 * pair + h, p, b);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, sV + (v_frag ^ KVTile::chunk_xor(dp * 2)) + KVTile::fixed(kk * 16, dp * 2));
+          mma_m16n16<Elem>(o, 0, dp, p, b);
+        }
       }
     }
   }
@@ -434,7 +494,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8>::kThreads)
   for (int r = 0; r < kRows; ++r) {
     float* row = sO + (warp * 16 + g + 8 * r) * kRowPitch;
 #pragma unroll
-    for (int c = 0; c < kOCols; ++c) row[(c / 2) * 8 + col0 + (c % 2)] = o[r][c];
+    for (int c = 0; c < kOCols; ++c)
+      row[Config::kFp8Regs ? fp8_frag::o_col(c, lane) : (c / 2) * 8 + col0 + (c % 2)] = o[r][c];
     if (lane % 4 == 0) row[kHeadDim] = lse[r];
   }
   __syncthreads();

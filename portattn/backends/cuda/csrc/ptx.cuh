@@ -163,12 +163,12 @@ struct SwizzledTile {
   static_assert(kCols % 32 == 0, "tile width must be a multiple of 32 elements");
   static_assert(kRows % 8 == 0, "tile height must be a multiple of 8 rows");
 
-  static __device__ __forceinline__ int xor_bits(int row) {
+  static __host__ __device__ __forceinline__ int xor_bits(int row) {
     return kPanel == 64 ? (row & 7) : ((row >> 1) & 3);
   }
   // Lane part of the offset: row r (any; only r's low bits enter the swizzle)
   // and chunk offset c within the panel row.
-  static __device__ __forceinline__ uint32_t lane(int r, int c) {
+  static __host__ __device__ __forceinline__ uint32_t lane(int r, int c) {
     return static_cast<uint32_t>(r * kPanelRowBytes + ((c ^ xor_bits(r)) * 16));
   }
   // Compile-time parts for row base R (multiple of 8) and chunk base C (even).
@@ -179,7 +179,7 @@ struct SwizzledTile {
     return static_cast<uint32_t>((C % kChunksPerPanelRow) * 16);
   }
   // Byte offset of element `col` (a multiple of 8) of `row`, for one-off use.
-  static __device__ __forceinline__ uint32_t offset(int row, int col) {
+  static __host__ __device__ __forceinline__ uint32_t offset(int row, int col) {
     const int chunk = col / 8;
     return static_cast<uint32_t>(
         ((chunk / kChunksPerPanelRow) * kRows + row) * kPanelRowBytes +

@@ -148,12 +148,12 @@ SmemOptInState SmemOptIn<kHeadDim, Elem, kFlag, kShape>::state = {0ull};
 
 // The decode kernels' own opt-in record (SmemOptIn's is keyed by the same
 // template arguments and belongs to the forward kernels).
-template <int kHeadDim, typename Elem, bool kFlag, bool kFp8>
+template <int kHeadDim, typename Elem, bool kFlag, bool kFp8, bool kFp8Regs = false>
 struct DecodeSmemOptIn {
   static SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, bool kFlag, bool kFp8>
-SmemOptInState DecodeSmemOptIn<kHeadDim, Elem, kFlag, kFp8>::state = {0ull};
+template <int kHeadDim, typename Elem, bool kFlag, bool kFp8, bool kFp8Regs>
+SmemOptInState DecodeSmemOptIn<kHeadDim, Elem, kFlag, kFp8, kFp8Regs>::state = {0ull};
 
 }  // namespace cuda
 }  // namespace portattn
