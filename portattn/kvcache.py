@@ -29,7 +29,7 @@ import torch
 from . import dispatch
 from .decode import run_decode
 from .errors import error_buffer
-from .validation import _DTYPE_NAMES, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_options
+from .validation import _DTYPE_NAMES, HOST_CHECKED_DEVICE_TYPE, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_options
 
 # Opt-in host-side checks of the values the kernels otherwise clamp on the device.
 _DEBUG_CHECKS = os.environ.get("PORTATTN_DEBUG_CHECKS", "0") == "1"
@@ -270,7 +270,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     scale, window_left, window_right = check_options(
         0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads, head_dim, device)
     values = None
-    if device.type == "cpu" or _DEBUG_CHECKS:  # free on the CPU; a sync on a GPU (opt-in)
+    if device.type == HOST_CHECKED_DEVICE_TYPE or _DEBUG_CHECKS:  # free on the CPU; a sync on a GPU (opt-in)
         values = _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_table, capacity, k_cache)
     if batch == 0:
         out = q.new_empty(q.shape)

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from .decode import prefers_decode, run_decode
+from .decode import KERNEL_DEVICE_TYPE, prefers_decode, run_decode
 from .rng import NO_DROPOUT, PhiloxDraw, draw_from_state, draw_philox, rng_state_tensor
 from .sinks import add_sink, sink_grad
-from .validation import check_cu_seqlens_values, check_seqused_k_values
+from .validation import HOST_CHECKED_DEVICE_TYPE, check_cu_seqlens_values, check_seqused_k_values
 
 # By default no call reads a tensor's values on the host (a device sync, and a CUDA graph
 # capture breaker): cu_seqlens are trusted, as in flash-attn, and the kernels keep their
@@ -76,7 +76,7 @@ def run_forward(
     lse = _empty_lse(q, varlen) if need_lse else None
     if out.numel() == 0:
         return out, lse, NO_DROPOUT
-    if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):  # free on the CPU: always there
+    if varlen and (_DEBUG_CHECKS or q.device.type == HOST_CHECKED_DEVICE_TYPE):  # free on the CPU: always there
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     if _no_keys(k, varlen):
         # Nothing to attend to: the documented result for an empty row.
@@ -105,7 +105,7 @@ def run_forward(
             seqused_k=seqused_k,
         )
         return out, lse, rng
-    if dropout_p == 0.0 and device.type == "cuda":
+    if dropout_p == 0.0 and device.type == KERNEL_DEVICE_TYPE:
         seqlen_q, seqlen_k = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
         if prefers_decode(seqlen_q, nheads // k.shape[-2], seqlen_k):
             decoder = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits | dispatch.DECODE_BIT)
@@ -141,7 +141,7 @@ def run_backward(
     varlen = cu_seqlens_q is not None
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):
+    if varlen and (_DEBUG_CHECKS or q.device.type == HOST_CHECKED_DEVICE_TYPE):
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     if grads is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 
 from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from ..decode import KERNEL_DEVICE_TYPE
 from ..errors import error_buffer
 from ._padding import (
     Packing,
@@ -139,7 +140,7 @@ def attention_forward(
     ((batch, seq_q, heads, head_dim_v), None).
     """
     _refuse_unsupported(attention_mask, kwargs)
-    if query.is_cuda and not torch.compiler.is_compiling():
+    if query.device.type == KERNEL_DEVICE_TYPE and not torch.compiler.is_compiling():
         # The device's error buffer (portattn/errors.py) is created on first use; created here,
         # in the eager prefill, it lives outside the memory pool of the CUDA graphs that a
         # compiled (reduce-overhead) decode step records, where cudagraph trees refuse a new
