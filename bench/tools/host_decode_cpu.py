@@ -87,6 +87,9 @@ def install(counts: dict, root: str) -> None:
     for mod in (validation, ops, kvcache):
         mod.HOST_CHECKED_DEVICE_TYPE = None
     decode._capturing = bool  # bool() is False: not capturing, at a builtin's cost
+    # The decode launch passes q.get_device(), -1 for a CPU tensor: "already current", at a
+    # builtin's cost (host_overhead_cpu's stand-in, int(), answers 0 for the forward's None).
+    base.compiled._current_device = (-1).__index__
     decode.resident_slots = lambda device, tile: (132, 264)
     try:
         from portattn.integrations import transformers as pt_hf
