@@ -75,10 +75,6 @@ def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_sp
     return next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_EFFICIENCY_SLACK * best)
 
 
-# The device type whose tensors can reach the decode kernels (a ROCm torch's GPU tensors are
-# "cuda" too). bench/tools/host_decode_cpu.py sets it to "cpu" in its own process (ops.py,
-# kvcache.py and the transformers integration read their copies) to time the GPU path's Python.
-KERNEL_DEVICE_TYPE = "cuda"
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _SLOTS: dict = {}
 # Whether the current stream is capturing a CUDA graph (torch.cuda.is_current_stream_capturing

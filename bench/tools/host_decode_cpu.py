@@ -10,9 +10,10 @@ runs that Python -- the transformers integration (`attention_forward`), api.py, 
 dispatch, decode.run_decode, backends/compiled.py and abi.decode_args -- with the compiled module
 replaced by bench/tools/host_overhead_cpu.py's stand-in (no-op functions with the real argument
 lists; `decode`'s comes from common/binding_args.h), the dispatcher deciding as for an H100, and the
-decode path's device test pointed at the CPU (decode.KERNEL_DEVICE_TYPE). It fails if a call reaches
-anything other than the stand-in's `decode` entry. So what it times is what host-side Python changes
-can change, on any machine.
+host-side value checks that only CPU tensors get switched off (validation.HOST_CHECKED_DEVICE_TYPE).
+It fails if a call reaches anything other than the stand-in's `decode` entry. So what it times is
+what host-side Python changes can change, on any machine. Not timed: the integration's
+once-per-device error-buffer test (`query.is_cuda`, false on a CPU; ~0.5 us on a GPU).
 
 Paths (GQA 16/4 heads, hd128, bf16, no gradients, as in generate(); the cache holds --keys keys):
 - hf_decode: transformers' call of `attention_forward` in a DynamicCache decode step: (batch, heads,
@@ -69,11 +70,14 @@ def _macro_names(header: str, macro: str) -> tuple:
     return tuple(names)
 
 
-def install(counts: dict, root: str) -> None:
-    """host_overhead_cpu's stand-in dispatcher plus the decode entry points, and the decode path's
-    device test aimed at the CPU (only in this process)."""
-    from portattn import decode, kvcache, ops, validation
+def install(counts: dict, root: str = ROOT, patch=setattr) -> None:
+    """host_overhead_cpu's stand-in dispatcher plus the decode entry points, with the host-side
+    value checks of CPU tensors switched off. `patch(obj, name, value)` makes each change (a
+    test passes pytest's monkeypatch.setattr, which undoes them)."""
+    from portattn import decode, dispatch, kvcache, ops, validation
 
+    for obj, name in ((dispatch, "DISPATCHER"), (base.abi, "raw_stream"), (base.compiled, "_current_device")):
+        patch(obj, name, getattr(obj, name))  # base.install assigns these: let `patch` undo them
     base.install(counts)
     module = base._STANDIN[-1]
     header = os.path.join(root, "portattn", "backends", "common", "binding_args.h")
@@ -82,21 +86,18 @@ def install(counts: dict, root: str) -> None:
     module.kvcache_append = base._no_op("kvcache_append", _macro_names(header, "PORTATTN_APPEND_ARG_NAMES"), counts)
     # The sm90 decode tile of hd128 (stage_keys, threads, smem) and an H100's 132 SMs.
     module.decode_tile = lambda head_dim, fp8=0: {"stage_keys": 64, "threads": 128, "smem_bytes": 49152}
-    for mod in (decode, ops):
-        mod.KERNEL_DEVICE_TYPE = "cpu"
     for mod in (validation, ops, kvcache):
-        mod.HOST_CHECKED_DEVICE_TYPE = None
-    decode._capturing = bool  # bool() is False: not capturing, at a builtin's cost
+        if hasattr(mod, "HOST_CHECKED_DEVICE_TYPE"):
+            patch(mod, "HOST_CHECKED_DEVICE_TYPE", None)
+    for mod in (decode, ops):  # checkouts whose run_forward tested the device type (3c204df)
+        if hasattr(mod, "KERNEL_DEVICE_TYPE"):
+            patch(mod, "KERNEL_DEVICE_TYPE", "cpu")
+    patch(decode, "_capturing", bool)  # bool() is False: not capturing, at a builtin's cost
     # The decode launch passes q.get_device(), -1 for a CPU tensor: "already current", at a
     # builtin's cost (host_overhead_cpu's stand-in, int(), answers 0 for the forward's None).
-    base.compiled._current_device = (-1).__index__
-    decode.resident_slots = lambda device, tile: (132, 264)
-    try:
-        from portattn.integrations import transformers as pt_hf
-
-        pt_hf.KERNEL_DEVICE_TYPE = "cpu"
-    except ImportError:
-        pass
+    patch(base.compiled, "_current_device", (-1).__index__)
+    patch(decode, "resident_slots", lambda device, tile: (132, 264))
+    patch(decode, "_PLANS", {})
 
 
 class _Module(torch.nn.Module):
@@ -241,6 +242,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--portattn", default=ROOT, metavar="DIR", help="checkout whose portattn to time")
     args = parser.parse_args(argv)
     base.load(args.portattn)
+    globals()["ROOT"] = args.portattn
     torch.set_num_threads(1)
     heap_only = base.keep_allocations_on_the_heap()
     counts: dict = {}
