@@ -1,6 +1,6 @@
 """What one decode-step attention call does on the host, counted on the GPU path without a GPU.
 
-bench/tools/host_decode_cpu.py's stand-in (the compiled module's entry points as no-ops, dispatch
+bench/tools/host_decode.py's stand-in (the compiled module's entry points as no-ops, dispatch
 deciding as for an H100) runs the real Python path; these tests count the torch ops each call
 issues (a TorchDispatchMode sees every op, views included) and the cold-path work it repeats.
 Every op and every decision here was paid per layer of every generated token before; each test
@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "tools"))
-import host_decode_cpu  # noqa: E402
+import host_decode  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -37,9 +37,9 @@ class _Ops(TorchDispatchMode):
 @pytest.fixture
 def gpu_path(monkeypatch):
     """The GPU path's Python over the stand-in module; every change undone afterwards."""
-    host_decode_cpu.base.load()
+    host_decode.base.load()
     counts: dict = {}
-    host_decode_cpu.install(counts, patch=monkeypatch.setattr)
+    host_decode.install(counts, patch=monkeypatch.setattr)
     return counts
 
 
@@ -56,7 +56,7 @@ def _ops_of(call):
 def test_transformers_decode_step_issues_three_views_and_one_allocation(gpu_path):
     # The query, key and value transposes to portattn's layout and the output: nothing else
     # (no contiguous copies, no mask or option tensors, no split workspace at 1k keys eagerly).
-    call = host_decode_cpu.make_call("hf_decode", BATCH, KEYS)
+    call = host_decode.make_call("hf_decode", BATCH, KEYS)
     assert _ops_of(call) == {"transpose": 3, "empty_like": 1}
     assert gpu_path["decode"] == 4
 
@@ -64,7 +64,7 @@ def test_transformers_decode_step_issues_three_views_and_one_allocation(gpu_path
 def test_left_padded_decode_step_reads_the_key_bounds_without_new_views(gpu_path):
     # Every layer of a step passes the same key-bounds mask: its two rows are cut once per step
     # (three view ops), not once per layer.
-    call = host_decode_cpu.make_call("hf_decode_leftpad", BATCH, KEYS)
+    call = host_decode.make_call("hf_decode_leftpad", BATCH, KEYS)
     assert _ops_of(call) == {"transpose": 3, "empty_like": 1}
     assert gpu_path["decode"] == 4
 
@@ -85,7 +85,7 @@ def test_a_new_key_bounds_tensor_is_cut_again():
 
 @pytest.mark.parametrize("path", ["kvcache", "func", "varlen"])
 def test_decode_shaped_api_calls_issue_one_allocation(gpu_path, path):
-    call = host_decode_cpu.make_call(path, BATCH, KEYS)
+    call = host_decode.make_call(path, BATCH, KEYS)
     assert _ops_of(call) == {"empty_like": 1}
     assert gpu_path["decode"] == 4
 
@@ -95,7 +95,7 @@ def test_warm_decode_calls_repeat_no_decision(gpu_path, monkeypatch):
     would show as a `zeros` op in the counts above)."""
     from portattn import decode, dispatch
 
-    calls = [host_decode_cpu.make_call(path, BATCH, KEYS) for path in ("hf_decode", "hf_decode_leftpad", "kvcache",
+    calls = [host_decode.make_call(path, BATCH, KEYS) for path in ("hf_decode", "hf_decode_leftpad", "kvcache",
                                                                        "func", "varlen")]
     with torch.no_grad():
         for call in calls:
@@ -115,3 +115,20 @@ def test_warm_decode_calls_repeat_no_decision(gpu_path, monkeypatch):
         for call in calls:
             call()
     assert cold == {}
+
+
+def test_the_tool_times_every_portattn_path_on_the_stand_in(tmp_path):
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "host_decode.json"
+    done = subprocess.run([sys.executable, "bench/tools/host_decode.py", "--repeat", "1", "--calls", "3", "--paths",
+                           "hf_decode,hf_decode_leftpad,kvcache,func,varlen,sdpa_tiny", "--out", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    paths = json.loads(out.read_text())["paths"]
+    for name in ("hf_decode", "hf_decode_leftpad", "kvcache", "func", "varlen"):
+        assert paths[name]["entry_points"] == ["decode"] and paths[name]["us"] > 0, (name, paths[name])
+    assert paths["sdpa_tiny"]["us"] > 0
+    assert "\n| hf_decode | " in done.stdout

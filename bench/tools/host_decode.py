@@ -1,19 +1,25 @@
-"""Python host time of one decode-step attention call on portattn's GPU path, measured on a CPU.
+"""Host time of one decode-step attention call: portattn's GPU path timed on a CPU, or real calls on a GPU.
 
-  python bench/tools/host_decode_cpu.py [--repeat 7] [--calls 400] [--paths a,b,...] [--batch 8]
-                                        [--keys 1024] [--out FILE.json] [--profile PATH]
+  python bench/tools/host_decode.py [--repeat 7] [--calls 400] [--paths a,b,...] [--batch 8]
+                                    [--keys 1024] [--device cpu|cuda] [--out FILE.json] [--profile PATH]
 
 Why: an eager generate() step calls attention once per layer with one query row, and at small batches
 the GPU work is shorter than the host's time to issue the call, so the Python between transformers'
-call and the kernel launch decides the step (docs/host-overhead.md, "A decode step's call"). This tool
-runs that Python -- the transformers integration (`attention_forward`), api.py, validation, ops.py,
-dispatch, decode.run_decode, backends/compiled.py and abi.decode_args -- with the compiled module
-replaced by bench/tools/host_overhead_cpu.py's stand-in (no-op functions with the real argument
-lists; `decode`'s comes from common/binding_args.h), the dispatcher deciding as for an H100, and the
-host-side value checks that only CPU tensors get switched off (validation.HOST_CHECKED_DEVICE_TYPE).
-It fails if a call reaches anything other than the stand-in's `decode` entry. So what it times is
-what host-side Python changes can change, on any machine. Not timed: the integration's
-once-per-device error-buffer test (`query.is_cuda`, false on a CPU; ~0.5 us on a GPU).
+call and the kernel launch decides the step (docs/host-overhead.md, "A decode step's call").
+
+--device cpu (the default) runs that Python -- the transformers integration (`attention_forward`),
+api.py, validation, ops.py, dispatch, decode.run_decode, backends/compiled.py and abi.decode_args --
+with the compiled module replaced by bench/tools/host_overhead_cpu.py's stand-in (no-op functions
+with the real argument lists; `decode`'s comes from common/binding_args.h), the dispatcher deciding
+as for an H100, and the host-side value checks that only CPU tensors get switched off
+(validation.HOST_CHECKED_DEVICE_TYPE). It fails if a call reaches anything other than the stand-in's
+`decode` entry. So what it times is what host-side Python changes can change, on any machine. Not
+timed there: the integration's once-per-device error-buffer test (`query.is_cuda`, false on a CPU),
+the CUDA caching allocator (CPU malloc instead), pybind11's argument conversion and the launch.
+
+--device cuda times the same calls for real (the kernels run; nothing is stubbed), wall time per
+call with no synchronisation inside a round: at these shapes the GPU finishes each call before the
+host has issued the next, so the time is the host's. SDPA's rows then run at the full shapes.
 
 Paths (GQA 16/4 heads, hd128, bf16, no gradients, as in generate(); the cache holds --keys keys):
 - hf_decode: transformers' call of `attention_forward` in a DynamicCache decode step: (batch, heads,
@@ -24,12 +30,13 @@ Paths (GQA 16/4 heads, hd128, bf16, no gradients, as in generate(); the cache ho
 - kvcache: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=<int32 tensor>);
 - func: flash_attn_func(q, k, v, causal=True) with one query row (decode-shaped);
 - varlen: flash_attn_varlen_func with one query row per sequence and packed keys;
-- sdpa_hf: transformers' own sdpa_attention_forward on the hf_decode inputs cut to SDPA_KEYS keys
-  (the CPU kernel at 1k keys takes ~50 ms), kernel included;
-- sdpa_call: torch.nn.functional.scaled_dot_product_attention alone on the same tensors (enable_gqa):
-  sdpa_hf minus sdpa_call is transformers' wrapper; the kernel on a CPU says nothing about a GPU's;
-- sdpa_tiny: scaled_dot_product_attention with batch 1, 1 head, 1 key, hd 8: the least a CPU SDPA
-  call costs (its host floor on this machine; on a GPU the kernel choice adds ~10 us).
+- sdpa_hf: transformers' own sdpa_attention_forward on the hf_decode inputs, kernel included (on a
+  CPU cut to batch 1 and SDPA_KEYS keys: the CPU kernel at the full shapes takes ~50 ms, and the
+  wrapper's Python does not depend on the shapes);
+- sdpa_call: torch.nn.functional.scaled_dot_product_attention alone on sdpa_hf's tensors
+  (enable_gqa): sdpa_hf minus sdpa_call is transformers' wrapper;
+- sdpa_tiny: scaled_dot_product_attention with batch 1, 1 head, 1 key, hd 8: the least an SDPA
+  call costs on this host.
 
 Noise control as in host_overhead_cpu.py: one intra-op thread, gc off inside a round, each path's
 least-disturbed round median reported; the paths alternate round by round.
@@ -110,37 +117,38 @@ class _Module(torch.nn.Module):
         self.layer_idx = 0
 
 
-def make_call(name: str, batch: int, keys: int):
+def make_call(name: str, batch: int, keys: int, device: str = "cpu"):
     """call() runs one decode-step attention call of path `name`."""
     g = torch.Generator().manual_seed(0)
     dtype = base.DTYPE
 
     def randn(*shape):
-        return torch.randn(shape, generator=g).to(dtype)
+        return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
 
     scale = HEAD_DIM ** -0.5
     # transformers' layout: q_proj(x).view(b, 1, h, d).transpose(1, 2); a DynamicCache's keys are
     # torch.cat results (batch, kv_heads, keys, d), contiguous.
     q_hf = randn(batch, 1, HEADS, HEAD_DIM).transpose(1, 2)
     k_hf, v_hf = randn(batch, KV_HEADS, keys, HEAD_DIM), randn(batch, KV_HEADS, keys, HEAD_DIM)
-    position_ids = torch.full((batch, 1), keys - 1, dtype=torch.long)
+    position_ids = torch.full((batch, 1), keys - 1, dtype=torch.long, device=device)
     module = _Module()
     if name in ("hf_decode", "hf_decode_leftpad"):
         from portattn.integrations import transformers as pt_hf
 
         mask = None
         if name == "hf_decode_leftpad":
-            user = torch.ones(batch, keys, dtype=torch.long)
+            user = torch.ones(batch, keys, dtype=torch.long, device=device)
             user[0, :7] = 0
             mask = pt_hf.padding_mask(batch, 1, keys, keys - 1, 0, attention_mask=user)
             assert mask is not None and mask.dtype == pt_hf.KEY_BOUNDS_DTYPE, mask
         attend = pt_hf.attention_forward
         return lambda: attend(module, q_hf, k_hf, v_hf, mask, dropout=0.0, scaling=scale,
                               position_ids=position_ids, use_cache=True)
-    if name.startswith("sdpa"):
-        # The CPU kernel at the portattn paths' shapes takes ~50 ms: 16 keys keep it small, and
-        # neither wrapper's Python depends on the key count.
-        k_hf, v_hf = k_hf[:, :, :SDPA_KEYS], v_hf[:, :, :SDPA_KEYS]
+    if name.startswith("sdpa") and device == "cpu":
+        # The CPU kernel at the portattn paths' shapes takes ~50 ms; the wrappers' Python does
+        # not depend on the shapes.
+        q_hf, k_hf, v_hf = q_hf[:1], k_hf[:1, :, :SDPA_KEYS], v_hf[:1, :, :SDPA_KEYS]
+        position_ids = position_ids[:1]
     if name == "sdpa_hf":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -159,7 +167,7 @@ def make_call(name: str, batch: int, keys: int):
     q = randn(batch, 1, HEADS, HEAD_DIM)
     if name == "kvcache":
         k_cache, v_cache = randn(batch, keys, KV_HEADS, HEAD_DIM), randn(batch, keys, KV_HEADS, HEAD_DIM)
-        lengths = torch.full((batch,), keys, dtype=torch.int32)
+        lengths = torch.full((batch,), keys, dtype=torch.int32, device=device)
         fn = portattn.flash_attn_with_kvcache
         return lambda: fn(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
     if name == "func":
@@ -168,7 +176,7 @@ def make_call(name: str, batch: int, keys: int):
         return lambda: fn(q, k, v, causal=True)
     if name == "varlen":
         k, v = randn(batch * keys, KV_HEADS, HEAD_DIM), randn(batch * keys, KV_HEADS, HEAD_DIM)
-        cu_q = torch.arange(batch + 1, dtype=torch.int32)
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
         cu_k = cu_q * keys
         packed_q = q.view(batch, HEADS, HEAD_DIM)
         fn = portattn.flash_attn_varlen_func
@@ -176,8 +184,9 @@ def make_call(name: str, batch: int, keys: int):
     raise ValueError(f"unknown path {name!r}; choose from {', '.join(PATHS)}")
 
 
-def time_paths(names, batch: int, keys: int, repeat: int, calls: int, counts: dict) -> dict:
-    fns = {name: make_call(name, batch, keys) for name in names}
+def time_paths(names, batch: int, keys: int, repeat: int, calls: int, counts: dict, device: str = "cpu") -> dict:
+    fns = {name: make_call(name, batch, keys, device) for name in names}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rounds = {name: [] for name in names}
     launched = {}
     clock = time.perf_counter
@@ -192,26 +201,28 @@ def time_paths(names, batch: int, keys: int, repeat: int, calls: int, counts: di
                 gc.collect()
                 gc.disable()
                 try:
+                    sync()
                     for _ in range(calls):
                         begin = clock()
                         fn()
                         samples.append((clock() - begin) * 1e6)
+                    sync()
                 finally:
                     gc.enable()
                 rounds[name].append(statistics.median(samples))
                 step = {key: counts[key] - before[key] for key in counts if counts[key] != before[key]}
                 launched.setdefault(name, step)
     for name in names:
-        if name in PORTATTN_PATHS and launched[name] != {"decode": calls}:
+        if device == "cpu" and name in PORTATTN_PATHS and launched[name] != {"decode": calls}:
             raise RuntimeError(f"{name}: expected {calls} calls of the stand-in decode entry, got {launched[name]}")
     return {name: {"us": min(rounds[name]), "rounds": rounds[name], "entry_points": sorted(launched[name])}
             for name in names}
 
 
-def profile_path(name: str, batch: int, keys: int, calls: int, lines: int = 30) -> str:
+def profile_path(name: str, batch: int, keys: int, calls: int, device: str = "cpu", lines: int = 30) -> str:
     """cProfile of `calls` calls of path `name`, by own time (cProfile inflates every Python call:
     read it for where the time goes, not how much)."""
-    fn = make_call(name, batch, keys)
+    fn = make_call(name, batch, keys, device)
     with torch.no_grad():
         for _ in range(50):
             fn()
@@ -237,6 +248,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--keys", type=int, default=1024)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu: the GPU path's Python over the stand-in module; cuda: real calls")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--profile", default=None, metavar="PATH", help="also print a cProfile of PATH")
     parser.add_argument("--portattn", default=ROOT, metavar="DIR", help="checkout whose portattn to time")
@@ -246,19 +259,25 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     heap_only = base.keep_allocations_on_the_heap()
     counts: dict = {}
-    install(counts, args.portattn)
+    if args.device == "cpu":
+        install(counts, args.portattn)
+    else:
+        import portattn.integrations.transformers as pt_hf
+
+        pt_hf.register()
     names = [p.strip() for p in args.paths.split(",") if p.strip()]
-    rows = time_paths(names, args.batch, args.keys, args.repeat, args.calls, counts)
-    result = {"tool": "bench/tools/host_decode_cpu.py", "portattn": args.portattn,
+    rows = time_paths(names, args.batch, args.keys, args.repeat, args.calls, counts, args.device)
+    result = {"tool": "bench/tools/host_decode.py", "portattn": args.portattn,
               "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-              "allocations_on_heap": heap_only, "batch": args.batch, "keys": args.keys, "heads": HEADS,
+              "allocations_on_heap": heap_only, "device": args.device, "batch": args.batch, "keys": args.keys, "heads": HEADS,
               "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "repeat": args.repeat, "calls": args.calls, "paths": rows}
-    lines = [f"host us per call, batch {args.batch}, {args.keys} keys, {HEADS}/{KV_HEADS} heads, hd{HEAD_DIM}",
+    where = "the GPU path's Python on a CPU" if args.device == "cpu" else torch.cuda.get_device_name()
+    lines = [f"host us per call ({where}), batch {args.batch}, {args.keys} keys, {HEADS}/{KV_HEADS} heads, hd{HEAD_DIM}",
              "| path | us per call | entry points |", "|---|---|---|"]
     lines += [f"| {name} | {row['us']:.2f} | {'/'.join(row['entry_points']) or '-'} |" for name, row in rows.items()]
     print("\n".join(lines))
     if args.profile:
-        print(profile_path(args.profile, args.batch, args.keys, args.calls))
+        print(profile_path(args.profile, args.batch, args.keys, args.calls, args.device))
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=1)
