@@ -75,6 +75,7 @@ def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_sp
     return next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_EFFICIENCY_SLACK * best)
 
 
+_FP8 = getattr(torch, "float8_e4m3fn", None)
 _SLOTS: dict = {}
 # Whether the current stream is capturing a CUDA graph (torch.cuda.is_current_stream_capturing
 # minus its Python wrapper; HIP builds answer for HIP graphs).
@@ -101,7 +102,8 @@ def key_bucket(keys: int) -> int:
     """keys rounded up to a multiple of a quarter of its power of two (at least 64): at most
     4 buckets per doubling, at most 25% (or 63 keys) over. Planning for a few more keys than there are only leaves
     the last split shorter: each split takes an equal share of the actual keys on the device."""
-    step = max(64, 1 << max(0, keys.bit_length() - 3))
+    # 1 << (bit_length - 3) is at most 64 below 512 keys: one comparison instead of two max().
+    step = 1 << (keys.bit_length() - 3) if keys >= 512 else 64
     return -(-keys // step) * step
 
 
@@ -147,7 +149,8 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     else:
         batch, seqlen_q, nheads, head_dim = q.shape
         lse_shape = (batch, nheads, seqlen_q)
-    nheads_k = k.shape[-2]
+    k_shape = k.shape
+    nheads_k = k_shape[-2]
     if out is None:
         out = torch.empty_like(q)
     if lse is None and need_lse:
@@ -155,19 +158,20 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     if out.numel() == 0:
         return out, lse
     if block_table is not None:
-        key_capacity = block_table.shape[1] * k.shape[1]
+        key_capacity = block_table.shape[1] * k_shape[1]
     elif cu_seqlens_k is not None:
         key_capacity = max_seqlen_k
     else:
-        key_capacity = k.shape[1]
-    fp8_kv = k.dtype is torch.float8_e4m3fn
-    device = q.device
+        key_capacity = k_shape[1]
+    fp8_kv = k.dtype is _FP8
     keys = key_bucket(key_capacity)
     # Short eager calls run unsplit (EAGER_UNSPLIT_MAX_KEYS); only they query the capture state.
     eager_short = num_splits == 0 and keys <= EAGER_UNSPLIT_MAX_KEYS and _capturing is not None and not _capturing()
-    plan_key = (device.index, head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short)
+    # q.get_device(): the GPU's index as an int, without building a torch.device.
+    plan_key = (q.get_device(), head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short)
     splits = _PLANS.get(plan_key)
     if splits is None:
+        device = q.device
         tile = backend.decode_tile(head_dim, device, fp8_kv)
         m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
         sms, slots = resident_slots(device, tile)
@@ -180,7 +184,7 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
         # One allocation for both: (splits, batch, nheads, seqlen_q, head_dim) partial outputs,
         # then (splits, batch, nheads, seqlen_q) partial LSEs (16-byte aligned: head_dim % 8 == 0).
         rows = splits * batch * nheads * seqlen_q
-        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=device)
+        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
         o_partial = workspace.data_ptr()
         lse_partial = o_partial + rows * head_dim * 4
     backend.decode(

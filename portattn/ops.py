@@ -19,7 +19,7 @@ from . import dispatch
 from .decode import prefers_decode, run_decode
 from .rng import NO_DROPOUT, PhiloxDraw, draw_from_state, draw_philox, rng_state_tensor
 from .sinks import add_sink, sink_grad
-from .validation import check_cu_seqlens_values, check_seqused_k_values
+from .validation import HOST_CHECKED_DEVICE_TYPE, check_cu_seqlens_values, check_seqused_k_values
 
 # By default no call reads a tensor's values on the host (a device sync, and a CUDA graph
 # capture breaker): cu_seqlens are trusted, as in flash-attn, and the kernels keep their
@@ -76,19 +76,18 @@ def run_forward(
     lse = _empty_lse(q, varlen) if need_lse else None
     if out.numel() == 0:
         return out, lse, NO_DROPOUT
-    if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):  # free on the CPU: always there
+    if varlen and (_DEBUG_CHECKS or q.device.type == HOST_CHECKED_DEVICE_TYPE):  # free on the CPU: always there
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-    if _no_keys(k, varlen):
+    shape, k_shape = q.shape, k.shape
+    if (k_shape[0] if varlen else k_shape[1]) == 0:
         # Nothing to attend to: the documented result for an empty row.
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse, NO_DROPOUT
-    shape = q.shape
-    nheads, head_dim = shape[-2], shape[-1]
+    nheads, head_dim, nheads_k = shape[-2], shape[-1], k_shape[-2]
     bits = dispatch.feature_bits(
-        window_left, window_right, softcap, alibi_slopes is not None, dropout_p,
-        nheads != k.shape[-2], varlen,
+        window_left, window_right, softcap, alibi_slopes is not None, dropout_p, nheads != nheads_k, varlen,
     )
     device = q.device
     if seqused_k is not None:
@@ -105,15 +104,16 @@ def run_forward(
             seqused_k=seqused_k,
         )
         return out, lse, rng
-    if dropout_p == 0.0 and device.type == "cuda":
-        seqlen_q, seqlen_k = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
-        if prefers_decode(seqlen_q, nheads // k.shape[-2], seqlen_k):
-            decoder = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits | dispatch.DECODE_BIT)
-            if decoder is not None:
-                run_decode(decoder, q, k, v, lse is not None, softmax_scale, window_left, window_right, softcap,
-                           alibi_slopes, 0, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, 0,
-                           None, None, None, out, lse)
-                return out, lse, NO_DROPOUT
+    # No device-type test before the decode lookup: dispatch answers None for a device without
+    # decode kernels (cached per key), and the test cost more than that lookup's share.
+    if dropout_p == 0.0 and prefers_decode(max_seqlen_q if varlen else shape[1], nheads // nheads_k,
+                                           max_seqlen_k if varlen else k_shape[1]):
+        decoder = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits | dispatch.DECODE_BIT)
+        if decoder is not None:
+            run_decode(decoder, q, k, v, lse is not None, softmax_scale, window_left, window_right, softcap,
+                       alibi_slopes, 0, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, 0,
+                       None, None, None, out, lse)
+            return out, lse, NO_DROPOUT
     backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
     rng = draw_philox(device) if dropout_p > 0.0 else NO_DROPOUT
     backend.forward(
@@ -141,7 +141,7 @@ def run_backward(
     varlen = cu_seqlens_q is not None
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):
+    if varlen and (_DEBUG_CHECKS or q.device.type == HOST_CHECKED_DEVICE_TYPE):
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     if grads is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -29,6 +29,10 @@ except ImportError:  # numpy is optional: without it no numpy scalar can arrive
 # no backend's memory plan is meaningful.
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Tensors on this device type get their values (cu_seqlens, cache_seqlens, ...) checked on the
+# host on every call: there a read costs no device synchronisation. bench/tools/host_decode.py
+# clears it in its own process, to time the GPU path's Python on a CPU.
+HOST_CHECKED_DEVICE_TYPE = "cpu"
 _DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 
 

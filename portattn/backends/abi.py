@@ -228,7 +228,7 @@ def decode_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         0 if cache_batch_idx is None else cache_batch_idx.data_ptr(), block_table, block_table_stride,
         page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
         softmax_scale, softcap, window_left, window_right, alibi, alibi_batch_stride,
-        num_splits, o_partial, lse_partial, raw_stream(q.device.index), 0 if errors is None else errors.data_ptr(),
+        num_splits, o_partial, lse_partial, raw_stream(q.get_device()), 0 if errors is None else errors.data_ptr(),
         *kv,
     )
 

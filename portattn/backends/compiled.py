@@ -109,7 +109,9 @@ class CompiledBackend(Backend):
         """One decode launch; `options` are abi.decode_args' after lse, by position (decode.run_decode)."""
         # launch() rather than @on_tensors_device: the decorator's re-packing of the options is
         # paid on every decode step (bench/host_overhead_cpu.py measured ~1 us on the forward).
-        launch(q.device.index, self.module.decode, decode_args(q, k, v, out, lse, *options))
+        # q.get_device(): the index as an int without building a torch.device (CPU tensors, -1,
+        # never get here).
+        launch(q.get_device(), self.module.decode, decode_args(q, k, v, out, lse, *options))
 
     @on_tensors_device
     def kvcache_append(self, k_cache, v_cache, k_new, v_new, q, q_out, **options) -> None:
