@@ -128,7 +128,7 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
                num_splits: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                max_seqlen_k: int = 0, cache_seqlens=None, seqlen_new: int = 0, cache_leftpad=None,
                cache_batch_idx=None, block_table=None, out=None, lse=None, errors=None,
-               k_descale=None, v_descale=None):
+               k_descale=None, v_descale=None, sm_margin=0):
     """One decode call on `backend` (a compiled backend with decode kernels): (out, lse).
 
     lse is (batch, nheads, seqlen_q), or (nheads, total_q) with cu_seqlens_q, or None
@@ -137,6 +137,10 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     `lse` may be passed in already allocated. `errors`: the device's error buffer
     (portattn/errors.py) where the kernels record out-of-range cache metadata, or None.
     k and v may be float8_e4m3fn caches with fp32 (batch, nheads_k) descales or None (1.0).
+    sm_margin: SMs to leave free for other kernels (validated), taken off the SMs the split
+    count is planned for, as FlashAttention-3 does: the decode grid is not persistent (the
+    hardware hands its CTAs to whichever SMs are free), but a grid planned to fill every SM in
+    one wave would need a second, mostly empty wave while another kernel holds some of them.
 
     A decode step of generation runs this once per layer, so the arguments are positional
     all the way to the C call (ops.run_forward passes them so): keyword passing through the
@@ -168,13 +172,17 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     # Short eager calls run unsplit (EAGER_UNSPLIT_MAX_KEYS); only they query the capture state.
     eager_short = num_splits == 0 and keys <= EAGER_UNSPLIT_MAX_KEYS and _capturing is not None and not _capturing()
     # q.get_device(): the GPU's index as an int, without building a torch.device.
-    plan_key = (q.get_device(), head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short)
+    plan_key = (q.get_device(), head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short,
+                sm_margin)
     splits = _PLANS.get(plan_key)
     if splits is None:
         device = q.device
         tile = backend.decode_tile(head_dim, device, fp8_kv)
         m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
         sms, slots = resident_slots(device, tile)
+        if sm_margin:
+            free = max(1, sms - sm_margin)
+            sms, slots = free, slots // sms * free
         splits = _remember_plan(plan_key, 1 if eager_short else choose_num_splits(
             batch * nheads_k * m_tiles, -(-keys // tile["stage_keys"]), slots,
             MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits, sms,

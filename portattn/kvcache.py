@@ -258,7 +258,7 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, 
 def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                     window_size, softcap, rotary_interleaved, alibi_slopes, return_softmax_lse,
-                    num_splits, varlen_attention, k_descale=None, v_descale=None, q_descale=None):
+                    num_splits, varlen_attention, k_descale=None, v_descale=None, q_descale=None, sm_margin=0):
     q_shape, cache_shape, fp8, device = _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table,
                                                     cache_batch_idx)
     if k_descale is not None or v_descale is not None or q_descale is not None or fp8:
@@ -307,7 +307,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         return _gather_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, leftpad,
             block_table, scale, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
-            return_softmax_lse, q_per_token, varlen_attention, values, descales)
+            return_softmax_lse, q_per_token, varlen_attention, values, descales, sm_margin)
 
     errors = error_buffer(device)
     q_in = q if q.stride(-1) == 1 else q.contiguous()
@@ -325,7 +325,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     out, lse = run_decode(  # by position: the hot path of a static cache's decode step
         backend, q_in, k_cache, v_cache, return_softmax_lse, scale, window_left, window_right, float(softcap),
         alibi_slopes, num_splits, None, None, 0, 0, cache_seqlens, seqlen_new, leftpad, cache_batch_idx,
-        block_table, None, None, errors, k_descale, v_descale)
+        block_table, None, None, errors, k_descale, v_descale, sm_margin)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -351,9 +351,10 @@ def dequantize_fp8(rows, descale, owner):
 
 
 def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
-                      causal, window_size, softcap, alibi_slopes, deterministic, return_lse):
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_lse, sm_margin=0):
     """flash_attn_varlen_func's signature on the reference backend directly (the FP8 gather path's
-    float32 call: dispatching it would warn about float32, not about what the caller asked)."""
+    float32 call: dispatching it would warn about float32, not about what the caller asked).
+    sm_margin: accepted and ignored, as the reference backend does."""
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     dispatch.get_backend("reference").forward(
@@ -421,7 +422,7 @@ def _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_tab
 def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        leftpad, block_table, scale, window_left, window_right, softcap,
                        rotary_interleaved, alibi_slopes, return_softmax_lse, q_per_token,
-                       varlen_attention, values=None, descales=None):
+                       varlen_attention, values=None, descales=None, sm_margin=0):
     """The reference path: check the metadata on the host (it reads the lengths anyway), append
     in place through the caller's own tensors (any strides: advanced-index writes into
     k_cache / v_cache themselves, never into a reshaped copy), gather the live keys, attend.
@@ -498,7 +499,7 @@ def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         out, lse, _ = varlen_attention(
             q_packed, keys, values_, cu_seqlens_q,
             cu_seqlens_k, seqlen_q, max(lengths), 0.0, scale,
-            False, (window_left, window_right), softcap, alibi_slopes, False, True,
+            False, (window_left, window_right), softcap, alibi_slopes, False, True, sm_margin=sm_margin,
         )
     out = out.to(q.dtype).reshape(batch, seqlen_q, nheads, head_dim)
     if return_softmax_lse:

@@ -208,6 +208,16 @@ def as_int(name: str, value, accepted: str = "", allow_device: bool = False) -> 
         raise TypeError(f"{name} must be an int{hint}, got {type(value).__name__} {value!r}") from None
 
 
+def check_sm_margin(sm_margin) -> int:
+    """sm_margin (FlashAttention-3's: SMs the persistent kernels leave free for other kernels,
+    e.g. communication) as a host int >= 0; integer-likes accepted, see `as_int`. Callers skip
+    the call when `type(sm_margin) is int and sm_margin >= 0`, the common case."""
+    value = as_int("sm_margin", sm_margin, ">= 0 (SMs left free for other kernels)")
+    if value < 0:
+        raise ValueError(f"sm_margin must be an int >= 0 (SMs left free for other kernels), got {value}")
+    return value
+
+
 def _check_alibi(alibi_slopes, batch, nheads, device):
     _require_tensor("alibi_slopes", alibi_slopes)
     if alibi_slopes.dtype != torch.float32:
