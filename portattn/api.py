@@ -17,7 +17,7 @@ import torch
 from . import dispatch
 from .ops import attention
 from .sinks import add_sink, check_s_aux
-from .validation import check_cu_seqlens, check_options, check_qkv, check_seqused_k, check_varlen
+from .validation import check_cu_seqlens, check_options, check_qkv, check_seqused_k, check_sm_margin, check_varlen
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -26,17 +26,19 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs, out=None, s_aux=None):
+                deterministic, return_attn_probs, out=None, s_aux=None, sm_margin=0):
     batch, seqlen_q, seqlen_k, nheads, _, head_dim = check_qkv(q, k, v, varlen=False)
     scale, window_left, window_right = check_options(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
         head_dim, q.device,
     )
+    if type(sm_margin) is not int or sm_margin < 0:
+        sm_margin = check_sm_margin(sm_margin)
     if out is None and s_aux is None:
         out, lse = attention(
             _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
             None, None, seqlen_q, seqlen_k, scale, window_left, window_right, float(softcap),
-            float(dropout_p), bool(deterministic), return_attn_probs,
+            float(dropout_p), bool(deterministic), return_attn_probs, sm_margin=sm_margin,
         )
         return (out, lse, None) if return_attn_probs else out
     s_aux = check_s_aux(s_aux, nheads, q.device)
@@ -45,6 +47,7 @@ def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
         None, None, seqlen_q, seqlen_k, scale, window_left, window_right, float(softcap),
         float(dropout_p), bool(deterministic), return_attn_probs, s_aux=s_aux, out=written,
+        sm_margin=sm_margin,
     )
     result = _finish_out(result, target)
     return (result, lse, None) if return_attn_probs else result
@@ -52,7 +55,7 @@ def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
 
 def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 return_attn_probs, seqused_k=None, out=None, s_aux=None):
+                 return_attn_probs, seqused_k=None, out=None, s_aux=None, sm_margin=0):
     _, total_q, total_k, nheads, _, head_dim = check_qkv(q, k, v, varlen=True)
     batch, max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                      max_seqlen_k, total_q, total_k, q.device)
@@ -60,11 +63,13 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
         head_dim, q.device,
     )
+    if type(sm_margin) is not int or sm_margin < 0:
+        sm_margin = check_sm_margin(sm_margin)
     if seqused_k is None and out is None and s_aux is None:
         out, lse = attention(
             _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
-            float(softcap), float(dropout_p), bool(deterministic), return_attn_probs,
+            float(softcap), float(dropout_p), bool(deterministic), return_attn_probs, sm_margin=sm_margin,
         )
         return (out, lse, None) if return_attn_probs else out
     seqused_k = check_seqused_k(seqused_k, batch, q.device)
@@ -74,7 +79,7 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
         float(softcap), float(dropout_p), bool(deterministic), return_attn_probs, seqused_k=seqused_k,
-        s_aux=s_aux, out=written,
+        s_aux=s_aux, out=written, sm_margin=sm_margin,
     )
     result = _finish_out(result, target)
     return (result, lse, None) if return_attn_probs else result
@@ -115,58 +120,63 @@ def _finish_out(result, target):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    out=None, s_aux=None):
+                    out=None, s_aux=None, sm_margin=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     return _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, out, s_aux)
+                       alibi_slopes, deterministic, return_attn_probs, out, s_aux, sm_margin)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, *, sm_margin=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     _check_packed("qkv", qkv, rank=5, count=3)
     return _dense_call(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                        causal, window_size, softcap, alibi_slopes, deterministic,
-                       return_attn_probs)
+                       return_attn_probs, None, None, sm_margin)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+                             deterministic=False, return_attn_probs=False, *, sm_margin=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     _check_packed("kv", kv, rank=5, count=2)
     return _dense_call(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
-                       window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                       window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None, None,
+                       sm_margin)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, seqused_k=None, out=None,
-                           s_aux=None, num_splits=0, q_descale=None, k_descale=None, v_descale=None):
+                           s_aux=None, num_splits=0, q_descale=None, k_descale=None, v_descale=None,
+                           sm_margin=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     if max_seqlen_q is None or max_seqlen_k is None:
         raise ValueError("max_seqlen_q and max_seqlen_k are required (ints: the longest query / key sequence)")
+    if type(sm_margin) is not int or sm_margin < 0:
+        sm_margin = check_sm_margin(sm_margin)
     if block_table is not None and torch.compiler.is_compiling():
         from .ops import compiled_paged_varlen
 
         return compiled_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                      softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                                     block_table, seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale)
+                                     block_table, seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale,
+                                     sm_margin)
     if (q_descale is not None or k_descale is not None or v_descale is not None
             or getattr(k, "dtype", None) is _FP8 or getattr(v, "dtype", None) is _FP8):
         return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                            return_attn_probs, block_table, seqused_k, out, s_aux, num_splits,
-                           q_descale, k_descale, v_descale)
+                           q_descale, k_descale, v_descale, sm_margin)
     if block_table is not None:
         if cu_seqlens_k is None and seqused_k is None:
             raise ValueError("with block_table, give each sequence's key count as seqused_k or cu_seqlens_k")
         in_place = _paged_varlen_in_place(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k,
                                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                                           causal, window_size, softcap, alibi_slopes, seqused_k, out,
-                                          s_aux, num_splits)
+                                          s_aux, num_splits, sm_margin=sm_margin)
         if in_place is not None:
             result, lse = in_place
             return (result, lse, None) if return_attn_probs else result
@@ -175,16 +185,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
             k, v, cu_seqlens_k = _gather_paged_varlen(k, v, block_table, cu_seqlens_k, max_seqlen_k, seqused_k)
             return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                deterministic, return_attn_probs, None, out, s_aux)
+                                deterministic, return_attn_probs, None, out, s_aux, sm_margin)
     if cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required without block_table (where each sequence's keys start)")
-    if seqused_k is None and out is None and s_aux is None:
-        return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                            deterministic, return_attn_probs)
     return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                        deterministic, return_attn_probs, seqused_k, out, s_aux)
+                        deterministic, return_attn_probs, seqused_k, out, s_aux, sm_margin)
 
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -192,7 +198,7 @@ _FP8 = getattr(torch, "float8_e4m3fn", None)
 
 def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                 causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
-                seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale):
+                seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale, sm_margin=0):
     """flash_attn_varlen_func on FP8 (e4m3) keys and values: a paged cache read in place by the
     decode kernels (dequantised in registers, as flash_attn_with_kvcache does), else the keys
     dequantised into q's dtype and attended as any varlen call. Inference only."""
@@ -213,7 +219,8 @@ def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             raise ValueError("with block_table, give each sequence's key count as seqused_k or cu_seqlens_k")
         in_place = _paged_varlen_in_place(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                                          alibi_slopes, seqused_k, out, s_aux, num_splits, k_descale, v_descale)
+                                          alibi_slopes, seqused_k, out, s_aux, num_splits, k_descale, v_descale,
+                                          sm_margin)
         if in_place is not None:
             result, lse = in_place
             return (result, lse, None) if return_attn_probs else result
@@ -230,29 +237,29 @@ def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     k, v = dequantize_packed(k, v, cu_seqlens_k, k_descale, v_descale, q.dtype)
     return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                        return_attn_probs, seqused_k, out, s_aux)
+                        return_attn_probs, seqused_k, out, s_aux, sm_margin)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, *, sm_margin=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     _check_packed("qkv", qkv, rank=4, count=3)
     return _varlen_call(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                         max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                        alibi_slopes, deterministic, return_attn_probs)
+                        alibi_slopes, deterministic, return_attn_probs, None, None, None, sm_margin)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, return_attn_probs=False):
+                                    deterministic=False, return_attn_probs=False, *, sm_margin=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
     _check_packed("kv", kv, rank=4, count=2)
     return _varlen_call(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                        alibi_slopes, deterministic, return_attn_probs)
+                        alibi_slopes, deterministic, return_attn_probs, None, None, None, sm_margin)
 
 
 def _check_packed(name, t, rank, count):
@@ -271,13 +278,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            k_descale=None, v_descale=None, q_descale=None, *, out=None, s_aux=None):
+                            k_descale=None, v_descale=None, q_descale=None, *, out=None, s_aux=None,
+                            sm_margin=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
+    if type(sm_margin) is not int or sm_margin < 0:
+        sm_margin = check_sm_margin(sm_margin)
     if out is not None or s_aux is not None:
         return _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                     window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                    return_softmax_lse, out, s_aux, k_descale, v_descale, q_descale)
+                                    return_softmax_lse, out, s_aux, k_descale, v_descale, q_descale, sm_margin)
     if torch.compiler.is_compiling():
         from .kvcache import _check_descales
         from .ops import compiled_kvcache
@@ -287,19 +297,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                 rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, k_descale,
-                                v_descale)
+                                v_descale, sm_margin)
     return _attend_to_cache()(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, return_softmax_lse, num_splits, flash_attn_varlen_func,
-        k_descale, v_descale, q_descale,
+        k_descale, v_descale, q_descale, sm_margin,
     )
 
 
 def _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                          rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, out, s_aux,
-                         k_descale=None, v_descale=None, q_descale=None):
+                         k_descale=None, v_descale=None, q_descale=None, sm_margin=0):
     """flash_attn_with_kvcache with `out=` or sinks: the call as usual, then the sinks folded in
     (sinks.py) and the result copied into out (a decode step's output is a few rows)."""
     if isinstance(q, torch.Tensor) and q.dim() == 4:
@@ -308,7 +318,7 @@ def _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     result, lse = flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-        True, k_descale, v_descale, q_descale)
+        True, k_descale, v_descale, q_descale, sm_margin=sm_margin)
     if s_aux is not None:
         add_sink(result, lse, s_aux, False)
     if out is not None:
@@ -353,6 +363,10 @@ _SHARED_ARGS = """\
         runs give bitwise equal gradients (it costs time and fp32 dQ copies; README).
     return_attn_probs: bool. When True, return (out, softmax_lse, None). The probability matrix
         itself is never materialised (flash-attn returns it there, for testing only).
+    sm_margin: int >= 0, keyword only (FlashAttention-3's). SMs the kernels leave free for other
+        kernels running at the same time, e.g. communication in context parallelism: grids
+        sized by the SM count (the Hopper forward's persistent one, the decode split count)
+        plan for max(1, SMs - sm_margin). Results do not depend on it. Default 0.
 """
 
 _SEMANTICS = """\
@@ -505,6 +519,7 @@ Arguments:
     num_splits: int. How many thread blocks share one sequence's keys (split-KV). 0 (default)
         chooses from the shapes and the GPU; an explicit count is honoured up to 128.
     return_softmax_lse: bool. Also return softmax_lse.
+    sm_margin: int >= 0, keyword only: SMs left free for other kernels, as in flash_attn_func.
     k_descale, v_descale: float32 tensors (batch, nheads_k), or None (1.0), with k_cache and
         v_cache of torch.float8_e4m3fn (FlashAttention-3's FP8 cache): the key attended to is
         k_cache[...] * k_descale[b, hk], the value likewise; new k and v (of q's dtype) are
@@ -542,7 +557,7 @@ PAGED_IN_PLACE_MAX_QUERIES = 2048
 def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, seqused_k=None, out=None, s_aux=None,
-                           num_splits=0, k_descale=None, v_descale=None):
+                           num_splits=0, k_descale=None, v_descale=None, sm_margin=0):
     """(out, lse) of a paged varlen inference call on a GPU, read in place by the decode
     kernels; None when this path cannot serve it (it is then gathered first).
 
@@ -600,7 +615,7 @@ def _paged_varlen_in_place(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_se
                              softcap=float(softcap), alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
                              num_splits=num_splits, out=written, errors=_error_buffer(q.device),
-                             k_descale=k_descale, v_descale=v_descale, **lengths)
+                             k_descale=k_descale, v_descale=v_descale, sm_margin=sm_margin, **lengths)
     if s_aux is not None:
         add_sink(result, lse, s_aux, True)
     return _finish_out(result, target), lse

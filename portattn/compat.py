@@ -123,7 +123,7 @@ _RING_MODULES = ("llama3_flash_attn_varlen", "ring_flash_attn", "ring_flash_attn
                  "zigzag_ring_flash_attn", "zigzag_ring_flash_attn_varlen", "stripe_flash_attn")
 
 
-def import_ring_flash_attn(merge: str = "auto", backward: str = "portattn"):
+def import_ring_flash_attn(merge: str = "auto", backward: str = "portattn", sm_margin: int = 0):
     """`import ring_flash_attn`, on portattn, with or without transformers 4.x.
 
     Calls provide_flash_attn() first. When the package imports normally (transformers
@@ -140,10 +140,15 @@ def import_ring_flash_attn(merge: str = "auto", backward: str = "portattn"):
 
     `backward` picks the zigzag backward (install_ring_backward): "portattn" (default) sends
     each rank's bf16 partial dK/dV to the block's owner, "ring" ring-flash-attn's own fp32 ring
-    of accumulators."""
+    of accumulators.
+
+    `sm_margin` (int >= 0): SMs every attention call of its forwards and backwards leaves
+    free for the ring's send/recv kernels (install_ring_sm_margin). 0 (default) calls
+    portattn's functions unchanged."""
     package = _import_ring_package()
     install_ring_merge(merge)
     install_ring_backward(backward)
+    install_ring_sm_margin(sm_margin)
     return package
 
 
@@ -271,6 +276,73 @@ def install_ring_backward(mode: str = "portattn") -> str:
     return message
 
 
+# Note [ring sm_margin]
+# Each step of a ring forward or backward runs its attention kernel while NCCL's send/recv
+# kernel for the next step holds some SMs; a persistent attention grid deals its tiles out
+# at launch, so the CTAs that wait for those SMs run their whole share late
+# (docs/context-parallel.md). sm_margin makes those grids leave SMs free. ring-flash-attn
+# calls the low-level functions with the keyword arguments it knows (built from their
+# signatures by its utils.get_default_args), never with sm_margin, so the functions its
+# attention modules imported are replaced there by wrappers that pass it, and whose
+# signature shows it as sm_margin's default (get_default_args then passes it as well).
+_RING_LOW_LEVEL = ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+                   "_flash_attn_varlen_backward")
+
+
+def _with_sm_margin(function, sm_margin: int):
+    import functools
+    import inspect
+
+    signature = inspect.signature(function)
+    position = list(signature.parameters).index("sm_margin")
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if len(args) <= position:  # (given by position, the caller's value stands)
+            kwargs.setdefault("sm_margin", sm_margin)
+        return function(*args, **kwargs)
+
+    # inspect.getfullargspec (get_default_args) reads __signature__, not __wrapped__.
+    call.__signature__ = signature.replace(parameters=[
+        p.replace(default=sm_margin) if p.name == "sm_margin" else p for p in signature.parameters.values()])
+    call.__portattn_sm_margin__ = sm_margin
+    return call
+
+
+def install_ring_sm_margin(sm_margin: int = 0) -> str:
+    """Make ring-flash-attn's attention modules call the low-level functions they imported with
+    `sm_margin` (Note [ring sm_margin]): wrappers that pass it where it is > 0, the functions
+    themselves where it is 0. Call after import_ring_flash_attn (which calls this with its
+    `sm_margin`); returns a line saying what it did. A margin > 0 needs portattn's functions
+    there: a real flash-attn 2 left in place (provide_flash_attn without force) takes none."""
+    import importlib
+    import inspect
+
+    from .validation import check_sm_margin
+
+    sm_margin = check_sm_margin(sm_margin)
+    targets = []  # (module, function name, the function it imported)
+    for name in _RING_MODULES:
+        module = importlib.import_module(f"ring_flash_attn.{name}")
+        for function_name in _RING_LOW_LEVEL:
+            function = getattr(module, function_name, None)
+            if function is None:
+                continue
+            if hasattr(function, "__portattn_sm_margin__"):
+                function = function.__wrapped__
+            if sm_margin and "sm_margin" not in inspect.signature(function).parameters:
+                raise ValueError(f"ring_flash_attn.{name}.{function_name} takes no sm_margin: it is "
+                                 f"{function.__module__}'s, not portattn's (provide_flash_attn(force=True) "
+                                 f"before importing ring_flash_attn makes it portattn's)")
+            targets.append((module, function_name, function))
+    for module, function_name, function in targets:
+        setattr(module, function_name, _with_sm_margin(function, sm_margin) if sm_margin else function)
+    patched = ", ".join(f"{module.__name__.rpartition('.')[2]}.{function_name}" for module, function_name, _ in targets)
+    message = f"portattn: ring-flash-attn's attention modules call with sm_margin={sm_margin} ({patched})"
+    _LOG.info(message)
+    return message
+
+
 def ring_backward_mode() -> str:
     """The zigzag backward ring-flash-attn calls now: "portattn" or "ring"."""
     import importlib
@@ -279,3 +351,11 @@ def ring_backward_mode() -> str:
 
     module = importlib.import_module("ring_flash_attn.zigzag_ring_flash_attn")
     return "portattn" if module.zigzag_ring_flash_attn_backward is zigzag_ring_flash_attn_backward else "ring"
+
+
+def ring_sm_margin() -> int:
+    """The sm_margin ring-flash-attn's attention modules pass now (0: none)."""
+    import importlib
+
+    module = importlib.import_module("ring_flash_attn.zigzag_ring_flash_attn")
+    return getattr(module._flash_attn_forward, "__portattn_sm_margin__", 0)

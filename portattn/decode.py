@@ -75,6 +75,7 @@ def choose_num_splits(base_ctas: int, key_stages: int, slots: int, stages_per_sp
     return next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_EFFICIENCY_SLACK * best)
 
 
+_FP8 = getattr(torch, "float8_e4m3fn", None)
 _SLOTS: dict = {}
 # Whether the current stream is capturing a CUDA graph (torch.cuda.is_current_stream_capturing
 # minus its Python wrapper; HIP builds answer for HIP graphs).
@@ -101,7 +102,8 @@ def key_bucket(keys: int) -> int:
     """keys rounded up to a multiple of a quarter of its power of two (at least 64): at most
     4 buckets per doubling, at most 25% (or 63 keys) over. Planning for a few more keys than there are only leaves
     the last split shorter: each split takes an equal share of the actual keys on the device."""
-    step = max(64, 1 << max(0, keys.bit_length() - 3))
+    # 1 << (bit_length - 3) is at most 64 below 512 keys: one comparison instead of two max().
+    step = 1 << (keys.bit_length() - 3) if keys >= 512 else 64
     return -(-keys // step) * step
 
 
@@ -135,7 +137,7 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
                num_splits: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                max_seqlen_k: int = 0, cache_seqlens=None, seqlen_new: int = 0, cache_leftpad=None,
                cache_batch_idx=None, block_table=None, out=None, lse=None, errors=None,
-               k_descale=None, v_descale=None):
+               k_descale=None, v_descale=None, sm_margin=0):
     """One decode call on `backend` (a compiled backend with decode kernels): (out, lse).
 
     lse is (batch, nheads, seqlen_q), or (nheads, total_q) with cu_seqlens_q, or None
@@ -144,6 +146,10 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     `lse` may be passed in already allocated. `errors`: the device's error buffer
     (portattn/errors.py) where the kernels record out-of-range cache metadata, or None.
     k and v may be float8_e4m3fn caches with fp32 (batch, nheads_k) descales or None (1.0).
+    sm_margin: SMs to leave free for other kernels (validated), taken off the SMs the split
+    count is planned for, as FlashAttention-3 does: the decode grid is not persistent (the
+    hardware hands its CTAs to whichever SMs are free), but a grid planned to fill every SM in
+    one wave would need a second, mostly empty wave while another kernel holds some of them.
 
     A decode step of generation runs this once per layer, so the arguments are positional
     all the way to the C call (ops.run_forward passes them so): keyword passing through the
@@ -156,7 +162,8 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     else:
         batch, seqlen_q, nheads, head_dim = q.shape
         lse_shape = (batch, nheads, seqlen_q)
-    nheads_k = k.shape[-2]
+    k_shape = k.shape
+    nheads_k = k_shape[-2]
     if out is None:
         out = torch.empty_like(q)
     if lse is None and need_lse:
@@ -164,13 +171,12 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     if out.numel() == 0:
         return out, lse
     if block_table is not None:
-        key_capacity = block_table.shape[1] * k.shape[1]
+        key_capacity = block_table.shape[1] * k_shape[1]
     elif cu_seqlens_k is not None:
         key_capacity = max_seqlen_k
     else:
-        key_capacity = k.shape[1]
-    fp8_kv = k.dtype is torch.float8_e4m3fn
-    device = q.device
+        key_capacity = k_shape[1]
+    fp8_kv = k.dtype is _FP8
     keys = key_bucket(key_capacity)
     # Short eager calls run unsplit (EAGER_UNSPLIT_MAX_KEYS); only they query the capture state.
     eager_short = num_splits == 0 and keys <= EAGER_UNSPLIT_MAX_KEYS and _capturing is not None and not _capturing()
@@ -178,13 +184,18 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     # by softcap/ALiBi (registers) and by q's dtype: each its own plan.
     extras = softcap > 0.0 or alibi_slopes is not None
     path = backend.decode_path_id() if fp8_kv else 0
-    plan_key = (device.index, head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short,
-                q.dtype, extras, path)
+    # q.get_device(): the GPU's index as an int, without building a torch.device.
+    plan_key = (q.get_device(), head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short,
+                sm_margin, q.dtype, extras, path)
     splits = _PLANS.get(plan_key)
     if splits is None:
+        device = q.device
         tile = backend.decode_tile(head_dim, device, fp8_kv, q.dtype, extras, path)
         m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
         sms, slots = resident_slots(device, tile)
+        if sm_margin:
+            free = max(1, sms - sm_margin)
+            sms, slots = free, slots // sms * free
         splits = _remember_plan(plan_key, 1 if eager_short else choose_num_splits(
             batch * nheads_k * m_tiles, -(-keys // tile["stage_keys"]), slots,
             MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits, sms,
@@ -194,7 +205,7 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
         # One allocation for both: (splits, batch, nheads, seqlen_q, head_dim) partial outputs,
         # then (splits, batch, nheads, seqlen_q) partial LSEs (16-byte aligned: head_dim % 8 == 0).
         rows = splits * batch * nheads * seqlen_q
-        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=device)
+        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
         o_partial = workspace.data_ptr()
         lse_partial = o_partial + rows * head_dim * 4
     backend.decode(

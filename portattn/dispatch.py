@@ -47,6 +47,9 @@ _DTYPE_NAMES = {
 }
 
 
+_UNDECIDED = object()  # decode_backend_for's cached answer may be None
+
+
 class UnsupportedCallError(ValueError):
     """The backend the user forced cannot run this call (the message lists why)."""
 
@@ -141,7 +144,9 @@ class Dispatcher:
 
     # ---- the hot path -------------------------------------------------------------
     def backend_for(self, device: torch.device, dtype: torch.dtype, head_dim: int, bits: int) -> Backend:
-        key = (device.type, device.index, dtype, head_dim, bits)
+        # The device object itself is the key's first part: hashing it is cheaper than reading
+        # its type and index (two attribute reads that build objects) on every call.
+        key = (device, dtype, head_dim, bits)
         backend = self._decisions.get(key)
         if backend is None:
             backend = self._decide(key, device, dtype, head_dim, bits)
@@ -151,9 +156,10 @@ class Dispatcher:
         """The compiled backend whose decode kernels serve this call (`bits` has "decode"),
         or None: the caller then gathers the cache into a packed varlen call, which
         dispatches (and warns, or raises for a forced backend) like any other call."""
-        key = ("decode", device.type, device.index, dtype, head_dim, bits)
-        if key in self._decisions:
-            return self._decisions[key]
+        key = ("decode", device, dtype, head_dim, bits)
+        chosen = self._decisions.get(key, _UNDECIDED)
+        if chosen is not _UNDECIDED:
+            return chosen
         if self.config_error:
             raise ValueError(self.config_error)
         call = call_spec(device, dtype, head_dim, bits)

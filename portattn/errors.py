@@ -36,7 +36,10 @@ ACCEPTED = {
     "block_table": "[0, num_pages - 1] for every page the sequence reads or writes",
 }
 
-_BUFFERS: dict = {}
+_BUFFERS: dict = {}  # (device type, index) -> buffer
+# The same buffers by torch.device (those naming their index): every decode call asks, and the
+# (type, index) key cost ~2 us a call to build on the CI machine's CPU.
+_BY_DEVICE: dict = {}
 _LOCK = threading.Lock()
 
 
@@ -45,14 +48,20 @@ def error_buffer(device: torch.device) -> torch.Tensor:
 
     Allocated outside any CUDA-graph capture in practice: the first decode call on a device
     (the warm-up every capture needs) creates it; later calls only look it up."""
-    key = (device.type, device.index if device.index is not None or device.type != "cuda"
-           else torch.cuda.current_device())
+    buffer = _BY_DEVICE.get(device)  # a decode call's path: one hash of the device object
+    if buffer is not None:
+        return buffer
+    index = device.index
+    resolved = index is not None or device.type != "cuda"  # a bare "cuda" means the current GPU
+    key = (device.type, index if resolved else torch.cuda.current_device())
     buffer = _BUFFERS.get(key)
     if buffer is None:
         with _LOCK:
             buffer = _BUFFERS.get(key)
             if buffer is None:
                 buffer = _BUFFERS[key] = torch.zeros(ERROR_SLOTS, dtype=torch.int32, device=device)
+    if resolved:
+        _BY_DEVICE[device] = buffer
     return buffer
 
 

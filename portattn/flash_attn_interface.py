@@ -16,7 +16,11 @@ Deliberate differences, as in README:
 - The backward returns `softmax_d` = rowsum(dout * out) as (batch, nheads, seqlen_q)
   / (nheads, total_q) float32, without flash-attn's padding to 128 rows.
 - `zero_tensors` and `num_splits` are accepted and ignored (every element is written;
-  splits are a tuning hint). `seqused_k` is honoured in the forward (sequence b uses its first
+  splits are a tuning hint).
+- `sm_margin` (FlashAttention-3's, not in flash-attn 2; last parameter, default 0): SMs the
+  kernels leave free for other kernels, e.g. ring attention's communication
+  (compat.install_ring_sm_margin passes it for ring-flash-attn). The backward functions take
+  it too, for FlashAttention-3's signatures: no backward grid is sized by the SM count. `seqused_k` is honoured in the forward (sequence b uses its first
   seqused_k[b] keys); `leftpad_k` is refused with a ValueError.
 
 Nothing here records autograd history (flash-attn's low-level ops have no autograd
@@ -47,24 +51,25 @@ from .validation import (
     check_rng_state,
     check_same_layout,
     check_seqused_k,
+    check_sm_margin,
     check_softmax_lse,
     check_varlen,
 )
 
 
 def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                        window_size_right, softcap, alibi_slopes, return_softmax):
+                        window_size_right, softcap, alibi_slopes, return_softmax, sm_margin=0):
     """Dense forward. Returns (out, softmax_lse, S_dmask, rng_state); softmax_lse is
     float32 (batch, nheads, seqlen_q)."""
     return _forward(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal,
-                    window_size_left, window_size_right, softcap, alibi_slopes)
+                    window_size_left, window_size_right, softcap, alibi_slopes, None, sm_margin)
 
 
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p, softmax_scale, causal, window_size_left=-1,
                                window_size_right=-1, softcap=0.0, alibi_slopes=None,
                                return_softmax=False, block_table=None, leftpad_k=None,
-                               seqused_k=None, zero_tensors=False, num_splits=0):
+                               seqused_k=None, zero_tensors=False, num_splits=0, sm_margin=0):
     """Varlen forward. Returns (out, softmax_lse, S_dmask, rng_state); softmax_lse is
     float32 (nheads, total_q). With block_table, k and v are paged caches."""
     if leftpad_k is not None:
@@ -75,29 +80,29 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         seqused_k = None
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     softmax_scale, causal, window_size_left, window_size_right, softcap,
-                    alibi_slopes, seqused_k)
+                    alibi_slopes, seqused_k, sm_margin)
 
 
 def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
                          causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                         deterministic, rng_state=None):
+                         deterministic, rng_state=None, sm_margin=0):
     """Dense backward from the given out and softmax_lse, written into dq, dk, dv (any
     layout; None allocates). Returns softmax_d."""
     return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, None, None, None, None,
                      dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                     softcap, alibi_slopes, deterministic, rng_state)
+                     softcap, alibi_slopes, deterministic, rng_state, sm_margin)
 
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                 softmax_scale, causal, window_size_left, window_size_right,
                                 softcap, alibi_slopes, deterministic, rng_state=None,
-                                zero_tensors=False):
+                                zero_tensors=False, sm_margin=0):
     """Varlen backward (softmax_lse: (nheads, total_q)). Returns softmax_d."""
     return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                      window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-                     rng_state)
+                     rng_state, sm_margin)
 
 
 # ---- shared bodies ------------------------------------------------------------------
@@ -118,28 +123,33 @@ def _shape_and_options(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-             softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_k=None):
+             softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_k=None,
+             sm_margin=0):
     max_q, max_k, scale, left, right = _shape_and_options(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_left, window_right, softcap, alibi_slopes)
+    if type(sm_margin) is not int or sm_margin < 0:
+        sm_margin = check_sm_margin(sm_margin)
     if seqused_k is not None:
         check_seqused_k(seqused_k, cu_seqlens_q.shape[0] - 1, q.device)
     with torch.no_grad():
         out, lse, rng = run_forward(
             _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
             cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right, float(softcap),
-            float(dropout_p), True, seqused_k)
+            float(dropout_p), True, seqused_k, None, None, sm_margin)
     no_probabilities = torch.empty(0, dtype=q.dtype, device=q.device)
     return out, lse, no_probabilities, rng_state_tensor(rng)
 
 
 def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
               max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-              window_right, softcap, alibi_slopes, deterministic, rng_state):
+              window_right, softcap, alibi_slopes, deterministic, rng_state, sm_margin):
     varlen = cu_seqlens_q is not None
     max_q, max_k, scale, left, right = _shape_and_options(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_left, window_right, softcap, alibi_slopes)
+    if type(sm_margin) is not int or sm_margin < 0:
+        sm_margin = check_sm_margin(sm_margin)
     check_same_layout("dout", dout, "q", q)
     check_same_layout("out", out, "q", q)
     check_softmax_lse(softmax_lse, q, varlen)
@@ -153,7 +163,7 @@ def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seql
             _last_dim_contiguous(v), _last_dim_contiguous(out), _lse_for_backends(softmax_lse, q),
             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
             float(softcap), float(dropout_p), rng, bool(deterministic),
-            grads=tuple(written for written, _ in targets))
+            grads=tuple(written for written, _ in targets), sm_margin=sm_margin)
         for written, given in targets:
             if given is not None:
                 given.copy_(written)

@@ -29,7 +29,7 @@ import torch
 from . import dispatch
 from .decode import run_decode
 from .errors import error_buffer
-from .validation import _DTYPE_NAMES, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_options
+from .validation import _DTYPE_NAMES, HOST_CHECKED_DEVICE_TYPE, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_options
 
 # Opt-in host-side checks of the values the kernels otherwise clamp on the device.
 _DEBUG_CHECKS = os.environ.get("PORTATTN_DEBUG_CHECKS", "0") == "1"
@@ -40,7 +40,7 @@ def _int32_vector(name, value, batch, device):
         return torch.full((batch,), value, dtype=torch.int32, device=device)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be an int or an int32 tensor of shape ({batch},), got {type(value).__name__}")
-    if value.dtype != torch.int32 or tuple(value.shape) != (batch,):
+    if value.dtype != torch.int32 or value.shape != (batch,):
         raise ValueError(f"{name} must be an int32 tensor of shape ({batch},), got {value.dtype} {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"{name} must be on {device} (with q), got {value.device}")
@@ -186,31 +186,44 @@ def _check_descales(q, k_cache, k_descale, v_descale, q_descale, batch=None):
 
 
 def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, cache_batch_idx):
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(t.shape)}")
-    batch, _, nheads, head_dim = q.shape
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; supported dtypes: {_DTYPE_NAMES}")
+    """The tensors' shapes, dtypes and devices. Returns (q's shape, k_cache's shape, fp8, q's device):
+    attend_to_cache runs once per layer of every decode step, so each attribute is read once
+    and the per-tensor loops run only to name the culprit of a failed check."""
+    tensors = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    if not (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        for name, t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    q_shape, cache_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
+    if len(q_shape) != 4 or len(cache_shape) != 4 or len(v_shape) != 4:
+        for name, t in tensors:
+            if t.dim() != 4:
+                raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(t.shape)}")
+    batch, _, nheads, head_dim = q_shape
+    dtype = q.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {dtype}; supported dtypes: {_DTYPE_NAMES}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    nheads_k = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache's head dim {k_cache.shape[3]} differs from q's {head_dim}")
+    if cache_shape != v_shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(cache_shape)} and {tuple(v_shape)}")
+    nheads_k = cache_shape[2]
+    if cache_shape[3] != head_dim:
+        raise ValueError(f"k_cache's head dim {cache_shape[3]} differs from q's {head_dim}")
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
-    fp8 = _is_fp8_cache(k_cache)
-    if fp8 and q.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"an FP8 (float8_e4m3fn) cache needs a float16 or bfloat16 q, got {q.dtype}")
-    cache_dtype = k_cache.dtype if fp8 else q.dtype
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != cache_dtype or t.device != q.device:
-            raise ValueError(f"{name} must have q's dtype or torch.float8_e4m3fn (both caches the same) and q's "
-                             f"device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+    cache_dtype = k_cache.dtype
+    fp8 = FP8_KV_DTYPE is not None and cache_dtype == FP8_KV_DTYPE
+    if fp8 and dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"an FP8 (float8_e4m3fn) cache needs a float16 or bfloat16 q, got {dtype}")
+    device = q.device
+    if not fp8:
+        cache_dtype = dtype
+    if k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype or k_cache.device != device or v_cache.device != device:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != cache_dtype or t.device != device:
+                raise ValueError(f"{name} must have q's dtype or torch.float8_e4m3fn (both caches the same) and q's "
+                                 f"device ({dtype}, {device}), got {t.dtype}, {t.device}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append)")
     if k is not None:
@@ -237,21 +250,22 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, 
         check_block_table(block_table, batch, q.device)
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table")
-    elif k_cache.shape[0] < 1:
+    elif cache_shape[0] < 1:
         raise ValueError("k_cache must hold at least one sequence")
+    return q_shape, cache_shape, fp8, device
 
 
 def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                     window_size, softcap, rotary_interleaved, alibi_slopes, return_softmax_lse,
-                    num_splits, varlen_attention, k_descale=None, v_descale=None, q_descale=None):
-    _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, cache_batch_idx)
-    _check_descales(q, k_cache, k_descale, v_descale, q_descale)
-    fp8 = _is_fp8_cache(k_cache)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    device = q.device
+                    num_splits, varlen_attention, k_descale=None, v_descale=None, q_descale=None, sm_margin=0):
+    q_shape, cache_shape, fp8, device = _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table,
+                                                    cache_batch_idx)
+    if k_descale is not None or v_descale is not None or q_descale is not None or fp8:
+        _check_descales(q, k_cache, k_descale, v_descale, q_descale)
+    batch, seqlen_q, nheads, head_dim = q_shape
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = block_table.shape[1] * cache_shape[1] if paged else cache_shape[1]
     seqlen_new = 0 if k is None else k.shape[1]
     if rotary_cos is not None and rotary_cos.shape[0] < capacity:
         # flash-attn's rule (a shape check, no value read): every cache row has a position.
@@ -270,7 +284,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     scale, window_left, window_right = check_options(
         0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads, head_dim, device)
     values = None
-    if device.type == "cpu" or _DEBUG_CHECKS:  # free on the CPU; a sync on a GPU (opt-in)
+    if device.type == HOST_CHECKED_DEVICE_TYPE or _DEBUG_CHECKS:  # free on the CPU; a sync on a GPU (opt-in)
         values = _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_table, capacity, k_cache)
     if batch == 0:
         out = q.new_empty(q.shape)
@@ -279,7 +293,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     q_per_token = window_left >= 0 or window_right >= 0
 
     bits = dispatch.feature_bits(window_left, window_right, softcap, alibi_slopes is not None, 0.0,
-                                 nheads != k_cache.shape[2], False, paged_kv=paged, decode=True, fp8_kv=fp8)
+                                 nheads != cache_shape[2], False, paged, False, False, True, False, fp8)
     backend = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits)
     if fp8 and head_dim % FP8_KERNEL_HEAD_DIM_MULTIPLE:
         backend = None  # the e4m3 loads move 16 values at a time; the reference path serves it
@@ -293,7 +307,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         return _gather_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, leftpad,
             block_table, scale, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
-            return_softmax_lse, q_per_token, varlen_attention, values, descales)
+            return_softmax_lse, q_per_token, varlen_attention, values, descales, sm_margin)
 
     errors = error_buffer(device)
     q_in = q if q.stride(-1) == 1 else q.contiguous()
@@ -311,7 +325,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     out, lse = run_decode(  # by position: the hot path of a static cache's decode step
         backend, q_in, k_cache, v_cache, return_softmax_lse, scale, window_left, window_right, float(softcap),
         alibi_slopes, num_splits, None, None, 0, 0, cache_seqlens, seqlen_new, leftpad, cache_batch_idx,
-        block_table, None, None, errors, k_descale, v_descale)
+        block_table, None, None, errors, k_descale, v_descale, sm_margin)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -337,9 +351,10 @@ def dequantize_fp8(rows, descale, owner):
 
 
 def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale,
-                      causal, window_size, softcap, alibi_slopes, deterministic, return_lse):
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_lse, sm_margin=0):
     """flash_attn_varlen_func's signature on the reference backend directly (the FP8 gather path's
-    float32 call: dispatching it would warn about float32, not about what the caller asked)."""
+    float32 call: dispatching it would warn about float32, not about what the caller asked).
+    sm_margin: accepted and ignored, as the reference backend does."""
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     dispatch.get_backend("reference").forward(
@@ -407,7 +422,7 @@ def _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_tab
 def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        leftpad, block_table, scale, window_left, window_right, softcap,
                        rotary_interleaved, alibi_slopes, return_softmax_lse, q_per_token,
-                       varlen_attention, values=None, descales=None):
+                       varlen_attention, values=None, descales=None, sm_margin=0):
     """The reference path: check the metadata on the host (it reads the lengths anyway), append
     in place through the caller's own tensors (any strides: advanced-index writes into
     k_cache / v_cache themselves, never into a reshaped copy), gather the live keys, attend.
@@ -484,7 +499,7 @@ def _gather_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         out, lse, _ = varlen_attention(
             q_packed, keys, values_, cu_seqlens_q,
             cu_seqlens_k, seqlen_q, max(lengths), 0.0, scale,
-            False, (window_left, window_right), softcap, alibi_slopes, False, True,
+            False, (window_left, window_right), softcap, alibi_slopes, False, True, sm_margin=sm_margin,
         )
     out = out.to(q.dtype).reshape(batch, seqlen_q, nheads, head_dim)
     if return_softmax_lse:

@@ -19,7 +19,7 @@ from . import dispatch
 from .decode import prefers_decode, run_decode
 from .rng import NO_DROPOUT, PhiloxDraw, draw_from_state, draw_philox, rng_state_tensor
 from .sinks import add_sink, sink_grad
-from .validation import check_cu_seqlens_values, check_seqused_k_values
+from .validation import HOST_CHECKED_DEVICE_TYPE, check_cu_seqlens_values, check_seqused_k_values
 
 # By default no call reads a tensor's values on the host (a device sync, and a CUDA graph
 # capture breaker): cu_seqlens are trusted, as in flash-attn, and the kernels keep their
@@ -53,10 +53,10 @@ def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 def run_forward(
     q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale, window_left, window_right, softcap, dropout_p, need_lse=True,
-    seqused_k=None, s_aux=None, out=None,
+    seqused_k=None, s_aux=None, out=None, sm_margin=0,
 ):
     """Returns (out, lse, rng): rng is the dropout mask's key (rng.PhiloxDraw); lse is
-    None when not `need_lse`.
+    None when not `need_lse`. sm_margin: SMs the persistent grids leave free (validated).
 
     This is every call's hot path: each tensor attribute is read once, and an
     inference call that does not ask for the LSE does not allocate it (the
@@ -67,7 +67,7 @@ def run_forward(
     if s_aux is not None:
         out, lse, rng = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     softmax_scale, window_left, window_right, softcap, dropout_p, True,
-                                    seqused_k, None, out)
+                                    seqused_k, None, out, sm_margin)
         add_sink(out, lse, s_aux, cu_seqlens_q is not None)
         return out, lse, rng
     varlen = cu_seqlens_q is not None
@@ -76,19 +76,18 @@ def run_forward(
     lse = _empty_lse(q, varlen) if need_lse else None
     if out.numel() == 0:
         return out, lse, NO_DROPOUT
-    if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):  # free on the CPU: always there
+    if varlen and (_DEBUG_CHECKS or q.device.type == HOST_CHECKED_DEVICE_TYPE):  # free on the CPU: always there
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-    if _no_keys(k, varlen):
+    shape, k_shape = q.shape, k.shape
+    if (k_shape[0] if varlen else k_shape[1]) == 0:
         # Nothing to attend to: the documented result for an empty row.
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse, NO_DROPOUT
-    shape = q.shape
-    nheads, head_dim = shape[-2], shape[-1]
+    nheads, head_dim, nheads_k = shape[-2], shape[-1], k_shape[-2]
     bits = dispatch.feature_bits(
-        window_left, window_right, softcap, alibi_slopes is not None, dropout_p,
-        nheads != k.shape[-2], varlen,
+        window_left, window_right, softcap, alibi_slopes is not None, dropout_p, nheads != nheads_k, varlen,
     )
     device = q.device
     if seqused_k is not None:
@@ -102,18 +101,19 @@ def run_forward(
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
             window_left=window_left, window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
             dropout_p=dropout_p, rng_seed=rng.seed, rng_offset=rng.offset, rng_state=rng.state,
-            seqused_k=seqused_k,
+            seqused_k=seqused_k, sm_margin=sm_margin,
         )
         return out, lse, rng
-    if dropout_p == 0.0 and device.type == "cuda":
-        seqlen_q, seqlen_k = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
-        if prefers_decode(seqlen_q, nheads // k.shape[-2], seqlen_k):
-            decoder = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits | dispatch.DECODE_BIT)
-            if decoder is not None:
-                run_decode(decoder, q, k, v, lse is not None, softmax_scale, window_left, window_right, softcap,
-                           alibi_slopes, 0, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, 0,
-                           None, None, None, out, lse)
-                return out, lse, NO_DROPOUT
+    # No device-type test before the decode lookup: dispatch answers None for a device without
+    # decode kernels (cached per key), and the test cost more than that lookup's share.
+    if dropout_p == 0.0 and prefers_decode(max_seqlen_q if varlen else shape[1], nheads // nheads_k,
+                                           max_seqlen_k if varlen else k_shape[1]):
+        decoder = dispatch.DISPATCHER.decode_backend_for(device, q.dtype, head_dim, bits | dispatch.DECODE_BIT)
+        if decoder is not None:
+            run_decode(decoder, q, k, v, lse is not None, softmax_scale, window_left, window_right, softcap,
+                       alibi_slopes, 0, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, 0,
+                       None, None, None, out, lse, None, None, None, sm_margin)
+            return out, lse, NO_DROPOUT
     backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
     rng = draw_philox(device) if dropout_p > 0.0 else NO_DROPOUT
     backend.forward(
@@ -123,6 +123,7 @@ def run_forward(
         softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
         rng_seed=rng.seed, rng_offset=rng.offset, rng_state=rng.state,  # None: Backend's default
+        sm_margin=sm_margin,
     )
     return out, lse, rng
 
@@ -130,7 +131,7 @@ def run_forward(
 def run_backward(
     dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale, window_left, window_right, softcap, dropout_p, rng, deterministic,
-    grads=None, seqused_k=None,
+    grads=None, seqused_k=None, sm_margin=0,
 ):
     """Returns (dq, dk, dv): the given `grads` triple filled in, else new tensors. `rng`
     is the forward's dropout key (rng.PhiloxDraw).
@@ -141,7 +142,7 @@ def run_backward(
     varlen = cu_seqlens_q is not None
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if varlen and (_DEBUG_CHECKS or q.device.type == "cpu"):
+    if varlen and (_DEBUG_CHECKS or q.device.type == HOST_CHECKED_DEVICE_TYPE):
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     if grads is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -164,7 +165,7 @@ def run_backward(
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
         rng_seed=rng.seed, rng_offset=rng.offset, deterministic=deterministic,
         rng_state=rng.state,  # None: Backend's default
-        **extra,
+        sm_margin=sm_margin, **extra,
     )
     return dq, dk, dv
 
@@ -182,10 +183,10 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options):
         (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-         _deterministic) = options
+         _deterministic, sm_margin) = options
         out, lse, rng = run_forward(
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, window_left, window_right, softcap, dropout_p,
+            softmax_scale, window_left, window_right, softcap, dropout_p, True, None, None, None, sm_margin,
         )
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng.state)
         ctx.options = options
@@ -201,12 +202,12 @@ class AttentionFunction(torch.autograd.Function):
             return None, None, None, None, None, None, None
         q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
         (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-         deterministic) = ctx.options
+         deterministic, sm_margin) = ctx.options
         seed, offset = ctx.philox
         dq, dk, dv = run_backward(
             dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-            PhiloxDraw(seed, offset, rng_state), deterministic,
+            PhiloxDraw(seed, offset, rng_state), deterministic, None, None, sm_margin,
         )
         return dq, dk, dv, None, None, None, None
 
@@ -218,10 +219,10 @@ class ExtendedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, s_aux, options):
         (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-         _deterministic) = options
+         _deterministic, sm_margin) = options
         out, lse, rng = run_forward(
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, window_left, window_right, softcap, dropout_p, True, seqused_k, s_aux,
+            softmax_scale, window_left, window_right, softcap, dropout_p, True, seqused_k, s_aux, None, sm_margin,
         )
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, s_aux,
                               rng.state)
@@ -238,13 +239,13 @@ class ExtendedAttentionFunction(torch.autograd.Function):
         (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, s_aux,
          rng_state) = ctx.saved_tensors
         (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-         deterministic) = ctx.options
+         deterministic, sm_margin) = ctx.options
         seed, offset = ctx.philox
         # out and lse include the sinks: the kernels' backward is then the sinks' (sinks.py).
         dq, dk, dv = run_backward(
             dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-            PhiloxDraw(seed, offset, rng_state), deterministic, seqused_k=seqused_k,
+            PhiloxDraw(seed, offset, rng_state), deterministic, seqused_k=seqused_k, sm_margin=sm_margin,
         )
         ds_aux = None
         if s_aux is not None and ctx.needs_input_grad[7]:
@@ -261,11 +262,11 @@ def _fwd_op(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int,
     window_right: int, softcap: float, dropout_p: float, deterministic: bool,
-    seqused_k: Optional[torch.Tensor], s_aux: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor], s_aux: Optional[torch.Tensor], sm_margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, lse, rng = run_forward(
         q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, window_left, window_right, softcap, dropout_p, True, seqused_k, s_aux,
+        softmax_scale, window_left, window_right, softcap, dropout_p, True, seqused_k, s_aux, None, sm_margin,
     )
     # The philox seed/offset travel as a tensor so the compiled graph can save them.
     return out, lse, rng_state_tensor(rng)
@@ -273,7 +274,8 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux):
+              softmax_scale, window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux,
+              sm_margin):
     return torch.empty_like(q), _empty_lse(q, cu_seqlens_q is not None), torch.empty(2, dtype=torch.int64)
 
 
@@ -283,44 +285,45 @@ def _bwd_op(
     lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
     softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
-    rng_state: torch.Tensor, deterministic: bool, seqused_k: Optional[torch.Tensor],
+    rng_state: torch.Tensor, deterministic: bool, seqused_k: Optional[torch.Tensor], sm_margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return run_backward(
         dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-        draw_from_state(rng_state), deterministic, seqused_k=seqused_k,
+        draw_from_state(rng_state), deterministic, seqused_k=seqused_k, sm_margin=sm_margin,
     )
 
 
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-              rng_state, deterministic, seqused_k):
+              rng_state, deterministic, seqused_k, sm_margin):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-     softmax_scale, window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux) = inputs
+     softmax_scale, window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux,
+     sm_margin) = inputs
     out, lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, seqused_k,
                           s_aux)
     ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-                   softcap, dropout_p, deterministic)
+                   softcap, dropout_p, deterministic, sm_margin)
     ctx.mark_non_differentiable(lse, rng_state)
 
 
 def _fwd_backward(ctx, dout, _dlse, _drng):
     q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, seqused_k, s_aux = ctx.saved_tensors
     (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-     softcap, dropout_p, deterministic) = ctx.options
+     softcap, dropout_p, deterministic, sm_margin) = ctx.options
     dq, dk, dv = torch.ops.portattn.bwd(
         dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, rng_state,
-        deterministic, seqused_k,
+        deterministic, seqused_k, sm_margin,
     )
     ds_aux = None if s_aux is None else sink_grad(dout, out, lse, s_aux, cu_seqlens_q is not None)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, ds_aux
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, ds_aux, None
 
 
 torch.library.register_autograd("portattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
@@ -328,15 +331,16 @@ torch.library.register_autograd("portattn::fwd", _fwd_backward, setup_context=_f
 
 def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, window_left, window_right, softcap, dropout_p, deterministic,
-              need_lse=True, seqused_k=None, s_aux=None, out=None):
+              need_lse=True, seqused_k=None, s_aux=None, out=None, sm_margin=0):
     """Route one validated call to the cheapest correct path. Returns (out, lse).
 
     lse may be None for an eager call without gradients when `need_lse` is False. `out`
-    (inference only, checked by the caller) receives the result in place."""
+    (inference only, checked by the caller) receives the result in place. sm_margin
+    (validated) reaches the forward and the backward launches."""
     if torch.compiler.is_compiling():
         result, lse, _ = torch.ops.portattn.fwd(
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux)
+            window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux, sm_margin)
         if out is not None:
             out.copy_(result)
             return out, lse
@@ -344,14 +348,14 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                     (s_aux is not None and s_aux.requires_grad)):
         options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
-                   deterministic)
+                   deterministic, sm_margin)
         if seqused_k is None and s_aux is None:
             return AttentionFunction.apply(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options)
         return ExtendedAttentionFunction.apply(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                s_aux, options)
     result, lse, _ = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  softmax_scale, window_left, window_right, softcap, dropout_p, need_lse,
-                                 seqused_k, s_aux, out)
+                                 seqused_k, s_aux, out, sm_margin)
     return result, lse
 
 
@@ -360,7 +364,7 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 def _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-            alibi_slopes, num_splits, k_descale, v_descale):
+            alibi_slopes, num_splits, k_descale, v_descale, sm_margin):
     """The eager body of both kvcache ops (two ops only because their schemas differ: one
     mutates the caches)."""
     from .api import flash_attn_varlen_func
@@ -369,7 +373,8 @@ def _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     return attend_to_cache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
-        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func, k_descale, v_descale)
+        rotary_interleaved, alibi_slopes, True, num_splits, flash_attn_varlen_func, k_descale, v_descale,
+        None, sm_margin)
 
 
 def _fake_outputs(q):
@@ -384,17 +389,17 @@ def _kvcache_op(
     cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
     window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
-    num_splits: int, k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+    num_splits: int, k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], sm_margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _attend(q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                    cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                   rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale)
+                   rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale, sm_margin)
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                   block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  alibi_slopes, num_splits, k_descale, v_descale):
+                  alibi_slopes, num_splits, k_descale, v_descale, sm_margin):
     return _fake_outputs(q)
 
 
@@ -405,24 +410,24 @@ def _kvcache_append_op(
     cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
     window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
-    num_splits: int, k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+    num_splits: int, k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], sm_margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                    cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                   rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale)
+                   rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale, sm_margin)
 
 
 @_kvcache_append_op.register_fake
 def _kvcache_append_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                         rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale):
+                         rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale, sm_margin):
     return _fake_outputs(q)
 
 
 def compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                      rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, k_descale=None,
-                     v_descale=None):
+                     v_descale=None, sm_margin=0):
     """flash_attn_with_kvcache traced by torch.compile: one custom op, so the graph holds it
     whole (the CPU gather path reads lengths on the host, which dynamo could not trace).
     An append mutates the caches: a second op declares that, so the common read-only call
@@ -436,14 +441,14 @@ def compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         out, lse = torch.ops.portattn.kvcache(
             q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, int(left), int(right), float(softcap), bool(rotary_interleaved),
-            alibi_slopes, int(num_splits), k_descale, v_descale)
+            alibi_slopes, int(num_splits), k_descale, v_descale, sm_margin)
     else:
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k/v (where to write them)")
         out, lse = torch.ops.portattn.kvcache_append(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, int(left), int(right), float(softcap), bool(rotary_interleaved),
-            alibi_slopes, int(num_splits), k_descale, v_descale)
+            alibi_slopes, int(num_splits), k_descale, v_descale, sm_margin)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -454,7 +459,7 @@ def _paged_varlen_op(
     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float], causal: bool,
     window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
     s_aux: Optional[torch.Tensor], num_splits: int, q_descale: Optional[torch.Tensor],
-    k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+    k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], sm_margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from .api import flash_attn_varlen_func
 
@@ -462,20 +467,22 @@ def _paged_varlen_op(
         q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
         alibi_slopes=alibi_slopes, return_attn_probs=True, block_table=block_table, seqused_k=seqused_k,
-        s_aux=s_aux, num_splits=num_splits, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        s_aux=s_aux, num_splits=num_splits, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        sm_margin=sm_margin)
     return out, lse
 
 
 @_paged_varlen_op.register_fake
 def _paged_varlen_fake(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                        max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                       alibi_slopes, s_aux, num_splits, q_descale, k_descale, v_descale):
+                       alibi_slopes, s_aux, num_splits, q_descale, k_descale, v_descale, sm_margin):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def compiled_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                           softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                          block_table, seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale):
+                          block_table, seqused_k, out, s_aux, num_splits, q_descale, k_descale, v_descale,
+                          sm_margin=0):
     """flash_attn_varlen_func with block_table traced by torch.compile: one custom op whose body is
     the eager call (on a GPU the decode kernels read the pages in place; elsewhere the pages are
     gathered after the CPU's value checks, which dynamo could not trace). Inference only, as
@@ -485,7 +492,7 @@ def compiled_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_s
         result, lse = torch.ops.portattn.paged_varlen(
             q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
             int(max_seqlen_k), float(dropout_p), softmax_scale, bool(causal), int(left), int(right), float(softcap),
-            alibi_slopes, s_aux, int(num_splits), q_descale, k_descale, v_descale)
+            alibi_slopes, s_aux, int(num_splits), q_descale, k_descale, v_descale, sm_margin)
         if out is not None:
             result = out.copy_(result)
     return (result, lse, None) if return_attn_probs else result

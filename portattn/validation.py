@@ -29,6 +29,10 @@ except ImportError:  # numpy is optional: without it no numpy scalar can arrive
 # no backend's memory plan is meaningful.
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Tensors on this device type get their values (cu_seqlens, cache_seqlens, ...) checked on the
+# host on every call: there a read costs no device synchronisation. bench/tools/host_decode.py
+# clears it in its own process, to time the GPU path's Python on a CPU.
+HOST_CHECKED_DEVICE_TYPE = "cpu"
 _DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 
 
@@ -202,6 +206,16 @@ def as_int(name: str, value, accepted: str = "", allow_device: bool = False) -> 
         return operator.index(value)  # numpy integers and other __index__ types; not floats
     except TypeError:
         raise TypeError(f"{name} must be an int{hint}, got {type(value).__name__} {value!r}") from None
+
+
+def check_sm_margin(sm_margin) -> int:
+    """sm_margin (FlashAttention-3's: SMs the persistent kernels leave free for other kernels,
+    e.g. communication) as a host int >= 0; integer-likes accepted, see `as_int`. Callers skip
+    the call when `type(sm_margin) is int and sm_margin >= 0`, the common case."""
+    value = as_int("sm_margin", sm_margin, ">= 0 (SMs left free for other kernels)")
+    if value < 0:
+        raise ValueError(f"sm_margin must be an int >= 0 (SMs left free for other kernels), got {value}")
+    return value
 
 
 def _check_alibi(alibi_slopes, batch, nheads, device):

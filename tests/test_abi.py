@@ -35,12 +35,12 @@ def test_fwd_args_fills_the_fields_by_name(monkeypatch):
     assert (args.q, args.k, args.lse) == (q.data_ptr(), k.data_ptr(), lse.data_ptr())
     assert abi.workspace_shape(args) == (2, 4, 2, 16, 5, 7)
     assert (args.window_left, args.window_right, args.softcap, args.softmax_scale) == (3, 1, 7.5, 0.25)
-    assert (args.philox_seed, args.philox_offset, args.seqused_k) == (11, 12, 0)
+    assert (args.philox_seed, args.philox_offset, args.seqused_k, args.sm_margin) == (11, 12, 0, 0)
     assert (args.total_q, args.total_k, args.dtype, args.stream) == (5, 7, abi.DTYPE_CODES[torch.bfloat16], 99)
 
 
 def _fwd_args_by_name(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, right, softcap, alibi, dropout_p,
-                      seed, offset, rng_state=None):
+                      seed, offset, rng_state=None, seqused_k=None, sm_margin=0):
     """What abi.fwd_args must return, each field filled by its name (abi.fwd_args builds the tuple by
     position, for speed: this is the check that no two fields are swapped)."""
     varlen = cu_q is not None
@@ -58,12 +58,13 @@ def _fwd_args_by_name(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, left, 
         q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), out_strides=out.stride(),
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1], dtype=abi.DTYPE_CODES[q.dtype],
         batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        cu_seqlens_q=cu_q.data_ptr() if varlen else 0, cu_seqlens_k=cu_k.data_ptr() if varlen else 0, seqused_k=0,
+        cu_seqlens_q=cu_q.data_ptr() if varlen else 0, cu_seqlens_k=cu_k.data_ptr() if varlen else 0,
+        seqused_k=0 if seqused_k is None else seqused_k.data_ptr(),
         softmax_scale=scale, softcap=softcap, window_left=left, window_right=right,
         alibi_slopes=0 if alibi is None else alibi.data_ptr(),
         alibi_batch_stride=alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0,
         dropout_p=dropout_p, philox_seed=seed, philox_offset=offset, stream=1234, total_q=total_q,
-        total_k=total_k, philox_state=0 if rng_state is None else rng_state.data_ptr(),
+        total_k=total_k, philox_state=0 if rng_state is None else rng_state.data_ptr(), sm_margin=sm_margin,
     )
 
 
@@ -78,12 +79,17 @@ def test_fwd_args_positions_match_the_fields_in_every_layout(monkeypatch):
     cu_q, cu_k = torch.tensor([0, 5, 20], dtype=torch.int32), torch.tensor([0, 11, 30], dtype=torch.int32)
     slopes_1d, slopes_2d = torch.zeros(16), torch.zeros(3, 17)[:, :16]
     rng_state = torch.zeros(2, dtype=torch.int64)
+    seqused = torch.tensor([5, 19], dtype=torch.int32)
     calls = [
         (dense_q, dense_k, dense_k, dense_q.clone(), dense_lse, None, None, 0, 0, 0.5, -1, 0, 0.0, None, 0.0, 7, 8),
         (dense_q, dense_k, dense_k, dense_q, None, None, None, 0, 0, 0.5, 3, 2, 30.0, slopes_1d, 0.1, 7, 8, rng_state),
         (dense_q, dense_k, dense_k, dense_q, dense_lse, None, None, 0, 0, 0.5, -1, -1, 0.0, slopes_2d, 0.0, 0, 0),
         (packed_q, packed_k, packed_k, packed_q, packed_lse, cu_q, cu_k, 15, 19, 0.25, -1, 0, 0.0, slopes_1d, 0.0, 1, 2),
         (packed_q, packed_k, packed_k, packed_q, None, cu_q, cu_k, 15, 19, 0.25, 4, 5, 2.0, None, 0.2, 1, 2, rng_state),
+        (dense_q, dense_k, dense_k, dense_q, dense_lse, None, None, 0, 0, 0.5, -1, -1, 0.0, None, 0.0, 0, 0, None,
+         None, 8),
+        (packed_q, packed_k, packed_k, packed_q, packed_lse, cu_q, cu_k, 15, 19, 0.25, -1, 0, 0.0, None, 0.0, 1, 2,
+         None, seqused, 131),
     ]
     for call in calls:
         got = abi.fwd_args(*call)

@@ -130,3 +130,40 @@ def test_gradcheck_through_the_public_api():
         return portattn.flash_attn_func(q, k, v, causal=True, softcap=3.0, alibi_slopes=slopes.float())
 
     assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_sm_margin_is_accepted_and_changes_nothing_on_the_reference_backend():
+    """FlashAttention-3's sm_margin sizes persistent GPU grids only: the results are the same bits."""
+    q, k, v = rand(2, 9, 4, 16, grad=True), rand(2, 11, 2, 16, grad=True), rand(2, 11, 2, 16, grad=True)
+    results = []
+    for margin in (0, 8, 131):
+        out = portattn.flash_attn_func(q, k, v, causal=True, sm_margin=margin)
+        out.sum().backward()
+        results.append([out.detach()] + [t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    vq, vk = rand(9, 4, 16), rand(9, 2, 16)
+    assert torch.equal(portattn.flash_attn_varlen_func(vq, vk, vk, cu, cu, 5, 5, sm_margin=8),
+                       portattn.flash_attn_varlen_func(vq, vk, vk, cu, cu, 5, 5))
+    cache = rand(2, 16, 2, 16)
+    assert torch.equal(portattn.flash_attn_with_kvcache(q.detach()[:, :1], cache, cache, sm_margin=8),
+                       portattn.flash_attn_with_kvcache(q.detach()[:, :1], cache, cache))
+
+
+def test_sm_margin_reaches_the_backend_forward_and_backward(monkeypatch):
+    from portattn import dispatch
+
+    reference = dispatch.get_backend("reference")
+    seen = []
+    for method in ("forward", "backward"):
+        original = getattr(reference, method)
+        monkeypatch.setattr(reference, method,
+                            lambda *a, _m=method, _o=original, **kw: seen.append((_m, kw["sm_margin"])) or _o(*a, **kw))
+    q = rand(1, 5, 2, 8, grad=True)
+    portattn.flash_attn_func(q, q, q, sm_margin=7).sum().backward()
+    with torch.no_grad():
+        portattn.flash_attn_func(q, q, q, sm_margin=3)
+    assert seen == [("forward", 7), ("backward", 7), ("forward", 3)]

@@ -254,6 +254,7 @@ def test_bad_portattn_backend_reports_instead_of_crashing():
 
 def test_check_errors_reports_and_clears(monkeypatch):
     monkeypatch.setattr(errors, "_BUFFERS", {})
+    monkeypatch.setattr(errors, "_BY_DEVICE", {})
     device = torch.device("cpu")
     errors.check_errors()  # nothing recorded: no error
     errors.record(device, "block_table", 3, -7)
@@ -270,6 +271,7 @@ def test_reference_path_contains_bad_sequences_off_the_cpu(monkeypatch):
     from portattn import kvcache
 
     monkeypatch.setattr(errors, "_BUFFERS", {})
+    monkeypatch.setattr(errors, "_BY_DEVICE", {})
     torch.manual_seed(5)
     q = torch.randn(3, 1, 2, 8)
     k_cache, v_cache = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)  # 4 pages of 4

@@ -176,3 +176,79 @@ def test_rotary_bad_arguments_are_named():
         rotary.apply_rotary_emb(x, cos.float(), sin.float(), seqlen_offsets=torch.tensor([1, 2]))
     with pytest.raises(TypeError, match="seqlen_offsets must be an int"):
         rotary.apply_rotary_emb(x, cos.float(), sin.float(), seqlen_offsets=1.5)
+
+
+# ---- ring-flash-attn's calls with sm_margin (Note [ring sm_margin] in portattn/compat.py) ----
+needs_ring = pytest.mark.skipif(importlib.util.find_spec("ring_flash_attn") is None,
+                                reason="ring-flash-attn is not installed (pip install -e '.[test]')")
+
+
+@pytest.fixture
+def ring_with_margin():
+    """ring_flash_attn imported on portattn; its modules call plain portattn functions afterwards."""
+    compat.import_ring_flash_attn(merge="ring")
+    yield
+    compat.install_ring_sm_margin(0)
+
+
+@needs_ring
+def test_ring_modules_pass_sm_margin_through_their_own_keyword_building(ring_with_margin, monkeypatch):
+    from ring_flash_attn import stripe_flash_attn, zigzag_ring_flash_attn_varlen
+    from ring_flash_attn.utils import get_default_args
+
+    assert "sm_margin=8" in compat.install_ring_sm_margin(8)
+    assert compat.ring_sm_margin() == 8
+    seen = []
+    # The shared bodies take sm_margin last, by position.
+    for body in ("_forward", "_backward"):
+        original = getattr(flash_attn_interface, body)
+        monkeypatch.setattr(flash_attn_interface, body,
+                            lambda *a, _b=body, _o=original: seen.append((_b, a[-1])) or _o(*a))
+    # Called as ring-flash-attn calls them: a keyword dict from get_default_args, its own keys set.
+    q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
+    params = get_default_args(stripe_flash_attn._flash_attn_forward).copy()
+    params.update(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=None, causal=True, alibi_slopes=None,
+                  return_softmax=False, window_size_left=-1, window_size_right=-1)
+    out, lse, _, rng_state = stripe_flash_attn._flash_attn_forward(**params)
+    params = get_default_args(stripe_flash_attn._flash_attn_backward).copy()
+    params.update(dout=torch.randn_like(out), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=None, dk=None, dv=None,
+                  dropout_p=0.0, softmax_scale=None, causal=True, alibi_slopes=None, deterministic=False,
+                  window_size_left=-1, window_size_right=-1)
+    stripe_flash_attn._flash_attn_backward(**params)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    zigzag_ring_flash_attn_varlen._flash_attn_varlen_forward(q[0], k[0], v[0], cu, cu, 6, 6, 0.0, None, True)
+    zigzag_ring_flash_attn_varlen._flash_attn_varlen_forward(q[0], k[0], v[0], cu, cu, 6, 6, 0.0, None, True,
+                                                             sm_margin=2)  # the caller's own value stands
+    assert seen == [("_forward", 8), ("_backward", 8), ("_forward", 8), ("_forward", 2)]
+
+
+@needs_ring
+def test_ring_sm_margin_0_restores_portattns_functions_and_bad_values_are_named(ring_with_margin):
+    from ring_flash_attn import ring_flash_attn, ring_flash_attn_varlen
+
+    compat.install_ring_sm_margin(131)
+    assert ring_flash_attn._flash_attn_forward is not flash_attn_interface._flash_attn_forward
+    compat.install_ring_sm_margin(16)  # wraps portattn's function again, not the last wrapper
+    assert ring_flash_attn._flash_attn_backward.__wrapped__ is flash_attn_interface._flash_attn_backward
+    compat.install_ring_sm_margin(0)
+    assert ring_flash_attn._flash_attn_forward is flash_attn_interface._flash_attn_forward
+    assert ring_flash_attn_varlen._flash_attn_varlen_backward is flash_attn_interface._flash_attn_varlen_backward
+    assert compat.ring_sm_margin() == 0
+    with pytest.raises(ValueError, match="sm_margin must be an int >= 0"):
+        compat.import_ring_flash_attn(sm_margin=-1)
+    with pytest.raises(TypeError, match="sm_margin must be an int >= 0"):
+        compat.install_ring_sm_margin(1.0)
+
+
+@needs_ring
+def test_ring_sm_margin_refuses_a_real_flash_attn_2_left_in_place(ring_with_margin, monkeypatch):
+    from ring_flash_attn import ring_flash_attn
+
+    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                            softcap, alibi_slopes, return_softmax):  # flash-attn 2's: no sm_margin
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(ring_flash_attn, "_flash_attn_forward", _flash_attn_forward)
+    with pytest.raises(ValueError, match="ring_flash_attn.ring_flash_attn._flash_attn_forward takes no sm_margin"):
+        compat.install_ring_sm_margin(8)
+    assert ring_flash_attn._flash_attn_backward is flash_attn_interface._flash_attn_backward  # nothing patched

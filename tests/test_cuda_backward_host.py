@@ -140,6 +140,7 @@ def test_too_small_workspace_is_a_clear_error(module):
                        dtype=1, batch=b, nheads=h, nheads_k=h, headdim=d, seqlen_q=s, seqlen_k=s,
                        cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, softmax_scale=0.125, softcap=0.0,
                        window_left=-1, window_right=-1, alibi_slopes=0, alibi_batch_stride=0, dropout_p=0.0,
-                       philox_seed=0, philox_offset=0, stream=0, total_q=0, total_k=0, philox_state=0)
+                       philox_seed=0, philox_offset=0, stream=0, total_q=0, total_k=0, philox_state=0,
+                       sm_margin=0)
     with pytest.raises(RuntimeError, match="workspace smaller"):
         module.bwd(256, strides, 256, strides, 256, strides, 256, strides, 0, 0, False, *fwd_args)

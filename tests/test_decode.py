@@ -250,3 +250,20 @@ def test_plan_cache_is_keyed_by_key_length_buckets():
     assert len(buckets) <= 4 * 17
     for n in (1, 63, 64, 65, 1000, 1024, 1025, 8191, 8193, 65536):
         assert n <= decode.key_bucket(n) <= max(n + 63, 1.25 * n)
+
+
+def test_sm_margin_is_taken_off_the_sms_the_split_count_is_planned_for(monkeypatch):
+    """FlashAttention-3's sm_margin: the planner sees SMs - sm_margin SMs (their slots with them), and
+    plans once per margin (the margin is part of the plan's key)."""
+    monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(decode, "_capturing", lambda: True)
+    monkeypatch.setattr(decode, "resident_slots", lambda device, tile: (132, H100_SLOTS))
+    backend = _RecordingBackend()
+    q = torch.randn(16, 1, 16, 64)
+    k = v = torch.zeros(1, 1, 4, 64).expand(16, 8192, 4, 64)  # (the recorder reads only shapes)
+    for margin in (0, 20, 0, 131, 500):
+        decode.run_decode(backend, q, k, v, False, 0.125, -1, 0, 0.0, None, sm_margin=margin)
+    stages, per_split = 8192 // 64, decode.MIN_KEYS_PER_SPLIT // 64
+    expected = [decode.choose_num_splits(64, stages, 2 * sms, per_split, sms=sms) for sms in (132, 112, 132, 1, 1)]
+    assert backend.splits == expected
+    assert expected[:2] == [4, 3]  # 64 CTAs: 4 splits fill 264 slots; 3 fill 224 (4 would need 2 waves)

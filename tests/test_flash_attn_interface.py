@@ -8,14 +8,15 @@ import portattn
 from naive import naive_attention
 from portattn import flash_attn_interface as fai
 
-# flash-attn 2.8.3's signatures (flash_attn/flash_attn_interface.py): (name, default or REQUIRED).
+# flash-attn 2.8.3's signatures (flash_attn/flash_attn_interface.py): (name, default or REQUIRED),
+# each followed by FlashAttention-3's sm_margin.
 REQUIRED = inspect.Parameter.empty
 SIGNATURES = {
     "_flash_attn_forward": [
         ("q", REQUIRED), ("k", REQUIRED), ("v", REQUIRED), ("dropout_p", REQUIRED),
         ("softmax_scale", REQUIRED), ("causal", REQUIRED), ("window_size_left", REQUIRED),
         ("window_size_right", REQUIRED), ("softcap", REQUIRED), ("alibi_slopes", REQUIRED),
-        ("return_softmax", REQUIRED)],
+        ("return_softmax", REQUIRED), ("sm_margin", 0)],
     "_flash_attn_varlen_forward": [
         ("q", REQUIRED), ("k", REQUIRED), ("v", REQUIRED), ("cu_seqlens_q", REQUIRED),
         ("cu_seqlens_k", REQUIRED), ("max_seqlen_q", REQUIRED), ("max_seqlen_k", REQUIRED),
@@ -23,13 +24,13 @@ SIGNATURES = {
         ("window_size_left", -1), ("window_size_right", -1), ("softcap", 0.0),
         ("alibi_slopes", None), ("return_softmax", False), ("block_table", None),
         ("leftpad_k", None), ("seqused_k", None), ("zero_tensors", False),
-        ("num_splits", 0)],  # num_splits: flash-attn after 2.8.3
+        ("num_splits", 0), ("sm_margin", 0)],  # num_splits: flash-attn after 2.8.3
     "_flash_attn_backward": [
         ("dout", REQUIRED), ("q", REQUIRED), ("k", REQUIRED), ("v", REQUIRED), ("out", REQUIRED),
         ("softmax_lse", REQUIRED), ("dq", REQUIRED), ("dk", REQUIRED), ("dv", REQUIRED),
         ("dropout_p", REQUIRED), ("softmax_scale", REQUIRED), ("causal", REQUIRED),
         ("window_size_left", REQUIRED), ("window_size_right", REQUIRED), ("softcap", REQUIRED),
-        ("alibi_slopes", REQUIRED), ("deterministic", REQUIRED), ("rng_state", None)],
+        ("alibi_slopes", REQUIRED), ("deterministic", REQUIRED), ("rng_state", None), ("sm_margin", 0)],
     "_flash_attn_varlen_backward": [
         ("dout", REQUIRED), ("q", REQUIRED), ("k", REQUIRED), ("v", REQUIRED), ("out", REQUIRED),
         ("softmax_lse", REQUIRED), ("dq", REQUIRED), ("dk", REQUIRED), ("dv", REQUIRED),
@@ -37,7 +38,7 @@ SIGNATURES = {
         ("max_seqlen_k", REQUIRED), ("dropout_p", REQUIRED), ("softmax_scale", REQUIRED),
         ("causal", REQUIRED), ("window_size_left", REQUIRED), ("window_size_right", REQUIRED),
         ("softcap", REQUIRED), ("alibi_slopes", REQUIRED), ("deterministic", REQUIRED),
-        ("rng_state", None), ("zero_tensors", False)],
+        ("rng_state", None), ("zero_tensors", False), ("sm_margin", 0)],
 }
 
 
@@ -187,6 +188,7 @@ BAD_BACKWARD = [
     ("dropout without rng_state", dict(dropout_p=0.1), ValueError, "rng_state is required"),
     ("bad rng_state", dict(dropout_p=0.1, rng_state=torch.zeros(3, dtype=torch.int64)), ValueError, "rng_state must be the int64"),
     ("window float", dict(window_size_left=1.5), TypeError, "window_size left must be an int"),
+    ("sm_margin negative", dict(sm_margin=-4), ValueError, "sm_margin must be an int >= 0"),
 ]
 
 
@@ -209,3 +211,24 @@ def test_unsupported_varlen_arguments_are_refused_by_name():
     q = rand(4, 2, 8)
     with pytest.raises(ValueError, match="leftpad_k is not supported"):
         fai._flash_attn_varlen_forward(q, q, q, cu, cu, 4, 4, 0.0, None, False, leftpad_k=cu[:1])
+
+
+def test_sm_margin_is_flash_attention_3s_keyword_and_changes_no_result():
+    q, k, v = rand(2, 7, 4, 16), rand(2, 9, 2, 16), rand(2, 9, 2, 16)
+    dout = rand(2, 7, 4, 16)
+    results = []
+    for margin in (0, 8):
+        out, lse, _, rng_state = fai._flash_attn_forward(q, k, v, 0.0, None, True, -1, -1, 0.0, None, False,
+                                                         sm_margin=margin)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        fai._flash_attn_backward(dout, q, k, v, out, lse, *grads, 0.0, None, True, -1, -1, 0.0, None, False,
+                                 rng_state, sm_margin=margin)
+        results.append([out, lse, *grads])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    vq, vk = rand(7, 4, 16), rand(7, 2, 16)
+    out, lse, _, rng_state = fai._flash_attn_varlen_forward(vq, vk, vk, cu, cu, 4, 4, 0.0, None, False, sm_margin=3)
+    fai._flash_attn_varlen_backward(rand(7, 4, 16), vq, vk, vk, out, lse, None, None, None, cu, cu, 4, 4, 0.0,
+                                    None, False, -1, -1, 0.0, None, False, rng_state, sm_margin=3)
+    with pytest.raises(TypeError, match="sm_margin must be an int >= 0"):
+        fai._flash_attn_varlen_forward(vq, vk, vk, cu, cu, 4, 4, 0.0, None, False, sm_margin=0.5)

@@ -266,7 +266,7 @@ def _fwd_args(**overrides):
         nheads=2, nheads_k=2, headdim=64, seqlen_q=16, seqlen_k=16, cu_seqlens_q=0, cu_seqlens_k=0,
         seqused_k=0, softmax_scale=0.125, softcap=0.0, window_left=-1, window_right=-1,
         alibi_slopes=0, alibi_batch_stride=0, dropout_p=0.0, philox_seed=1, philox_offset=0, stream=0,
-        total_q=0, total_k=0, philox_state=0,
+        total_q=0, total_k=0, philox_state=0, sm_margin=0,
     )
     args.update(overrides)
     return list(FwdArgs(**args))  # by name: a field missing or misplaced fails here

@@ -343,7 +343,8 @@ def test_static_prefill_cuts_the_keys_to_the_written_extent(monkeypatch):
     _, eager, ours = trio(llama_config(), torch.float32, "cpu")
     seen = []
     real = pt_hf.flash_attn_func
-    monkeypatch.setattr(pt_hf, "flash_attn_func", lambda q, k, v, **o: seen.append(k.shape[1]) or real(q, k, v, **o))
+    monkeypatch.setattr(pt_hf, "flash_attn_func",
+                        lambda q, k, v, *a, **o: seen.append(k.shape[1]) or real(q, k, v, *a, **o))
     monkeypatch.setattr(pt_hf, "packing_from_mask", lambda *a: pytest.fail("an all-real prefill must not pack"))
     # a prompt longer than BOUNDS_MAX_QUERIES (shorter ones read the cache in place, key bounds)
     ids, _ = padded_batch("left", "cpu", seqlen=20, lengths=(20, 20))

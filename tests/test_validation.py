@@ -1,4 +1,5 @@
 """A table of bad inputs: each gives a ValueError/TypeError naming the argument."""
+import numpy as np
 import pytest
 import torch
 
@@ -35,6 +36,10 @@ DENSE_CASES = [
     ("causal not bool", dict(causal=1), TypeError, "causal must be a bool"),
     ("alibi dtype", dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, "alibi_slopes must be float32"),
     ("alibi shape", dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes must have shape (4,) or (2, 4)"),
+    ("sm_margin negative", dict(sm_margin=-1), ValueError, "sm_margin must be an int >= 0"),
+    ("sm_margin float", dict(sm_margin=8.0), TypeError, "sm_margin must be an int >= 0"),
+    ("sm_margin bool", dict(sm_margin=True), TypeError, "sm_margin must be an int >= 0"),
+    ("sm_margin None", dict(sm_margin=None), TypeError, "sm_margin must be an int >= 0"),
 ]
 
 
@@ -58,6 +63,8 @@ VARLEN_CASES = [
     ("max_seqlen float tensor", dict(max_seqlen_q=torch.tensor(5.0)), TypeError, "max_seqlen_q must be an int"),
     ("batch differs", dict(cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32)), ValueError, "same batch"),
     ("varlen rank", dict(q=t(1, 8, 4, 64)), ValueError, "q must have 3 dimensions"),
+    ("sm_margin negative", dict(sm_margin=-8), ValueError, "sm_margin must be an int >= 0"),
+    ("sm_margin string", dict(sm_margin="8"), TypeError, "sm_margin must be an int >= 0"),
 ]
 
 
@@ -165,3 +172,29 @@ def test_packed_shapes():
         portattn.flash_attn_qkvpacked_func(t(2, 8, 2, 4, 64))
     with pytest.raises(ValueError, match=r"kv must have shape \(total, 2"):
         portattn.flash_attn_varlen_kvpacked_func(VQ, t(8, 3, 2, 64), CU, CU, 5, 5)
+
+
+# Every entry point that takes sm_margin (FlashAttention-3's), with its other arguments valid.
+_KV_CACHE = t(2, 16, 2, 64)
+SM_MARGIN_CALLS = {
+    "flash_attn_func": lambda m: portattn.flash_attn_func(Q, K, V, sm_margin=m),
+    "flash_attn_qkvpacked_func": lambda m: portattn.flash_attn_qkvpacked_func(
+        torch.stack([Q, Q, Q], dim=2), sm_margin=m),
+    "flash_attn_kvpacked_func": lambda m: portattn.flash_attn_kvpacked_func(Q, torch.stack([K, V], dim=2), sm_margin=m),
+    "flash_attn_varlen_func": lambda m: portattn.flash_attn_varlen_func(VQ, VK, VK, CU, CU, 5, 5, sm_margin=m),
+    "flash_attn_varlen_qkvpacked_func": lambda m: portattn.flash_attn_varlen_qkvpacked_func(
+        torch.stack([VQ, VQ, VQ], dim=1), CU, 5, sm_margin=m),
+    "flash_attn_varlen_kvpacked_func": lambda m: portattn.flash_attn_varlen_kvpacked_func(
+        VQ, torch.stack([VK, VK], dim=1), CU, CU, 5, 5, sm_margin=m),
+    "flash_attn_with_kvcache": lambda m: portattn.flash_attn_with_kvcache(Q[:, :1], _KV_CACHE, _KV_CACHE, sm_margin=m),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SM_MARGIN_CALLS))
+def test_sm_margin_is_checked_by_every_entry_point(name):
+    call = SM_MARGIN_CALLS[name]
+    with pytest.raises(ValueError, match=r"sm_margin must be an int >= 0 \(SMs left free for other kernels\), got -1"):
+        call(-1)
+    with pytest.raises(TypeError, match="sm_margin must be an int >= 0.*got float 2.5"):
+        call(2.5)
+    call(np.int64(8))  # integer-likes are accepted, as every int argument

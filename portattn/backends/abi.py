@@ -24,7 +24,7 @@ FwdArgs = collections.namedtuple("FwdArgs", (
     "lse_batch_stride", "lse_head_stride", "dtype", "batch", "nheads", "nheads_k", "headdim",
     "seqlen_q", "seqlen_k", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "softmax_scale", "softcap",
     "window_left", "window_right", "alibi_slopes", "alibi_batch_stride", "dropout_p", "philox_seed",
-    "philox_offset", "stream", "total_q", "total_k", "philox_state",
+    "philox_offset", "stream", "total_q", "total_k", "philox_state", "sm_margin",
 ))
 # Built positionally: keyword construction of the 34 fields cost 1.3 us of fwd_args' 2.7 us
 # per call (CPU, bench/tools/host_overhead_cpu.py), and fwd_args runs twice per training step.
@@ -34,11 +34,12 @@ _make_fwd_args = FwdArgs._make
 
 def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-             rng_seed, rng_offset, rng_state=None, seqused_k=None) -> FwdArgs:
+             rng_seed, rng_offset, rng_state=None, seqused_k=None, sm_margin=0) -> FwdArgs:
     """The `fwd` arguments (a FwdArgs, a tuple in PORTATTN_FWD_ARGS order). lse may be None (not wanted).
     rng_state: None, or a device int64 [seed, offset] the kernels read instead of
     rng_seed / rng_offset (dropout under CUDA-graph capture, portattn/rng.py).
-    seqused_k: None, or the varlen call's int32 (batch,) keys used per sequence."""
+    seqused_k: None, or the varlen call's int32 (batch,) keys used per sequence.
+    sm_margin: SMs a persistent grid leaves free (PortattnFwdParams.sm_margin), an int >= 0."""
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, headdim = q.shape
         _, seqlen_k, nheads_k, _ = k.shape
@@ -67,7 +68,7 @@ def fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         window_left, window_right, alibi,
         alibi_batch_stride, dropout_p, rng_seed,
         rng_offset, raw_stream(q.device.index), total_q, total_k,
-        0 if rng_state is None else rng_state.data_ptr(),
+        0 if rng_state is None else rng_state.data_ptr(), sm_margin,
     ))
 
 
@@ -97,7 +98,7 @@ def _aligned(pointer: int, strides: tuple) -> bool:
 def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
             max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
             alibi_slopes, dropout_p, rng_seed, rng_offset, deterministic, entry=None,
-            ordered_dq=False, rng_state=None, launch=None, seqused_k=None) -> None:
+            ordered_dq=False, rng_state=None, launch=None, seqused_k=None, sm_margin=0) -> None:
     """One backward call of a compiled module (CUDA or ROCm: same `bwd` signature).
 
     `entry` is another of the module's functions with `bwd`'s arguments (the CUDA
@@ -113,7 +114,7 @@ def run_bwd(module, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seq
     """
     args = fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                    rng_seed, rng_offset, rng_state, seqused_k)
+                    rng_seed, rng_offset, rng_state, seqused_k, sm_margin)
     if seqused_k is not None:
         # Key rows past seqused_k[b] take no part in the call and no kernel stores their
         # gradient: they are 0.
@@ -228,7 +229,7 @@ def decode_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         0 if cache_batch_idx is None else cache_batch_idx.data_ptr(), block_table, block_table_stride,
         page_size, num_pages, cache_batches, kv_capacity, total_q, total_k,
         softmax_scale, softcap, window_left, window_right, alibi, alibi_batch_stride,
-        num_splits, o_partial, lse_partial, raw_stream(q.device.index), 0 if errors is None else errors.data_ptr(),
+        num_splits, o_partial, lse_partial, raw_stream(q.get_device()), 0 if errors is None else errors.data_ptr(),
         *kv,
     )
 

@@ -17,6 +17,9 @@ Tensor contract for `forward` / `backward` (see also backends/common/params.h):
   on the device under CUDA-graph capture (portattn/rng.py) and read by the kernels.
 - backward writes dq, dk, dv (caller-allocated, shapes of q, k, v). For GQA, dk and
   dv are the gradients of the un-expanded k and v (summed over each group).
+- sm_margin: SMs a persistent grid leaves free for other kernels (common/params.h); a
+  tuning hint for the launch, never a change of any result. Backends without such grids
+  accept and ignore it.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ class Backend:
         rng_offset: int,
         rng_state: Optional[torch.Tensor] = None,
         seqused_k: Optional[torch.Tensor] = None,
+        sm_margin: int = 0,
     ) -> None:
         raise NotImplementedError
 
@@ -88,5 +92,6 @@ class Backend:
         deterministic: bool,
         rng_state: Optional[torch.Tensor] = None,
         seqused_k: Optional[torch.Tensor] = None,
+        sm_margin: int = 0,
     ) -> None:
         raise NotImplementedError

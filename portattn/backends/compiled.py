@@ -69,21 +69,21 @@ class CompiledBackend(Backend):
 
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                rng_seed, rng_offset, rng_state=None, seqused_k=None) -> None:
+                rng_seed, rng_offset, rng_state=None, seqused_k=None, sm_margin=0) -> None:
         launch(q.device.index, getattr(self.module, self.fwd_entry),
                fwd_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                         window_left, window_right, softcap, alibi_slopes, dropout_p, rng_seed, rng_offset, rng_state,
-                        seqused_k))
+                        seqused_k, sm_margin))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                 rng_seed, rng_offset, deterministic, rng_state=None, seqused_k=None) -> None:
+                 rng_seed, rng_offset, deterministic, rng_state=None, seqused_k=None, sm_margin=0) -> None:
         run_bwd(self.module, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                 softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
                 alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_seed=rng_seed, rng_offset=rng_offset,
                 deterministic=deterministic, entry=getattr(self.module, self.bwd_entry), ordered_dq=self.ordered_dq,
-                rng_state=rng_state, launch=launch, seqused_k=seqused_k)
+                rng_state=rng_state, launch=launch, seqused_k=seqused_k, sm_margin=sm_margin)
 
     # ---- decode (portattn/decode.py is the caller) ----------------------------------
     def has_decode(self) -> bool:
@@ -124,7 +124,9 @@ class CompiledBackend(Backend):
         """One decode launch; `options` are abi.decode_args' after lse, by position (decode.run_decode)."""
         # launch() rather than @on_tensors_device: the decorator's re-packing of the options is
         # paid on every decode step (bench/host_overhead_cpu.py measured ~1 us on the forward).
-        launch(q.device.index, self.module.decode, decode_args(q, k, v, out, lse, *options))
+        # q.get_device(): the index as an int without building a torch.device (CPU tensors, -1,
+        # never get here).
+        launch(q.get_device(), self.module.decode, decode_args(q, k, v, out, lse, *options))
 
     @on_tensors_device
     def kvcache_append(self, k_cache, v_cache, k_new, v_new, q, q_out, **options) -> None:

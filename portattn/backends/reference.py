@@ -376,10 +376,11 @@ class ReferenceBackend(Backend):
 
     # `options` are the keyword arguments of Backend.forward after max_seqlen_k
     # (softmax_scale ... rng_offset): _Problem takes them by the same names.
-    # max_seqlen_q/k are not needed: every piece knows its own lengths.
+    # max_seqlen_q/k are not needed: every piece knows its own lengths. sm_margin is
+    # taken by name and ignored: these torch ops launch no grid of their own to size.
 
     def forward(self, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, rng_state=None, seqused_k=None, **options) -> None:
+                max_seqlen_k, rng_state=None, seqused_k=None, sm_margin=0, **options) -> None:
         _take_rng_state(options, rng_state)
         if lse is None:  # the caller does not need it; the algorithm does
             rows = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
@@ -394,7 +395,7 @@ class ReferenceBackend(Backend):
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k, deterministic, rng_state=None, seqused_k=None,
-                 **options) -> None:
+                 sm_margin=0, **options) -> None:
         _take_rng_state(options, rng_state)
         # Always deterministic: every accumulation is a fixed-order torch reduction.
         if cu_seqlens_q is not None:

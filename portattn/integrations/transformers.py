@@ -139,52 +139,47 @@ def attention_forward(
     ((batch, seq_q, heads, head_dim_v), None).
     """
     _refuse_unsupported(attention_mask, kwargs)
-    if query.is_cuda and not torch.compiler.is_compiling():
+    if query.is_cuda and not torch.compiler.is_compiling() and query.get_device() not in _ERROR_BUFFERS_MADE:
         # The device's error buffer (portattn/errors.py) is created on first use; created here,
         # in the eager prefill, it lives outside the memory pool of the CUDA graphs that a
         # compiled (reduce-overhead) decode step records, where cudagraph trees refuse a new
-        # long-lived tensor ("tensor(s) in the cudagraph pool not tracked as outputs").
+        # long-lived tensor ("tensor(s) in the cudagraph pool not tracked as outputs"). Once per
+        # device: the lookup by torch.device cost ~3 us a call.
         error_buffer(query.device)
+        _ERROR_BUFFERS_MADE.add(query.get_device())
     # (batch, seq, heads, dim). This wrapper runs once per layer and decode step, so: plain
-    # calls, no generators, and the dtype and head-dim fix-ups only when they apply (on the
-    # CI machine's CPU, with the attention call itself stubbed out, the wrapper took 56 us per
-    # call with them unconditional and 20 us without).
+    # calls, no generators, no option dict, and the dtype and head-dim fix-ups only when they
+    # apply (on the CI machine's CPU, with the attention call itself stubbed out, the wrapper
+    # took 56 us per call with them unconditional and 20 us without).
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if q.dtype == torch.float32:
         q, k, v = _compute_dtype(module, q, k, v)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    head_dim = q.shape[-1]
     if scaling is None:  # portattn's default would use the padded head dim below
-        scaling = q.shape[-1] ** -0.5
+        scaling = head_dim ** -0.5
     value_dim = v.shape[-1]
-    if value_dim != q.shape[-1]:
+    if value_dim != head_dim:
         q, k, v, value_dim = _equal_head_dims(q, k, v)
-    options = dict(
-        dropout_p=float(dropout or 0.0),
-        softmax_scale=float(scaling),
-        causal=causal,
-        window_size=_window(sliding_window, k.shape[1]),
-        softcap=float(softcap or 0.0),
-        deterministic=_deterministic(kwargs),
-    )
-    if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss): one logit per head, portattn/sinks.py
-        options["s_aux"] = kwargs["s_aux"]
-    out = _attend(q, k, v, attention_mask, kwargs, options)
-    return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
+    window = (-1, -1) if sliding_window is None else _window(sliding_window, k.shape[1])
+    out = _attend(q, k, v, attention_mask, kwargs, float(dropout or 0.0), float(scaling), causal, window,
+                  float(softcap or 0.0), _deterministic(kwargs), kwargs.get("s_aux"))
+    return (out if value_dim == head_dim else out[..., :value_dim]), None
 
 
-def _attend(q, k, v, attention_mask, kwargs, options) -> torch.Tensor:
-    """The cases of the module docstring, in that order."""
-    batch, seqlen_q = q.shape[:2]
+def _attend(q, k, v, attention_mask, kwargs, dropout_p, scale, causal, window, softcap, deterministic,
+            s_aux) -> torch.Tensor:
+    """The cases of the module docstring, in that order. The options go on by position."""
+    shape = q.shape
+    batch, seqlen_q = shape[0], shape[1]
     if attention_mask is not None and attention_mask.dtype == KEY_BOUNDS_DTYPE:
         # Key bounds (padding_mask's decode form): the keys are read in place, the live ones of
         # sequence b being [bounds[0, b], bounds[1, b]); nothing is read on the host.
-        if options["dropout_p"] > 0.0:
+        if dropout_p > 0.0:
             raise ValueError("attn_implementation='portattn': dropout with a KV cache is not supported")
-        bounds = attention_mask.view(2, batch)
-        return flash_attn_with_kvcache(
-            q, k, v, cache_seqlens=bounds[1], cache_leftpad=bounds[0],
-            softmax_scale=options["softmax_scale"], causal=options["causal"],
-            window_size=options["window_size"], softcap=options["softcap"], s_aux=options.get("s_aux"))
+        start, end = _key_bounds(attention_mask, batch)
+        return flash_attn_with_kvcache(q, k, v, None, None, None, None, end, None, start, None, scale, causal,
+                                       window, softcap, s_aux=s_aux)
     if attention_mask is not None and attention_mask.dtype == EXTENT_DTYPE:
         written = attention_mask.shape[1]
         k, v, attention_mask = k[:, :written], v[:, :written], None
@@ -200,24 +195,53 @@ def _attend(q, k, v, attention_mask, kwargs, options) -> torch.Tensor:
         keys = packing_from_mask(mask)
         # The queries are the last seqlen_q tokens the mask describes (prefill: all of them).
         queries = keys if seqlen_q == k.shape[1] else packing_from_mask(mask[:, -seqlen_q:])
-        return unpack(_varlen(q, k, v, queries, keys, options), queries, batch, seqlen_q)
+        out = _varlen(q, k, v, queries, keys, dropout_p, scale, causal, window, softcap, deterministic, s_aux)
+        return unpack(out, queries, batch, seqlen_q)
 
-    given = _given_varlen(kwargs, q.device)
-    if given is not None:
-        queries, keys = given
-        out = _varlen(q, k, v, queries, keys, options)
-        return out.reshape(batch, seqlen_q, *out.shape[1:])
-
-    position_ids = kwargs.get("position_ids")
-    if position_ids is not None and seqlen_q == k.shape[1] and seqlen_q > 1:
-        # Without a mask, eager builds a block-diagonal mask for such inputs
-        # (masking_utils' packed-sequence detection); varlen computes the same.
-        packing = _packing_of_positions(position_ids, batch)
-        if packing is not None:
-            out = _varlen(q, k, v, packing, packing, options)
+    if kwargs.get("cu_seq_lens_q") is not None:
+        given = _given_varlen(kwargs, q.device)
+        if given is not None:
+            queries, keys = given
+            out = _varlen(q, k, v, queries, keys, dropout_p, scale, causal, window, softcap, deterministic, s_aux)
             return out.reshape(batch, seqlen_q, *out.shape[1:])
 
-    return flash_attn_func(q, k, v, **options)
+    if seqlen_q > 1:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and seqlen_q == k.shape[1]:
+            # Without a mask, eager builds a block-diagonal mask for such inputs
+            # (masking_utils' packed-sequence detection); varlen computes the same.
+            packing = _packing_of_positions(position_ids, batch)
+            if packing is not None:
+                out = _varlen(q, k, v, packing, packing, dropout_p, scale, causal, window, softcap,
+                              deterministic, s_aux)
+                return out.reshape(batch, seqlen_q, *out.shape[1:])
+
+    if s_aux is None:
+        return flash_attn_func(q, k, v, dropout_p, scale, causal, window, softcap, None, deterministic)
+    return flash_attn_func(q, k, v, dropout_p, scale, causal, window, softcap, None, deterministic, s_aux=s_aux)
+
+
+# Devices (q.get_device()) whose error buffer attention_forward has made.
+_ERROR_BUFFERS_MADE: set = set()
+# The last key-bounds mask seen and its two rows: every layer of a decode step passes the same
+# tensor, and its rows are three view ops (~2 us each on the CI machine's CPU), so a step pays
+# them once, not once per layer. (weakref to the mask, its in-place version counter, the batch,
+# (start, end)).
+_bounds_seen: list = [None, -1, 0, None]
+
+
+def _key_bounds(mask: torch.Tensor, batch: int) -> tuple:
+    """(first live key, one past the last) of each sequence: int32 (batch,) rows of the mask."""
+    if torch.compiler.is_compiling():
+        bounds = mask.view(2, batch)
+        return bounds[0], bounds[1]
+    seen, version, seen_batch, rows = _bounds_seen
+    if seen is not None and seen() is mask and mask._version == version and seen_batch == batch:
+        return rows
+    bounds = mask.view(2, batch)
+    rows = (bounds[0], bounds[1])
+    _bounds_seen[:] = [weakref.ref(mask), mask._version, batch, rows]
+    return rows
 
 
 # The last position_ids seen and their packing: every layer of one forward passes the same
@@ -238,10 +262,12 @@ def _packing_of_positions(position_ids: torch.Tensor, batch: int) -> Optional[Pa
     return packing
 
 
-def _varlen(q, k, v, queries: Packing, keys: Packing, options) -> torch.Tensor:
+def _varlen(q, k, v, queries: Packing, keys: Packing, dropout_p, scale, causal, window, softcap, deterministic,
+            s_aux) -> torch.Tensor:
     return flash_attn_varlen_func(
         pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens, keys.cu_seqlens,
-        queries.max_seqlen, keys.max_seqlen, **options,
+        queries.max_seqlen, keys.max_seqlen, dropout_p, scale, causal, window, softcap, None, deterministic,
+        s_aux=s_aux,
     )
 
 

@@ -70,7 +70,7 @@ def _options(scale, causal, window=(-1, -1), softcap=0.0):
                 alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0)
 
 
-def hopper_forward(q, k, v, *, causal, out=None, lse=None, scale=None, window=(-1, -1), softcap=0.0):
+def hopper_forward(q, k, v, *, causal, out=None, lse=None, scale=None, window=(-1, -1), softcap=0.0, sm_margin=0):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.full_like(q, float("nan")) if out is None else out
     if lse is None:
@@ -78,7 +78,7 @@ def hopper_forward(q, k, v, *, causal, out=None, lse=None, scale=None, window=(-
     o = _options(scale, causal, window, softcap)
     _C.hopper_fwd(*fwd_args(q, k, v, out, lse, None, None, 0, 0, o["softmax_scale"], o["window_left"],
                             o["window_right"], o["softcap"], o["alibi_slopes"], o["dropout_p"],
-                            o["rng_seed"], o["rng_offset"]))
+                            o["rng_seed"], o["rng_offset"], sm_margin=sm_margin))
     return out, lse
 
 
@@ -222,6 +222,43 @@ def test_hopper_forward_many_tiles_per_cta(head_dim, causal, shape):
     out, lse = hopper_forward(q, k, v, causal=causal)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, causal)
+
+
+# sm_margin (FlashAttention-3's; PortattnFwdParams.sm_margin): a persistent launch of max(1, SMs -
+# sm_margin) CTAs walks the same tiles, each computed as before, so out and lse keep their bits, on
+# NaN-poisoned outputs. 131 leaves one CTA on a 132-SM H100 or H200, walking every tile. Shapes: one
+# and several tiles a CTA, the paired causal walk (short and 2100 keys), 176-key blocks (2100 keys,
+# no mask), many short sequences (the group order at hd128 and up once one CTA holds them all).
+@pytest.mark.parametrize("shape", [(3, 777, 513, 20), (2, 2100, 2100, 20), (128, 300, 300, 24)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_hopper_forward_sm_margin_keeps_the_output_bits(head_dim, causal, shape):
+    batch, seqlen_q, seqlen_k, heads = shape
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
+    k = rand(batch, seqlen_k, heads, head_dim, dtype=torch.bfloat16)
+    v = rand(batch, seqlen_k, heads, head_dim, dtype=torch.bfloat16)
+    results = []
+    kernels = _kernels_of(lambda: results.append(hopper_forward(q, k, v, causal=causal)))
+    # The schedule is the kernel's last template argument; kSchedPersistent is bit 4 (hopper_fwd_schedule.h).
+    schedules = [int(m.group(1)) for m in map(re.compile(r"hopper_fwd_kernel<.*, (\d+)>").search, kernels) if m]
+    assert schedules and all(bits & 4 for bits in schedules), kernels
+    out, lse = results[0]
+    _check(out, lse, q, k, v, causal)
+    for sm_margin in (8, 131):
+        out_margin, lse_margin = hopper_forward(q, k, v, causal=causal, sm_margin=sm_margin)
+        torch.cuda.synchronize()
+        assert torch.equal(out_margin, out), sm_margin
+        assert torch.equal(lse_margin, lse), sm_margin
+
+
+def test_sm_margin_reaches_the_hopper_forward_through_the_public_api():
+    import portattn
+
+    q, k, v = (rand(2, 1000, 8, 128, dtype=torch.bfloat16) for _ in range(3))
+    want = portattn.flash_attn_func(q, k, v)
+    for sm_margin in (8, 131):
+        assert torch.equal(portattn.flash_attn_func(q, k, v, sm_margin=sm_margin), want)
 
 
 # hd64 calls without a mask whose keys fit one block run ping-pong with the cross-tile phase

@@ -96,10 +96,10 @@ inline void set_score_args(Params& p, PORTATTN_SCORE_ARGS) {
 #define PORTATTN_FWD_ARGS                                                                          \
   PORTATTN_TENSOR_ARGS, uintptr_t seqused_k, PORTATTN_SCORE_ARGS, float dropout_p,                 \
       unsigned long long philox_seed, unsigned long long philox_offset, uintptr_t stream,          \
-      int64_t total_q, int64_t total_k, uintptr_t philox_state
+      int64_t total_q, int64_t total_k, uintptr_t philox_state, int sm_margin
 #define PORTATTN_FWD_ARG_NAMES                                                                     \
   PORTATTN_TENSOR_ARG_NAMES, seqused_k, PORTATTN_SCORE_ARG_NAMES, dropout_p, philox_seed,          \
-      philox_offset, stream, total_q, total_k, philox_state
+      philox_offset, stream, total_q, total_k, philox_state, sm_margin
 #define PORTATTN_BWD_OWN_ARGS                                                                      \
   uintptr_t dout, pybind11::handle dout_strides, uintptr_t dq, pybind11::handle dq_strides,        \
       uintptr_t dk, pybind11::handle dk_strides, uintptr_t dv, pybind11::handle dv_strides,        \
@@ -120,6 +120,7 @@ inline PortattnFwdParams fwd_params(PORTATTN_FWD_ARGS) {
   p.total_q = total_q;
   p.total_k = total_k;
   p.philox_state = address<const int64_t>(philox_state);
+  p.sm_margin = sm_margin;
   return p;
 }
 

@@ -89,6 +89,16 @@ typedef struct PortattnFwdParams {
   // kernels read instead of philox_seed / philox_offset above. Drawn on the device for each
   // call (portattn/rng.py), so every replay of a captured step gets a fresh mask.
   const int64_t* philox_state;
+
+  // SMs a persistent grid leaves free for kernels running beside it (NCCL's in ring
+  // attention): such a grid launches max(1, SMs - sm_margin) CTAs. >= 0, checked in Python
+  // (FlashAttention-3's argument of the same name). The Hopper forward's persistent
+  // schedules are the only grids sized by the SM count; the others (sm80+ forward and
+  // backward, Hopper backward, merge) have one CTA per tile, which the hardware hands to
+  // whichever SMs are free, and ignore it, as do the ROCm kernels (none is persistent).
+  // The decode kernels take no params of this struct: their split count is planned in
+  // Python (portattn/decode.py), which takes the margin off the SMs it plans for.
+  int sm_margin;
 } PortattnFwdParams;
 
 typedef struct PortattnBwdParams {

@@ -332,11 +332,14 @@ cudaError_t launch(const PortattnFwdParams& params) {
   int grid = args.num_tiles;
   if (Traits::kPersistent) {
     // One CTA per SM (the shared memory admits no second): each walks a
-    // strided share of the tiles.
+    // strided share of the tiles. The share is fixed at launch, so a CTA that
+    // finds its SM held by another kernel (NCCL's, in ring attention) runs its
+    // whole share late: sm_margin SMs are left out of the grid for those kernels.
     int device = 0, sms = 0;
     err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
+    sms = sms > params.sm_margin ? sms - params.sm_margin : 1;
     grid = grid < sms ? grid : sms;
   }
   // Note [portattn hopper paired tiles]: with no more tiles than CTAs each takes one, unpaired;

@@ -370,7 +370,8 @@ py::dict build_config() {
 }
 
 // The same argument list as the CUDA module's fwd (common/binding_args.h): one
-// Python marshalling for both vendors (portattn/backends/abi.py).
+// Python marshalling for both vendors (portattn/backends/abi.py). Its sm_margin is
+// ignored here: every ROCm grid has one block per tile, none sized by the CU count.
 using binding::append_params;
 using binding::bwd_params;
 using binding::decode_params;
