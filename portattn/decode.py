@@ -108,16 +108,25 @@ def key_bucket(keys: int) -> int:
 
 
 def resident_slots(device: torch.device, tile: dict) -> tuple:
-    """(SMs, CTAs of the decode kernel that fit on the device at once: SMs x CTAs per SM)."""
+    """(SMs, CTAs of the decode kernel that fit on the device at once: SMs x CTAs per SM).
+
+    CTAs per SM are the tile's "ctas_per_sm" where the backend measured them (the CUDA module's
+    occupancy query: shared memory and registers of the kernel the call launches, e.g. two for
+    the FP8 regs path's 48 KiB at hd 128 with softcap's 210 registers, three without); otherwise
+    (ROCm, a failed query) counted from shared memory and threads alone."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, tile["smem_bytes"], tile["threads"])
+    measured = tile.get("ctas_per_sm", -1)
+    key = (index, tile["smem_bytes"], tile["threads"], measured)
     slots = _SLOTS.get(key)
     if slots is None:
         props = torch.cuda.get_device_properties(index)
-        smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 100 * 1024
-        threads_per_sm = getattr(props, "max_threads_per_multi_processor", 0) or 2048
-        # 1 KiB per block is reserved by the hardware on sm80+.
-        per_sm = min(smem_per_sm // (tile["smem_bytes"] + 1024), threads_per_sm // tile["threads"])
+        if measured > 0:
+            per_sm = measured
+        else:
+            smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 100 * 1024
+            threads_per_sm = getattr(props, "max_threads_per_multi_processor", 0) or 2048
+            # 1 KiB per block is reserved by the hardware on sm80+.
+            per_sm = min(smem_per_sm // (tile["smem_bytes"] + 1024), threads_per_sm // tile["threads"])
         sms = props.multi_processor_count
         slots = _SLOTS[key] = (sms, sms * max(1, per_sm))
     return slots
@@ -171,13 +180,17 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     keys = key_bucket(key_capacity)
     # Short eager calls run unsplit (EAGER_UNSPLIT_MAX_KEYS); only they query the capture state.
     eager_short = num_splits == 0 and keys <= EAGER_UNSPLIT_MAX_KEYS and _capturing is not None and not _capturing()
+    # The kernel differs by the FP8 path (its tile and occupancy: the path can change in-process),
+    # by softcap/ALiBi (registers) and by q's dtype: each its own plan.
+    extras = softcap > 0.0 or alibi_slopes is not None
+    path = backend.decode_path_id() if fp8_kv else 0
     # q.get_device(): the GPU's index as an int, without building a torch.device.
     plan_key = (q.get_device(), head_dim, batch, nheads, nheads_k, seqlen_q, keys, num_splits, fp8_kv, eager_short,
-                sm_margin)
+                sm_margin, q.dtype, extras, path)
     splits = _PLANS.get(plan_key)
     if splits is None:
         device = q.device
-        tile = backend.decode_tile(head_dim, device, fp8_kv)
+        tile = backend.decode_tile(head_dim, device, fp8_kv, q.dtype, extras, path)
         m_tiles = -(-seqlen_q * (nheads // nheads_k) // 16)
         sms, slots = resident_slots(device, tile)
         if sm_margin:

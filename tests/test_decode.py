@@ -67,8 +67,11 @@ class _RecordingBackend:
     def __init__(self):
         self.splits = []
 
-    def decode_tile(self, head_dim, device=None, fp8_kv=False):
+    def decode_tile(self, head_dim, device=None, fp8_kv=False, dtype=None, extras=False, path=0):
         return {"stage_keys": 64, "threads": 128, "smem_bytes": 96 * 1024}
+
+    def decode_path_id(self):
+        return 0
 
     def decode(self, q, k, v, out, lse, *options):
         self.splits.append(options[self.SPLITS_AT])
@@ -167,6 +170,77 @@ def test_decode_benchmark_dry_run(tmp_path):
     markdown = (tmp_path / "decode_bench.md").read_text()
     assert "DRY RUN" in markdown and "| 1 | 512 | 4/2 | 64 |" in markdown
     assert "## Short query through flash_attn_func" in markdown
+
+
+class _Props:
+    """torch.cuda.get_device_properties of an H200 as the planner reads it."""
+    multi_processor_count = 132
+    shared_memory_per_multiprocessor = 228 * 1024
+    max_threads_per_multi_processor = 2048
+
+
+def test_resident_slots_use_the_measured_ctas_per_sm(monkeypatch):
+    """The occupancy query's CTAs per SM (registers included) win over the shared-memory count:
+    the FP8 regs kernel's 48 KiB would fit four CTAs per SM, its registers hold three."""
+    monkeypatch.setattr(decode, "_SLOTS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _Props())
+    tile = {"stage_keys": 64, "threads": 128, "smem_bytes": 48 * 1024}
+    device = torch.device("cuda", 0)
+    assert decode.resident_slots(device, tile) == (132, 132 * 4)  # no measurement: 228 // (48 + 1)
+    assert decode.resident_slots(device, dict(tile, ctas_per_sm=3)) == (132, 132 * 3)
+    assert decode.resident_slots(device, dict(tile, ctas_per_sm=2)) == (132, 132 * 2)
+    assert decode.resident_slots(device, dict(tile, ctas_per_sm=-1)) == (132, 132 * 4)  # a failed query
+
+
+class _PathBackend(_RecordingBackend):
+    """A CUDA module's decode surface with FP8 paths: regs (1) at three CTAs per SM, regs_deep (2)
+    at two; softcap/ALiBi (extras) at two on either."""
+
+    def __init__(self):
+        super().__init__()
+        self.path = 1
+        self.asked = []
+
+    def decode_path_id(self):
+        return self.path
+
+    def decode_tile(self, head_dim, device=None, fp8_kv=False, dtype=None, extras=False, path=0):
+        self.asked.append((fp8_kv, dtype, extras, path))
+        ctas = 2 if extras or path == 2 else 3
+        return {"stage_keys": 64, "threads": 128, "smem_bytes": (80 if path == 2 else 48) * 1024, "ctas_per_sm": ctas}
+
+
+def test_an_fp8_path_switch_gets_its_own_plan(monkeypatch):
+    """The plan key holds the FP8 path (and softcap/ALiBi): switching the path in-process plans
+    with the new kernel's occupancy, not a cached plan of the other one."""
+    monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(decode, "_SLOTS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    backend = _PathBackend()
+    q = torch.randn(8, 1, 32, 128, dtype=torch.bfloat16)
+    k = v = torch.zeros(8, 32768, 8, 128).to(torch.float8_e4m3fn)  # 64 CTAs of 512 stages each
+
+    def call(**extra):
+        decode.run_decode(backend, q, k, v, False, 0.125, -1, 0, extra.get("softcap", 0.0), None)
+        return backend.splits[-1]
+
+    regs = call()
+    backend.path = 2
+    deep = call()
+    softcap = call(softcap=8.0)
+    min_stages = decode.MIN_KEYS_PER_SPLIT // 64
+    assert regs == decode.choose_num_splits(64, 512, 132 * 3, min_stages, sms=132) == 6
+    assert deep == decode.choose_num_splits(64, 512, 132 * 2, min_stages, sms=132) == 4
+    assert softcap == deep
+    assert [a[2:] for a in backend.asked] == [(False, 1), (False, 2), (True, 2)]
+    assert all(a[:2] == (True, torch.bfloat16) for a in backend.asked)
+    backend.path = 1
+    assert call() == regs and len(backend.asked) == 3  # the regs plan, from the cache
+    bf16 = torch.zeros(8, 32768, 8, 128, dtype=torch.bfloat16)
+    backend.path = 2
+    decode.run_decode(backend, q, bf16, bf16, False, 0.125, -1, 0, 0.0, None)
+    assert backend.asked[-1][0] is False and backend.asked[-1][3] == 0  # a 16-bit cache has one path
 
 
 def test_plan_cache_is_keyed_by_key_length_buckets():

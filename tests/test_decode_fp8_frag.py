@@ -6,7 +6,7 @@ mma.m16n8k16 (fragment layouts of the PTX ISA, as ptx.cuh writes them down), the
 float64 matrix products of the decoded e4m3 bytes.
 
 What this cannot check: the hardware's agreement with the emulated instructions and the
-e4m3 -> 16-bit conversion itself (fp8.cuh); tests/gpu/test_cuda_decode_fp8.py runs both FP8 paths
+e4m3 -> 16-bit conversion itself (fp8.cuh); tests/gpu/test_cuda_decode_fp8.py runs the FP8 paths
 on a GPU.
 """
 from __future__ import annotations
@@ -50,6 +50,9 @@ void dump(bool last) {
          "\"load_stage_bytes\": %d, \"smem_bytes\": %d, \"rows_per_step\": %d, \"panel_row_bytes\": %d,\n",
          kHeadDim, Config::kStageKeys, Config::kWarpKeys, Config::kWarps, Config::kRawTileBytes,
          Config::kLoadStageBytes, Config::kSmemBytes, Config::kLoadRowsPerStep, Layout::Tile::kPanelRowBytes);
+  using Deep = DecodeTileConfig<kHeadDim, true, true, kFp8DeepStages>;
+  printf("\"deep_stages\": %d, \"deep_load_stage_bytes\": %d, \"deep_smem_bytes\": %d,\n", Deep::kStages,
+         Deep::kLoadStageBytes, Deep::kSmemBytes);
   printf("\"offset\": [");
   for (int row = 0; row < Config::kStageKeys; ++row)
     for (int chunk = 0; chunk < kHeadDim / 16; ++chunk)
@@ -209,6 +212,13 @@ def test_stage_layout_is_a_bijection_that_ldmatrix_reads_without_bank_conflicts(
     assert m["load_stage_bytes"] == 2 * m["raw_tile_bytes"]
     # Three raw stages and nothing else: no converted stage on this path.
     assert m["smem_bytes"] == max(3 * m["load_stage_bytes"], m["warps"] * 16 * (head_dim + 1) * 4)
+    # regs_deep (Note [portattn fp8 deep pipeline]): the same stages, 5 of them, still nothing else; the
+    # warps' merge buffer fits in the ring; 80 KiB at head dims 64, 128 and 256, within a 99 KiB part.
+    assert m["deep_load_stage_bytes"] == m["load_stage_bytes"] and m["deep_stages"] == 5
+    assert m["deep_smem_bytes"] == 5 * m["load_stage_bytes"] >= m["warps"] * 16 * (head_dim + 1) * 4
+    assert m["deep_smem_bytes"] <= 99 * 1024
+    if head_dim in (64, 128, 256):
+        assert m["deep_smem_bytes"] == 80 * 1024
     # decode_kernel.cuh's loader steps rows by rows_per_step from one base offset when that is a
     # multiple of 8; the swizzle must then keep its bits.
     if m["rows_per_step"] % 8 == 0:

@@ -1,27 +1,30 @@
-"""The FP8 decode's two paths timed against each other on one GPU (PORTATTN_DECODE_FP8_PATH:
-"smem", the conversion pass through a 16-bit stage, and "regs", the register fragments; Note
-[portattn fp8 register fragments] in docs/decode.md).
+"""The FP8 decode's paths timed against each other on one GPU (PORTATTN_DECODE_FP8_PATH: "smem", the
+conversion pass through a 16-bit stage; "regs", the register fragments, the default; "regs_deep", the
+same with a 5-stage ring; Notes [portattn fp8 register fragments] and [portattn fp8 deep pipeline] in
+docs/decode.md).
 
   python bench/tools/ab_decode_fp8.py [--batches 1,8,64] [--caches 4096,32768,131072] [--heads 32/8]
-                                      [--head-dim 128] [--rounds 5] [--hbm-tbps auto] [--out DIR]
+                                      [--head-dim 128] [--rounds 5] [--hbm-tbps auto] [--paths ...] [--out DIR]
 
-One build serves both: the path is switched in-process (`_C.decode_fp8_path`) and each path's decode
-step, bf16 query on an e4m3 cache with per-(sequence, head) descales (bench_decode.py's fp8_point
-inputs), is captured in its own CUDA graph (the path is taken when the launch is recorded). Rounds
-alternate the two graphs, starting with the other path each round, so that clock and thermal drift
-hit both alike; a cell's time is the median over rounds of bench_decode.py's timer (triton do_bench
-median of replays, L2 flushed). Layouts: a contiguous cache and a 16-token paged cache over the same
-storage (pages shuffled). The bf16 cache holding the same values is timed once per cell for the
-FP8 / bf16 speedup, where it fits.
+One build serves every path: the path is switched in-process (`_C.decode_fp8_path`) and each path's
+decode step, bf16 query on an e4m3 cache with per-(sequence, head) descales (bench_decode.py's fp8_point
+inputs), is captured in its own CUDA graph (the path and its split plan are taken when the launch is
+recorded; each path plans with its own kernel's occupancy). Rounds go through the paths in turn, starting
+one path later each round, so that clock and thermal drift hit all alike; a cell's time is the median over
+rounds of bench_decode.py's timer (triton do_bench median of replays, L2 flushed). Layouts: a contiguous
+cache and a 16-token paged cache over the same storage (pages shuffled). The bf16 cache holding the same
+values is timed once per cell for the FP8 / bf16 speedup, where it fits.
 
-Before any timing, each cell checks the regs path against the smem path: both outputs of the full
-call, and against a float64 oracle on batch entry 0 with the tests' error rule (tests/error_rule.py:
+Before any timing, each cell checks every path: the full call's output against the first path's, and
+against a float64 oracle on batch entry 0 with the tests' error rule (tests/error_rule.py:
 max|out - oracle| <= 2 x bf16 torch's error + 1e-5). A failing cell is not timed, is reported, and
 makes the exit status 1.
 
 share = bytes of K and V (1 a value) / time / peak DRAM bandwidth (--hbm-tbps; "auto" knows the
-H100 SXM's 3.35 and the H200's 4.8 TB/s). Cells whose FP8 K+V exceed bench_decode.py's
-MAX_CACHE_BYTES are skipped with the reason. Writes <out>/ab_decode_fp8.{json,md}.
+H100 SXM's 3.35 and the H200's 4.8 TB/s). Columns: each path's time and share, the bf16 cache's time,
+regs_deep / regs (time; < 1: regs_deep faster) and bf16 / best (the bf16 cache's time over the fastest
+FP8 path's: the FP8 speedup). Cells whose FP8 K+V exceed bench_decode.py's MAX_CACHE_BYTES are skipped
+with the reason. Writes <out>/ab_decode_fp8.{json,md}.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import bench_decode  # noqa: E402
 import peers  # noqa: E402
 from error_rule import FLOOR, OUT_FACTOR, max_error  # noqa: E402
 
-PATHS = ("smem", "regs")
+PATHS = ("smem", "regs", "regs_deep")
 PEAK_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35}  # device-name substring -> DRAM peak, TB/s
 
 
@@ -60,7 +63,7 @@ def _with_path(C, path, fn):
     try:
         return fn()
     finally:
-        C.decode_fp8_path(before if before != "invalid" else "smem")
+        C.decode_fp8_path(before if before != "invalid" else "regs")
 
 
 def _oracle(q, k, v, compute_dtype):
@@ -74,9 +77,9 @@ def _oracle(q, k, v, compute_dtype):
     return torch.einsum("hgn,nhd->hgd", p, v).reshape(1, 1, heads, dim)
 
 
-def _check(C, calls, logical_k, logical_v, q):
-    """None when both paths pass the error rule on batch entry 0 and agree elsewhere; else the reason."""
-    outs = {path: _with_path(C, path, calls) for path in PATHS}
+def _check(C, paths, calls, logical_k, logical_v, q):
+    """None when every path passes the error rule on batch entry 0 and they agree elsewhere; else the reason."""
+    outs = {path: _with_path(C, path, calls) for path in paths}
     torch.cuda.synchronize()
     for path, out in outs.items():
         if out.isnan().any():
@@ -90,14 +93,16 @@ def _check(C, calls, logical_k, logical_v, q):
         if err > OUT_FACTOR * base + FLOOR:
             return f"{path} error {err:.3e} > {OUT_FACTOR:g} x bf16 torch error {base:.3e} on batch entry 0"
     # Every batch entry: the paths differ only in fp32 summation order and the output's rounding.
-    gap = max_error(outs["regs"], outs["smem"])
-    scale = outs["smem"].double().abs().max().item()
-    if gap > 4 * base + FLOOR * max(1.0, scale):
-        return f"regs and smem outputs differ by {gap:.3e} (4 x bf16 torch error on entry 0: {4 * base:.3e})"
+    first = paths[0]
+    scale = outs[first].double().abs().max().item()
+    for path in paths[1:]:
+        gap = max_error(outs[path], outs[first])
+        if gap > 4 * base + FLOOR * max(1.0, scale):
+            return f"{path} and {first} outputs differ by {gap:.3e} (4 x bf16 torch error on entry 0: {4 * base:.3e})"
     return None
 
 
-def ab_point(C, batch, cache, heads, heads_k, head_dim, ms, rounds, hbm_tbps):
+def ab_point(C, paths, batch, cache, heads, heads_k, head_dim, ms, rounds, hbm_tbps):
     values = batch * cache * heads_k * head_dim
     fp8_bytes = 2 * values
     row = {"batch": batch, "cache": cache, "heads": heads, "heads_k": heads_k, "head_dim": head_dim,
@@ -131,18 +136,19 @@ def ab_point(C, batch, cache, heads, heads_k, head_dim, ms, rounds, hbm_tbps):
         for layout, (call, keys, vals) in layouts.items():
             logical_k = keys[:1].float() * k_descale[:1, None, :, None]
             logical_v = vals[:1].float() * v_descale[:1, None, :, None]
-            why = _check(C, call, logical_k, logical_v, q)
+            why = _check(C, paths, call, logical_k, logical_v, q)
             del logical_k, logical_v
             if why is not None:
                 row["na"][layout] = "CHECK FAILED: " + why
                 row["failed"] = True
                 continue
-            graphs = {path: _with_path(C, path, lambda: bench_decode._graphed(call)) for path in PATHS}
-            times = {path: [] for path in PATHS}
+            graphs = {path: _with_path(C, path, lambda: bench_decode._graphed(call)) for path in paths}
+            times = {path: [] for path in paths}
             for r in range(rounds):
-                for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
+                shift = r % len(paths)
+                for path in paths[shift:] + paths[:shift]:
                     times[path].append(ms(graphs[path], f"{layout}{path}{batch}{cache}{r}") * 1e3)
-            for path in PATHS:
+            for path in paths:
                 row["rounds"][f"{layout}_{path}"] = times[path]
                 row["us"][f"{layout}_{path}"] = statistics.median(times[path])
             del graphs
@@ -161,25 +167,33 @@ def _fmt(x, digits):
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
-def markdown(rows) -> list:
-    lines = ["| batch | cache | Hq/Hk | hd | layout | smem us | share | regs us | share | regs / smem (time) | "
-             "bf16 cache us | bf16 / smem | bf16 / regs |", "|---" * 13 + "|"]
+def markdown(rows, paths=PATHS) -> list:
+    columns = [f"{path} us | share" for path in paths] + ["bf16 cache us"]
+    ratios = ["regs_deep / regs (time)"] if {"regs", "regs_deep"} <= set(paths) else []
+    ratios.append("bf16 / best")
+    header = "| batch | cache | Hq/Hk | hd | layout | " + " | ".join(columns + ratios) + " |"
+    width = 5 + 2 * len(paths) + 1 + len(ratios)
+    lines = [header, "|---" * width + "|"]
     notes = []
     for row in rows:
         head = f"| {row['batch']} | {row['cache']} | {row['heads']}/{row['heads_k']} | {row['head_dim']} |"
         if "all" in row["na"]:
-            lines.append(head + " all |" + " n/a |" * 8)
+            lines.append(head + " all |" + " n/a |" * (width - 5))
             notes.append(f"{row['batch']} x {row['cache']}: {row['na']['all']}")
             continue
         bf16 = row["us"].get("bf16")
         for layout in ("contiguous", "paged16"):
-            smem, regs = row["us"].get(f"{layout}_smem"), row["us"].get(f"{layout}_regs")
-            share = lambda us: None if us is None else row["bound_us"] / us  # noqa: E731
+            us = {path: row["us"].get(f"{layout}_{path}") for path in paths}
+            share = lambda t: None if t is None else row["bound_us"] / t  # noqa: E731
             speed = lambda a, b: None if a is None or b is None else a / b  # noqa: E731
             bf = bf16 if layout == "contiguous" else None
-            lines.append(f"{head} {layout} | {_fmt(smem, 1)} | {_fmt(share(smem), 2)} | {_fmt(regs, 1)} | "
-                         f"{_fmt(share(regs), 2)} | {_fmt(speed(regs, smem), 3)} | {_fmt(bf, 1)} | "
-                         f"{_fmt(speed(bf, smem), 2)} | {_fmt(speed(bf, regs), 2)} |")
+            timed = [t for t in us.values() if t is not None]
+            best = min(timed) if timed else None
+            cells = [f"{_fmt(us[path], 1)} | {_fmt(share(us[path]), 2)}" for path in paths] + [_fmt(bf, 1)]
+            if ratios[0].startswith("regs_deep"):
+                cells.append(_fmt(speed(us["regs_deep"], us["regs"]), 3))
+            cells.append(_fmt(speed(bf, best), 2))
+            lines.append(f"{head} {layout} | " + " | ".join(cells) + " |")
             if layout in row["na"]:
                 notes.append(f"{row['batch']} x {row['cache']} {layout}: {row['na'][layout]}")
     return lines + [""] + [f"- {note}" for note in notes]
@@ -193,6 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hbm-tbps", default="auto")
+    parser.add_argument("--paths", default=",".join(PATHS), help="FP8 paths to time, comma-separated")
     parser.add_argument("--out", default=peers.SCRATCH)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -201,6 +216,11 @@ def main(argv=None) -> int:
 
     if _C is None or not hasattr(_C, "decode_fp8_path"):
         raise SystemExit("this build of the CUDA backend has no _C.decode_fp8_path (build this tree first)")
+    paths = tuple(p for p in args.paths.split(",") if p)
+    if not paths or any(p not in PATHS for p in paths):
+        raise SystemExit(f"--paths: choose from {', '.join(PATHS)}")
+    if len(set(paths)) != len(paths):
+        raise SystemExit("--paths: each path once")
     hbm_tbps = _peak_tbps(args.hbm_tbps)
     ms = bench_decode._timer(False)
     rows = []
@@ -208,18 +228,19 @@ def main(argv=None) -> int:
     for batch in peers.parse_ints(args.batches):
         for cache in peers.parse_ints(args.caches):
             for hq, hk in heads:
-                row = ab_point(_C, batch, cache, hq, hk, args.head_dim, ms, args.rounds, hbm_tbps)
+                row = ab_point(_C, paths, batch, cache, hq, hk, args.head_dim, ms, args.rounds, hbm_tbps)
                 rows.append(row)
-                print("\n".join(line for line in markdown([row])[2:] if line), flush=True)
+                print("\n".join(line for line in markdown([row], paths)[2:] if line), flush=True)
                 torch.cuda.empty_cache()
     failed = [r for r in rows if r.get("failed")]
-    result = dict(peers.header(False), title="FP8 decode: smem (conversion pass) vs regs (register fragments)",
+    result = dict(peers.header(False), title="FP8 decode: " + " vs ".join(paths),
                   note=(f"bf16 query, e4m3 cache with descales, CUDA-graph replay; median over {args.rounds} "
-                        f"interleaved rounds of do_bench medians; share = FP8 K+V bytes / time / {hbm_tbps} TB/s; "
-                        "regs / smem < 1: regs faster. Each cell checked regs against smem and a float64 oracle "
-                        "before timing" + (f"; {len(failed)} cell(s) FAILED the check" if failed else ".")),
-                  hbm_tbps=hbm_tbps, rows=rows)
-    lines = markdown(rows)
+                        f"rotated rounds of do_bench medians; share = FP8 K+V bytes / time / {hbm_tbps} TB/s; "
+                        "regs_deep / regs < 1: regs_deep faster; bf16 / best: the bf16 cache's time over the "
+                        "fastest FP8 path's. Each cell checked every path against the first and a float64 "
+                        "oracle before timing" + (f"; {len(failed)} cell(s) FAILED the check" if failed else ".")),
+                  hbm_tbps=hbm_tbps, paths=list(paths), rows=rows)
+    lines = markdown(rows, paths)
     path = peers.write_results(result, args.out, "ab_decode_fp8", lines)
     print("\n".join(lines))
     print("wrote", path)

@@ -1,7 +1,8 @@
 #!/bin/bash
-# The FP8 decode's two paths on one GPU (PORTATTN_DECODE_FP8_PATH=smem|regs, Note [portattn fp8
-# register fragments] in docs/decode.md): build this tree, run the FP8 decode GPU tests (every
-# kernel case on both paths), then time the paths against each other (bench/tools/ab_decode_fp8.py).
+# The FP8 decode's paths on one GPU (PORTATTN_DECODE_FP8_PATH=regs|regs_deep|smem, Notes [portattn fp8
+# register fragments] and [portattn fp8 deep pipeline] in docs/decode.md): build this tree, run the FP8
+# decode GPU tests (every kernel case on the three paths, the layout grid reduced on smem), then time the
+# paths against each other (bench/tools/ab_decode_fp8.py).
 #   usage: bash bench/tools/ab_decode_fp8.sh [build] [test] [ab]   (default: all three, in order)
 # Each stage fits one 10-minute device call on a 16-core machine; run them as separate calls there.
 # Env: OUT (default /tmp/out), MAX_JOBS (default 16). The A/B's tables: $OUT/ab_decode_fp8.{json,md};

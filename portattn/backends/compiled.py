@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .abi import append_args, decode_args, fwd_args, run_bwd
+from .abi import DTYPE_CODES, append_args, decode_args, fwd_args, run_bwd
 from .base import Backend
 
 
@@ -89,21 +89,36 @@ class CompiledBackend(Backend):
     def has_decode(self) -> bool:
         return self.module is not None and hasattr(self.module, "decode")
 
-    def decode_tile(self, head_dim: int, device: Optional[torch.device] = None, fp8_kv: bool = False) -> dict:
+    def decode_tile(self, head_dim: int, device: Optional[torch.device] = None, fp8_kv: bool = False,
+                    dtype: Optional[torch.dtype] = None, extras: bool = False, path: int = 0) -> dict:
         """{"stage_keys", "threads", "smem_bytes"} of the decode kernel serving head_dim on `device`
         (asked with it current: the ROCm module's CDNA and RDNA tiles differ); the e4m3-cache
-        kernel's with fp8_kv (only the CUDA module has one)."""
-        key = (device.index if device is not None else None, head_dim, fp8_kv)
+        kernel's with fp8_kv (only the CUDA module has one). Where the module answers
+        `decode_occupancy` (CUDA), the facts are those of the kernel a call of q's `dtype` with
+        softcap/ALiBi (`extras`) launches on `device` under FP8 path `path` (decode_path_id), with
+        "registers" and "ctas_per_sm" (the occupancy calculator's) added; cached per key."""
+        key = (device.index if device is not None else None, head_dim, fp8_kv, dtype, extras, path)
         tile = self._decode_tiles.get(key)
         if tile is None:
-            args = (head_dim, 1) if fp8_kv else (head_dim,)
+            occupancy = getattr(self.module, "decode_occupancy", None)
+            if occupancy is not None and dtype in DTYPE_CODES:
+                args = (head_dim, DTYPE_CODES[dtype], 1 if fp8_kv else 0, extras)
+            else:
+                occupancy = self.module.decode_tile
+                args = (head_dim, 1) if fp8_kv else (head_dim,)
             if device is not None and device.type == "cuda":
                 with torch.cuda.device(device):
-                    tile = dict(self.module.decode_tile(*args))
+                    tile = dict(occupancy(*args))
             else:
-                tile = dict(self.module.decode_tile(*args))
+                tile = dict(occupancy(*args))
             self._decode_tiles[key] = tile
         return tile
+
+    def decode_path_id(self) -> int:
+        """The FP8 decode path in effect (0 smem, 1 regs, 2 regs_deep: the CUDA module's
+        PORTATTN_DECODE_FP8_PATH); 0 for a module with one FP8 path or none. Part of the plan key."""
+        path_id = getattr(self.module, "decode_fp8_path_id", None)
+        return path_id() if path_id is not None else 0
 
     def decode(self, q, k, v, out, lse, *options) -> None:
         """One decode launch; `options` are abi.decode_args' after lse, by position (decode.run_decode)."""

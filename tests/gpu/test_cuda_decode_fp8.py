@@ -6,11 +6,14 @@ q's dtype from the dequantised cache rounded to that dtype; the LSE within 2e-3 
 Outputs come from allocator memory poisoned with NaN; unused pages and rows past each sequence's
 end hold e4m3 NaN bytes, which must never be read.
 
-Every kernel case runs on both FP8 paths (PORTATTN_DECODE_FP8_PATH: "smem", the conversion pass,
-and "regs", the register fragments; Note [portattn fp8 register fragments] in docs/decode.md),
-switched in-process with `_C.decode_fp8_path` (the fixture `fp8_path`); the split plans do not
-depend on the path (decode_entry.cu: decode_tile_of). The variable itself is checked in a fresh
-process per value (test_fp8_path_env_is_read_at_the_first_call).
+Every kernel case runs on the FP8 paths (PORTATTN_DECODE_FP8_PATH: "regs", the register fragments and
+the default; "regs_deep", the same with a 5-stage ring; "smem", the conversion pass; Notes [portattn fp8
+register fragments] and [portattn fp8 deep pipeline] in docs/decode.md), switched in-process with
+`_C.decode_fp8_path` (the fixture `fp8_path`). The layout grid (test_fp8_decode_layouts_and_splits)
+runs in full on the two register paths and on bf16 queries with 0 and 3 splits on "smem", whose
+kernel no change of the register paths touches (FULL_GRID_PATHS). Each path's split plans are its
+own (the plan key holds the path; the planner asks the launched kernel's occupancy). The variable
+itself is checked in a fresh process per value (test_fp8_path_env_is_read_at_the_first_call).
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ if not hasattr(cuda_backend._C, "decode"):
 
 FP8 = torch.float8_e4m3fn
 NAN_BYTE = 0x7F  # e4m3fn's NaN
-FP8_PATHS = ["smem", "regs"]
+FP8_PATHS = ["regs", "regs_deep", "smem"]
+FULL_GRID_PATHS = ("regs", "regs_deep")
 
 
 @pytest.fixture(params=FP8_PATHS)
@@ -50,7 +54,7 @@ def fp8_path(request):
     try:
         yield request.param
     finally:
-        cuda_backend._C.decode_fp8_path(before if before != "invalid" else "smem")
+        cuda_backend._C.decode_fp8_path(before if before != "invalid" else "regs")
 
 
 def poison_allocator(nbytes: int) -> None:
@@ -151,11 +155,22 @@ def check(out, lse, ref, ref_lse, low):
         assert (out[empty.transpose(1, 2)] == 0).all(), "rows without keys must be 0"
 
 
-@pytest.mark.parametrize("splits", [0, 1, 3, 1000])
-@pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged64", "paged256"])
-@pytest.mark.parametrize("heads", [(32, 8), (8, 8), (6, 1)], ids=lambda h: f"{h[0]}x{h[1]}")
-@pytest.mark.parametrize("dim", [64, 128, 256, 112])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def _grid_cases():
+    """(path, dtype, dim, heads, layout, splits): the full grid on FULL_GRID_PATHS, bf16 queries with
+    0 and 3 splits on the others."""
+    for path in FP8_PATHS:
+        for dtype in (torch.bfloat16, torch.float16):
+            for dim in (64, 128, 256, 112):
+                for heads in ((32, 8), (8, 8), (6, 1)):
+                    for layout in ("contiguous", "paged16", "paged64", "paged256"):
+                        for splits in (0, 1, 3, 1000):
+                            if path in FULL_GRID_PATHS or (dtype == torch.bfloat16 and splits in (0, 3)):
+                                yield pytest.param(path, dtype, dim, heads, layout, splits,
+                                                   id=f"{path}-{str(dtype)[6:]}-{dim}-{heads[0]}x{heads[1]}-"
+                                                      f"{layout}-{splits}")
+
+
+@pytest.mark.parametrize("fp8_path, dtype, dim, heads, layout, splits", _grid_cases(), indirect=["fp8_path"])
 def test_fp8_decode_layouts_and_splits(dtype, dim, heads, layout, splits, in_place_only, fp8_path):
     batch, capacity = 4, 768
     page = int(layout[5:]) if layout.startswith("paged") else 16
@@ -304,7 +319,7 @@ def test_fp8_head_dim_not_a_multiple_of_16_runs_on_the_reference_path():
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("window", [(-1, -1), (100, 0)])
 def test_fp8_paths_agree_on_windows_and_alibi(dim, window, in_place_only):
-    """Local windows and ALiBi on both paths (the key order of the scores is the 16-bit path's on both),
+    """Local windows and ALiBi on every path (the key order of the scores is the 16-bit path's on both),
     each against the oracle; a 16-token paged cache with GQA and splits."""
     if not hasattr(cuda_backend._C, "decode_fp8_path"):
         pytest.skip("this CUDA build predates PORTATTN_DECODE_FP8_PATH (no _C.decode_fp8_path)")
@@ -324,7 +339,7 @@ def test_fp8_paths_agree_on_windows_and_alibi(dim, window, in_place_only):
                 window_size=window, alibi_slopes=slopes, num_splits=3, k_descale=cache.k_descale,
                 v_descale=cache.v_descale)
     finally:
-        cuda_backend._C.decode_fp8_path(before if before != "invalid" else "smem")
+        cuda_backend._C.decode_fp8_path(before if before != "invalid" else "regs")
     keys, values = cache.dequantised(cache.logical_k, cache.logical_v)
     ref_parts, low_parts = [], []
     for b in range(batch):
@@ -337,7 +352,8 @@ def test_fp8_paths_agree_on_windows_and_alibi(dim, window, in_place_only):
         assert_output(outs[path], torch.cat(ref_parts), torch.cat(low_parts))
 
 
-@pytest.mark.parametrize("value, expected", [("regs", "regs"), ("smem", "smem"), ("", "smem"), ("bogus", "invalid")])
+@pytest.mark.parametrize("value, expected", [("regs", "regs"), ("regs_deep", "regs_deep"), ("smem", "smem"),
+                                             ("", "regs"), ("bogus", "invalid")])
 def test_fp8_path_env_is_read_at_the_first_call(value, expected):
     """A fresh process per value: the variable is read once. An invalid value fails every FP8 decode call
     with a message naming the variable; the setter repairs it."""
@@ -354,7 +370,7 @@ def test_fp8_path_env_is_read_at_the_first_call(value, expected):
         "kvcache._gather_and_attend = refuse\n"
         "try:\n    call(); torch.cuda.synchronize(); print('ran')\n"
         "except Exception as error:\n    print('error', error)\n"
-        "_C.decode_fp8_path('regs'); call(); torch.cuda.synchronize(); print('after set', _C.decode_fp8_path())\n"
+        "_C.decode_fp8_path('smem'); call(); torch.cuda.synchronize(); print('after set', _C.decode_fp8_path())\n"
     )
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     env = dict(os.environ, PORTATTN_DECODE_FP8_PATH=value)
@@ -366,4 +382,49 @@ def test_fp8_path_env_is_read_at_the_first_call(value, expected):
         assert "PORTATTN_DECODE_FP8_PATH" in result.stdout and "'bogus'" in result.stdout
     else:
         assert "ran" in result.stdout
-    assert "after set regs" in result.stdout
+    assert "after set smem" in result.stdout
+
+
+def test_fp8_planner_sees_each_paths_kernel(fp8_path):
+    """The occupancy query answers for the kernel the path launches: regs and regs_deep have no
+    converted stage (48 / 80 KiB at hd 128), smem 80 KiB; resident CTAs come from the occupancy
+    calculator (shared memory and registers) and match the device's shared-memory limit."""
+    C = cuda_backend._C
+    if not hasattr(C, "decode_occupancy"):
+        pytest.skip("this CUDA build has no _C.decode_occupancy")
+    tile = C.decode_occupancy(128, 1, 1, False)
+    expect = {"regs": (48, 3), "regs_deep": (80, 5), "smem": (80, 3)}[fp8_path]
+    assert (tile["smem_bytes"] // 1024, tile["stages"]) == expect, tile
+    assert 0 < tile["registers"] <= 255 and tile["ctas_per_sm"] >= 1, tile
+    props = torch.cuda.get_device_properties(0)
+    per_sm = props.shared_memory_per_multiprocessor
+    assert tile["ctas_per_sm"] <= per_sm // (tile["smem_bytes"] + 1024), tile
+    assert tile["ctas_per_sm"] <= 65536 // (tile["threads"] * tile["registers"]), tile
+    extras = C.decode_occupancy(128, 1, 1, True)
+    assert extras["smem_bytes"] == tile["smem_bytes"] and extras["ctas_per_sm"] <= tile["ctas_per_sm"]
+
+
+def test_fp8_regs_deep_falls_back_to_regs_under_a_small_budget(in_place_only):
+    """PORTATTN_MAX_SMEM_KIB below regs_deep's 80 KiB: the 3-stage register kernel (48 KiB) runs, and
+    the planner is told so."""
+    C = cuda_backend._C
+    if not hasattr(C, "decode_occupancy") or not hasattr(C, "set_smem_cap"):
+        pytest.skip("this CUDA build has no _C.decode_occupancy or _C.set_smem_cap")
+    before_path, before_cap = C.decode_fp8_path(), C.smem_cap()
+    batch, heads, dim = 2, (8, 2), 128
+    cache = Fp8Cache(batch, 512, heads[1], dim, "paged", 16)
+    seqlens = torch.tensor([512, 100], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, heads[0], dim, device="cuda", dtype=torch.bfloat16)
+    try:
+        C.decode_fp8_path("regs_deep")
+        C.set_smem_cap(64 * 1024)
+        assert C.decode_occupancy(128, 1, 1, False)["smem_bytes"] == 48 * 1024
+        out = portattn.flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, block_table=cache.block_table,
+                                               num_splits=3, k_descale=cache.k_descale, v_descale=cache.v_descale)
+    finally:
+        C.set_smem_cap(before_cap)
+        C.decode_fp8_path(before_path if before_path != "invalid" else "regs")
+    keys, values = cache.dequantised(cache.logical_k, cache.logical_v)
+    ref, _ = expected(q, keys, values, seqlens)
+    low, _ = expected(q, keys, values, seqlens, compute_dtype=torch.bfloat16)
+    assert_output(out, ref, low)

@@ -50,6 +50,12 @@ class Family:
     # (the Hopper forward's 96 -> 128; Note [portattn hopper padded head dims]). A head dim
     # not named here is instantiated itself.
     padded: Mapping[int, int] = field(default_factory=dict, hash=False)
+    # A second template instantiated beside run_template, whose pointer fills the table entry's
+    # `query` (variant_table.h: Variant), with its C++ type: what the entry asks about the
+    # kernel a call would launch (the decode families: its occupancy, for the split planner).
+    query_template: Optional[str] = None
+    query_type: str = ""
+    query_params: str = ""  # its parameter list, for the explicit instantiation
 
     def variants_of(self, variants: Sequence["Variant"]) -> List["Variant"]:
         """The plan's variants this family serves."""
@@ -68,11 +74,15 @@ FAMILIES: Tuple[Family, ...] = (
            "BwdFn", "PortattnBwdParams"),
     # split-KV decode over a KV cache read in place (Note [portattn decode] in common/params.h)
     Family("decode", "decode_launch.cuh", "portattn::cuda::run_decode", "kDecodeVariants",
-           "kNumDecodeVariants", "DecodeFn", "PortattnDecodeParams"),
+           "kNumDecodeVariants", "DecodeFn", "PortattnDecodeParams",
+           query_template="portattn::cuda::decode_facts", query_type="DecodeQueryFn",
+           query_params="bool, portattn::cuda::DecodeTileFacts*"),
     # the same kernels over float8 e4m3 caches (Note [portattn fp8 kv cache] in common/params.h);
     # the dtype is the query's
     Family("decode_fp8", "decode_launch.cuh", "portattn::cuda::run_decode_fp8", "kDecodeFp8Variants",
-           "kNumDecodeFp8Variants", "DecodeFn", "PortattnDecodeParams"),
+           "kNumDecodeFp8Variants", "DecodeFn", "PortattnDecodeParams",
+           query_template="portattn::cuda::decode_fp8_facts", query_type="DecodeQueryFn",
+           query_params="bool, portattn::cuda::DecodeTileFacts*"),
 )
 
 
@@ -231,15 +241,17 @@ def _variant_sources(variants: Sequence[Variant], families: Iterable[Family]) ->
     for family in families:
         for variant in family.variants_of(variants):
             elem = DTYPES[variant.dtype][0]
-            sources[variant.source_name(family)] = "\n".join(
-                [
-                    _GENERATED,
-                    f'#include "{family.header}"',
-                    f"template cudaError_t {family.run_template}<{family.kernel_head_dim(variant.head_dim)}, {elem}>(",
-                    f"    const {family.params_type}&);",
-                    "",
-                ]
-            )
+            kernel = family.kernel_head_dim(variant.head_dim)
+            lines = [
+                _GENERATED,
+                f'#include "{family.header}"',
+                f"template cudaError_t {family.run_template}<{kernel}, {elem}>(",
+                f"    const {family.params_type}&);",
+            ]
+            if family.query_template:
+                lines.append(f"template cudaError_t {family.query_template}<{kernel}, {elem}>({family.query_params});")
+            lines.append("")
+            sources[variant.source_name(family)] = "\n".join(lines)
     return sources
 
 
@@ -247,11 +259,14 @@ def _table_source(variants: Sequence[Variant], families: Iterable[Family], extra
     lines = [_GENERATED, '#include "variant_table.h"', "", "namespace portattn {", "namespace cuda {", ""]
     for family in families:
         own = family.variants_of(variants)
-        lines.append(f"const Variant<{family.fn_type}> {family.table}[] = {{")
+        variant_type = f"Variant<{family.fn_type}, {family.query_type}>" if family.query_template else \
+            f"Variant<{family.fn_type}>"
+        lines.append(f"const {variant_type} {family.table}[] = {{")
         for variant in own:
             elem, enum, _ = DTYPES[variant.dtype]
             kernel = family.kernel_head_dim(variant.head_dim)
-            lines.append(f"    {{{variant.head_dim}, {enum}, &{family.run_template}<{kernel}, {elem}>}},")
+            query = f", &{family.query_template}<{kernel}, {elem}>" if family.query_template else ""
+            lines.append(f"    {{{variant.head_dim}, {enum}, &{family.run_template}<{kernel}, {elem}>{query}}},")
         if not own:  # C++ has no empty arrays; the count below says there is no entry
             lines.append("    {0, -1, nullptr},")
         lines.append("};")

@@ -27,7 +27,9 @@ int portattn_cuda_bwd_smem_bytes(int head_dim);
 int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len);
 int portattn_cuda_kvcache_append(const PortattnAppendParams* params, char* message, int message_len);
 void portattn_cuda_decode_tile(int head_dim, int cache_dtype, int* stage_keys, int* threads, int* smem_bytes);
-// Tuning: the FP8 decode path (0 smem, 1 regs; other values only read it).
+// The split planner's input: the kernel a call would launch on the current device (decode_entry.cu).
+int portattn_cuda_decode_occupancy(int head_dim, int dtype, int cache_dtype, int extras, int* facts);
+// Tuning: the FP8 decode path (0 smem, 1 regs, 2 regs_deep; other values only read it).
 int portattn_cuda_decode_fp8_path(int path);
 #ifdef PORTATTN_WITH_HOPPER
 // Opt-in sm_90a forward (hopper_fwd_entry.cu; build with PORTATTN_CUDA_HOPPER=1).
@@ -167,17 +169,35 @@ py::dict decode_tile(int head_dim, int cache_dtype) {
   return tile;
 }
 
-// PORTATTN_DECODE_FP8_PATH at run time (tuning): "" reads, "smem" or "regs" sets; returns the
-// path now in effect ("invalid": the variable holds neither name).
+// {"stage_keys", "threads", "smem_bytes", "stages", "registers", "ctas_per_sm"} of the kernel a decode
+// call of (head_dim, dtype: PortattnDtype, cache_dtype, extras: softcap or ALiBi) would launch on the
+// current device, the FP8 path in effect included (the split planner's input, portattn/decode.py);
+// ctas_per_sm is -1 when the occupancy query failed (the planner then counts by shared memory).
+py::dict decode_occupancy(int head_dim, int dtype, int cache_dtype, bool extras) {
+  int facts[6];
+  portattn_cuda_decode_occupancy(head_dim, dtype, cache_dtype, extras ? 1 : 0, facts);
+  static const char* const kNames[6] = {"stage_keys", "threads", "smem_bytes", "stages", "registers", "ctas_per_sm"};
+  py::dict tile;
+  for (int i = 0; i < 6; ++i) tile[kNames[i]] = facts[i];
+  return tile;
+}
+
+// PORTATTN_DECODE_FP8_PATH at run time (tuning): "" reads, "smem", "regs" or "regs_deep" sets; returns
+// the path now in effect ("invalid": the variable holds none of the names).
+const char* const kFp8PathNames[] = {"smem", "regs", "regs_deep"};
 std::string decode_fp8_path(const std::string& path) {
   int code = -2;
-  if (path == "smem") code = 0;
-  else if (path == "regs") code = 1;
-  else if (!path.empty())
-    throw std::invalid_argument("decode_fp8_path: expected 'smem' or 'regs', got '" + path + "'");
+  for (int i = 0; i < 3; ++i)
+    if (path == kFp8PathNames[i]) code = i;
+  if (code == -2 && !path.empty())
+    throw std::invalid_argument("decode_fp8_path: expected 'smem', 'regs' or 'regs_deep', got '" + path + "'");
   const int now = portattn_cuda_decode_fp8_path(code);
-  return now == 1 ? "regs" : now == 0 ? "smem" : "invalid";
+  return now >= 0 && now < 3 ? kFp8PathNames[now] : "invalid";
 }
+
+// The same as a number (0 smem, 1 regs, 2 regs_deep, -1 invalid), cheap enough for every FP8 decode
+// call: the planner's plan key (portattn/decode.py).
+int decode_fp8_path_id() { return portattn_cuda_decode_fp8_path(-2); }
 // ---- end decode ----
 
 // ---- merge (common/merge_binding.h) ----
@@ -302,8 +322,12 @@ PYBIND11_MODULE(_C, m) {
         "append new k/v to a cache with rotary, and rotate q (common/params.h: PortattnAppendParams)");
   m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim", py::arg("head_dim"),
         py::arg("cache_dtype") = 0);
+  m.def("decode_occupancy", &decode_occupancy, py::arg("head_dim"), py::arg("dtype"), py::arg("cache_dtype"),
+        py::arg("extras"),
+        "the decode kernel a call would launch on the current device: tile facts, registers, CTAs per SM");
   m.def("decode_fp8_path", &decode_fp8_path, py::arg("path") = "",
-        "tuning: the FP8 decode's path, 'smem' (conversion pass) or 'regs' (register fragments) "
-        "(PORTATTN_DECODE_FP8_PATH); no argument reads it");
+        "tuning: the FP8 decode's path, 'regs' (register fragments, the default), 'regs_deep' (the same, "
+        "deeper pipeline) or 'smem' (conversion pass) (PORTATTN_DECODE_FP8_PATH); no argument reads it");
+  m.def("decode_fp8_path_id", &decode_fp8_path_id, "the FP8 decode path as 0 smem, 1 regs, 2 regs_deep, -1 invalid");
   m.def("merge", &merge, "in-place LSE merge of a partial attention result (common/merge.h)");
 }

@@ -223,10 +223,8 @@ __global__ void kvcache_append_kernel(const PortattnAppendParams p) {
   q_dst[e] = from_float<Elem>(rotary.apply(q_src, e, pos));
 }
 
-// The FP8 facts are the conversion pass's for both paths: the planner's CTAs per SM then do
-// not depend on the path (registers, ~170-200 a thread, hold both at two CTAs per SM on an
-// H100 although the register path's 48 KiB would fit four), so an A/B of the two runs the same
-// split counts, and the cached plans stay valid when the path is switched in-process.
+// Static tile facts of the 16-bit-cache kernels (build_config's budgets; the planner asks
+// portattn_cuda_decode_occupancy, which knows the FP8 path and the device).
 template <bool kFp8, int kHeadDim = 32>
 void decode_tile_of(int head_dim, int* stage_keys, int* threads, int* smem_bytes) {
   if constexpr (kHeadDim > 256) {
@@ -242,20 +240,20 @@ void decode_tile_of(int head_dim, int* stage_keys, int* threads, int* smem_bytes
 
 bool fp8_cache(int cache_dtype) { return cache_dtype == PORTATTN_CACHE_FP8_E4M3; }
 
-// PORTATTN_DECODE_FP8_PATH (tuning; docs/environment.md): "smem" (unset, the default) converts
-// each stage through a 16-bit stage in shared memory, "regs" reads the e4m3 bytes into mma
-// operand registers and converts them there (Note [portattn fp8 register fragments],
-// docs/decode.md). The default stays "smem" until an A/B on a GPU
-// (bench/tools/ab_decode_fp8.py) says otherwise. Read once, at the first FP8 decode call;
-// portattn_cuda_decode_fp8_path changes it afterwards (tests and the A/B run both paths in
-// one process).
+// PORTATTN_DECODE_FP8_PATH (tuning; docs/environment.md): "regs" (unset, the default) reads the
+// e4m3 bytes into mma operand registers and converts them there (Note [portattn fp8 register
+// fragments], docs/decode.md); "regs_deep" does so with kFp8DeepStages stages (Note [portattn fp8
+// deep pipeline]); "smem" converts each stage through a 16-bit stage in shared memory. Read once,
+// at the first FP8 decode call; portattn_cuda_decode_fp8_path changes it afterwards (tests and the
+// A/B run every path in one process).
 constexpr const char* kFp8PathEnv = "PORTATTN_DECODE_FP8_PATH";
-std::atomic<int> g_fp8_path{kDecodeFp8Smem};
+std::atomic<int> g_fp8_path{kDecodeFp8Regs};
 std::once_flag g_fp8_path_once;
 
 int fp8_path_from_text(const char* text) {
-  if (text == nullptr || *text == '\0' || strcmp(text, "smem") == 0) return kDecodeFp8Smem;
-  if (strcmp(text, "regs") == 0) return kDecodeFp8Regs;
+  if (text == nullptr || *text == '\0' || strcmp(text, "regs") == 0) return kDecodeFp8Regs;
+  if (strcmp(text, "smem") == 0) return kDecodeFp8Smem;
+  if (strcmp(text, "regs_deep") == 0) return kDecodeFp8RegsDeep;
   return kDecodeFp8Invalid;
 }
 
@@ -309,23 +307,51 @@ bool pdl_supported() {
 
 using namespace portattn::cuda;
 
+extern "C" int portattn_cuda_decode_occupancy(int head_dim, int dtype, int cache_dtype, int extras, int* facts);
+
 // Tile facts of the decode kernel serving `head_dim` (-1s when none is built); cache_dtype is a
-// PortattnCacheDtype (the FP8 kernels keep raw stages and a converted one).
+// PortattnCacheDtype. An e4m3 cache's are those of the FP8 path in effect on the current device
+// (portattn_cuda_decode_occupancy's, without softcap/ALiBi).
 extern "C" void portattn_cuda_decode_tile(int head_dim, int cache_dtype, int* stage_keys, int* threads,
                                           int* smem_bytes) {
-  const bool fp8 = fp8_cache(cache_dtype);
-  const Variant<DecodeFn>* table = fp8 ? kDecodeFp8Variants : kDecodeVariants;
-  const int count = fp8 ? kNumDecodeFp8Variants : kNumDecodeVariants;
-  const Variant<DecodeFn>* variant = find_variant(table, count, head_dim, PORTATTN_FP16);
-  if (variant == nullptr) variant = find_variant(table, count, head_dim, PORTATTN_BF16);
-  if (variant == nullptr) {
-    *stage_keys = *threads = *smem_bytes = -1;
+  *stage_keys = *threads = *smem_bytes = -1;
+  if (fp8_cache(cache_dtype)) {
+    int facts[6];
+    if (portattn_cuda_decode_occupancy(head_dim, PORTATTN_FP16, cache_dtype, 0, facts) != 0 &&
+        portattn_cuda_decode_occupancy(head_dim, PORTATTN_BF16, cache_dtype, 0, facts) != 0)
+      return;
+    *stage_keys = facts[0];
+    *threads = facts[1];
+    *smem_bytes = facts[2];
     return;
   }
-  if (fp8)
-    decode_tile_of<true>(variant->head_dim, stage_keys, threads, smem_bytes);
-  else
-    decode_tile_of<false>(variant->head_dim, stage_keys, threads, smem_bytes);
+  const DecodeVariant* variant = find_variant(kDecodeVariants, kNumDecodeVariants, head_dim, PORTATTN_FP16);
+  if (variant == nullptr) variant = find_variant(kDecodeVariants, kNumDecodeVariants, head_dim, PORTATTN_BF16);
+  if (variant != nullptr) decode_tile_of<false>(variant->head_dim, stage_keys, threads, smem_bytes);
+}
+
+// What a decode call of (head_dim, dtype, cache_dtype; extras: softcap or ALiBi) would launch on
+// the current device, for the split planner: facts[0..5] = keys per stage, threads, dynamic shared
+// memory bytes, stages, registers per thread, resident CTAs per SM (the occupancy calculator's,
+// with that shared memory). An e4m3 cache's kernel is the one of the FP8 path in effect
+// (PORTATTN_DECODE_FP8_PATH), regs_deep's fallback under a small budget included. Returns 0, -1
+// when no kernel is built for the arguments, or the CUDA error (facts[5] then -1).
+extern "C" int portattn_cuda_decode_occupancy(int head_dim, int dtype, int cache_dtype, int extras, int* facts) {
+  for (int i = 0; i < 6; ++i) facts[i] = -1;
+  const bool fp8 = fp8_cache(cache_dtype);
+  const DecodeVariant* variant =
+      fp8 ? find_variant(kDecodeFp8Variants, kNumDecodeFp8Variants, head_dim, dtype)
+          : find_variant(kDecodeVariants, kNumDecodeVariants, head_dim, dtype);
+  if (variant == nullptr || variant->query == nullptr || (fp8 && fp8_path_now() == kDecodeFp8Invalid)) return -1;
+  DecodeTileFacts out;
+  const cudaError_t err = variant->query(extras != 0, &out);
+  facts[0] = out.stage_keys;
+  facts[1] = out.threads;
+  facts[2] = out.smem_bytes;
+  facts[3] = out.stages;
+  facts[4] = out.registers;
+  facts[5] = err == cudaSuccess ? out.ctas_per_sm : -1;
+  return static_cast<int>(err);
 }
 
 extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len) {
@@ -333,7 +359,7 @@ extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* me
   if (params->kv.cache_dtype != PORTATTN_CACHE_AS_QUERY && !fp8) {
     return fail(message, message_len, -1, "portattn cuda decode: unknown cache_dtype");
   }
-  const Variant<DecodeFn>* variant =
+  const DecodeVariant* variant =
       fp8 ? find_variant(kDecodeFp8Variants, kNumDecodeFp8Variants, params->headdim, params->dtype)
           : find_variant(kDecodeVariants, kNumDecodeVariants, params->headdim, params->dtype);
   if (variant == nullptr) {
@@ -344,7 +370,7 @@ extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* me
   }
   if (fp8 && fp8_path_now() == kDecodeFp8Invalid) {
     char text[200];
-    snprintf(text, sizeof(text), "portattn cuda decode: %s is '%s'; expected 'smem' (default) or 'regs'",
+    snprintf(text, sizeof(text), "portattn cuda decode: %s is '%s'; expected 'regs' (default), 'regs_deep' or 'smem'",
              kFp8PathEnv, getenv(kFp8PathEnv) ? getenv(kFp8PathEnv) : "");
     return fail(message, message_len, -1, text);
   }
@@ -383,12 +409,12 @@ extern "C" int portattn_cuda_decode(const PortattnDecodeParams* params, char* me
   return 0;
 }
 
-// The FP8 decode path (PORTATTN_DECODE_FP8_PATH; tuning): 0 = smem, 1 = regs sets it for the
-// calls that follow; any other value only reads it. Returns the path now in effect (-1: the
-// environment variable names neither, and FP8 decode calls fail until a path is set).
+// The FP8 decode path (PORTATTN_DECODE_FP8_PATH; tuning): 0 = smem, 1 = regs, 2 = regs_deep sets
+// it for the calls that follow; any other value only reads it. Returns the path now in effect
+// (-1: the environment variable names none, and FP8 decode calls fail until a path is set).
 extern "C" int portattn_cuda_decode_fp8_path(int path) {
   fp8_path_now();  // the environment's value first, so a later first read cannot undo the set
-  if (path == kDecodeFp8Smem || path == kDecodeFp8Regs) g_fp8_path.store(path);
+  if (path == kDecodeFp8Smem || path == kDecodeFp8Regs || path == kDecodeFp8RegsDeep) g_fp8_path.store(path);
   return g_fp8_path.load();
 }
 

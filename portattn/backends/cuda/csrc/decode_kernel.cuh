@@ -38,6 +38,9 @@
 // fragments] in docs/decode.md, decode_fp8_frag.h): the raw rows are stored swizzled, and each
 // warp's ldmatrix reads them straight into mma operand registers, where they are converted;
 // no converted stage, so 48 KiB at head dims 64, 128 and 256.
+// kStages = kFp8DeepStages (5; PORTATTN_DECODE_FP8_PATH=regs_deep): the register path with
+// four raw stages ahead instead of two, 80 KiB; Note [portattn fp8 deep pipeline] in
+// docs/decode.md gives the bytes-in-flight and occupancy reasoning and ptxas's numbers.
 #pragma once
 #include <cuda_runtime.h>
 #include <math.h>
@@ -56,7 +59,13 @@
 namespace portattn {
 namespace cuda {
 
-template <int kHeadDim_, bool kFp8_ = false, bool kFp8Regs_ = false>
+// Stages of the FP8 register path's deep variant (regs_deep): a raw stage is 16 KiB at head
+// dims 64, 128 and 256, so 5 stages keep 64 KiB ahead of the one consumed, the 16-bit kernel's
+// 2 x 32 KiB, in 80 KiB: two CTAs per SM on sm80 (164 KiB) and sm90 (228 KiB) whatever the
+// registers (<= 255 a thread at 128 threads), one within the 99 KiB of sm86/sm89/sm120.
+constexpr int kFp8DeepStages = 5;
+
+template <int kHeadDim_, bool kFp8_ = false, bool kFp8Regs_ = false, int kStages_ = 3>
 struct DecodeTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kFp8 = kFp8_;  // the cache holds e4m3 bytes
@@ -68,7 +77,10 @@ struct DecodeTileConfig {
   // head dim 128 (the loads' address work and the barriers per byte then match).
   static constexpr int kWarpKeys = kHeadDim <= 64 ? 32 : 16;
   static constexpr int kStageKeys = kWarps * kWarpKeys;
-  static constexpr int kStages = 3;
+  // Stages in the ring, kStages - 1 of them loading while one is consumed. Other than 3 only
+  // for the register path, whose stages are half a 16-bit stage's bytes.
+  static constexpr int kStages = kStages_;
+  static_assert(kStages == 3 || (kFp8Regs && kStages >= 2), "deeper rings only on the FP8 register path");
   using KVTile = ptx::SwizzledTile<kStageKeys, kHeadDim>;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;  // K then V
   // What the loads bring in per stage: the Elem tiles, or (kFp8) raw e4m3 rows that the
@@ -139,10 +151,10 @@ __device__ __forceinline__ DecodeSequence contained_sequence(const PortattnDecod
   return seq;
 }
 
-template <int kHeadDim, typename Elem, bool kExtras, bool kFp8 = false, bool kFp8Regs = false>
-__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8, kFp8Regs>::kThreads)
+template <int kHeadDim, typename Elem, bool kExtras, bool kFp8 = false, bool kFp8Regs = false, int kStages_ = 3>
+__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kFp8, kFp8Regs, kStages_>::kThreads)
     decode_kernel(const PortattnDecodeParams params) {
-  using Config = DecodeTileConfig<kHeadDim, kFp8, kFp8Regs>;
+  using Config = DecodeTileConfig<kHeadDim, kFp8, kFp8Regs, kStages_>;
   using RawLayout = typename Config::RawLayout;
   using CacheElem = typename std::conditional<kFp8, uint8_t, Elem>::type;
   using KVTile = typename Config::KVTile;

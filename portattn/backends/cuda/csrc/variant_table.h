@@ -27,11 +27,14 @@ namespace cuda {
 
 using FwdFn = cudaError_t (*)(const PortattnFwdParams&);
 
-template <class Fn>
+// `query`: what a family that has one (variants.Family.query_template) answers about the
+// kernel `run` launches (the decode families: DecodeQueryFn); nullptr elsewhere.
+template <class Fn, class Query = void (*)()>
 struct Variant {
   int head_dim;
   int dtype;  // PortattnDtype
   Fn run;
+  Query query = nullptr;
 };
 
 // Defined in fwd_launch.cuh; explicitly instantiated per generated TU.
@@ -50,14 +53,25 @@ extern const int kNumBwdVariants;
 // ---- end backward family ----
 // ---- decode family (split-KV over a KV cache; decode_launch.cuh) ----
 using DecodeFn = cudaError_t (*)(const PortattnDecodeParams&);
+// The kernel a decode launch would run on the current device (with softcap/ALiBi: `extras`).
+struct DecodeTileFacts {
+  int stage_keys, threads, smem_bytes, stages;
+  int registers, ctas_per_sm;  // per thread (ptxas); resident per SM (occupancy calculator)
+};
+using DecodeQueryFn = cudaError_t (*)(bool extras, DecodeTileFacts*);
+using DecodeVariant = Variant<DecodeFn, DecodeQueryFn>;
 template <int kHeadDim, typename Elem>
 cudaError_t run_decode(const PortattnDecodeParams& params);
-extern const Variant<DecodeFn> kDecodeVariants[];
+template <int kHeadDim, typename Elem>
+cudaError_t decode_facts(bool extras, DecodeTileFacts* facts);
+extern const DecodeVariant kDecodeVariants[];
 extern const int kNumDecodeVariants;
 // The same kernels reading e4m3 caches (Note [portattn fp8 kv cache] in common/params.h).
 template <int kHeadDim, typename Elem>
 cudaError_t run_decode_fp8(const PortattnDecodeParams& params);
-extern const Variant<DecodeFn> kDecodeFp8Variants[];
+template <int kHeadDim, typename Elem>
+cudaError_t decode_fp8_facts(bool extras, DecodeTileFacts* facts);
+extern const DecodeVariant kDecodeFp8Variants[];
 extern const int kNumDecodeFp8Variants;
 // ---- end decode family ----
 }  // namespace cuda
@@ -84,11 +98,11 @@ extern const char* const kBuildArchs;  // e.g. "80;90", as the build was asked f
 extern const char* const kBuildPtx;    // arch of the embedded PTX, e.g. "90" ("" = none)
 
 // Smallest built head dim >= head_dim for this dtype, or nullptr.
-template <class Fn>
-const Variant<Fn>* find_variant(const Variant<Fn>* table, int count, int head_dim, int dtype) {
-  const Variant<Fn>* best = nullptr;
+template <class Fn, class Query>
+const Variant<Fn, Query>* find_variant(const Variant<Fn, Query>* table, int count, int head_dim, int dtype) {
+  const Variant<Fn, Query>* best = nullptr;
   for (int i = 0; i < count; ++i) {
-    const Variant<Fn>& v = table[i];
+    const Variant<Fn, Query>& v = table[i];
     if (v.dtype == dtype && v.head_dim >= head_dim && (best == nullptr || v.head_dim < best->head_dim))
       best = &v;
   }
@@ -97,8 +111,8 @@ const Variant<Fn>* find_variant(const Variant<Fn>* table, int count, int head_di
 
 // The built variant of exactly this head dim and dtype, or nullptr: for kernels with
 // no masked head-dim tail (the Hopper ones), which serve their own head dim only.
-template <class Fn>
-const Variant<Fn>* find_exact_variant(const Variant<Fn>* table, int count, int head_dim, int dtype) {
+template <class Fn, class Query>
+const Variant<Fn, Query>* find_exact_variant(const Variant<Fn, Query>* table, int count, int head_dim, int dtype) {
   for (int i = 0; i < count; ++i)
     if (table[i].head_dim == head_dim && table[i].dtype == dtype) return &table[i];
   return nullptr;
@@ -109,8 +123,8 @@ inline const char* dtype_name(int dtype) {
 }
 
 // What a table holds, for error messages: "hd64 fp16, hd128 bf16", or "none".
-template <class Fn>
-void describe_variants(const Variant<Fn>* table, int count, char* text, int text_len) {
+template <class Fn, class Query>
+void describe_variants(const Variant<Fn, Query>* table, int count, char* text, int text_len) {
   int used = snprintf(text, text_len, "%s", count == 0 ? "none" : "");
   for (int i = 0; i < count && used >= 0 && used < text_len; ++i)
     used += snprintf(text + used, text_len - used, "%shd%d %s", i == 0 ? "" : ", ", table[i].head_dim,
@@ -148,12 +162,12 @@ SmemOptInState SmemOptIn<kHeadDim, Elem, kFlag, kShape>::state = {0ull};
 
 // The decode kernels' own opt-in record (SmemOptIn's is keyed by the same
 // template arguments and belongs to the forward kernels).
-template <int kHeadDim, typename Elem, bool kFlag, bool kFp8, bool kFp8Regs = false>
+template <int kHeadDim, typename Elem, bool kFlag, bool kFp8, bool kFp8Regs = false, int kStages = 3>
 struct DecodeSmemOptIn {
   static SmemOptInState state;
 };
-template <int kHeadDim, typename Elem, bool kFlag, bool kFp8, bool kFp8Regs>
-SmemOptInState DecodeSmemOptIn<kHeadDim, Elem, kFlag, kFp8, kFp8Regs>::state = {0ull};
+template <int kHeadDim, typename Elem, bool kFlag, bool kFp8, bool kFp8Regs, int kStages>
+SmemOptInState DecodeSmemOptIn<kHeadDim, Elem, kFlag, kFp8, kFp8Regs, kStages>::state = {0ull};
 
 }  // namespace cuda
 }  // namespace portattn
