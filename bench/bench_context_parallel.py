@@ -206,9 +206,9 @@ def _profile(run, rank, trace_path):
         return profile_summary(json.load(handle))
 
 
-def _profile_lines(world, tokens, profiles, ideal_ms=None):
+def _profile_lines(world, tokens, profiles, ideal_ms=None, mode="forward+backward"):
     names = list(profiles)
-    lines = ["", f"Profile of one forward+backward step on rank 0 of {world}, {tokens} tokens "
+    lines = ["", f"Profile of one {mode} step on rank 0 of {world}, {tokens} tokens "
              "(time on the compute stream, ms and % of the step):", "",
              "| category | " + " | ".join(names) + " |",
              "|---|" + "---|" * len(names)]
@@ -230,7 +230,7 @@ def _profile_lines(world, tokens, profiles, ideal_ms=None):
                              if not category.startswith("idle") else f"{ms:.2f} ({100 * ms / step:.1f}%)")
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     if ideal_ms is not None:
-        lines += ["", f"For scale: {world} x one GPU's whole forward+backward on {tokens // world} tokens "
+        lines += ["", f"For scale: {world} x one GPU's whole {mode} on {tokens // world} tokens "
                   f"(the weak-scaling baseline, CUDA events): {ideal_ms:.2f} ms."]
     return lines
 
@@ -305,6 +305,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="also profile one step per variant (rank 0)")
     parser.add_argument("--profile-variants", default="", help="the variants to profile (default: all)")
     parser.add_argument("--profile-tokens", type=int, default=0, help="tokens of the profiled step (0: the first of --tokens)")
+    parser.add_argument("--profile-forward-only", action="store_true", help="profile a forward step (default: forward+backward)")
     parser.add_argument("--trace-dir", default="", help="keep rank 0's Chrome traces here")
     parser.add_argument("--dry-run", action="store_true", help="CPU over gloo, tiny shapes: the plumbing only")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "latest"))
@@ -364,7 +365,8 @@ def main(argv=None) -> int:
                                      f"context_parallel_{world}gpu_{tokens}_{name}_rank0.json")
                 if args.trace_dir:
                     os.makedirs(args.trace_dir, exist_ok=True)
-                summary = _profile(_step(attention(variants[name]), q, k, v, dout, True), rank, trace)
+                summary = _profile(_step(attention(variants[name]), q, k, v, dout, not args.profile_forward_only),
+                                   rank, trace)
                 if rank == 0:
                     profiles[name] = summary
                     if not args.trace_dir:
@@ -447,8 +449,10 @@ def main(argv=None) -> int:
                     else:
                         lines.append(f"| {r['tokens']} | {spec} | n/a | n/a | {t.get('error', 'n/a')} |")
         if profiles:
-            ideal = [world * r["ms"]["single_local_fwd_bwd"] for r in rows if r["tokens"] == profile_tokens]
-            lines += _profile_lines(world, profile_tokens, profiles, ideal[0] if ideal else None)
+            mode = "fwd" if args.profile_forward_only else "fwd_bwd"
+            ideal = [world * r["ms"][f"single_local_{mode}"] for r in rows if r["tokens"] == profile_tokens]
+            lines += _profile_lines(world, profile_tokens, profiles, ideal[0] if ideal else None,
+                                    "forward" if args.profile_forward_only else "forward+backward")
         peers.write_results(result, args.out, f"context_parallel_{world}gpu", extra_markdown=lines)
         print("\n".join(lines))
     dist.destroy_process_group()

@@ -228,8 +228,9 @@ def test_hopper_forward_many_tiles_per_cta(head_dim, causal, shape):
 # sm_margin) CTAs walks the same tiles, each computed as before, so out and lse keep their bits, on
 # NaN-poisoned outputs. 131 leaves one CTA on a 132-SM H100 or H200, walking every tile. Shapes: one
 # and several tiles a CTA, the paired causal walk (short and 2100 keys), 176-key blocks (2100 keys,
-# no mask), many short sequences (the group order at hd128 and up once one CTA holds them all).
-@pytest.mark.parametrize("shape", [(3, 777, 513, 20), (2, 2100, 2100, 20), (128, 300, 300, 24)],
+# no mask). (Many short sequences are not among them: hd64 without a mask at 300 keys runs the sm80+
+# kernel, which has no persistent grid.)
+@pytest.mark.parametrize("shape", [(3, 777, 513, 20), (2, 2100, 2100, 20)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
