@@ -26,6 +26,12 @@ MIN_KEYS_PER_SPLIT = 256
 # heads, batch 32 (128 CTAs, two resident per SM): 2 splits against 1, 30.7 / 27.9 us at 1k
 # keys, 183 / 178 us at 8k (graph replay; docs/decode.md, "The split planner").
 FULL_GRID_FRACTION = 0.8
+# ... only for kernels of at least this many threads: a 2-warp CTA (head dims over 128) alone
+# streams far below the bound. H200, hd 256, 32/8 heads, batch 16 (128 CTAs): one split ran at
+# 0.38 of the bound and 0.50-0.55x SDPA (297 / 164 us at 4k keys, 2332 / 1178 at 32k), where
+# the same grid planned by resident slots (2 splits) ran at 0.97-1.00x SDPA on an H100
+# (bench/results/latest/decode_bench.md has the current table).
+FULL_GRID_MIN_THREADS = 128
 # Among split counts whose last wave is this close to the best, take the smallest.
 WAVE_EFFICIENCY_SLACK = 0.85
 # An eager call (no CUDA-graph capture) of at most this many keys per sequence is host-bound:
@@ -198,7 +204,8 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
             sms, slots = free, slots // sms * free
         splits = _remember_plan(plan_key, 1 if eager_short else choose_num_splits(
             batch * nheads_k * m_tiles, -(-keys // tile["stage_keys"]), slots,
-            MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits, sms,
+            MIN_KEYS_PER_SPLIT // tile["stage_keys"], num_splits,
+            sms if tile["threads"] >= FULL_GRID_MIN_THREADS else 0,
         ))
     o_partial = lse_partial = 0
     if splits > 1:

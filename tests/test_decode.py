@@ -59,6 +59,21 @@ def test_a_cta_on_most_sms_is_not_split():
     assert decode.choose_num_splits(32, 128, H100_SLOTS, 4, sms=132) > 1  # batch 8: still spread
 
 
+@pytest.mark.parametrize("threads, splits", [(128, "one"), (64, "several")])
+def test_the_full_grid_rule_needs_a_cta_that_streams_alone(monkeypatch, threads, splits):
+    """128 CTAs (batch 16, 8 KV heads) with 4 warps a CTA: unsplit; with 2 warps (head dims over
+    128): planned by resident slots, so split (H200, hd 256: one split ran at 0.50-0.55x SDPA)."""
+    monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(decode, "_capturing", lambda: True)
+    monkeypatch.setattr(decode, "resident_slots", lambda device, tile: (132, H100_SLOTS))
+    backend = _RecordingBackend()
+    backend.decode_tile = lambda *args: {"stage_keys": 32, "threads": threads, "smem_bytes": 96 * 1024}
+    q = torch.randn(16, 1, 32, 64)
+    k = v = torch.randn(16, 4096, 8, 64)
+    decode.run_decode(backend, q, k, v, False, 0.125, -1, 0, 0.0, None)
+    assert (backend.splits == [1]) if splits == "one" else (backend.splits[0] > 1), backend.splits
+
+
 class _RecordingBackend:
     """A compiled backend's decode surface on the CPU: records the split count of each launch."""
 
