@@ -235,6 +235,80 @@ def _profile_lines(world, tokens, profiles, ideal_ms=None, mode="forward+backwar
     return lines
 
 
+def markdown_lines(result) -> list:
+    """The tables of a result (main's, or one read back by --render)."""
+    rows, profiles = result["rows"], result.get("profiles") or {}
+    world = rows[0]["world"] if rows else 0
+    lines = ["| tokens | GPUs | variant | ring fwd ms | ring fwd+bwd ms | 1 GPU, tokens/N: fwd / fwd+bwd ms | "
+             "1 GPU, all tokens: fwd / fwd+bwd ms | weak eff. fwd / fwd+bwd | strong eff. fwd / fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["ms"]
+        total = (f"{ms['single_total_fwd']:.1f} / {ms['single_total_fwd_bwd']:.1f}"
+                 if "single_total_fwd" in ms else r.get("note", "n/a"))
+        for name, t in r["variants"].items():
+            strong = (f"{t['strong_efficiency_fwd']:.2f} / {t['strong_efficiency_fwd_bwd']:.2f}"
+                      if "strong_efficiency_fwd" in t else "n/a")
+            lines.append(f"| {r['tokens']} | {world} | {name} | {t['fwd']:.1f} | {t['fwd_bwd']:.1f} | "
+                         f"{ms['single_local_fwd']:.1f} / {ms['single_local_fwd_bwd']:.1f} | {total} | "
+                         f"{t['weak_efficiency_fwd']:.2f} / {t['weak_efficiency_fwd_bwd']:.2f} | {strong} |")
+    if any(r.get("torch_cp") for r in rows):
+        best = {r["tokens"]: min((t for t in r["variants"].values()), key=lambda t: t["fwd_bwd"]) for r in rows}
+        lines += ["", "PyTorch's context parallelism on the same GPUs (SDPA backend / rotate method); "
+                  "ratio = its time / the fastest variant's above (by forward+backward):", "",
+                  "| tokens | torch CP | fwd ms | fwd+bwd ms | ratio fwd / fwd+bwd |", "|---|---|---|---|---|"]
+        for r in rows:
+            for spec, t in r.get("torch_cp", {}).items():
+                if "fwd_bwd" in t and "fwd" in t:
+                    b = best[r["tokens"]]
+                    lines.append(f"| {r['tokens']} | {spec} | {t['fwd']:.1f} | {t['fwd_bwd']:.1f} | "
+                                 f"{t['fwd'] / b['fwd']:.2f} / {t['fwd_bwd'] / b['fwd_bwd']:.2f} |")
+                else:
+                    lines.append(f"| {r['tokens']} | {spec} | n/a | n/a | {t.get('error', 'n/a')} |")
+    if profiles:
+        mode = result.get("profile_mode", "fwd_bwd")
+        tokens = result["profile_tokens"]
+        ideal = [world * r["ms"][f"single_local_{mode}"] for r in rows if r["tokens"] == tokens]
+        lines += _profile_lines(world, tokens, profiles, ideal[0] if ideal else None,
+                                "forward" if mode == "fwd" else "forward+backward")
+    return lines
+
+
+def plot(result, path):
+    """Weak-scaling efficiency by variant against tokens, forward and forward+backward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for axis, mode, label in zip(axes, ("fwd", "fwd_bwd"), ("forward", "forward+backward")):
+        for name in rows[0]["variants"] if rows else ():
+            points = [(r["tokens"], r["variants"][name][f"weak_efficiency_{mode}"]) for r in rows if name in r["variants"]]
+            axis.plot([p[0] // 1024 for p in points], [p[1] for p in points], marker="o", label=name)
+        axis.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+        axis.set_title(label)
+        axis.set_xlabel("tokens (k)")
+        axis.set_xscale("log", base=2)
+    axes[0].set_ylabel(f"weak-scaling efficiency, {rows[0]['world'] if rows else '?'} GPUs")
+    axes[0].legend(fontsize=8)
+    figure.suptitle(f"{result['title']} ({result['device']})", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def render(path: str, out: str) -> int:
+    """--render: the .md and .png of a result JSON written by a run (e.g. after a transfer that
+    brought back only the JSON)."""
+    with open(path) as handle:
+        result = json.load(handle)
+    world = result["rows"][0]["world"]
+    peers.write_results(result, out, f"context_parallel_{world}gpu", extra_markdown=markdown_lines(result), plot=plot)
+    return 0
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 def _variant(name: str) -> dict:
@@ -308,8 +382,11 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-forward-only", action="store_true", help="profile a forward step (default: forward+backward)")
     parser.add_argument("--trace-dir", default="", help="keep rank 0's Chrome traces here")
     parser.add_argument("--dry-run", action="store_true", help="CPU over gloo, tiny shapes: the plumbing only")
+    parser.add_argument("--render", default="", help="write the .md and .png of this result JSON to --out and exit")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "latest"))
     args = parser.parse_args(argv)
+    if args.render:
+        return render(args.render, args.out)
     variants = {name: _variant(name) for name in (v.strip() for v in args.variants.split(",")) if name}
     profiled = [v.strip() for v in args.profile_variants.split(",") if v.strip()] or list(variants)
     torch_cp = [c.strip() for c in args.torch_cp.split(",") if c.strip()]
@@ -422,38 +499,9 @@ def main(argv=None) -> int:
                             "context_parallel with SDPA (<backend>/<rotate method>)"),
                       rows=rows, modes=[], impls=[], grid=[], profile_tokens=profile_tokens if profiles else None,
                       profiles=profiles)
-        lines = ["| tokens | GPUs | variant | ring fwd ms | ring fwd+bwd ms | 1 GPU, tokens/N: fwd / fwd+bwd ms | "
-                 "1 GPU, all tokens: fwd / fwd+bwd ms | weak eff. fwd / fwd+bwd | strong eff. fwd / fwd+bwd |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            ms = r["ms"]
-            total = (f"{ms['single_total_fwd']:.1f} / {ms['single_total_fwd_bwd']:.1f}"
-                     if "single_total_fwd" in ms else r.get("note", "n/a"))
-            for name, t in r["variants"].items():
-                strong = (f"{t['strong_efficiency_fwd']:.2f} / {t['strong_efficiency_fwd_bwd']:.2f}"
-                          if "strong_efficiency_fwd" in t else "n/a")
-                lines.append(f"| {r['tokens']} | {world} | {name} | {t['fwd']:.1f} | {t['fwd_bwd']:.1f} | "
-                             f"{ms['single_local_fwd']:.1f} / {ms['single_local_fwd_bwd']:.1f} | {total} | "
-                             f"{t['weak_efficiency_fwd']:.2f} / {t['weak_efficiency_fwd_bwd']:.2f} | {strong} |")
-        if torch_cp:
-            best = {r["tokens"]: min((t for t in r["variants"].values()), key=lambda t: t["fwd_bwd"]) for r in rows}
-            lines += ["", "PyTorch's context parallelism on the same GPUs (SDPA backend / rotate method); "
-                      "ratio = its time / the fastest variant above:", "",
-                      "| tokens | torch CP | fwd ms | fwd+bwd ms | ratio fwd / fwd+bwd |", "|---|---|---|---|---|"]
-            for r in rows:
-                for spec, t in r["torch_cp"].items():
-                    if "fwd_bwd" in t and "fwd" in t:
-                        b = best[r["tokens"]]
-                        lines.append(f"| {r['tokens']} | {spec} | {t['fwd']:.1f} | {t['fwd_bwd']:.1f} | "
-                                     f"{t['fwd'] / b['fwd']:.2f} / {t['fwd_bwd'] / b['fwd_bwd']:.2f} |")
-                    else:
-                        lines.append(f"| {r['tokens']} | {spec} | n/a | n/a | {t.get('error', 'n/a')} |")
-        if profiles:
-            mode = "fwd" if args.profile_forward_only else "fwd_bwd"
-            ideal = [world * r["ms"][f"single_local_{mode}"] for r in rows if r["tokens"] == profile_tokens]
-            lines += _profile_lines(world, profile_tokens, profiles, ideal[0] if ideal else None,
-                                    "forward" if args.profile_forward_only else "forward+backward")
-        peers.write_results(result, args.out, f"context_parallel_{world}gpu", extra_markdown=lines)
+        result["profile_mode"] = "fwd" if args.profile_forward_only else "fwd_bwd"
+        lines = markdown_lines(result)
+        peers.write_results(result, args.out, f"context_parallel_{world}gpu", extra_markdown=lines, plot=plot)
         print("\n".join(lines))
     dist.destroy_process_group()
     return 0

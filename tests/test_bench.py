@@ -468,6 +468,12 @@ def test_context_parallel_dry_run_times_the_variants_and_profiles(tmp_path):
     assert row["torch_cp"]["math/allgather"].get("fwd_bwd", 0) > 0 or row["torch_cp"]["math/allgather"]["error"]
     markdown = (tmp_path / "context_parallel_2gpu.md").read_text()
     assert "| 64 | 2 | ring |" in markdown and "| 64 | 2 | portattn+hp |" in markdown and "| 64 | math/allgather |" in markdown
+    assert (tmp_path / "context_parallel_2gpu.png").stat().st_size > 0
+    # --render writes the same tables from the JSON alone (a transfer may bring back only that).
+    again = _run([sys.executable, "bench/bench_context_parallel.py", "--render",
+                  str(tmp_path / "context_parallel_2gpu.json"), "--out", str(tmp_path / "again")])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "again" / "context_parallel_2gpu.md").read_text() == markdown
 
 
 def test_merge_bench_dry_run(tmp_path):
