@@ -255,3 +255,58 @@ def test_values_match_the_transposing_route_on_the_reference_backend(masked):
                 old = portattn.flash_attn_func(qt, kt, vt, softmax_scale=0.125, causal=True)
         assert _layout(new) == _layout(old)
         assert torch.equal(new, old)
+
+
+_BAD = {  # name: (q, k, v) in transformers' layout, each reaching the heads-first route's checks
+    "k_v_shapes": ((2, 8, 1, 64), (2, 2, 700, 64), (2, 2, 699, 64)),
+    "heads_not_a_multiple": ((2, 6, 1, 64), (2, 4, 700, 64), (2, 4, 700, 64)),
+    "key_head_dim": ((2, 8, 1, 64), (2, 2, 700, 32), (2, 2, 700, 64)),
+    "batch": ((2, 8, 1, 64), (3, 2, 700, 64), (3, 2, 700, 64)),  # (a kvcache call may use part of a cache)
+    "head_dim_too_large": ((2, 8, 1, 320), (2, 2, 700, 320), (2, 2, 700, 320)),
+    "dtype": ((2, 8, 1, 64), (2, 2, 700, 64), (2, 2, 700, 64)),
+}
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "left_padded"])
+@pytest.mark.parametrize("case", sorted(_BAD))
+def test_bad_input_raises_what_the_transposing_route_raised(case, masked):
+    """The heads-first route's checks read the sizes in flash-attn's order: the same exception type
+    and message as the public function given the transposed views."""
+    import portattn
+    from portattn.integrations import transformers as pt_hf
+
+    q_shape, k_shape, v_shape = _BAD[case]
+    q = torch.zeros(q_shape, dtype=torch.bfloat16)
+    k = torch.zeros(k_shape, dtype=torch.float16 if case == "dtype" else torch.bfloat16)
+    v = torch.zeros(v_shape, dtype=torch.bfloat16)
+    batch, keys = q_shape[0], k_shape[2]
+    mask = None
+    if masked:
+        user = torch.ones(batch, keys, dtype=torch.long)
+        user[0, :5] = 0
+        mask = pt_hf.padding_mask(batch, 1, keys, keys - 1, 0, attention_mask=user)
+        assert mask.dtype == pt_hf.KEY_BOUNDS_DTYPE
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def old():
+        if masked:
+            start, end = pt_hf._key_bounds(mask, batch)
+            return portattn.flash_attn_with_kvcache(qt, kt, vt, None, None, None, None, end, None, start, None,
+                                                    0.125, True, (-1, -1), 0.0)
+        return portattn.flash_attn_func(qt, kt, vt, 0.0, 0.125, True, (-1, -1), 0.0, None, False)
+
+    with torch.no_grad():
+        new_outcome = _outcome(lambda: pt_hf.attention_forward(_Module(q_shape[1], k_shape[1]), q, k, v, mask,
+                                                               scaling=0.125)[0])
+        old_outcome = _outcome(old)
+    assert new_outcome == old_outcome
+    # (a cache holding more sequences than the batch is no error for flash_attn_with_kvcache)
+    assert new_outcome[0] in (TypeError, ValueError) or (case, masked) == ("batch", True), new_outcome
+
+
+def _outcome(call):
+    try:
+        out = call()
+    except Exception as error:  # noqa: BLE001 - the exception is what is compared
+        return type(error), str(error)
+    return _layout(out)
