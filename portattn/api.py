@@ -20,14 +20,20 @@ from .sinks import add_sink, check_s_aux
 from .validation import check_cu_seqlens, check_options, check_qkv, check_seqused_k, check_sm_margin, check_varlen
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+def _last_dim_contiguous(t: torch.Tensor, heads_first: bool = False) -> torch.Tensor:
     # Kernels read 16-byte vectors along the head dim; any other stride is fine.
-    return t if t.stride(-1) == 1 else t.contiguous()
+    if t.stride(-1) == 1:
+        return t
+    # A heads-first view: the heads-first view of the copy the seq-first call makes.
+    return t.transpose(1, 2).contiguous().transpose(1, 2) if heads_first else t.contiguous()
 
 
 def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs, out=None, s_aux=None, sm_margin=0):
-    batch, seqlen_q, seqlen_k, nheads, _, head_dim = check_qkv(q, k, v, varlen=False)
+                deterministic, return_attn_probs, out=None, s_aux=None, sm_margin=0, heads_first=False):
+    """flash_attn_func's body. heads_first (the transformers integration): q, k, v are 4-D
+    (batch, heads, seq, dim) views of the arguments flash_attn_func takes, validated and served as
+    those, with no view made on the decode kernels' route (ops.run_forward); the result is the same."""
+    batch, seqlen_q, seqlen_k, nheads, _, head_dim = check_qkv(q, k, v, False, heads_first)
     scale, window_left, window_right = check_options(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads,
         head_dim, q.device,
@@ -36,11 +42,14 @@ def _dense_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         sm_margin = check_sm_margin(sm_margin)
     if out is None and s_aux is None:
         out, lse = attention(
-            _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), alibi_slopes,
-            None, None, seqlen_q, seqlen_k, scale, window_left, window_right, float(softcap),
-            float(dropout_p), bool(deterministic), return_attn_probs, sm_margin=sm_margin,
+            _last_dim_contiguous(q, heads_first), _last_dim_contiguous(k, heads_first),
+            _last_dim_contiguous(v, heads_first), alibi_slopes, None, None, seqlen_q, seqlen_k, scale, window_left,
+            window_right, float(softcap), float(dropout_p), bool(deterministic), return_attn_probs, None, None, None,
+            sm_margin, heads_first,
         )
         return (out, lse, None) if return_attn_probs else out
+    if heads_first:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     s_aux = check_s_aux(s_aux, nheads, q.device)
     written, target = _out_target(out, q, k, v)
     result, lse = attention(
@@ -281,9 +290,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             k_descale=None, v_descale=None, q_descale=None, *, out=None, s_aux=None,
                             sm_margin=0):
     # help(): the docstring is assembled below (_doc), from the argument texts all functions share.
+    return _kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                         alibi_slopes, num_splits, return_softmax_lse, k_descale, v_descale, q_descale, out, s_aux,
+                         sm_margin, False)
+
+
+def _kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                  num_splits, return_softmax_lse, k_descale, v_descale, q_descale, out, s_aux, sm_margin,
+                  heads_first):
+    """flash_attn_with_kvcache's body, its arguments by position. heads_first (the transformers
+    integration): q, k_cache and v_cache are 4-D (batch, heads, seq, dim) views of the arguments
+    flash_attn_with_kvcache takes; kvcache.attend_to_cache serves them as those, with no view
+    made on the decode kernels' route, and the other routes here get the seq-first views."""
     if type(sm_margin) is not int or sm_margin < 0:
         sm_margin = check_sm_margin(sm_margin)
     if out is not None or s_aux is not None:
+        if heads_first:
+            q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         return _kvcache_with_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                     window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -292,6 +317,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         from .kvcache import _check_descales
         from .ops import compiled_kvcache
 
+        if heads_first:
+            q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         if k_descale is not None or v_descale is not None or q_descale is not None:
             _check_descales(q, k_cache, k_descale, v_descale, q_descale)  # shapes and dtypes: traceable
         return compiled_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -302,7 +329,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, return_softmax_lse, num_splits, flash_attn_varlen_func,
-        k_descale, v_descale, q_descale, sm_margin,
+        k_descale, v_descale, q_descale, sm_margin, heads_first,
     )
 
 

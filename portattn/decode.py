@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from .validation import seq_first
+
 # The combine kernel keeps one weight per split in shared memory (csrc/decode_entry.cu).
 MAX_SPLITS = 128
 # A split shorter than this spends more on its prologue, its partial write and the
@@ -138,12 +140,23 @@ def resident_slots(device: torch.device, tile: dict) -> tuple:
     return slots
 
 
+def empty_seq_first(q: torch.Tensor) -> torch.Tensor:
+    """torch.empty_like(q.transpose(1, 2)) of a 4-D (batch, heads, seq, dim) q: the output a
+    heads-first call returns, the same shape and strides as the seq-first call's
+    `torch.empty_like(q)`. A contiguous q is non-overlapping and dense, and so is its transpose,
+    whose strides empty_like then keeps: they are allocated directly (no view made). Any other q
+    takes the transpose (empty_like's dense-stride inference for it is torch's own)."""
+    if q.is_contiguous():
+        return q.new_empty_strided(seq_first(q.shape), seq_first(q.stride()))
+    return torch.empty_like(q.transpose(1, 2))
+
+
 def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_left: int,
                window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
                num_splits: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                max_seqlen_k: int = 0, cache_seqlens=None, seqlen_new: int = 0, cache_leftpad=None,
                cache_batch_idx=None, block_table=None, out=None, lse=None, errors=None,
-               k_descale=None, v_descale=None, sm_margin=0):
+               k_descale=None, v_descale=None, sm_margin=0, heads_first=False):
     """One decode call on `backend` (a compiled backend with decode kernels): (out, lse).
 
     lse is (batch, nheads, seqlen_q), or (nheads, total_q) with cu_seqlens_q, or None
@@ -160,18 +173,28 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     A decode step of generation runs this once per layer, so the arguments are positional
     all the way to the C call (ops.run_forward passes them so): keyword passing through the
     layers down to abi.decode_args cost ~8 us of a 35 us `flash_attn_func` decode call on an
-    H200's host (docs/host-overhead.md; bench/results/latest/overhead.md has the totals)."""
+    H200's host (docs/host-overhead.md; bench/results/latest/overhead.md has the totals).
+
+    heads_first: q, k and v are 4-D (batch, heads, seq, dim) views (k and v a dense cache: no
+    cu_seqlens, no block table) of the tensors described above; the launch gets the same pointers
+    with the strides of dims 1 and 2 swapped (abi.decode_args), and `out` (given or allocated)
+    is (batch, seqlen_q, nheads, head_dim) as always (`empty_seq_first`)."""
     if cu_seqlens_q is not None:
         batch, seqlen_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
         _, nheads, head_dim = q.shape
         lse_shape = (nheads, q.shape[0])
+    elif heads_first:
+        batch, nheads, seqlen_q, head_dim = q.shape
+        lse_shape = (batch, nheads, seqlen_q)
     else:
         batch, seqlen_q, nheads, head_dim = q.shape
         lse_shape = (batch, nheads, seqlen_q)
     k_shape = k.shape
+    if heads_first:
+        k_shape = seq_first(k_shape)
     nheads_k = k_shape[-2]
     if out is None:
-        out = torch.empty_like(q)
+        out = empty_seq_first(q) if heads_first else torch.empty_like(q)
     if lse is None and need_lse:
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -218,6 +241,6 @@ def run_decode(backend, q, k, v, need_lse: bool, softmax_scale: float, window_le
     backend.decode(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cache_seqlens, seqlen_new,
         cache_leftpad, cache_batch_idx, block_table, softmax_scale, window_left, window_right, softcap,
-        alibi_slopes, splits, o_partial, lse_partial, errors, k_descale, v_descale,
+        alibi_slopes, splits, o_partial, lse_partial, errors, k_descale, v_descale, heads_first,
     )
     return out, lse

@@ -29,7 +29,7 @@ import torch
 from . import dispatch
 from .decode import run_decode
 from .errors import error_buffer
-from .validation import _DTYPE_NAMES, HOST_CHECKED_DEVICE_TYPE, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_options
+from .validation import _DTYPE_NAMES, HOST_CHECKED_DEVICE_TYPE, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_options, seq_first
 
 # Opt-in host-side checks of the values the kernels otherwise clamp on the device.
 _DEBUG_CHECKS = os.environ.get("PORTATTN_DEBUG_CHECKS", "0") == "1"
@@ -185,16 +185,20 @@ def _check_descales(q, k_cache, k_descale, v_descale, q_descale, batch=None):
             raise ValueError(f"{name} must be on {q.device} (with q), got {t.device}")
 
 
-def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, cache_batch_idx):
+def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, cache_batch_idx, heads_first=False):
     """The tensors' shapes, dtypes and devices. Returns (q's shape, k_cache's shape, fp8, q's device):
     attend_to_cache runs once per layer of every decode step, so each attribute is read once
-    and the per-tensor loops run only to name the culprit of a failed check."""
+    and the per-tensor loops run only to name the culprit of a failed check. heads_first: q,
+    k_cache and v_cache are 4-D (batch, heads, seq, dim) views, checked (and their shapes returned)
+    as the (batch, seq, heads, dim) tensors they view (validation.seq_first)."""
     tensors = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if not (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
         for name, t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     q_shape, cache_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
+    if heads_first:
+        q_shape, cache_shape, v_shape = seq_first(q_shape), seq_first(cache_shape), seq_first(v_shape)
     if len(q_shape) != 4 or len(cache_shape) != 4 or len(v_shape) != 4:
         for name, t in tensors:
             if t.dim() != 4:
@@ -258,9 +262,19 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, 
 def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                     window_size, softcap, rotary_interleaved, alibi_slopes, return_softmax_lse,
-                    num_splits, varlen_attention, k_descale=None, v_descale=None, q_descale=None, sm_margin=0):
+                    num_splits, varlen_attention, k_descale=None, v_descale=None, q_descale=None, sm_margin=0,
+                    heads_first=False):
+    """flash_attn_with_kvcache's eager body (api.py validated sm_margin and routed out=, s_aux and
+    torch.compile elsewhere). heads_first: q, k_cache and v_cache are 4-D (batch, heads, seq, dim)
+    views of the tensors flash_attn_with_kvcache takes (the transformers integration's key-bounds
+    decode step): read as those by the checks and the decode launch (same pointers, the strides of
+    dims 1 and 2 swapped), with no view made; new k / v, rotary tables, FP8 descales and paged
+    caches take the (batch, seq, heads, dim) views first, as does the gather route."""
+    if heads_first and (k is not None or rotary_cos is not None or block_table is not None
+                        or k_descale is not None or v_descale is not None):
+        q, k_cache, v_cache, heads_first = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), False
     q_shape, cache_shape, fp8, device = _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table,
-                                                    cache_batch_idx)
+                                                    cache_batch_idx, heads_first)
     if k_descale is not None or v_descale is not None or q_descale is not None or fp8:
         _check_descales(q, k_cache, k_descale, v_descale, q_descale)
     batch, seqlen_q, nheads, head_dim = q_shape
@@ -287,7 +301,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     if device.type == HOST_CHECKED_DEVICE_TYPE or _DEBUG_CHECKS:  # free on the CPU; a sync on a GPU (opt-in)
         values = _check_values(cache_seqlens, seqlen_new, leftpad, cache_batch_idx, block_table, capacity, k_cache)
     if batch == 0:
-        out = q.new_empty(q.shape)
+        out = q.new_empty(q_shape)
         lse = torch.empty((0, nheads, seqlen_q), dtype=torch.float32, device=device)
         return (out, lse) if return_softmax_lse else out
     q_per_token = window_left >= 0 or window_right >= 0
@@ -298,6 +312,8 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     if fp8 and head_dim % FP8_KERNEL_HEAD_DIM_MULTIPLE:
         backend = None  # the e4m3 loads move 16 values at a time; the reference path serves it
     if backend is None:
+        if heads_first:
+            q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         descales = None
         if fp8:
             # The gather path attends in float32 on the reference backend; this dispatch only
@@ -310,7 +326,9 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             return_softmax_lse, q_per_token, varlen_attention, values, descales, sm_margin)
 
     errors = error_buffer(device)
-    q_in = q if q.stride(-1) == 1 else q.contiguous()
+    q_in = q
+    if q.stride(-1) != 1:  # a heads-first q: the heads-first view of the seq-first call's copy
+        q_in = q.transpose(1, 2).contiguous().transpose(1, 2) if heads_first else q.contiguous()
     rotate_q = rotary_cos is not None
     if k is not None or rotate_q:
         q_rot = torch.empty_like(q_in) if rotate_q else None
@@ -325,7 +343,7 @@ def attend_to_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     out, lse = run_decode(  # by position: the hot path of a static cache's decode step
         backend, q_in, k_cache, v_cache, return_softmax_lse, scale, window_left, window_right, float(softcap),
         alibi_slopes, num_splits, None, None, 0, 0, cache_seqlens, seqlen_new, leftpad, cache_batch_idx,
-        block_table, None, None, errors, k_descale, v_descale, sm_margin)
+        block_table, None, None, errors, k_descale, v_descale, sm_margin, heads_first)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from .decode import prefers_decode, run_decode
+from .decode import empty_seq_first, prefers_decode, run_decode
 from .rng import NO_DROPOUT, PhiloxDraw, draw_from_state, draw_philox, rng_state_tensor
 from .sinks import add_sink, sink_grad
-from .validation import HOST_CHECKED_DEVICE_TYPE, check_cu_seqlens_values, check_seqused_k_values
+from .validation import HOST_CHECKED_DEVICE_TYPE, check_cu_seqlens_values, check_seqused_k_values, seq_first
 
 # By default no call reads a tensor's values on the host (a device sync, and a CUDA graph
 # capture breaker): cu_seqlens are trusted, as in flash-attn, and the kernels keep their
@@ -29,10 +29,10 @@ from .validation import HOST_CHECKED_DEVICE_TYPE, check_cu_seqlens_values, check
 _DEBUG_CHECKS = os.environ.get("PORTATTN_DEBUG_CHECKS", "0") == "1"
 
 
-def _empty_lse(q: torch.Tensor, varlen: bool) -> torch.Tensor:
+def _empty_lse(q: torch.Tensor, varlen: bool, heads_first: bool = False) -> torch.Tensor:
     shape = q.shape
-    # (H, total_q) for varlen, as flash-attn's varlen API; else (B, H, Sq).
-    lse_shape = (shape[1], shape[0]) if varlen else (shape[0], shape[2], shape[1])
+    # (H, total_q) for varlen, as flash-attn's varlen API; else (B, H, Sq) (a heads-first q's own sizes).
+    lse_shape = (shape[1], shape[0]) if varlen else tuple(shape) if heads_first else (shape[0], shape[2], shape[1])
     # float64 inputs (reference backend only) keep a float64 LSE, so gradients through
     # the public API are exact enough for torch.autograd.gradcheck.
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -53,10 +53,14 @@ def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 def run_forward(
     q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale, window_left, window_right, softcap, dropout_p, need_lse=True,
-    seqused_k=None, s_aux=None, out=None, sm_margin=0,
+    seqused_k=None, s_aux=None, out=None, sm_margin=0, heads_first=False,
 ):
     """Returns (out, lse, rng): rng is the dropout mask's key (rng.PhiloxDraw); lse is
     None when not `need_lse`. sm_margin: SMs the persistent grids leave free (validated).
+
+    heads_first: q, k, v are 4-D (batch, heads, seq, dim) views (not varlen) of the tensors
+    described; `out` is (batch, seq, heads, dim) all the same. The decode kernels take them as
+    they are (decode.run_decode); every other route gets the (batch, seq, heads, dim) views.
 
     This is every call's hot path: each tensor attribute is read once, and an
     inference call that does not ask for the LSE does not allocate it (the
@@ -67,18 +71,20 @@ def run_forward(
     if s_aux is not None:
         out, lse, rng = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     softmax_scale, window_left, window_right, softcap, dropout_p, True,
-                                    seqused_k, None, out, sm_margin)
+                                    seqused_k, None, out, sm_margin, heads_first)
         add_sink(out, lse, s_aux, cu_seqlens_q is not None)
         return out, lse, rng
     varlen = cu_seqlens_q is not None
     if out is None:
-        out = torch.empty_like(q)
-    lse = _empty_lse(q, varlen) if need_lse else None
+        out = empty_seq_first(q) if heads_first else torch.empty_like(q)
+    lse = _empty_lse(q, varlen, heads_first) if need_lse else None
     if out.numel() == 0:
         return out, lse, NO_DROPOUT
     if varlen and (_DEBUG_CHECKS or q.device.type == HOST_CHECKED_DEVICE_TYPE):  # free on the CPU: always there
         _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     shape, k_shape = q.shape, k.shape
+    if heads_first:
+        shape, k_shape = seq_first(shape), seq_first(k_shape)
     if (k_shape[0] if varlen else k_shape[1]) == 0:
         # Nothing to attend to: the documented result for an empty row.
         out.zero_()
@@ -95,6 +101,8 @@ def run_forward(
         # kernels clamp each sequence's keys to seqused_k (common/seq_bounds.h).
         bits |= dispatch.SEQUSED_K_BIT
         backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
+        if heads_first:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         rng = draw_philox(device) if dropout_p > 0.0 else NO_DROPOUT
         backend.forward(
             q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -112,9 +120,11 @@ def run_forward(
         if decoder is not None:
             run_decode(decoder, q, k, v, lse is not None, softmax_scale, window_left, window_right, softcap,
                        alibi_slopes, 0, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, 0,
-                       None, None, None, out, lse, None, None, None, sm_margin)
+                       None, None, None, out, lse, None, None, None, sm_margin, heads_first)
             return out, lse, NO_DROPOUT
     backend = dispatch.DISPATCHER.backend_for(device, q.dtype, head_dim, bits)
+    if heads_first:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     rng = draw_philox(device) if dropout_p > 0.0 else NO_DROPOUT
     backend.forward(
         q, k, v, out, lse,
@@ -331,13 +341,17 @@ torch.library.register_autograd("portattn::fwd", _fwd_backward, setup_context=_f
 
 def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, window_left, window_right, softcap, dropout_p, deterministic,
-              need_lse=True, seqused_k=None, s_aux=None, out=None, sm_margin=0):
+              need_lse=True, seqused_k=None, s_aux=None, out=None, sm_margin=0, heads_first=False):
     """Route one validated call to the cheapest correct path. Returns (out, lse).
 
     lse may be None for an eager call without gradients when `need_lse` is False. `out`
     (inference only, checked by the caller) receives the result in place. sm_margin
-    (validated) reaches the forward and the backward launches."""
+    (validated) reaches the forward and the backward launches. heads_first: q, k, v are
+    (batch, heads, seq, dim) views (run_forward); the custom ops and the autograd node get the
+    (batch, seq, heads, dim) views."""
     if torch.compiler.is_compiling():
+        if heads_first:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         result, lse, _ = torch.ops.portattn.fwd(
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             window_left, window_right, softcap, dropout_p, deterministic, seqused_k, s_aux, sm_margin)
@@ -347,6 +361,8 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         return result, lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                     (s_aux is not None and s_aux.requires_grad)):
+        if heads_first:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         options = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
                    deterministic, sm_margin)
         if seqused_k is None and s_aux is None:
@@ -355,7 +371,7 @@ def attention(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                                                s_aux, options)
     result, lse, _ = run_forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  softmax_scale, window_left, window_right, softcap, dropout_p, need_lse,
-                                 seqused_k, s_aux, out, sm_margin)
+                                 seqused_k, s_aux, out, sm_margin, heads_first)
     return result, lse
 
 

@@ -53,19 +53,21 @@ def _ops_of(call):
     return dict(mode.ops)
 
 
-def test_transformers_decode_step_issues_three_views_and_one_allocation(gpu_path):
-    # The query, key and value transposes to portattn's layout and the output: nothing else
-    # (no contiguous copies, no mask or option tensors, no split workspace at 1k keys eagerly).
+def test_transformers_decode_step_issues_one_allocation_and_no_view(gpu_path):
+    # The output, allocated in portattn's layout with the strides the transpose of the query would
+    # have: nothing else (no transposes of q, k, v to portattn's layout -- the call goes on
+    # heads-first --, no contiguous copies, no mask or option tensors, no split workspace at 1k keys
+    # eagerly).
     call = host_decode.make_call("hf_decode", BATCH, KEYS)
-    assert _ops_of(call) == {"transpose": 3, "empty_like": 1}
+    assert _ops_of(call) == {"new_empty_strided": 1}
     assert gpu_path["decode"] == 4
 
 
 def test_left_padded_decode_step_reads_the_key_bounds_without_new_views(gpu_path):
     # Every layer of a step passes the same key-bounds mask: its two rows are cut once per step
-    # (three view ops), not once per layer.
+    # (three view ops), not once per layer; q, k and v go on heads-first, untransposed.
     call = host_decode.make_call("hf_decode_leftpad", BATCH, KEYS)
-    assert _ops_of(call) == {"transpose": 3, "empty_like": 1}
+    assert _ops_of(call) == {"new_empty_strided": 1}
     assert gpu_path["decode"] == 4
 
 

@@ -10,6 +10,8 @@ import collections
 
 import torch
 
+from ..validation import seq_first
+
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}  # PortattnDtype in params.h
 
 raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~10x cheaper than current_stream()
@@ -169,7 +171,7 @@ def _ptr(t) -> int:
 def decode_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cache_seqlens,
                 seqlen_new, cache_leftpad, cache_batch_idx, block_table, softmax_scale, window_left,
                 window_right, softcap, alibi_slopes, num_splits, o_partial=0, lse_partial=0, errors=None,
-                k_descale=None, v_descale=None) -> tuple:
+                k_descale=None, v_descale=None, heads_first=False) -> tuple:
     """The `decode` argument tuple (PORTATTN_DECODE_ARGS order in common/binding_args.h).
 
     q is (batch, seqlen_q, nheads, headdim) or, with cu_seqlens_q, (total_q, nheads, headdim).
@@ -179,11 +181,21 @@ def decode_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     workspace (portattn/decode.py allocates both in one tensor), 0 with one split. errors: the
     device's int32 error buffer (portattn/errors.py), or None (out-of-range metadata is then
     still contained, but not recorded). k and v may be float8_e4m3fn caches, with k_descale /
-    v_descale None or fp32 (batch, nheads_k) (Note [portattn fp8 kv cache] in common/params.h)."""
+    v_descale None or fp32 (batch, nheads_k) (Note [portattn fp8 kv cache] in common/params.h).
+    heads_first: q, k, v are 4-D (batch, heads, seq, dim) views (k, v a contiguous cache's, no
+    cu_seqlens) of the tensors above: the same tuple, from the same pointers, with their sizes
+    and strides read in (batch, seq, heads, dim) order (validation.seq_first)."""
     # Positional throughout and each tensor attribute read once: decode.run_decode calls this
     # once per attention layer of every generated token.
+    q_strides, k_strides, v_strides, k_shape = q.stride(), k.stride(), v.stride(), k.shape
+    if heads_first:
+        q_strides, k_strides, v_strides, k_shape = (
+            seq_first(q_strides), seq_first(k_strides), seq_first(v_strides), seq_first(k_shape))
     if cu_seqlens_q is None:
-        batch, seqlen_q, nheads, headdim = q.shape
+        if heads_first:
+            batch, nheads, seqlen_q, headdim = q.shape
+        else:
+            batch, seqlen_q, nheads, headdim = q.shape
         lse_strides = (0, 0) if lse is None else lse.stride()[:2]
         total_q = 0
     else:
@@ -191,7 +203,6 @@ def decode_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         batch = cu_seqlens_q.shape[0] - 1
         seqlen_q = max_seqlen_q
         lse_strides = (0, 0) if lse is None else (0, lse.stride(0))
-    k_shape = k.shape
     nheads_k = k_shape[-2]
     if block_table is not None:
         num_pages, page_size = k_shape[0], k_shape[1]
@@ -220,7 +231,7 @@ def decode_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         kv = _NO_KV_ARGS if k_descale is None and v_descale is None else kv_args(k, k_descale, v_descale)
     return (
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-        q.stride(), k.stride(), v.stride(), out.stride(), lse_strides[0], lse_strides[1],
+        q_strides, k_strides, v_strides, out.stride(), lse_strides[0], lse_strides[1],
         DTYPE_CODES[q.dtype], batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k,
         0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
         0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),

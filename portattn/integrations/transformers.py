@@ -58,7 +58,7 @@ from typing import Optional
 
 import torch
 
-from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from ..api import _dense_call, _kvcache_call, flash_attn_func, flash_attn_varlen_func
 from ..errors import error_buffer
 from ._padding import (
     Packing,
@@ -147,39 +147,54 @@ def attention_forward(
         # device: the lookup by torch.device cost ~3 us a call.
         error_buffer(query.device)
         _ERROR_BUFFERS_MADE.add(query.get_device())
-    # (batch, seq, heads, dim). This wrapper runs once per layer and decode step, so: plain
-    # calls, no generators, no option dict, and the dtype and head-dim fix-ups only when they
-    # apply (on the CI machine's CPU, with the attention call itself stubbed out, the wrapper
-    # took 56 us per call with them unconditional and 20 us without).
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if q.dtype == torch.float32:
-        q, k, v = _compute_dtype(module, q, k, v)
+    # This wrapper runs once per layer and decode step, so: plain calls, no generators, no option
+    # dict, and the dtype and head-dim fix-ups only when they apply (on the CI machine's CPU, with
+    # the attention call itself stubbed out, the wrapper took 56 us per call with them
+    # unconditional and 20 us without). The common call (4-D, half precision, one head dim) goes
+    # on heads-first: api.py, ops.py, kvcache.py, decode.py and abi.py read the (batch, heads,
+    # seq, dim) tensors as their (batch, seq, heads, dim) transposes (`heads_first`), so the decode
+    # kernels get the same arguments with no view made (three transposes, ~6 us a call); every
+    # route that needs portattn's layout makes the views itself.
+    query_shape = query.shape
+    if (len(query_shape) == 4 and len(key.shape) == 4 and len(value.shape) == 4 and query.dtype != torch.float32
+            and value.shape[3] == query_shape[3]):
+        q, k, v, heads_first = query, key, value, True
+        head_dim, seqlen_k = query_shape[3], key.shape[2]
+    else:
+        q, k, v, heads_first = _seq_first_views(query, key, value)  # (batch, seq, heads, dim)
+        if q.dtype == torch.float32:
+            q, k, v = _compute_dtype(module, q, k, v)
+        head_dim, seqlen_k = q.shape[-1], k.shape[1]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    head_dim = q.shape[-1]
     if scaling is None:  # portattn's default would use the padded head dim below
         scaling = head_dim ** -0.5
     value_dim = v.shape[-1]
     if value_dim != head_dim:
         q, k, v, value_dim = _equal_head_dims(q, k, v)
-    window = (-1, -1) if sliding_window is None else _window(sliding_window, k.shape[1])
+    window = (-1, -1) if sliding_window is None else _window(sliding_window, seqlen_k)
     out = _attend(q, k, v, attention_mask, kwargs, float(dropout or 0.0), float(scaling), causal, window,
-                  float(softcap or 0.0), _deterministic(kwargs), kwargs.get("s_aux"))
+                  float(softcap or 0.0), _deterministic(kwargs), kwargs.get("s_aux"), heads_first)
     return (out if value_dim == head_dim else out[..., :value_dim]), None
 
 
 def _attend(q, k, v, attention_mask, kwargs, dropout_p, scale, causal, window, softcap, deterministic,
-            s_aux) -> torch.Tensor:
-    """The cases of the module docstring, in that order. The options go on by position."""
+            s_aux, heads_first=False) -> torch.Tensor:
+    """The cases of the module docstring, in that order. The options go on by position.
+    heads_first: q, k, v are (batch, heads, seq, dim) (transformers' layout, see attention_forward);
+    the key-bounds and dense calls take them so, the packing cases make (batch, seq, heads, dim) views."""
     shape = q.shape
-    batch, seqlen_q = shape[0], shape[1]
+    batch, seqlen_q = shape[0], shape[2 if heads_first else 1]
     if attention_mask is not None and attention_mask.dtype == KEY_BOUNDS_DTYPE:
         # Key bounds (padding_mask's decode form): the keys are read in place, the live ones of
         # sequence b being [bounds[0, b], bounds[1, b]); nothing is read on the host.
         if dropout_p > 0.0:
             raise ValueError("attn_implementation='portattn': dropout with a KV cache is not supported")
         start, end = _key_bounds(attention_mask, batch)
-        return flash_attn_with_kvcache(q, k, v, None, None, None, None, end, None, start, None, scale, causal,
-                                       window, softcap, s_aux=s_aux)
+        return _kvcache_call(q, k, v, None, None, None, None, end, None, start, None, scale, causal, window, softcap,
+                             True, None, 0, False, None, None, None, None, s_aux, 0, heads_first)
+    if heads_first and attention_mask is not None:
+        # The mask cases cut and pack the keys by position, in portattn's layout.
+        q, k, v, heads_first = _seq_first_views(q, k, v)
     if attention_mask is not None and attention_mask.dtype == EXTENT_DTYPE:
         written = attention_mask.shape[1]
         k, v, attention_mask = k[:, :written], v[:, :written], None
@@ -202,23 +217,35 @@ def _attend(q, k, v, attention_mask, kwargs, dropout_p, scale, causal, window, s
         given = _given_varlen(kwargs, q.device)
         if given is not None:
             queries, keys = given
+            if heads_first:
+                q, k, v, heads_first = _seq_first_views(q, k, v)
             out = _varlen(q, k, v, queries, keys, dropout_p, scale, causal, window, softcap, deterministic, s_aux)
             return out.reshape(batch, seqlen_q, *out.shape[1:])
 
     if seqlen_q > 1:
         position_ids = kwargs.get("position_ids")
-        if position_ids is not None and seqlen_q == k.shape[1]:
+        if position_ids is not None and seqlen_q == k.shape[2 if heads_first else 1]:
             # Without a mask, eager builds a block-diagonal mask for such inputs
             # (masking_utils' packed-sequence detection); varlen computes the same.
             packing = _packing_of_positions(position_ids, batch)
             if packing is not None:
+                if heads_first:
+                    q, k, v, heads_first = _seq_first_views(q, k, v)
                 out = _varlen(q, k, v, packing, packing, dropout_p, scale, causal, window, softcap,
                               deterministic, s_aux)
                 return out.reshape(batch, seqlen_q, *out.shape[1:])
 
+    if heads_first:
+        return _dense_call(q, k, v, dropout_p, scale, causal, window, softcap, None, deterministic, False, None, s_aux,
+                           0, True)
     if s_aux is None:
         return flash_attn_func(q, k, v, dropout_p, scale, causal, window, softcap, None, deterministic)
     return flash_attn_func(q, k, v, dropout_p, scale, causal, window, softcap, None, deterministic, s_aux=s_aux)
+
+
+def _seq_first_views(q, k, v) -> tuple:
+    """(batch, seq, heads, dim) views of heads-first q, k, v, and heads_first=False."""
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False
 
 
 # Devices (q.get_device()) whose error buffer attention_forward has made.
