@@ -532,6 +532,7 @@ def test_decode_tile_reports_the_planner_facts(emulated):
     assert tile == {"stage_keys": config.decode.block, "threads": variants.DECODE_WAVES * 64,
                     "smem_bytes": config.decode.lds_bytes}
     assert emulated.decode_tile(variants.MAX_HEAD_DIM + 8) == {"stage_keys": -1, "threads": -1, "smem_bytes": -1}
+    assert emulated.decode_tile(40, 1) == tile  # the e4m3-cache kernel has the same tile (decode_kernel.h)
 
 
 def _rotate_reference(x, cos, sin, positions, rotary_dim, interleaved):
