@@ -251,11 +251,17 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   }
 
   const KeySource<Elem> src = KeySource<Elem>::of(p, seq, b, hk);
+  // The descales are read once, here, and kept in VGPRs (in_vgpr): as SGPRs (with their
+  // pointers and strides) they spilled 2 SGPRs of the D = 256 kernel on gfx1201.
   const PortattnKvDescale& kv_scale = p.kv;
+  auto vgpr_float = [](float x) { return __builtin_bit_cast(float, in_vgpr(__builtin_bit_cast(uint32_t, x))); };
   const float score_scale =
-      kFp8 ? p.softmax_scale * fp8::descale_of(kv_scale.k_descale, kv_scale.k_descale_batch_stride,
-                                               kv_scale.k_descale_head_stride, b, hk)
+      kFp8 ? vgpr_float(p.softmax_scale * fp8::descale_of(kv_scale.k_descale, kv_scale.k_descale_batch_stride,
+                                                          kv_scale.k_descale_head_stride, b, hk))
            : p.softmax_scale;
+  const float v_descale = kFp8 ? vgpr_float(fp8::descale_of(kv_scale.v_descale, kv_scale.v_descale_batch_stride,
+                                                            kv_scale.v_descale_head_stride, b, hk))
+                               : 1.f;
   const bool use_softcap = p.softcap > 0.f;
   const bool use_alibi = p.alibi_slopes != nullptr;
   const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
@@ -356,9 +362,6 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   __syncthreads();
   if (wave != 0 || !row_valid) return;
 
-  const float v_descale = kFp8 ? fp8::descale_of(kv_scale.v_descale, kv_scale.v_descale_batch_stride,
-                                                 kv_scale.v_descale_head_stride, b, hk)
-                               : 1.f;
   float out[kOutCols];
 #pragma unroll
   for (int u = 0; u < Tile::kOutTiles; ++u) {
