@@ -994,3 +994,14 @@ def test_cdna4_decode_contiguous_cache_gqa(cdna4, dtype, head_dim, num_splits):
 
 def test_cdna4_decode_paged_cache_page16_gqa_window(cdna4):
     _decode_paged_cache_page16_gqa_window(cdna4, 950, 64)
+
+
+@pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 128, 3), (torch.bfloat16, 256, 2)],
+                         ids=["fp16-128-splits3", "bf16-256-splits2"])
+def test_cdna4_decode_fp8_contiguous_cache_gqa(cdna4, dtype, head_dim, num_splits):
+    """e4m3 caches on gfx950: a widened 16-byte K chunk is one double-depth operand."""
+    _fp8_contiguous(cdna4, dtype, head_dim, num_splits, seed=950 + head_dim)
+
+
+def test_cdna4_decode_fp8_paged_cache_page16_gqa_splits(cdna4):
+    _fp8_paged(cdna4, torch.bfloat16, 256, 2, seed=950)
