@@ -226,7 +226,8 @@ struct DecodeKVBytes {
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
       for (int w = 0; w < Tile::kVWords; ++w)  // 16-bit word w: columns 2w, 2w + 1
-        out.v[kk][w] = fp8::e4m3x2_to<Tile::kIsBf16>(v[kk][w / 2] >> (16 * (w % 2)));
+        out.v[kk][w] = w % 2 == 0 ? fp8::e4m3x2_at<Tile::kIsBf16, 0>(v[kk][w / 2])
+                                  : fp8::e4m3x2_at<Tile::kIsBf16, 2>(v[kk][w / 2]);
     return out;
   }
 };

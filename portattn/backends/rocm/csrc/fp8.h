@@ -33,16 +33,44 @@ namespace rocm {
 namespace PORTATTN_ROCM_ARCH_NS {
 namespace fp8 {
 
-// The e4m3 byte in the low 8 bits of `byte`, as fp32 (exact).
-__device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
-  const uint32_t bits = ((byte & 0x80u) << 24) | ((byte & 0x7fu) << 20);  // value * 2^-120
-  return __builtin_bit_cast(float, bits) * 0x1p120f;
+// A constant the widening uses, as a VGPR on CDNA (gfx9). gfx9's VOP3 instructions
+// (v_and_or_b32, v_pk_mul_f32) take no literal, so the compiler hoists the conversion's masks and
+// 2^120 out of the key loop into SGPRs (4, 2^120 as v_pk_mul_f32's pair), which spilled 2 SGPRs
+// of the gfx942 bf16 D = 256 decode; VGPRs are the plentiful file there (in_vgpr, cdna.h). The
+// asm is not volatile, so it is hoisted and merged like the constant. RDNA's VOP3 takes literals.
+template <uint32_t kValue>
+__device__ __forceinline__ uint32_t widening_constant() {
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__GFX9__)
+  uint32_t y;
+  asm("v_mov_b32 %0, %1" : "=v"(y) : "i"(kValue));
+  return y;
+#else
+  return kValue;
+#endif
 }
 
-// ... as the 16-bit pattern of fp16 / bf16 (exact).
+template <int kShift>
+__device__ __forceinline__ uint32_t shifted(uint32_t x) {
+  if constexpr (kShift >= 0) {
+    return x << kShift;
+  } else {
+    return x >> -kShift;
+  }
+}
+
+// The e4m3 byte at bits [8 kByte, 8 kByte + 8) of `word`, as fp32 (exact).
+template <int kByte>
+__device__ __forceinline__ float e4m3_at(uint32_t word) {
+  const uint32_t bits = (shifted<24 - 8 * kByte>(word) & widening_constant<0x80000000u>()) |  // sign to bit 31
+                        (shifted<20 - 8 * kByte>(word) & widening_constant<0x7f00000u>());  // value * 2^-120
+  return __builtin_bit_cast(float, bits) * __builtin_bit_cast(float, widening_constant<0x7b800000u>());  // 2^120
+}
+
+// The e4m3 byte in the low 8 bits of `byte`, as fp32 (exact).
+__device__ __forceinline__ float e4m3_to_float(uint32_t byte) { return e4m3_at<0>(byte); }
+
 template <bool kIsBf16>
-__device__ __forceinline__ uint16_t e4m3_to(uint32_t byte) {
-  const float x = e4m3_to_float(byte);
+__device__ __forceinline__ uint16_t e4m3_to_16(float x) {
   if constexpr (kIsBf16) {
     return static_cast<uint16_t>(__builtin_bit_cast(uint32_t, x) >> 16);  // 4 significant bits
   } else {
@@ -50,17 +78,39 @@ __device__ __forceinline__ uint16_t e4m3_to(uint32_t byte) {
   }
 }
 
+// ... as the 16-bit pattern of fp16 / bf16 (exact).
+template <bool kIsBf16>
+__device__ __forceinline__ uint16_t e4m3_to(uint32_t byte) {
+  return e4m3_to_16<kIsBf16>(e4m3_to_float(byte));
+}
+
+// Bytes kByte, kByte + 1 of `word` -> one word of two 16-bit values, in order.
+template <bool kIsBf16, int kByte>
+__device__ __forceinline__ uint32_t e4m3x2_at(uint32_t word) {
+  const float lo = e4m3_at<kByte>(word), hi = e4m3_at<kByte + 1>(word);
+  if constexpr (kIsBf16) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    // The high halves of hi and lo (selector bytes 7, 6 of hi; 3, 2 of lo): no mask register.
+    return __builtin_amdgcn_perm(__builtin_bit_cast(uint32_t, hi), __builtin_bit_cast(uint32_t, lo), 0x07060302u);
+#else
+    return (__builtin_bit_cast(uint32_t, hi) & 0xffff0000u) | (__builtin_bit_cast(uint32_t, lo) >> 16);
+#endif
+  } else {
+    return static_cast<uint32_t>(e4m3_to_16<false>(lo)) | static_cast<uint32_t>(e4m3_to_16<false>(hi)) << 16;
+  }
+}
+
 // Bytes 0, 1 of `bytes` -> one word of two 16-bit values, in order.
 template <bool kIsBf16>
 __device__ __forceinline__ uint32_t e4m3x2_to(uint32_t bytes) {
-  return static_cast<uint32_t>(e4m3_to<kIsBf16>(bytes)) | static_cast<uint32_t>(e4m3_to<kIsBf16>(bytes >> 8)) << 16;
+  return e4m3x2_at<kIsBf16, 0>(bytes);
 }
 
 // 8 e4m3 values (one 8-byte read) -> 8 16-bit values (one 16-byte chunk), in order.
 template <bool kIsBf16>
 __device__ __forceinline__ u32x4 e4m3x8_to(u32x2 bytes) {
-  return u32x4{e4m3x2_to<kIsBf16>(bytes.x), e4m3x2_to<kIsBf16>(bytes.x >> 16), e4m3x2_to<kIsBf16>(bytes.y),
-               e4m3x2_to<kIsBf16>(bytes.y >> 16)};
+  return u32x4{e4m3x2_at<kIsBf16, 0>(bytes.x), e4m3x2_at<kIsBf16, 2>(bytes.x), e4m3x2_at<kIsBf16, 0>(bytes.y),
+               e4m3x2_at<kIsBf16, 2>(bytes.y)};
 }
 
 // Round to nearest even, saturating to +-448; NaN -> 0x7f with x's sign.
