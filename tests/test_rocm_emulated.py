@@ -343,8 +343,9 @@ def _ptr(tensor):
 
 def _decode_call(module, q, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=0, leftpad=None, batch_idx=None,
                  block_table=None, cu_q=None, cu_k=None, max_q=0, seqlen_k=0, window=(-1, -1), softcap=0.0,
-                 alibi=None, num_splits=1, errors=None):
-    """decode(<PORTATTN_DECODE_ARGS>) on NaN-poisoned out / lse; returns (out, lse)."""
+                 alibi=None, num_splits=1, errors=None, k_descale=None, v_descale=None):
+    """decode(<PORTATTN_DECODE_ARGS>) on NaN-poisoned out / lse; returns (out, lse). An e4m3
+    cache (torch.float8_e4m3fn) is passed as such, with its descales."""
     varlen = cu_q is not None
     if varlen:
         batch, seqlen_q = cu_q.numel() - 1, max_q
@@ -381,7 +382,7 @@ def _decode_call(module, q, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=
         1.0 / math.sqrt(head_dim), softcap, window[0], window[1], _ptr(alibi),
         alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0, num_splits, _ptr(o_partial),
         _ptr(lse_partial), 0, _ptr(errors),  # stream, errors (portattn/errors.py's buffer or none)
-        *abi.kv_args(k_cache, None, None),  # the query's dtype, no descales
+        *abi.kv_args(k_cache, k_descale, v_descale),
     ]
     module.decode(*args)
     return out, lse
@@ -409,11 +410,14 @@ def _sequence_keys(b, k_cache, v_cache, *, cache_seqlens=None, seqlen_new=0, lef
 
 
 def _check_decode(out, lse, q, k_cache, v_cache, *, cu_q=None, window=(-1, -1), softcap=0.0, alibi=None,
-                  contained=(), **layout):
+                  contained=(), k_descale=None, v_descale=None, **layout):
     """The error rule over all sequences: max|out - ref64| <= 2 max|torch lowp - ref64| + 1e-5.
 
     Sequences in `contained` (out-of-range metadata, Note [portattn decode errors]) must
-    instead read as no keys: out = 0 and lse = -inf on all their rows."""
+    instead read as no keys: out = 0 and lse = -inf on all their rows. An e4m3 cache is
+    compared as its dequantised values, cache * descale[b, hk] (float64 for the oracle, rounded
+    to q's dtype for the baseline)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     batch = cu_q.numel() - 1 if cu_q is not None else q.shape[0]
     err = base = lse_err = lse_base = 0.0
     for b in range(batch):
@@ -426,10 +430,13 @@ def _check_decode(out, lse, q, k_cache, v_cache, *, cu_q=None, window=(-1, -1), 
             assert (ob == 0).all() and torch.isneginf(lb).all(), f"sequence {b} is not contained"
             continue
         kb, vb = (x[None] for x in _sequence_keys(b, k_cache, v_cache, **layout))
+        if fp8:
+            kb, vb = (x.double() * (1.0 if d is None else d[b].double()[:, None])
+                      for x, d in ((kb, k_descale), (vb, v_descale)))
         slopes = alibi[b:b + 1] if alibi is not None and alibi.dim() == 2 else alibi
         options = dict(window=window, softcap=softcap, alibi_slopes=slopes)
         ref, ref_lse = naive_attention(qb, kb, vb, compute_dtype=torch.float64, **options)
-        low, _ = naive_attention(qb, kb, vb, compute_dtype=q.dtype, **options)
+        low, _ = naive_attention(qb, kb.to(q.dtype), vb.to(q.dtype), compute_dtype=q.dtype, **options)
         _, low_lse = naive_attention(qb.float(), kb.float(), vb.float(), compute_dtype=torch.float32, **options)
         assert not ob.isnan().any(), f"sequence {b}: out has NaN (unwritten or bad math)"
         assert not lb.isnan().any(), f"sequence {b}: lse has NaN (unwritten or bad math)"
@@ -525,6 +532,7 @@ def test_decode_tile_reports_the_planner_facts(emulated):
     assert tile == {"stage_keys": config.decode.block, "threads": variants.DECODE_WAVES * 64,
                     "smem_bytes": config.decode.lds_bytes}
     assert emulated.decode_tile(variants.MAX_HEAD_DIM + 8) == {"stage_keys": -1, "threads": -1, "smem_bytes": -1}
+    assert emulated.decode_tile(40, 1) == tile  # the e4m3-cache kernel has the same tile (decode_kernel.h)
 
 
 def _rotate_reference(x, cos, sin, positions, rotary_dim, interleaved):
@@ -621,6 +629,129 @@ def test_decode_after_append_reads_the_new_keys(emulated):
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 (e4m3) caches (Note [portattn fp8 kv cache]; csrc/fp8.h): the decode reads raw e4m3 bytes,
+# checked against the float64 oracle on the dequantised cache, cache * descale[b, hk].
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8(*shape, generator):
+    """Random e4m3 values over the format's range: magnitudes 2^-9 (subnormals) to 448, both signs."""
+    x = torch.randn(*shape, generator=generator) * 10.0 ** (torch.rand(*shape, generator=generator) * 5.0 - 3.0)
+    return x.clamp(-448.0, 448.0).to(FP8)
+
+
+def _descales(batch, nheads_k, generator):
+    return torch.rand(batch, nheads_k, generator=generator) * 1.5 + 0.25
+
+
+def _fp8_contiguous(module, dtype, head_dim, num_splits, seed):
+    # GQA 4, an empty sequence, leftpad and a batch index into a larger cache (4 stages of 64 keys);
+    # K's magnitudes are kept below 8 so the scores do not all saturate the softmax.
+    generator = torch.Generator().manual_seed(seed)
+    k_cache = (_fp8(4, 200, 2, head_dim, generator=generator).float() / 56.0).to(FP8)
+    v_cache = _fp8(4, 200, 2, head_dim, generator=generator)
+    q = _rand(3, 1, 8, head_dim, dtype=dtype)
+    _decode_and_check(module, q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 77, 200], dtype=torch.int32),
+                      leftpad=torch.tensor([0, 5, 30], dtype=torch.int32),
+                      batch_idx=torch.tensor([2, 0, 3], dtype=torch.int32), num_splits=num_splits,
+                      k_descale=_descales(3, 2, generator), v_descale=_descales(3, 2, generator))
+
+
+def _fp8_paged(module, dtype, head_dim, num_splits, seed):
+    # Page size 16 (a stage spans four pages), a shuffled block table, GQA 4 with seqlen_q 3
+    # (12 packed rows), a causal window, no descale for V (1.0).
+    generator = torch.Generator().manual_seed(seed)
+    nheads_k, batch, page_size, lengths = 2, 2, 16, [131, 40]
+    width = -(-max(lengths) // page_size)
+    num_pages = batch * width + 3
+    k_cache = (_fp8(num_pages, page_size, nheads_k, head_dim, generator=generator).float() / 56.0).to(FP8)
+    v_cache = _fp8(num_pages, page_size, nheads_k, head_dim, generator=generator)
+    block_table = torch.randperm(num_pages, generator=generator)[:batch * width].reshape(batch, width).to(torch.int32)
+    q = _rand(batch, 3, nheads_k * 4, head_dim, dtype=dtype)
+    _decode_and_check(module, q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                      block_table=block_table, window=(-1, 0), num_splits=num_splits,
+                      k_descale=_descales(batch, nheads_k, generator))
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 64), (torch.bfloat16, 128), (torch.float16, 256)],
+                         ids=["fp16-64", "bf16-128", "fp16-256"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_fp8_contiguous_cache_gqa(emulated, dtype, head_dim, num_splits):
+    _fp8_contiguous(emulated, dtype, head_dim, num_splits, seed=head_dim + num_splits)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.float16, 128), (torch.bfloat16, 256)],
+                         ids=["bf16-64", "fp16-128", "bf16-256"])
+def test_decode_fp8_paged_cache_page16_gqa_splits(emulated, dtype, head_dim):
+    _fp8_paged(emulated, dtype, head_dim, 2, seed=head_dim)
+
+
+def _append_fp8(module, dtype, head_dim, paged):
+    """kvcache_append into an e4m3 cache: the bytes portattn/kvcache.py's quantize_fp8 writes (the
+    rotated key rounded to q's dtype, divided by its descale, RNE, saturated to +-448; one value past
+    448 and one NaN included); returns (q, k_cache, v_cache, cache_seqlens, descales) for a decode."""
+    from portattn.kvcache import quantize_fp8
+
+    generator = torch.Generator().manual_seed(head_dim)
+    batch, seqlen_new, nheads, nheads_k, rotary_dim, page_size, capacity = 2, 3, 4, 2, 32, 16, 96
+    cache_seqlens = torch.tensor([70, 0], dtype=torch.int32)
+    k_new = (torch.randn(batch, seqlen_new, nheads_k, head_dim, generator=generator)).to(dtype)
+    v_new = (torch.randn(batch, seqlen_new, nheads_k, head_dim, generator=generator) * 30.0).to(dtype)
+    v_new[0, 0, 0, :2] = torch.tensor([1e4, float("nan")], dtype=dtype)
+    q = _rand(batch, seqlen_new, nheads, head_dim, dtype=dtype)
+    k_descale, v_descale = _descales(batch, nheads_k, generator), _descales(batch, nheads_k, generator)
+    angles = torch.rand(128, rotary_dim // 2, generator=generator) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    width = capacity // page_size
+    if paged:
+        block_table = torch.randperm(batch * width, generator=generator).reshape(batch, width).to(torch.int32)
+        k_cache = _fp8(batch * width, page_size, nheads_k, head_dim, generator=generator)
+    else:
+        block_table = None
+        k_cache = _fp8(batch, capacity, nheads_k, head_dim, generator=generator)
+    k_cache = (k_cache.float() / 56.0).to(FP8)
+    v_cache = _fp8(*k_cache.shape, generator=generator)
+    k_expected, v_expected = k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone()
+    args = [
+        _ptr(k_new), _ptr(v_new), k_new.stride(), v_new.stride(), _ptr(k_cache), _ptr(v_cache), k_cache.stride(),
+        v_cache.stride(), 0, 0, q.stride(), q.stride(), DTYPE_CODE[dtype], batch, seqlen_new, seqlen_new, nheads,
+        nheads_k, head_dim, _ptr(cache_seqlens), 0, _ptr(block_table), block_table.stride(0) if paged else 0,
+        page_size if paged else 0, k_cache.shape[0] if paged else 0, 0 if paged else batch, capacity,
+        _ptr(cos), _ptr(sin), cos.stride(0), 2, rotary_dim, 128, False, False, 0, 0,  # NeoX rotary, stream, errors
+        *abi.kv_args(k_cache, k_descale, v_descale),
+    ]
+    module.kvcache_append(*args)
+    for b in range(batch):
+        positions = int(cache_seqlens[b]) + torch.arange(seqlen_new)
+        k_rot = _rotate_reference(k_new[b], cos, sin, positions[:, None].expand(-1, nheads_k), rotary_dim, False)
+        k_bytes = quantize_fp8(k_rot.to(dtype)[None], k_descale[b:b + 1]).view(torch.uint8)[0]
+        v_bytes = quantize_fp8(v_new[b:b + 1], v_descale[b:b + 1]).view(torch.uint8)[0]
+        for i, pos in enumerate(positions.tolist()):
+            where = (int(block_table[b, pos // page_size]), pos % page_size) if paged else (b, pos)
+            k_expected[where], v_expected[where] = k_bytes[i], v_bytes[i]
+    # The rotation's float32 math may differ from the reference's in the last bit of q's dtype:
+    # a key byte may then be one e4m3 step off; values are copied, so theirs are exact.
+    assert torch.equal(v_cache.view(torch.uint8), v_expected)
+    assert v_expected[0 if not paged else int(block_table[0, 70 // page_size]),
+                      70 % page_size if paged else 70, 0, :2].tolist() == [0x7e, 0x7f]
+    k_steps = (k_cache.view(torch.uint8).int() - k_expected.int()).abs()
+    assert int(k_steps.max()) <= 1 and int((k_steps > 0).sum()) <= k_steps.numel() // 1000
+    return q, k_cache, v_cache, cache_seqlens, (k_descale, v_descale), block_table
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_append_fp8_then_decode(emulated, paged):
+    """The append's bytes, then a decode over the cache it wrote (seqlen_new keys included, 2 splits)."""
+    q, k_cache, v_cache, cache_seqlens, (k_descale, v_descale), block_table = _append_fp8(
+        emulated, torch.bfloat16, 128, paged)
+    q = q[:, :1].contiguous()
+    v_cache.view(torch.uint8)[v_cache.view(torch.uint8) == 0x7f] = 0x7e  # the oracle reads NaN, the kernel 480
+    _decode_and_check(emulated, q, k_cache, v_cache, cache_seqlens=cache_seqlens, seqlen_new=3, num_splits=2,
+                      block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+
+
+# ---------------------------------------------------------------------------------------------
 # RDNA decode (csrc/wmma_decode_kernel.h) in both WMMA layouts: the same entry points and
 # oracle as the CDNA decode above, on a few shapes (each workgroup is 128 CPU threads).
 
@@ -686,6 +817,24 @@ def test_rdna_decode_varlen(rdna):
     k = _rand(sum(lens_k), 2, 64, dtype=torch.float16)
     v = _rand(sum(lens_k), 2, 64, dtype=torch.float16)
     _decode_and_check(rdna, q, k, v, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), window=(-1, 0), num_splits=1)
+
+
+@pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 64, 1), (torch.bfloat16, 256, 3)],
+                         ids=["fp16-64", "bf16-256-splits3"])
+def test_rdna_decode_fp8_contiguous_cache_gqa(rdna, dtype, head_dim, num_splits):
+    _fp8_contiguous(rdna, dtype, head_dim, num_splits, seed=head_dim)
+
+
+def test_rdna_decode_fp8_paged_cache_page16_gqa_splits(rdna):
+    _fp8_paged(rdna, torch.bfloat16, 128, 2, seed=7)
+
+
+def test_rdna_kvcache_append_fp8_then_decode(rdna):
+    q, k_cache, v_cache, cache_seqlens, (k_descale, v_descale), block_table = _append_fp8(
+        rdna, torch.bfloat16, 128, True)
+    v_cache.view(torch.uint8)[v_cache.view(torch.uint8) == 0x7f] = 0x7e
+    _decode_and_check(rdna, q[:, :1].contiguous(), k_cache, v_cache, cache_seqlens=cache_seqlens, seqlen_new=3,
+                      num_splits=2, block_table=block_table, k_descale=k_descale, v_descale=v_descale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -845,3 +994,14 @@ def test_cdna4_decode_contiguous_cache_gqa(cdna4, dtype, head_dim, num_splits):
 
 def test_cdna4_decode_paged_cache_page16_gqa_window(cdna4):
     _decode_paged_cache_page16_gqa_window(cdna4, 950, 64)
+
+
+@pytest.mark.parametrize("dtype, head_dim, num_splits", [(torch.float16, 128, 3), (torch.bfloat16, 256, 2)],
+                         ids=["fp16-128-splits3", "bf16-256-splits2"])
+def test_cdna4_decode_fp8_contiguous_cache_gqa(cdna4, dtype, head_dim, num_splits):
+    """e4m3 caches on gfx950: a widened 16-byte K chunk is one double-depth operand."""
+    _fp8_contiguous(cdna4, dtype, head_dim, num_splits, seed=950 + head_dim)
+
+
+def test_cdna4_decode_fp8_paged_cache_page16_gqa_splits(cdna4):
+    _fp8_paged(cdna4, torch.bfloat16, 256, 2, seed=950)

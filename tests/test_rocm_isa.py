@@ -193,6 +193,30 @@ def test_kernels_isa_meet_their_budget(built, variant, direction):
     assert not problems, f"{variant.stem(direction)}: " + "; ".join(problems)
 
 
+def fp8_decode_problems(build_dir: str, variant) -> list:
+    """Why a decode instantiation's device assembly would not serve FP8 caches: it must hold
+    decode_kernel<Tile, true> (the e4m3 cache, Itanium "...Lb1EEEv") beside <Tile, false>, and
+    every kernel must keep fp32 denormals (mode 3), which csrc/fp8.h's exact e4m3 conversion needs
+    for the e4m3 subnormals."""
+    path = rocm_build.device_assembly(build_dir)[(variant.arch, variant.stem("decode"))]
+    with open(path) as handle:
+        assembly = handle.read()
+    flags = sorted(match.group(1) for symbol in parse_kernel_metadata(assembly)
+                   if (match := re.search(r"13decode_kernelI.*Lb([01])EEEv\d+PortattnDecodeParams$", symbol)))
+    problems = [] if flags == ["0", "1"] else [f"decode_kernel instantiations (kFp8) {flags}, expected ['0', '1']"]
+    modes = set(re.findall(r"\.amdhsa_float_denorm_mode_32 (\d)", assembly))
+    if modes != {"3"}:
+        problems.append(f"fp32 denormal modes {sorted(modes)}: fp8.h's subnormal conversion needs 3 (kept)")
+    return problems
+
+
+@pytest.mark.parametrize("variant", variants.select(ISA_ARCHS), ids=lambda v: v.stem("decode"))
+def test_decode_instantiations_hold_the_fp8_kernel(built, variant):
+    """fp8_kv on every arch: each decode instantiation compiles the e4m3 kernel too (its budget is
+    checked with the 16-bit one's by test_kernels_isa_meet_their_budget: same tile, same name)."""
+    assert fp8_decode_problems(built[0], variant) == []
+
+
 CDNA4_SHAPES = {"fwd": ("32x32x16",), "bwd_dq": ("32x32x16",), "bwd_dkdv": ("32x32x16",),
                 "decode": ("16x16x32", "16x16x16")}
 
@@ -310,6 +334,8 @@ FEATURE_CALLS = {  # one call per declared feature, using it: (module function, 
     "decode": ("decode", _decode_args(num_splits=4, o_partial=32768, lse_partial=36864)),
     "paged_kv": ("decode", _decode_args(block_table=28672, block_table_batch_stride=4, page_size=16,
                                         num_pages=8, k_strides=(2048, 128, 64, 1), kv_capacity=64)),
+    "fp8_kv": ("decode", _decode_args(cache_dtype=1, k_descale=32768, v_descale=36864, k_descale_batch_stride=2,
+                                      k_descale_head_stride=1, v_descale_batch_stride=2, v_descale_head_stride=1)),
 }
 
 
@@ -357,6 +383,7 @@ def test_fwd_rejects_broken_invariants(built, overrides, message):
         ({"headdim": 264}, "headdim 264"),
         ({"k": 8200}, "k must be 16-byte aligned"),
         ({"nheads": 3}, "nheads % nheads_k"),
+        ({"cache_dtype": 2}, "cache_dtype 2 must be 0"),
     ],
 )
 def test_decode_rejects_broken_invariants(built, overrides, message):

@@ -11,10 +11,11 @@ from ..declare import ALL_FEATURES, BackendSpec
 # The backward has no atomics, so it is always deterministic. Paged and
 # contiguous caches are read in place by the decode kernels (csrc/decode_kernel.h,
 # csrc/wmma_decode_kernel.h; the CUDA module's decode ABI). Nothing here has run on AMD hardware: every
-# entry is "compiled". FP8 KV caches are not implemented: gfx942's e4m3 is the "fnuz"
-# variant (bias 8), not the OCP e4m3 "fn" that torch.float8_e4m3fn holds, so a cache
-# written by torch would need its own conversion there; module.cpp refuses them.
-SUPPORTED = ALL_FEATURES - {"seqused_k", "fp8_kv"}
+# entry is "compiled". FP8 (e4m3) KV caches are read by the same decode kernels
+# (decode_kernel<Tile, true>), converted exactly with integer operations on every arch
+# (csrc/fp8.h says why not gfx942's native e4m3 "fnuz"); compiled, ISA-checked and
+# emulated, never run on AMD hardware.
+SUPPORTED = ALL_FEATURES - {"seqused_k"}
 
 # RDNA3/4 (wave32 WMMA): the forward (csrc/wmma_fwd_kernel.h), the backward
 # (csrc/wmma_bwd_kernel.h, no atomics: always deterministic) and the decode over
@@ -26,7 +27,6 @@ RDNA_FEATURES = SUPPORTED
 UNSUPPORTED_NOTES = {
     "seqused_k": "runs on the reference backend: the HIP kernels' sequence bounds read seqused_k "
                  "(common/seq_bounds.h), but no emulated test covers it yet",
-    "fp8_kv": "is not implemented by the HIP kernels (gfx942 would need e4m3 fnuz)",
 }
 
 # arch name -> features our GPU suite passed on that hardware.

@@ -1,7 +1,7 @@
 // The ROCm decode pieces both kernel families share (CDNA: decode_kernel.h,
 // RDNA: wmma_decode_kernel.h): where a sequence's key rows are read from,
 // the containment scan of its block-table row, the split combine and the
-// cache append with rotary. A Tile supplies kWaveLanes (64 on CDNA, 32 on
+// cache append with rotary (and e4m3 quantisation: fp8.h). A Tile supplies kWaveLanes (64 on CDNA, 32 on
 // RDNA) and kHeadDim; nothing here uses a matrix instruction.
 #pragma once
 #include <limits.h>
@@ -13,6 +13,7 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "../../common/rotary.h"
+#include "fp8.h"
 #include "tiles.h"
 
 namespace portattn {
@@ -23,10 +24,12 @@ namespace PORTATTN_ROCM_ARCH_NS {
 // values in VGPRs (in_vgpr, cdna.h): the per-key address arithmetic needs
 // them every stage, and as SGPRs they would take ~20 of the ~100 a wave has,
 // which the kernel's other uniform values (window, scale, softcap, output
-// addressing) and the unrolled D = 256 loop already nearly fill.
+// addressing) and the unrolled D = 256 loop already nearly fill. Elem: uint16_t
+// (a cache of the query's dtype) or uint8_t (e4m3; strides count bytes).
+template <class Elem>
 struct KeySource {
-  const uint16_t* gK;  // head hk of k and v
-  const uint16_t* gV;
+  const Elem* gK;  // head hk of k and v
+  const Elem* gV;
   PortattnTensor4 k_strides, v_strides;  // batch (page) and row strides
   decode::KeyRowAddress at;
   int seqlen_k, key_base, cache_row, headdim;
@@ -35,11 +38,11 @@ struct KeySource {
                                                  int hk) {
     auto vgpr64 = [](int64_t x) { return static_cast<int64_t>(in_vgpr(static_cast<uint64_t>(x))); };
     auto vgpr32 = [](int x) { return static_cast<int>(in_vgpr(static_cast<uint32_t>(x))); };
-    const uint16_t* k = static_cast<const uint16_t*>(p.k) + hk * p.k_strides.head_stride;
-    const uint16_t* v = static_cast<const uint16_t*>(p.v) + hk * p.v_strides.head_stride;
+    const Elem* k = static_cast<const Elem*>(p.k) + hk * p.k_strides.head_stride;
+    const Elem* v = static_cast<const Elem*>(p.v) + hk * p.v_strides.head_stride;
     KeySource src;
-    src.gK = reinterpret_cast<const uint16_t*>(in_vgpr(reinterpret_cast<uint64_t>(k)));
-    src.gV = reinterpret_cast<const uint16_t*>(in_vgpr(reinterpret_cast<uint64_t>(v)));
+    src.gK = reinterpret_cast<const Elem*>(in_vgpr(reinterpret_cast<uint64_t>(k)));
+    src.gV = reinterpret_cast<const Elem*>(in_vgpr(reinterpret_cast<uint64_t>(v)));
     src.k_strides = PortattnTensor4{vgpr64(p.k_strides.batch_stride), vgpr64(p.k_strides.row_stride), 0};
     src.v_strides = PortattnTensor4{vgpr64(p.v_strides.batch_stride), vgpr64(p.v_strides.row_stride), 0};
     const int32_t* pages = p.block_table != nullptr ? p.block_table + b * p.block_table_batch_stride : nullptr;
@@ -177,7 +180,10 @@ using Rotary = rotary::Rotary<RocmRotaryFloats<kIsBf16>>;
 // there), then the queries (rotated into q_out). Every lane reads before the
 // barrier and writes after it, so q_out may alias q. Its own launch before
 // the decode keeps one writer per cache element. A null cache_seqlens counts
-// as 0 (the ABI requires it; this only keeps a bad call from faulting).
+// as 0 (the ABI requires it; this only keeps a bad call from faulting). An e4m3
+// cache (p.kv.cache_dtype) takes e4m3(x / descale) bytes (fp8::quantize) of the
+// rotated key rounded to the query's dtype first, as the reference path and the
+// CUDA append.
 template <class Tile>
 __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kHeadDim, 1) kvcache_append_kernel(const PortattnAppendParams p) {
   using T = Dtype<Tile::kIsBf16>;
@@ -228,9 +234,17 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kHeadDim, 1) kvcache_append_kernel(
       v_value = v_src[e];
     }
     __syncthreads();  // uniform: reads before writes (see above)
-    if (write) {
-      static_cast<uint16_t*>(p.k_cache)[k_off + hk * p.k_cache_strides.head_stride + e] = k_value;
-      static_cast<uint16_t*>(p.v_cache)[v_off + hk * p.v_cache_strides.head_stride + e] = v_value;
+    k_off += hk * p.k_cache_strides.head_stride + e;
+    v_off += hk * p.v_cache_strides.head_stride + e;
+    if (write && p.kv.cache_dtype == PORTATTN_CACHE_FP8_E4M3) {
+      const PortattnKvDescale& kv = p.kv;
+      static_cast<uint8_t*>(p.k_cache)[k_off] = fp8::quantize(
+          T::to_float(k_value), fp8::descale_of(kv.k_descale, kv.k_descale_batch_stride, kv.k_descale_head_stride, b, hk));
+      static_cast<uint8_t*>(p.v_cache)[v_off] = fp8::quantize(
+          T::to_float(v_value), fp8::descale_of(kv.v_descale, kv.v_descale_batch_stride, kv.v_descale_head_stride, b, hk));
+    } else if (write) {
+      static_cast<uint16_t*>(p.k_cache)[k_off] = k_value;
+      static_cast<uint16_t*>(p.v_cache)[v_off] = v_value;
     }
     return;
   }

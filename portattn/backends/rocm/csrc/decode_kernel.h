@@ -58,9 +58,19 @@
 // registers: 40 VGPRs spilled with the prefetch; docs/rocm.md, "CDNA4").
 // The merge buffer sets the occupancy here (K/V need no LDS); at D = 256 a
 // workgroup still keeps 4 waves x 2 stages x 16 KiB of K/V reads in flight.
+//
+// e4m3 caches (kFp8, Note [portattn fp8 kv cache] in common/params.h): the
+// same lane mapping over bytes. A lane reads half the bytes (8-byte K chunks;
+// V's D/16 bytes per key in 4- or 8-byte pieces, as fp8 rows are 8-byte
+// aligned), the prefetched stage stays raw (half the registers) and is
+// converted to the 16-bit operands when its stage starts (fp8.h: exact);
+// k_descale[b, hk] is folded into the score scale and v_descale[b, hk]
+// multiplies the output (or the split's partial output) before it is stored.
 #pragma once
 #include <limits.h>
 #include <math.h>
+
+#include <type_traits>
 
 #include "cdna.h"  // first: hip_runtime.h defines __forceinline__ for the common headers
 
@@ -68,6 +78,7 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "decode_common.h"  // KeySource, the split combine, the cache append
+#include "fp8.h"
 #include "tiles.h"
 
 namespace portattn {
@@ -110,7 +121,7 @@ struct DecodeKV {
   u32x4 k[Tile::kChunks];
   uint32_t v[4][Tile::kVWords];
 
-  __device__ __forceinline__ void fetch(const KeySource& src, int key0, int lm, int lg) {
+  __device__ __forceinline__ void fetch(const KeySource<uint16_t>& src, int key0, int lm, int lg) {
     const int k_key = key0 + lm;
     const bool k_valid = k_key < src.seqlen_k;
     const int64_t k_row = k_valid ? src.at.offset(src.k_strides, src.cache_row, src.key_base + k_key) : 0;
@@ -166,12 +177,68 @@ struct DecodeKV {
     return u16x4{static_cast<uint16_t>(v[0][u / 2] >> shift), static_cast<uint16_t>(v[1][u / 2] >> shift),
                  static_cast<uint16_t>(v[2][u / 2] >> shift), static_cast<uint16_t>(v[3][u / 2] >> shift)};
   }
+
+  __device__ __forceinline__ DecodeKV widened() const { return *this; }
 };
 
+// DecodeKV's share of one wave's 16 keys as raw e4m3 bytes (the same columns and
+// keys), widened to DecodeKV when its stage is computed.
 template <class Tile>
+struct DecodeKVBytes {
+  static constexpr int kVBytesWords = Tile::kVDims / 4;  // D/16 bytes of a key as 32-bit words
+  u32x2 k[Tile::kChunks];
+  uint32_t v[4][kVBytesWords];
+
+  __device__ __forceinline__ void fetch(const KeySource<uint8_t>& src, int key0, int lm, int lg) {
+    const int k_key = key0 + lm;
+    const bool k_valid = k_key < src.seqlen_k;
+    const int64_t k_row = k_valid ? src.at.offset(src.k_strides, src.cache_row, src.key_base + k_key) : 0;
+#pragma unroll
+    for (int c = 0; c < Tile::kChunks; ++c) {
+      const int col = 32 * c + 8 * lg;
+      k[c] = u32x2{0u, 0u};
+      if (k_valid && col < src.headdim) k[c] = load<u32x2>(src.gK + k_row + col);
+    }
+    const int v_col = lm * Tile::kVDims;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int key = key0 + 4 * lg + kk;
+      const bool valid = key < src.seqlen_k && v_col < src.headdim;
+      const int64_t v_row = valid ? src.at.offset(src.v_strides, src.cache_row, src.key_base + key) : 0;
+      if constexpr (kVBytesWords == 1) {  // D = 64: 4 bytes, wholly inside the head dim (a multiple of 8)
+        v[kk][0] = valid ? load<uint32_t>(src.gV + v_row + v_col) : 0u;
+      } else {
+#pragma unroll
+        for (int w = 0; w < kVBytesWords; w += 2) {
+          u32x2 words{0u, 0u};
+          if (valid && v_col + 4 * w < src.headdim) words = load<u32x2>(src.gV + v_row + v_col + 4 * w);
+          v[kk][w] = words.x, v[kk][w + 1] = words.y;
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ DecodeKV<Tile> widened() const {
+    DecodeKV<Tile> out;
+#pragma unroll
+    for (int c = 0; c < Tile::kChunks; ++c) out.k[c] = fp8::e4m3x8_to<Tile::kIsBf16>(k[c]);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int w = 0; w < Tile::kVWords; ++w)  // 16-bit word w: columns 2w, 2w + 1
+        out.v[kk][w] = w % 2 == 0 ? fp8::e4m3x2_at<Tile::kIsBf16, 0>(v[kk][w / 2])
+                                  : fp8::e4m3x2_at<Tile::kIsBf16, 2>(v[kk][w / 2]);
+    return out;
+  }
+};
+
+// kFp8: k and v hold e4m3 bytes (DecodeKVBytes), the docblock's last paragraph.
+template <class Tile, bool kFp8>
 __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     decode_kernel(const PortattnDecodeParams p) {
   using T = Dtype<Tile::kIsBf16>;
+  using Elem = std::conditional_t<kFp8, uint8_t, uint16_t>;
+  using Fetched = std::conditional_t<kFp8, DecodeKVBytes<Tile>, DecodeKV<Tile>>;
   constexpr int kLaneDims = Tile::kLaneDims;
   constexpr int kVDims = Tile::kVDims;
   // Waves 1.. leave their weighted O here; every wave its LSE per row.
@@ -227,7 +294,18 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     rQ[2 * c + 1] = __builtin_bit_cast(u16x4, u32x2{chunk.z, chunk.w});
   }
 
-  const KeySource src = KeySource::of(p, seq, b, hk);
+  const KeySource<Elem> src = KeySource<Elem>::of(p, seq, b, hk);
+  // The descales are read once, here, and kept in VGPRs (in_vgpr): their pointers, strides and
+  // values as SGPRs spilled 6-10 SGPRs of the D = 256 kernel on gfx942.
+  const PortattnKvDescale& kv_scale = p.kv;
+  auto vgpr_float = [](float x) { return __builtin_bit_cast(float, in_vgpr(__builtin_bit_cast(uint32_t, x))); };
+  const float score_scale =
+      kFp8 ? vgpr_float(p.softmax_scale * fp8::descale_of(kv_scale.k_descale, kv_scale.k_descale_batch_stride,
+                                                          kv_scale.k_descale_head_stride, b, hk))
+           : p.softmax_scale;
+  const float v_descale = kFp8 ? vgpr_float(fp8::descale_of(kv_scale.v_descale, kv_scale.v_descale_batch_stride,
+                                                            kv_scale.v_descale_head_stride, b, hk))
+                               : 1.f;
 
   const bool use_softcap = p.softcap > 0.f;
   const bool use_alibi = p.alibi_slopes != nullptr;
@@ -269,7 +347,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     }
   }
 
-  DecodeKV<Tile> kv;
+  Fetched kv;
   const int wave_key0 = wave * Tile::kWaveKeys;
   if (Tile::kPrefetch && range.begin < range.end)
     kv.fetch(src, range.begin * Tile::kStageKeys + wave_key0, lm, lg);
@@ -278,7 +356,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     const int stage_key0 = stage * Tile::kStageKeys;
     const int key0 = stage_key0 + wave_key0;
     if (!Tile::kPrefetch) kv.fetch(src, key0, lm, lg);
-    const DecodeKV<Tile> cur = kv;
+    const DecodeKV<Tile> cur = kv.widened();
     if (Tile::kPrefetch && stage + 1 < range.end) kv.fetch(src, key0 + Tile::kStageKeys, lm, lg);
 
     f32x4 acc_s{0.f, 0.f, 0.f, 0.f};
@@ -292,7 +370,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int j = key0 + 4 * lg + r;
-      float x = acc_s[r] * p.softmax_scale;
+      float x = acc_s[r] * score_scale;
       if (use_softcap) x = p.softcap * tanhf(x / p.softcap);
       if (use_alibi) x -= slope * fabsf(static_cast<float>(aligned_key - j));
       x *= softmax::kLog2e;
@@ -360,6 +438,10 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
       out[e] += part.x, out[e + 1] += part.y, out[e + 2] += part.z, out[e + 3] += part.w;
     }
   }
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int e = 0; e < kLaneDims; ++e) out[e] *= v_descale;
+  }
 
   const int col0 = lg * kLaneDims;
   const decode::OutputRow at{b, h, seq.q_start, i};
@@ -392,7 +474,11 @@ hipError_t launch_decode(const PortattnDecodeParams& p) {
   const int group = p.nheads / p.nheads_k;
   const int m_tiles = (p.seqlen_q * group + Tile::kBlockM - 1) / Tile::kBlockM;
   const dim3 grid(p.num_splits, p.nheads_k * m_tiles, p.batch);
-  hipLaunchKernelGGL(decode_kernel<Tile>, grid, dim3(Tile::kThreads), 0, stream, p);
+  if (p.kv.cache_dtype == PORTATTN_CACHE_FP8_E4M3) {
+    hipLaunchKernelGGL((decode_kernel<Tile, true>), grid, dim3(Tile::kThreads), 0, stream, p);
+  } else {
+    hipLaunchKernelGGL((decode_kernel<Tile, false>), grid, dim3(Tile::kThreads), 0, stream, p);
+  }
   hipError_t err = hipGetLastError();
   if (err != hipSuccess || p.num_splits == 1) return err;
   return launch_decode_combine<Tile>(p);

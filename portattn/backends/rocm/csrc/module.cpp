@@ -46,14 +46,16 @@ constexpr int kMaxDecodeSplits = 128;
 // Features the kernels implement (Note [portattn semantics]); the support
 // matrix's "rocm" block must declare exactly these. The backward has no
 // atomics, so it is always deterministic (Note [portattn rocm backward]).
-// The decode kernels read contiguous and paged caches in place.
+// The decode kernels read contiguous and paged caches in place, of the query's
+// dtype or e4m3 (Note [portattn fp8 kv cache]; every decode instantiation has both).
 const std::vector<std::string> kFeatures = {"forward", "backward", "causal",  "window",
                                             "softcap", "alibi",    "dropout", "gqa",
-                                            "varlen",  "deterministic_backward", "decode", "paged_kv"};
+                                            "varlen",  "deterministic_backward", "decode", "paged_kv",
+                                            "fp8_kv"};
 // The features an arch's variants lack without a backward or without a decode (a
 // variant table may leave either direction out; the CPU emulation builds only some).
 const std::vector<std::string> kBackwardFeatures = {"backward", "deterministic_backward"};
-const std::vector<std::string> kDecodeFeatures = {"decode", "paged_kv"};
+const std::vector<std::string> kDecodeFeatures = {"decode", "paged_kv", "fp8_kv"};
 
 void check_hip(hipError_t status, const char* what) {
   if (status == hipSuccess) return;
@@ -137,6 +139,14 @@ void check_bwd_invariants(const PortattnBwdParams& p) {
                                            " bytes, bwd_workspace_bytes() asks for " + std::to_string(needed));
 }
 
+// An e4m3 cache's strides count bytes: the layout rule's multiple of 8 keeps its rows
+// 8-byte aligned, the widest read of the FP8 kernels (csrc/fp8.h).
+void check_cache_dtype(int cache_dtype) {
+  require(cache_dtype == PORTATTN_CACHE_AS_QUERY || cache_dtype == PORTATTN_CACHE_FP8_E4M3,
+          "cache_dtype " + std::to_string(cache_dtype) + " must be " + std::to_string(PORTATTN_CACHE_AS_QUERY) +
+              " (the query's dtype) or " + std::to_string(PORTATTN_CACHE_FP8_E4M3) + " (e4m3)");
+}
+
 void check_decode_invariants(const PortattnDecodeParams& p) {
   require(p.dtype == PORTATTN_FP16 || p.dtype == PORTATTN_BF16, "dtype must be fp16 or bf16");
   require(p.batch >= 0 && p.nheads > 0 && p.nheads_k > 0 && p.nheads % p.nheads_k == 0,
@@ -160,6 +170,7 @@ void check_decode_invariants(const PortattnDecodeParams& p) {
           "cache_batch_idx needs cache_batches > 0");
   require(p.cu_seqlens_q == nullptr || p.total_q >= 0, "total_q must be non-negative");
   require(p.cu_seqlens_k == nullptr || p.total_k >= 0, "total_k must be non-negative");
+  check_cache_dtype(p.kv.cache_dtype);
 }
 
 void check_append_invariants(const PortattnAppendParams& p) {
@@ -181,6 +192,7 @@ void check_append_invariants(const PortattnAppendParams& p) {
   require(p.k_new == nullptr || p.block_table != nullptr || p.cache_batch_idx == nullptr || p.cache_batches > 0,
           "cache_batch_idx needs cache_batches > 0");
   require(p.q == nullptr || p.q_out != nullptr, "q needs q_out");
+  check_cache_dtype(p.kv.cache_dtype);
 }
 
 // The smallest built head dim >= headdim for this device's arch and dtype;
@@ -243,16 +255,7 @@ void bwd(const PortattnBwdParams& params) {
   check_hip(static_cast<hipError_t>(variant.bwd(&params)), "backward kernel launch");
 }
 
-// FP8 caches (Note [portattn fp8 kv cache]) are not implemented here: gfx942 reads e4m3 "fnuz"
-// (bias 8), not the OCP e4m3 "fn" torch.float8_e4m3fn holds, so even its conversions would differ.
-// The support matrix declares it; this refuses a call that bypasses dispatch.
-void refuse_fp8_cache(int cache_dtype) {
-  if (cache_dtype != PORTATTN_CACHE_AS_QUERY)
-    throw std::invalid_argument("portattn ROCm: FP8 KV caches are not supported by the HIP kernels");
-}
-
 void decode(const PortattnDecodeParams& params) {
-  refuse_fp8_cache(params.kv.cache_dtype);
   check_decode_invariants(params);
   if (params.seqlen_q == 0 || params.batch == 0) return;
   const KernelVariant& variant = find_variant(params.dtype, params.headdim, "decode");
@@ -260,7 +263,6 @@ void decode(const PortattnDecodeParams& params) {
 }
 
 void kvcache_append(const PortattnAppendParams& params) {
-  refuse_fp8_cache(params.kv.cache_dtype);
   check_append_invariants(params);
   if (params.batch == 0 || ((params.k_new == nullptr || params.seqlen_new == 0) &&
                             (params.q == nullptr || params.seqlen_q == 0))) {
@@ -274,8 +276,10 @@ void kvcache_append(const PortattnAppendParams& params) {
 // (the split planner's input); -1s when none is built. That of the current
 // device's arch when it has one built, else (no device needed) of the first
 // built arch with a decode: stage_keys is the same on every arch, threads and
-// LDS differ between the CDNA and RDNA tiles.
-py::dict decode_tile(int head_dim) {
+// LDS differ between the CDNA and RDNA tiles. fp8_kv: the e4m3-cache kernel's,
+// which has the same tile (its bytes are widened in registers or into the same LDS).
+py::dict decode_tile(int head_dim, int fp8_kv) {
+  static_cast<void>(fp8_kv);
   std::string device_arch_name;
   int device = 0;
   if (hipGetDevice(&device) == hipSuccess) {
@@ -424,7 +428,8 @@ PYBIND11_MODULE(_C, m) {
         "split-KV decode over a KV cache read in place (common/params.h: PortattnDecodeParams)");
   m.def("kvcache_append", &kvcache_append_entry,
         "append new k/v to a cache with rotary, and rotate q (common/params.h: PortattnAppendParams)");
-  m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim");
+  m.def("decode_tile", &decode_tile, "tile facts of the decode kernel serving a head dim (and an e4m3 cache)",
+        py::arg("head_dim"), py::arg("fp8_kv") = 0);
   m.def("build_config", &build_config, "what this binary contains: archs, dtypes, head_dims, features");
   m.def(
       "device_count",

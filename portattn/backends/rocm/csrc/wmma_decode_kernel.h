@@ -43,9 +43,18 @@
 // scratch): gfx1100 179 / 178, 241 / 241, 248 / 244; gfx1201 153 / 156,
 // 244 / 247, 228 / 228 at D = 64, 128, 256. The combine: 33 VGPRs, the
 // append: 16, no LDS.
+//
+// e4m3 caches (kFp8, Note [portattn fp8 kv cache] in common/params.h): each
+// 16-byte piece of a stage is read as its 8 raw bytes (half the bytes and, with
+// kPrefetch, half the in-flight registers) and widened to the 16-bit stage in LDS
+// as it is deposited (fp8.h: exact), so the WMMA loop and the LDS budget are the
+// 16-bit kernel's; k_descale[b, hk] is folded into the score scale and
+// v_descale[b, hk] multiplies the output (or the split's partial output).
 #pragma once
 #include <limits.h>
 #include <math.h>
+
+#include <type_traits>
 
 #include "rdna.h"  // first: hip_runtime.h defines __forceinline__ for the common headers
 
@@ -53,6 +62,7 @@
 #include "../../common/online_softmax.h"
 #include "../../common/params.h"
 #include "decode_common.h"  // KeySource, contained_sequence, the split combine, the cache append
+#include "fp8.h"
 #include "tiles.h"
 
 namespace portattn {
@@ -100,23 +110,34 @@ struct WmmaDecodeTile {
 // in flight from global memory: `fetch` issues this lane's 16-byte reads,
 // `deposit` writes K row-major and V transposed into LDS. Keys past the
 // sequence and columns past the head dim are zeros (P is 0 there, but
-// 0 * (stale NaN) is not).
-template <class Tile>
+// 0 * (stale NaN) is not). kFp8: a piece is 8 e4m3 bytes, widened in `deposit`.
+template <class Tile, bool kFp8>
 struct DecodeStageInFlight {
+  using Elem = std::conditional_t<kFp8, uint8_t, uint16_t>;
+  using Piece = std::conditional_t<kFp8, u32x2, u32x4>;
   static constexpr int kKPieces = Tile::kHeadDim / 8;  // 16-byte pieces per K row
   static constexpr int kVPieces = Tile::kOutDim / 8;
   static constexpr int kK = Tile::kStageKeys * kKPieces / Tile::kThreads;  // per lane
   static constexpr int kV = Tile::kStageKeys * kVPieces / Tile::kThreads;
   static_assert(Tile::kStageKeys * kVPieces % Tile::kThreads == 0, "every lane copies the same piece count");
-  u32x4 k[kK], v[kV];
+  Piece k[kK], v[kV];
 
-  static __device__ __forceinline__ u32x4 piece(const uint16_t* g, const PortattnTensor4& strides,
-                                                const KeySource& src, int key, int col) {
-    if (key >= src.seqlen_k || col >= src.headdim) return u32x4{0u, 0u, 0u, 0u};
-    return load<u32x4>(g + src.at.offset(strides, src.cache_row, src.key_base + key) + col);
+  static __device__ __forceinline__ Piece piece(const Elem* g, const PortattnTensor4& strides,
+                                                const KeySource<Elem>& src, int key, int col) {
+    if (key >= src.seqlen_k || col >= src.headdim) return Piece{};
+    return load<Piece>(g + src.at.offset(strides, src.cache_row, src.key_base + key) + col);
   }
 
-  __device__ __forceinline__ void fetch_k(const KeySource& src, int key0) {
+  // A piece's 8 values as 16-bit patterns (two per word).
+  static __device__ __forceinline__ u32x4 widened(const Piece& x) {
+    if constexpr (kFp8) {
+      return fp8::e4m3x8_to<Tile::kIsBf16>(x);
+    } else {
+      return x;
+    }
+  }
+
+  __device__ __forceinline__ void fetch_k(const KeySource<Elem>& src, int key0) {
 #pragma unroll
     for (int it = 0; it < kK; ++it) {
       const int c = threadIdx.x + it * Tile::kThreads;
@@ -124,7 +145,7 @@ struct DecodeStageInFlight {
     }
   }
 
-  __device__ __forceinline__ void fetch_v(const KeySource& src, int key0, int d0) {
+  __device__ __forceinline__ void fetch_v(const KeySource<Elem>& src, int key0, int d0) {
 #pragma unroll
     for (int it = 0; it < kV; ++it) {
       const int c = threadIdx.x + it * Tile::kThreads;
@@ -136,7 +157,7 @@ struct DecodeStageInFlight {
 #pragma unroll
     for (int it = 0; it < kK; ++it) {
       const int c = threadIdx.x + it * Tile::kThreads;
-      store<u32x4>(sK + (c / kKPieces) * Tile::kRowStride + 8 * (c % kKPieces), k[it]);
+      store<u32x4>(sK + (c / kKPieces) * Tile::kRowStride + 8 * (c % kKPieces), widened(k[it]));
     }
   }
 
@@ -145,20 +166,22 @@ struct DecodeStageInFlight {
     for (int it = 0; it < kV; ++it) {
       const int c = threadIdx.x + it * Tile::kThreads;
       const int key = c / kVPieces, col = 8 * (c % kVPieces);
+      const u32x4 words = widened(v[it]);
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        sVt[(col + e) * Tile::kVtStride + key] = static_cast<uint16_t>(v[it][e / 2] >> (16 * (e % 2)));
+        sVt[(col + e) * Tile::kVtStride + key] = static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)));
     }
   }
 
-  __device__ __forceinline__ void fetch(const KeySource& src, int key0, int d0) {
+  __device__ __forceinline__ void fetch(const KeySource<Elem>& src, int key0, int d0) {
     fetch_k(src, key0);
     fetch_v(src, key0, d0);
   }
 
   // Into LDS: what fetch read (kPrefetch), or K then V read now, so only one of
   // them is in registers at a time (at D = 256 both would be 96 VGPRs a lane).
-  __device__ __forceinline__ void deposit(const KeySource& src, int key0, int d0, uint16_t* sK, uint16_t* sVt) {
+  __device__ __forceinline__ void deposit(const KeySource<Elem>& src, int key0, int d0, uint16_t* sK,
+                                          uint16_t* sVt) {
     if (!Tile::kPrefetch) fetch_k(src, key0);
     deposit_k(sK);
     if (!Tile::kPrefetch) fetch_v(src, key0, d0);
@@ -166,9 +189,11 @@ struct DecodeStageInFlight {
   }
 };
 
-template <class Tile>
+// kFp8: k and v hold e4m3 bytes (the docblock's last paragraph).
+template <class Tile, bool kFp8>
 __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     decode_kernel(const PortattnDecodeParams p) {
+  using Elem = std::conditional_t<kFp8, uint8_t, uint16_t>;
   using W = Wmma<PORTATTN_ROCM_WMMA_GEN, Tile::kIsBf16>;
   using Operand = typename W::Operand;
   using T = Dtype<Tile::kIsBf16>;
@@ -225,7 +250,18 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
     store<u32x4>(sQ + r * Tile::kRowStride + col, chunk);
   }
 
-  const KeySource src = KeySource::of(p, seq, b, hk);
+  const KeySource<Elem> src = KeySource<Elem>::of(p, seq, b, hk);
+  // The descales are read once, here, and kept in VGPRs (in_vgpr): as SGPRs (with their
+  // pointers and strides) they spilled 2 SGPRs of the D = 256 kernel on gfx1201.
+  const PortattnKvDescale& kv_scale = p.kv;
+  auto vgpr_float = [](float x) { return __builtin_bit_cast(float, in_vgpr(__builtin_bit_cast(uint32_t, x))); };
+  const float score_scale =
+      kFp8 ? vgpr_float(p.softmax_scale * fp8::descale_of(kv_scale.k_descale, kv_scale.k_descale_batch_stride,
+                                                          kv_scale.k_descale_head_stride, b, hk))
+           : p.softmax_scale;
+  const float v_descale = kFp8 ? vgpr_float(fp8::descale_of(kv_scale.v_descale, kv_scale.v_descale_batch_stride,
+                                                            kv_scale.v_descale_head_stride, b, hk))
+                               : 1.f;
   const bool use_softcap = p.softcap > 0.f;
   const bool use_alibi = p.alibi_slopes != nullptr;
   const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
@@ -242,7 +278,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   const int wave_key0 = wave * Tile::kWaveKeys;  // this wave's keys within a stage
   const uint16_t* sQ_row = sQ + lq * Tile::kRowStride + k0;
   const uint16_t* sK_row = sK + (wave_key0 + lq) * Tile::kRowStride + k0;
-  DecodeStageInFlight<Tile> kv;
+  DecodeStageInFlight<Tile, kFp8> kv;
   if (Tile::kPrefetch && range.begin < range.end) kv.fetch(src, range.begin * Tile::kStageKeys, d0);
 
   for (int stage = range.begin; stage < range.end; ++stage) {
@@ -266,7 +302,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       const int j = lane_key0 + W::row_step(r);
-      float x = acc_s[r] * p.softmax_scale;
+      float x = acc_s[r] * score_scale;
       if (use_softcap) x = p.softcap * tanhf(x / p.softcap);
       if (use_alibi) x -= slope * fabsf(static_cast<float>(aligned_key - j));
       x *= softmax::kLog2e;
@@ -335,7 +371,7 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
 #pragma unroll
       for (int w = 1; w < Tile::kWaves; ++w)
         x += sMerge[((w - 1) * Tile::kBlockM + lq) * Tile::kMergePitch + u * kWmma + W::row(lane, r)];
-      out[u * 8 + r] = x;
+      out[u * 8 + r] = kFp8 ? x * v_descale : x;
     }
   }
 
@@ -384,7 +420,12 @@ hipError_t launch_decode(const PortattnDecodeParams& p) {
   const int group = p.nheads / p.nheads_k;
   const int m_tiles = (p.seqlen_q * group + Tile::kBlockM - 1) / Tile::kBlockM;
   const dim3 grid(p.num_splits * Tile::kDimSplit, p.nheads_k * m_tiles, p.batch);
-  hipLaunchKernelGGL(decode_kernel<Tile>, grid, dim3(Tile::kThreads), 0, static_cast<hipStream_t>(p.stream), p);
+  const hipStream_t stream = static_cast<hipStream_t>(p.stream);
+  if (p.kv.cache_dtype == PORTATTN_CACHE_FP8_E4M3) {
+    hipLaunchKernelGGL((decode_kernel<Tile, true>), grid, dim3(Tile::kThreads), 0, stream, p);
+  } else {
+    hipLaunchKernelGGL((decode_kernel<Tile, false>), grid, dim3(Tile::kThreads), 0, stream, p);
+  }
   const hipError_t err = hipGetLastError();
   if (err != hipSuccess || p.num_splits == 1) return err;
   return launch_decode_combine<Tile>(p);
