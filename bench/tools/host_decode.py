@@ -44,12 +44,10 @@ least-disturbed round median reported; the paths alternate round by round.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import json
 import os
 import platform
-import pstats
 import re
 import statistics
 import sys
@@ -226,19 +224,7 @@ def profile_path(name: str, batch: int, keys: int, calls: int, device: str = "cp
     with torch.no_grad():
         for _ in range(50):
             fn()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(calls):
-            fn()
-        profiler.disable()
-    stats = pstats.Stats(profiler).stats
-    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:lines]
-    text = [f"cProfile of {calls} calls of {name}, by own time (us per call)",
-            f"{'calls/call':>10} {'own us':>8} {'cum us':>8}  function"]
-    for (path, line, func), (_, ncalls, tottime, cumtime, _) in rows:
-        where = f"{os.path.basename(path)}:{line}({func})" if line else func
-        text.append(f"{ncalls / calls:10.1f} {tottime / calls * 1e6:8.2f} {cumtime / calls * 1e6:8.2f}  {where}")
-    return "\n".join(text)
+        return base.profile_table(fn, calls, lines, name, "call")
 
 
 def main(argv=None) -> dict:

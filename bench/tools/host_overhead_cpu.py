@@ -291,15 +291,21 @@ def profile_shape(name: str, calls: int, lines: int = 30) -> str:
     dout = torch.randn_like(call())
     for _ in range(20):
         torch.autograd.grad(call(), inputs, dout)
+    return profile_table(lambda: torch.autograd.grad(call(), inputs, dout), calls, lines, name, "step")
+
+
+def profile_table(run, calls: int, lines: int, name: str, unit: str) -> str:
+    """cProfile of `calls` runs of run(): the `lines` functions with the most own time, in
+    microseconds per `unit`."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
-        torch.autograd.grad(call(), inputs, dout)
+        run()
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:lines]
-    text = [f"cProfile of {calls} steps of {name}, by own time (us per step)",
-            f"{'calls/step':>10} {'own us':>8} {'cum us':>8}  function"]
+    text = [f"cProfile of {calls} {unit}s of {name}, by own time (us per {unit})",
+            f"{'calls/' + unit:>10} {'own us':>8} {'cum us':>8}  function"]
     for (path, line, func), (_, ncalls, tottime, cumtime, _) in rows:
         where = f"{os.path.basename(path)}:{line}({func})" if line else func
         text.append(f"{ncalls / calls:10.1f} {tottime / calls * 1e6:8.2f} {cumtime / calls * 1e6:8.2f}  {where}")
