@@ -57,6 +57,28 @@ struct KeySource {
   }
 };
 
+// The FP8 descales of (b, hk) as both decode kernels apply them (Note [portattn fp8 kv cache]):
+// k_descale folded into the score scale, v_descale multiplying the output. Read once and kept in
+// VGPRs (in_vgpr): their pointers, strides and values as SGPRs spilled 6-10 SGPRs of the D = 256
+// kernel on gfx942 and 2 on gfx1201. 16-bit caches: the softmax scale and 1.
+struct KvScales {
+  float score;
+  float v;
+};
+
+template <bool kFp8>
+__device__ __forceinline__ KvScales kv_scales(const PortattnDecodeParams& p, int b, int hk) {
+  if constexpr (!kFp8) {
+    return {p.softmax_scale, 1.f};
+  } else {
+    const PortattnKvDescale& kv = p.kv;
+    auto vgpr_float = [](float x) { return __builtin_bit_cast(float, in_vgpr(__builtin_bit_cast(uint32_t, x))); };
+    return {vgpr_float(p.softmax_scale * fp8::descale_of(kv.k_descale, kv.k_descale_batch_stride,
+                                                         kv.k_descale_head_stride, b, hk)),
+            vgpr_float(fp8::descale_of(kv.v_descale, kv.v_descale_batch_stride, kv.v_descale_head_stride, b, hk))};
+  }
+}
+
 // Whether `predicate` holds for some lane of the workgroup; every lane must
 // call it. `lds_word` is one int of the caller's LDS that no lane touches
 // between the call and the caller's next barrier. (HIP's __syncthreads_or

@@ -251,17 +251,9 @@ __global__ void PORTATTN_LAUNCH_BOUNDS(Tile::kThreads, Tile::kWavesPerSimd)
   }
 
   const KeySource<Elem> src = KeySource<Elem>::of(p, seq, b, hk);
-  // The descales are read once, here, and kept in VGPRs (in_vgpr): as SGPRs (with their
-  // pointers and strides) they spilled 2 SGPRs of the D = 256 kernel on gfx1201.
-  const PortattnKvDescale& kv_scale = p.kv;
-  auto vgpr_float = [](float x) { return __builtin_bit_cast(float, in_vgpr(__builtin_bit_cast(uint32_t, x))); };
-  const float score_scale =
-      kFp8 ? vgpr_float(p.softmax_scale * fp8::descale_of(kv_scale.k_descale, kv_scale.k_descale_batch_stride,
-                                                          kv_scale.k_descale_head_stride, b, hk))
-           : p.softmax_scale;
-  const float v_descale = kFp8 ? vgpr_float(fp8::descale_of(kv_scale.v_descale, kv_scale.v_descale_batch_stride,
-                                                            kv_scale.v_descale_head_stride, b, hk))
-                               : 1.f;
+  const KvScales scales = kv_scales<kFp8>(p, b, hk);  // FP8: the descales, in VGPRs
+  const float score_scale = scales.score;
+  const float v_descale = scales.v;
   const bool use_softcap = p.softcap > 0.f;
   const bool use_alibi = p.alibi_slopes != nullptr;
   const float slope = use_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
