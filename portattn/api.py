@@ -166,6 +166,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         raise ValueError("max_seqlen_q and max_seqlen_k are required (ints: the longest query / key sequence)")
     if type(sm_margin) is not int or sm_margin < 0:
         sm_margin = check_sm_margin(sm_margin)
+    if q_descale is not None or getattr(q, "dtype", None) is _FP8:
+        from .kvcache import fold_fp8_query
+
+        batch = (check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q.shape[0], q.device)
+                 if isinstance(q, torch.Tensor) else None)
+        q, k_descale = fold_fp8_query(q, q_descale, k, k_descale, batch=batch)
+        q_descale = None
     if block_table is not None and torch.compiler.is_compiling():
         from .ops import compiled_paged_varlen
 
@@ -306,6 +313,13 @@ def _kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     made on the decode kernels' route, and the other routes here get the seq-first views."""
     if type(sm_margin) is not int or sm_margin < 0:
         sm_margin = check_sm_margin(sm_margin)
+    if q_descale is not None or getattr(q, "dtype", None) is _FP8:
+        from .kvcache import fold_fp8_query
+
+        if heads_first:
+            q, k_cache, v_cache, heads_first = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), False
+        q, k_descale = fold_fp8_query(q, q_descale, k_cache, k_descale, new_keys=k)
+        q_descale = None
     if out is not None or s_aux is not None:
         if heads_first:
             q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
@@ -490,7 +504,9 @@ flash_attn_varlen_func.__doc__ = _doc(
         k[j] * k_descale[b, hk], the value likewise. Inference only. A paged cache is read in
         place by the decode kernels (head dims that are multiples of 16) up to 2048 query rows
         per sequence; other calls dequantise the keys into q's dtype first.
-    q_descale: refused (ValueError): FP8 queries are not supported; q stays float16/bfloat16.
+    q_descale: float32 tensor (batch, nheads_k), or None (1.0), with q of torch.float8_e4m3fn
+        (and FP8 k and v): query row i of sequence b, head h is q[i, h] * q_descale[b, h //
+        (nheads / nheads_k)]. The output is bfloat16.
 """, _VARLEN_RETURNS)
 
 flash_attn_varlen_qkvpacked_func.__doc__ = _doc(
@@ -553,7 +569,10 @@ Arguments:
         stored as e4m3(x / descale), rounded to nearest even and saturated to +-448. Index b
         is the query's batch entry (also with cache_batch_idx). One scale for every head or
         sequence: scale.expand(batch, nheads_k) (no copy).
-    q_descale: refused (ValueError): FP8 queries are not supported; q stays float16/bfloat16.
+    q_descale: float32 tensor (batch, nheads_k), or None (1.0), with q of torch.float8_e4m3fn
+        (FlashAttention-3's FP8 query; the caches must be FP8 too): the query attended is
+        q[b, :, h] * q_descale[b, h // (nheads / nheads_k)], the output bfloat16, and new k and
+        v, if any, bfloat16.
 
 Returns:
     out: (batch, seqlen_q, nheads, headdim); with return_softmax_lse=True, (out, softmax_lse),

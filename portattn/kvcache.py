@@ -158,13 +158,14 @@ def _is_fp8_cache(t) -> bool:
 
 
 def _check_descales(q, k_cache, k_descale, v_descale, q_descale, batch=None):
-    """The FP8 arguments: q_descale is refused (FP8 queries are not supported), k_descale and
-    v_descale are None (1.0) or fp32 (batch, nheads_k) on q's device, for an FP8 cache only.
-    Any strides: a per-tensor or per-head scale may be an expand()ed view. `batch`: the
-    sequence count (q.shape[0] unless given: varlen calls pass theirs)."""
+    """The FP8 arguments: k_descale and v_descale are None (1.0) or fp32 (batch, nheads_k) on q's
+    device, for an FP8 cache only. q_descale is folded away before this (fold_fp8_query); one
+    that reaches it came with a float16/bfloat16 q. Any strides: a per-tensor or per-head scale
+    may be an expand()ed view. `batch`: the sequence count (q.shape[0] unless given: varlen
+    calls pass theirs)."""
     if q_descale is not None:
-        raise ValueError("q_descale scales an FP8 query, and portattn takes only float16/bfloat16 queries "
-                         "(with an FP8 k_cache/v_cache, pass k_descale/v_descale and leave q_descale None)")
+        raise TypeError(f"q_descale scales an FP8 (torch.float8_e4m3fn) query; q is {q.dtype} "
+                        "(with a float16/bfloat16 q and an FP8 cache, pass k_descale/v_descale only)")
     if not _is_fp8_cache(k_cache):
         for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
             if t is not None:
@@ -172,17 +173,56 @@ def _check_descales(q, k_cache, k_descale, v_descale, q_descale, batch=None):
         return
     batch, nheads_k = q.shape[0] if batch is None else batch, k_cache.shape[-2]
     for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a float32 tensor of shape ({batch}, {nheads_k}) or None, got {type(t).__name__}")
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {t.dtype}")
-        if tuple(t.shape) != (batch, nheads_k):
-            raise ValueError(f"{name} must have shape (batch, nheads_k) = ({batch}, {nheads_k}), got {tuple(t.shape)} "
-                             f"(one scale for all: scale.expand({batch}, {nheads_k}))")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on {q.device} (with q), got {t.device}")
+        if t is not None:
+            _check_scale(name, t, batch, nheads_k, q.device)
+
+
+def _check_scale(name, t, batch, nheads_k, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 tensor of shape ({batch}, {nheads_k}) or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if tuple(t.shape) != (batch, nheads_k):
+        raise ValueError(f"{name} must have shape (batch, nheads_k) = ({batch}, {nheads_k}), got {tuple(t.shape)} "
+                         f"(one scale for all: scale.expand({batch}, {nheads_k}))")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (with q), got {t.device}")
+
+
+def fold_fp8_query(q, q_descale, k_cache, k_descale, batch=None, new_keys=None):
+    """An FP8 (e4m3) query, FlashAttention-3's: returns (q as bfloat16, the k_descale to use).
+
+    Every e4m3 value is a bfloat16 value, so the widening is exact. q_descale is per (sequence,
+    KV head), as k_descale is, and the kernels apply k_descale to the fp32 scores
+    (softmax_scale * k_descale * q.k), so q_descale * k_descale there is the exact query scale
+    up to one fp32 rounding. Only when new keys are appended (new_keys given) does k_descale
+    keep its meaning for the quantisation of those keys; the query is then scaled in fp32 and
+    rounded to bfloat16 instead (as a bfloat16 caller's own query is). The output is bfloat16.
+    An FP8 query needs an FP8 cache (q, k and v share the FP8 dtype in FlashAttention-3).
+    `batch`: the sequence count (q.shape[0] unless given: varlen calls pass theirs)."""
+    if not isinstance(q, torch.Tensor) or q.dtype != FP8_KV_DTYPE:
+        dtype = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
+        raise TypeError(f"q_descale scales an FP8 (torch.float8_e4m3fn) query; q is {dtype} "
+                        "(with a float16/bfloat16 q and an FP8 cache, pass k_descale/v_descale only)")
+    if not isinstance(k_cache, torch.Tensor) or not _is_fp8_cache(k_cache):
+        dtype = k_cache.dtype if isinstance(k_cache, torch.Tensor) else type(k_cache).__name__
+        raise TypeError(f"an FP8 (torch.float8_e4m3fn) q attends FP8 keys and values only; k is {dtype}")
+    if q.dim() not in (3, 4) or k_cache.dim() not in (3, 4):
+        raise ValueError(f"q must have 4 dimensions (3 for varlen), got shape {tuple(q.shape)}")
+    batch = q.shape[0] if batch is None else batch
+    nheads, nheads_k = q.shape[-2], k_cache.shape[-2]
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    widened = q.to(torch.bfloat16)
+    if q_descale is None:
+        return widened, k_descale
+    _check_scale("q_descale", q_descale, batch, nheads_k, q.device)
+    if new_keys is None:
+        return widened, q_descale if k_descale is None else k_descale * q_descale
+    if new_keys.dtype != torch.bfloat16:
+        raise TypeError(f"with an FP8 q, the new k and v are bfloat16 (stored as e4m3(x / descale)), got {new_keys.dtype}")
+    per_head = q_descale.repeat_interleave(nheads // nheads_k, dim=1)
+    return (q.float() * per_head[:, None, :, None]).to(torch.bfloat16), k_descale
 
 
 def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, cache_batch_idx, heads_first=False):

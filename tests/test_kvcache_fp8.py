@@ -135,7 +135,14 @@ def _call(**overrides):
 
 
 @pytest.mark.parametrize("overrides, error, words", [
-    (dict(q_descale=torch.ones(2, 2)), ValueError, "FP8 query"),
+    (dict(q_descale=torch.ones(2, 2)), TypeError, "q_descale scales an FP8 (torch.float8_e4m3fn) query"),
+    (dict(q=torch.randn(2, 1, 4, 16).to(FP8), q_descale=torch.ones(2, 3)), ValueError,
+     "q_descale must have shape (batch, nheads_k) = (2, 2)"),
+    (dict(q=torch.randn(2, 1, 4, 16).to(FP8), k_cache=torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16),
+          v_cache=torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16)), TypeError, "FP8 keys and values only"),
+    (dict(q=torch.randn(2, 1, 4, 16).to(FP8), q_descale=torch.ones(2, 2), k=torch.zeros(2, 1, 2, 16, dtype=FP8),
+          v=torch.zeros(2, 1, 2, 16, dtype=FP8), cache_seqlens=torch.zeros(2, dtype=torch.int32)), TypeError,
+     "the new k and v are bfloat16"),
     (dict(k_descale=torch.ones(2, 2, dtype=torch.float16)), TypeError, "float32"),
     (dict(v_descale=[1.0, 1.0]), TypeError, "v_descale"),
     (dict(k_descale=torch.ones(2)), ValueError, "(batch, nheads_k) = (2, 2)"),
@@ -231,8 +238,10 @@ def test_varlen_on_fp8_keys_against_the_dequantised_oracle(paged, descales):
 def test_varlen_fp8_arguments_are_checked():
     q, cu_q, cu_k, max_q, max_k, args, k_descale, v_descale, _, _ = _varlen_fp8_case(16, False, True)
     k, v = args["k"], args["v"]
-    with pytest.raises(ValueError, match="q_descale scales an FP8 query"):
+    with pytest.raises(TypeError, match=r"q_descale scales an FP8 \(torch.float8_e4m3fn\) query"):
         portattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, q_descale=torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"q_descale must have shape \(batch, nheads_k\) = \(4, 2\)"):
+        portattn.flash_attn_varlen_func(q.to(FP8), k, v, cu_q, cu_k, max_q, max_k, q_descale=torch.ones(3, 2))
     with pytest.raises(ValueError, match=r"k_descale must have shape \(batch, nheads_k\) = \(4, 2\)"):
         portattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, k_descale=torch.ones(3, 2))
     with pytest.raises(ValueError, match="k_descale applies to FP8"):
@@ -323,3 +332,104 @@ def test_paged_varlen_under_torch_compile_checks_values_at_run_time():
         with pytest.raises(ValueError, match="block_table") as compiled:
             torch.compile(call, fullgraph=True, backend="aot_eager")(q, table)
     assert str(compiled.value) == str(eager.value)
+
+
+def fp8_query(batch, seqlen, heads, dim, heads_k):
+    """An e4m3 query and its descale (batch, heads_k), with the float64 query it stands for."""
+    q = (torch.randn(batch, seqlen, heads, dim) * 8).clamp(-448, 448).to(FP8)
+    q_descale = torch.rand(batch, heads_k) * 0.2 + 0.05
+    per_head = q_descale.double().repeat_interleave(heads // heads_k, dim=1)
+    return q, q_descale, q.double() * per_head[:, None, :, None]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("append", [False, True], ids=["read", "append"])
+def test_fp8_query_against_the_dequantised_oracle(paged, append):
+    """FlashAttention-3's FP8 query: q * q_descale[b, hk] attends the dequantised cache; the output
+    is bfloat16, within the error rule of the same attention on bfloat16 inputs, and the appended
+    rows are quantised with k_descale / v_descale alone."""
+    torch.manual_seed(3)
+    batch, heads, heads_k, dim, capacity, page, new = 3, 8, 2, 32, 48, 16, 2 if append else 0
+    q, q_descale, q_real = fp8_query(batch, new or 1, heads, dim, heads_k)
+    k_cache, v_cache = fp8_cache(batch, capacity, heads_k, dim, 4.0), fp8_cache(batch, capacity, heads_k, dim)
+    k_descale, v_descale = torch.rand(batch, heads_k) * 0.5 + 0.1, torch.rand(batch, heads_k) * 2 + 0.5
+    seqlens = torch.tensor([1, 30, 40], dtype=torch.int32)
+    k_new = torch.randn(batch, new, heads_k, dim, dtype=torch.bfloat16) if append else None
+    v_new = torch.randn(batch, new, heads_k, dim, dtype=torch.bfloat16) if append else None
+    block_table = None
+    if paged:
+        block_table = torch.randperm(batch * capacity // page).reshape(batch, capacity // page).to(torch.int32)
+        pool = [torch.empty(batch * capacity // page, page, heads_k, dim, dtype=FP8) for _ in range(2)]
+        rows = (block_table.long()[:, :, None] * page + torch.arange(page)).flatten()
+        for target, dense in zip(pool, (k_cache, v_cache)):
+            target.view(-1, heads_k, dim)[rows] = dense.reshape(-1, heads_k, dim)
+        k_cache, v_cache = pool
+    out = portattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                           block_table=block_table, causal=True, k_descale=k_descale,
+                                           v_descale=v_descale, q_descale=q_descale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    dense_k, dense_v = k_cache, v_cache
+    if paged:
+        dense_k, dense_v = (c.view(-1, heads_k, dim)[rows].view(batch, capacity, heads_k, dim) for c in (k_cache, v_cache))
+    if append:
+        for b in range(batch):
+            n = int(seqlens[b])
+            assert torch.equal(dense_k[b, n : n + new].view(torch.uint8),
+                               quantize_fp8(k_new[b : b + 1], k_descale[b : b + 1])[0].view(torch.uint8))
+    keys, values = dequantised(dense_k, k_descale), dequantised(dense_v, v_descale)
+    for b in range(batch):
+        n = int(seqlens[b]) + new
+        want = naive_attention(q_real[b : b + 1], keys[b : b + 1, :n], values[b : b + 1, :n], causal=True)[0]
+        low = naive_attention(q_real[b : b + 1].to(torch.bfloat16), keys[b : b + 1, :n].to(torch.bfloat16),
+                              values[b : b + 1, :n].to(torch.bfloat16), causal=True, compute_dtype=torch.bfloat16)[0]
+        assert_output(out[b : b + 1], want, low)
+
+
+def test_fp8_query_without_q_descale_is_its_e4m3_values():
+    torch.manual_seed(4)
+    q, _, _ = fp8_query(2, 1, 4, 16, 2)
+    k_cache, v_cache = fp8_cache(2, 8, 2, 16), fp8_cache(2, 8, 2, 16)
+    got = portattn.flash_attn_with_kvcache(q, k_cache, v_cache)
+    assert torch.equal(got, portattn.flash_attn_with_kvcache(q.to(torch.bfloat16), k_cache, v_cache))
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged16", "packed"])
+def test_varlen_fp8_query_against_the_dequantised_oracle(paged):
+    q, cu_q, cu_k, max_q, max_k, args, k_descale, v_descale, keys, values = _varlen_fp8_case(19, paged, True)
+    batch, heads_k = k_descale.shape
+    q8 = (q.float() * 8).clamp(-448, 448).to(FP8)
+    q_descale = torch.rand(batch, heads_k) * 0.2 + 0.05
+    owner = torch.repeat_interleave(torch.arange(batch), cu_q.diff().long())
+    q_real = q8.double() * q_descale.double().repeat_interleave(q.shape[1] // heads_k, dim=1)[owner][:, :, None]
+    with torch.no_grad():
+        out = portattn.flash_attn_varlen_func(
+            q8, args["k"], args["v"], cu_q, args["cu_seqlens_k"], max_q, max_k, causal=True,
+            block_table=args["block_table"], seqused_k=args["seqused_k"], k_descale=k_descale, v_descale=v_descale,
+            q_descale=q_descale)
+    assert out.dtype == torch.bfloat16
+    keys_all, values_all = torch.cat(keys), torch.cat(values)
+    want, _ = naive_attention(q_real, keys_all, values_all, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    low, _ = naive_attention(q_real.to(torch.bfloat16), keys_all.to(torch.bfloat16), values_all.to(torch.bfloat16),
+                             causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, compute_dtype=torch.bfloat16)
+    assert_output(out, want, low)
+
+
+def test_fp8_query_under_torch_compile_matches_eager():
+    """fullgraph=True with an FP8 query: the eager call's numbers, and q_descale is not dropped."""
+    torch.manual_seed(5)
+    batch, heads, heads_k, dim, capacity = 2, 4, 2, 16, 32
+    q, q_descale, _ = fp8_query(batch, 1, heads, dim, heads_k)
+    k_cache, v_cache = fp8_cache(batch, capacity, heads_k, dim), fp8_cache(batch, capacity, heads_k, dim)
+    k_descale = torch.rand(batch, heads_k) + 0.5
+    seqlens = torch.tensor([5, 20], dtype=torch.int32)
+
+    def step(q, q_descale):
+        return portattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k_descale=k_descale,
+                                                q_descale=q_descale)
+
+    want = step(q, q_descale)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, q_descale)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (compiled(q, q_descale * 2).float() - got.float()).abs().max() > 1e-2

@@ -428,3 +428,38 @@ def test_fp8_regs_deep_falls_back_to_regs_under_a_small_budget(in_place_only):
     ref, _ = expected(q, keys, values, seqlens)
     low, _ = expected(q, keys, values, seqlens, compute_dtype=torch.bfloat16)
     assert_output(out, ref, low)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("new", [0, 2])
+def test_fp8_query_on_the_decode_kernels(layout, new, in_place_only):
+    """An e4m3 query with q_descale (FlashAttention-3's): read in place by the decode kernels,
+    against the float64 oracle on q * q_descale and the dequantised cache; the appended rows are
+    quantised with k_descale / v_descale (the query's scale is not folded into them)."""
+    batch, heads, dim, capacity = 3, (16, 4), 128, 1024
+    cache = Fp8Cache(batch, capacity, heads[1], dim, layout)
+    seqlens = torch.tensor([1000, 1, 517], dtype=torch.int32, device="cuda")
+    cache.nan_tail((seqlens + new).tolist())
+    q8 = e4m3((batch, max(new, 1), heads[0], dim), 8.0)
+    q_descale = torch.rand(batch, heads[1], device="cuda") * 0.2 + 0.05
+    q_real = q8.double() * q_descale.double().repeat_interleave(heads[0] // heads[1], dim=1)[:, None, :, None]
+    k_new = torch.randn(batch, new, heads[1], dim, device="cuda", dtype=torch.bfloat16) if new else None
+    v_new = torch.randn(batch, new, heads[1], dim, device="cuda", dtype=torch.bfloat16) if new else None
+    poison_allocator(64 << 20)
+    out, lse = portattn.flash_attn_with_kvcache(
+        q8, cache.k, cache.v, k=k_new, v=v_new, cache_seqlens=seqlens, block_table=cache.block_table, causal=True,
+        return_softmax_lse=True, k_descale=cache.k_descale, v_descale=cache.v_descale, q_descale=q_descale)
+    assert out.dtype == torch.bfloat16
+    keys8, values8 = cache.read_back()
+    if new:
+        for b in range(batch):
+            n = int(seqlens[b])
+            want = kvcache.quantize_fp8(k_new[b : b + 1], cache.k_descale[b : b + 1])[0]
+            assert torch.equal(keys8[b, n : n + new].view(torch.uint8), want.view(torch.uint8))
+    keys, values = cache.dequantised(keys8, values8)
+    for b in range(batch):
+        n = int(seqlens[b]) + new
+        ref, ref_lse = naive_attention(q_real[b : b + 1], keys[b : b + 1, :n], values[b : b + 1, :n], causal=True)
+        low, _ = naive_attention(q_real[b : b + 1].bfloat16(), keys[b : b + 1, :n].bfloat16(),
+                                 values[b : b + 1, :n].bfloat16(), causal=True, compute_dtype=torch.bfloat16)
+        check(out[b : b + 1], lse[b : b + 1], ref, ref_lse, low)
