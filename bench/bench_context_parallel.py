@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N bench/bench_context_parallel.py [--tokens 131072,262144,524288]
         [--reps 3] [--variants ring,portattn,portattn+hp,portattn+margin8]
-        [--torch-cp cudnn/allgather,cudnn/alltoall] [--profile] [--out DIR]
+        [--torch-cp cudnn/allgather,cudnn/alltoall] [--profile [--profile-all-ranks]] [--out DIR]
 
 Each rank holds a zigzag shard of one causal sequence (bf16, 16 heads x 128); ring-flash-attn
 passes K/V around the ring over NCCL and portattn runs every step's attention. Times the
@@ -31,6 +31,14 @@ idle time, split into waiting while an NCCL kernel runs and host gaps (no NCCL k
 running); and how much of the NCCL kernels' time an attention kernel ran beside. The table
 goes into the .md and .json; --trace-dir also keeps the Chrome traces.
 
+--profile-all-ranks: every rank records that step (the profiler started ahead of the barrier,
+so the step starts from the barrier on every rank alike) and gathers to rank 0 its
+profile_summary and timeline (rank_timeline: the host's start of cp::forward, the first and
+last kernel of the compute stream and of NCCL, on the host clock, so comparable between the
+ranks of one machine) with the step's CUDA-event time on that rank: "rank_profiles" in the
+.json, a per-rank table per variant in the .md. Tells a late host launch, a slow rank, and
+NCCL kernels waiting on a late peer apart.
+
 --dry-run: the same plumbing on the CPU over gloo with tiny shapes (timings meaningless).
 """
 from __future__ import annotations
@@ -40,6 +48,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -120,6 +129,25 @@ def _overlap(start, end, union):
     return sum(max(0.0, min(end, e) - max(start, s)) for s, e in union)
 
 
+def _events(trace):
+    return trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+
+
+def _compute_and_nccl(kernels):
+    """The compute stream's kernels (the stream with the most attention-kernel time, else the
+    first kernel's) in time order, and the NCCL kernels of any stream."""
+    nccl = [k for k in kernels if "nccl" in k["name"].lower()]
+    compute = [k for k in kernels if "nccl" not in k["name"].lower()]
+    if not compute:
+        return [], nccl
+    busy = {}
+    for k in compute:
+        if any(a in k["name"] for a in _ATTENTION):
+            busy[k["args"].get("stream")] = busy.get(k["args"].get("stream"), 0) + k["dur"]
+    stream = max(busy, key=busy.get) if busy else compute[0]["args"].get("stream")
+    return sorted((k for k in compute if k["args"].get("stream") == stream), key=lambda k: k["ts"]), nccl
+
+
 def profile_summary(trace: dict) -> dict:
     """Time by category (ms) of one profiled step, from a torch.profiler Chrome trace.
 
@@ -129,7 +157,7 @@ def profile_summary(trace: dict) -> dict:
     idle time between the step's first and last kernel is "NCCL kernel running" where an
     NCCL kernel (any stream) overlaps it, else a host gap. Also: NCCL kernel time, and the
     step's span on the compute stream."""
-    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    events = _events(trace)
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     launches = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
@@ -143,16 +171,9 @@ def profile_summary(trace: dict) -> dict:
         return ts is not None and any(s <= ts <= e for s, e in ranges.get(name, ()))
 
     summary = {"categories_ms": {c: 0.0 for c in CATEGORIES}, "kernel_counts": {c: 0 for c in CATEGORIES}}
-    nccl = [k for k in kernels if "nccl" in k["name"].lower()]
-    compute = [k for k in kernels if "nccl" not in k["name"].lower()]
+    compute, nccl = _compute_and_nccl(kernels)
     if not compute:
         return dict(summary, step_ms=0.0, nccl_kernel_ms=0.0, note="no GPU kernels in the trace")
-    busy = {}
-    for k in compute:
-        if any(a in k["name"] for a in _ATTENTION):
-            busy[k["args"].get("stream")] = busy.get(k["args"].get("stream"), 0) + k["dur"]
-    stream = max(busy, key=busy.get) if busy else compute[0]["args"].get("stream")
-    compute = sorted((k for k in compute if k["args"].get("stream") == stream), key=lambda k: k["ts"])
     for k in compute:
         name = k["name"]
         if any(p in name for p in _ATTENTION_PASSES):
@@ -206,6 +227,73 @@ def _profile(run, rank, trace_path):
         return profile_summary(json.load(handle))
 
 
+def rank_timeline(trace: dict) -> dict:
+    """Where one rank's profiled step lies in time, in microseconds since the epoch on the host
+    clock (the trace's baseTimeNanoseconds plus its event times; the profiler puts GPU
+    timestamps on that clock too), so comparable between the ranks of one machine: the host's
+    start of the "cp::forward" range, the first kernel's start and the last kernel's end on the
+    compute stream (profile_summary's) and of the NCCL kernels. None where there is no such
+    event (a CPU run has no kernels)."""
+    events = _events(trace)
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3 if isinstance(trace, dict) else 0.0
+    compute, nccl = _compute_and_nccl([e for e in events if e.get("cat") == "kernel" and "dur" in e])
+    forward = [e["ts"] for e in events if e.get("cat") == "user_annotation" and e.get("name") == "cp::forward"]
+
+    def at(times, pick):
+        return base + pick(times) if times else None
+    return {"forward_host_start_us": at(forward, min),
+            "first_compute_kernel_us": at([k["ts"] for k in compute], min),
+            "last_compute_kernel_end_us": at([k["ts"] + k["dur"] for k in compute], max),
+            "first_nccl_kernel_us": at([k["ts"] for k in nccl], min),
+            "last_nccl_kernel_end_us": at([k["ts"] + k["dur"] for k in nccl], max)}
+
+
+def rank_profile(trace: dict, rank: int, timed_ms: float) -> dict:
+    """One rank's entry of rank_profiles (small JSON numbers, gathered to rank 0): its
+    rank_timeline, profile_summary, host, and timed_ms, the recorded step's time measured on
+    that rank (CUDA events; the host clock on a CPU) to set beside the kernels' span."""
+    return dict(rank=rank, host=trace.get("host_name") if isinstance(trace, dict) else None, timed_ms=timed_ms,
+                **rank_timeline(trace), summary=profile_summary(trace))
+
+
+def _profile_all_ranks(run, rank, trace_path):
+    """Runs `run` once on every rank, every rank recording it into its own trace_path; returns
+    every rank's rank_profile, in rank order, on every rank.
+
+    The profiler starts in a warm-up step (its CUPTI set-up takes each rank its own time) that
+    ends in the barrier, so the recorded step starts from the barrier on every rank alike."""
+    cuda = torch.cuda.is_available()
+    run()  # warm: the profiled step allocates nothing new
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule,
+                                on_trace_ready=lambda p: p.export_chrome_trace(trace_path)) as profiler, \
+            _merge_annotated():
+        dist.barrier()
+        profiler.step()  # recording from here
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            timed_ms = start.elapsed_time(end)
+        else:
+            begin = time.perf_counter()
+            run()
+            timed_ms = 1e3 * (time.perf_counter() - begin)
+        profiler.step()  # the trace written
+    with open(trace_path) as handle:
+        entry = rank_profile(json.load(handle), rank, timed_ms)
+    entries = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, entry)
+    return entries
+
+
 def _profile_lines(world, tokens, profiles, ideal_ms=None, mode="forward+backward"):
     names = list(profiles)
     lines = ["", f"Profile of one {mode} step on rank 0 of {world}, {tokens} tokens "
@@ -233,6 +321,48 @@ def _profile_lines(world, tokens, profiles, ideal_ms=None, mode="forward+backwar
         lines += ["", f"For scale: {world} x one GPU's whole {mode} on {tokens // world} tokens "
                   f"(the weak-scaling baseline, CUDA events): {ideal_ms:.2f} ms."]
     return lines
+
+
+def _rank_lines(tokens, name, entries, mode="forward+backward"):
+    """The per-rank timeline table of one variant's recorded step (--profile-all-ranks)."""
+    def earliest(key):
+        return min((e[key] for e in entries if e.get(key) is not None), default=None)
+
+    def since(value, origin):
+        return "n/a" if value is None or origin is None else f"{(value - origin) / 1e3:.2f}"
+
+    host0, kernel0 = earliest("forward_host_start_us"), earliest("first_compute_kernel_us")
+    lines = ["", f"Per-rank timeline of one {mode} step, {name}, {len(entries)} ranks, {tokens} tokens (ms; the host's "
+             "start of cp::forward from the earliest rank's, kernel times from the earliest rank's first compute "
+             "kernel; timed: CUDA events around the step on that rank, the host clock on a CPU):", "",
+             "| rank | host start of cp::forward | first compute kernel | last compute kernel end | "
+             "compute-stream span | timed step | attention kernels | NCCL kernels (union) | "
+             "NCCL beside attention | idle: NCCL kernel running | idle: host gap | first NCCL kernel / last NCCL end |",
+             "|---|" + "---|" * 11]
+    for e in entries:
+        p = e["summary"]
+        categories = p["categories_ms"]
+        lines.append(f"| {e['rank']} | {since(e['forward_host_start_us'], host0)} | "
+                     f"{since(e['first_compute_kernel_us'], kernel0)} | "
+                     f"{since(e['last_compute_kernel_end_us'], kernel0)} | "
+                     f"{p['step_ms']:.2f} | {e['timed_ms']:.2f} | {categories['attention kernels']:.2f} | "
+                     f"{p['nccl_kernel_ms']:.2f} | {p.get('nccl_beside_attention_ms', 0.0):.2f} | "
+                     f"{categories['idle: NCCL kernel running']:.2f} | {categories['idle: host gap']:.2f} | "
+                     f"{since(e['first_nccl_kernel_us'], kernel0)} / {since(e['last_nccl_kernel_end_us'], kernel0)} |")
+    hosts = [e["forward_host_start_us"] for e in entries if e["forward_host_start_us"] is not None]
+    host_skew = f"{(max(hosts) - min(hosts)) / 1e3:.2f} ms" if hosts else "n/a"
+    firsts = [e["first_compute_kernel_us"] for e in entries if e["first_compute_kernel_us"] is not None]
+    lasts = [e["last_compute_kernel_end_us"] for e in entries if e["last_compute_kernel_end_us"] is not None]
+    if firsts and lasts:
+        spread = (f"Across the ranks: the step spans {(max(lasts) - min(firsts)) / 1e3:.2f} ms (the latest last "
+                  f"compute kernel's end less the earliest first compute kernel's start); the first compute kernels "
+                  f"start within {(max(firsts) - min(firsts)) / 1e3:.2f} ms of each other, the hosts' cp::forward "
+                  f"within {host_skew}.")
+    else:
+        spread = f"Across the ranks: no kernels in the traces; the hosts' cp::forward start within {host_skew}."
+    if len({e.get("host") for e in entries}) > 1:
+        spread += " The ranks ran on more than one machine: their clocks, so these differences, are not comparable."
+    return lines + ["", spread]
 
 
 def markdown_lines(result) -> list:
@@ -271,6 +401,8 @@ def markdown_lines(result) -> list:
         ideal = [world * r["ms"][f"single_local_{mode}"] for r in rows if r["tokens"] == tokens]
         lines += _profile_lines(world, tokens, profiles, ideal[0] if ideal else None,
                                 "forward" if mode == "fwd" else "forward+backward")
+        for name, entries in (result.get("rank_profiles") or {}).items():
+            lines += _rank_lines(tokens, name, entries, "forward" if mode == "fwd" else "forward+backward")
     return lines
 
 
@@ -380,13 +512,17 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-variants", default="", help="the variants to profile (default: all)")
     parser.add_argument("--profile-tokens", type=int, default=0, help="tokens of the profiled step (0: the first of --tokens)")
     parser.add_argument("--profile-forward-only", action="store_true", help="profile a forward step (default: forward+backward)")
-    parser.add_argument("--trace-dir", default="", help="keep rank 0's Chrome traces here")
+    parser.add_argument("--profile-all-ranks", action="store_true",
+                        help="every rank records the profiled step: per-rank timelines (implies --profile)")
+    parser.add_argument("--trace-dir", default="", help="keep the Chrome traces here (rank 0's, every rank's "
+                                                        "with --profile-all-ranks)")
     parser.add_argument("--dry-run", action="store_true", help="CPU over gloo, tiny shapes: the plumbing only")
     parser.add_argument("--render", default="", help="write the .md and .png of this result JSON to --out and exit")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "latest"))
     args = parser.parse_args(argv)
     if args.render:
         return render(args.render, args.out)
+    args.profile = args.profile or args.profile_all_ranks
     variants = {name: _variant(name) for name in (v.strip() for v in args.variants.split(",")) if name}
     profiled = [v.strip() for v in args.profile_variants.split(",") if v.strip()] or list(variants)
     torch_cp = [c.strip() for c in args.torch_cp.split(",") if c.strip()]
@@ -413,7 +549,7 @@ def main(argv=None) -> int:
         mesh = init_device_mesh(device.type, (world,))
     token_counts = peers.parse_ints(args.tokens)
     profile_tokens = args.profile_tokens or token_counts[0]
-    rows, profiles = [], {}
+    rows, profiles, rank_profiles = [], {}, {}
 
     def attention(config):
         group = groups[config["high_priority"]]
@@ -439,15 +575,22 @@ def main(argv=None) -> int:
             for name in profiled:
                 _configure(variants[name])
                 trace = os.path.join(args.trace_dir or tempfile.gettempdir(),
-                                     f"context_parallel_{world}gpu_{tokens}_{name}_rank0.json")
+                                     f"context_parallel_{world}gpu_{tokens}_{name}_rank"
+                                     f"{rank if args.profile_all_ranks else 0}.json")
                 if args.trace_dir:
                     os.makedirs(args.trace_dir, exist_ok=True)
-                summary = _profile(_step(attention(variants[name]), q, k, v, dout, not args.profile_forward_only),
-                                   rank, trace)
-                if rank == 0:
-                    profiles[name] = summary
-                    if not args.trace_dir:
-                        os.remove(trace)
+                step = _step(attention(variants[name]), q, k, v, dout, not args.profile_forward_only)
+                if args.profile_all_ranks:
+                    entries = _profile_all_ranks(step, rank, trace)
+                    if rank == 0:
+                        rank_profiles[name] = entries
+                        profiles[name] = entries[0]["summary"]
+                else:
+                    summary = _profile(step, rank, trace)
+                    if rank == 0:
+                        profiles[name] = summary
+                if (args.profile_all_ranks or rank == 0) and not args.trace_dir:
+                    os.remove(trace)
         del q, k, v, dout
         if cuda:
             torch.cuda.empty_cache()
@@ -500,6 +643,8 @@ def main(argv=None) -> int:
                       rows=rows, modes=[], impls=[], grid=[], profile_tokens=profile_tokens if profiles else None,
                       profiles=profiles)
         result["profile_mode"] = "fwd" if args.profile_forward_only else "fwd_bwd"
+        if rank_profiles:
+            result["rank_profiles"] = rank_profiles
         lines = markdown_lines(result)
         peers.write_results(result, args.out, f"context_parallel_{world}gpu", extra_markdown=lines, plot=plot)
         print("\n".join(lines))

@@ -447,6 +447,58 @@ def test_context_parallel_profile_summary_sorts_kernels_into_categories():
     assert sum(expected.values()) == pytest.approx(summary["step_ms"])  # the categories cover the step
 
 
+def test_context_parallel_rank_profile_places_the_step_on_the_host_clock():
+    """bench_context_parallel.rank_profile and its per-rank table on synthetic traces of two ranks
+    (microseconds): the compute stream (7) runs two attention kernels and an elementwise one, stream
+    20 two NCCL kernels; rank 1's trace is rank 0's on a base time 250 us later."""
+    sys.path[:0] = [ROOT, BENCH]
+    try:
+        from bench_context_parallel import _rank_lines, rank_profile
+    finally:
+        del sys.path[:2]
+
+    launch = {1: 110, 2: 150, 3: 120, 4: 300, 5: 310}
+    events = [{"cat": "user_annotation", "name": "cp::forward", "ts": 100, "dur": 300}]
+    for name, ts, dur, correlation, stream in (
+            ("void portattn::cuda::fwd_kernel<128>(PortattnFwdParams)", 1000, 300, 1, 7),
+            ("ncclDevKernel_SendRecv(ncclDevKernelArgs)", 990, 400, 3, 20),  # beside the first attention kernel
+            ("at::native::vectorized_elementwise_kernel<add>", 1400, 50, 2, 7),  # 90 us waiting on NCCL, 10 host gap
+            ("void portattn::cuda::fwd_kernel<128>(PortattnFwdParams)", 1500, 200, 4, 7),  # after a 50 us host gap
+            ("ncclDevKernel_SendRecv(ncclDevKernelArgs)", 1600, 150, 5, 20)):  # 100 us beside attention
+        events += [{"cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                    "args": {"stream": stream, "correlation": correlation}},
+                   {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch[correlation], "dur": 5,
+                    "args": {"correlation": correlation}}]
+    base_ns = 1_700_000_000_000_000_000
+    rank0 = rank_profile({"traceEvents": events, "baseTimeNanoseconds": base_ns, "host_name": "node"}, 0, 0.9)
+    base = base_ns // 1000
+    assert {k: v for k, v in rank0.items() if k != "summary"} == {
+        "rank": 0, "host": "node", "timed_ms": 0.9, "forward_host_start_us": base + 100,
+        "first_compute_kernel_us": base + 1000, "last_compute_kernel_end_us": base + 1700,
+        "first_nccl_kernel_us": base + 990, "last_nccl_kernel_end_us": base + 1750}
+    summary = rank0["summary"]
+    assert summary["categories_ms"] == pytest.approx({
+        "attention kernels": 0.5, "attention per-call passes": 0.0, "merge": 0.0, "other elementwise (fwd)": 0.05,
+        "other elementwise (bwd)": 0.0, "idle: NCCL kernel running": 0.09, "idle: host gap": 0.06})
+    assert summary["step_ms"] == pytest.approx(0.7) and summary["nccl_kernel_ms"] == pytest.approx(0.55)
+    assert summary["nccl_beside_attention_ms"] == pytest.approx(0.4)
+    rank1 = rank_profile({"traceEvents": events, "baseTimeNanoseconds": base_ns + 250_000, "host_name": "node"}, 1, 1.2)
+    assert rank1["first_compute_kernel_us"] - rank0["first_compute_kernel_us"] == 250
+    lines = _rank_lines(4096, "ring", json.loads(json.dumps([rank0, rank1])), "forward")  # as read back by --render
+    assert lines[1].startswith("Per-rank timeline of one forward step, ring, 2 ranks, 4096 tokens")
+    assert lines[5:] == [
+        "| 0 | 0.00 | 0.00 | 0.70 | 0.70 | 0.90 | 0.50 | 0.55 | 0.40 | 0.09 | 0.06 | -0.01 / 0.75 |",
+        "| 1 | 0.25 | 0.25 | 0.95 | 0.70 | 1.20 | 0.50 | 0.55 | 0.40 | 0.09 | 0.06 | 0.24 / 1.00 |", "",
+        "Across the ranks: the step spans 0.95 ms (the latest last compute kernel's end less the earliest first "
+        "compute kernel's start); the first compute kernels start within 0.25 ms of each other, the hosts' "
+        "cp::forward within 0.25 ms."]
+    # A CPU run's trace: no kernels, the host's start only.
+    cpu = rank_profile({"traceEvents": events[:1], "baseTimeNanoseconds": base_ns}, 0, 3.0)
+    assert cpu["forward_host_start_us"] == base + 100 and cpu["first_compute_kernel_us"] is None
+    assert _rank_lines(64, "ring", [cpu], "forward")[5] == (
+        "| 0 | 0.00 | n/a | n/a | 0.00 | 3.00 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | n/a / n/a |")
+
+
 def test_context_parallel_dry_run_times_the_variants_and_profiles(tmp_path):
     """bench_context_parallel.py under torchrun, 2 CPU processes over gloo (--dry-run)."""
     import socket
@@ -470,6 +522,46 @@ def test_context_parallel_dry_run_times_the_variants_and_profiles(tmp_path):
     assert "| 64 | 2 | ring |" in markdown and "| 64 | 2 | portattn+hp |" in markdown and "| 64 | math/allgather |" in markdown
     assert (tmp_path / "context_parallel_2gpu.png").stat().st_size > 0
     # --render writes the same tables from the JSON alone (a transfer may bring back only that).
+    again = _run([sys.executable, "bench/bench_context_parallel.py", "--render",
+                  str(tmp_path / "context_parallel_2gpu.json"), "--out", str(tmp_path / "again")])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "again" / "context_parallel_2gpu.md").read_text() == markdown
+
+
+def test_context_parallel_dry_run_profiles_every_rank(tmp_path):
+    """--profile-all-ranks under torchrun, 2 CPU processes over gloo: every rank's entry gathered to
+    rank 0 (no kernels on a CPU: the host's start of cp::forward and n/a kernel times), the traces
+    removed, and the per-rank tables rendered again from the JSON."""
+    import glob
+    import socket
+    import tempfile
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    traces = os.path.join(tempfile.gettempdir(), "context_parallel_2gpu_64_*_rank*.json")
+    before = set(glob.glob(traces))
+    done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+                 "bench/bench_context_parallel.py", "--dry-run", "--tokens", "64", "--reps", "1", "--profile",
+                 "--profile-all-ranks", "--profile-forward-only", "--variants", "ring,portattn",
+                 "--out", str(tmp_path)],
+                env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert set(glob.glob(traces)) == before
+    result = json.loads((tmp_path / "context_parallel_2gpu.json").read_text())
+    assert result["profile_mode"] == "fwd" and set(result["rank_profiles"]) == {"ring", "portattn"}
+    for name, entries in result["rank_profiles"].items():
+        assert [e["rank"] for e in entries] == [0, 1]
+        assert result["profiles"][name] == entries[0]["summary"]
+        for e in entries:
+            assert e["forward_host_start_us"] > 1e15 and e["timed_ms"] > 0  # microseconds since the epoch
+            assert e["first_compute_kernel_us"] is None and e["first_nccl_kernel_us"] is None
+            assert e["summary"]["step_ms"] == 0.0
+    markdown = (tmp_path / "context_parallel_2gpu.md").read_text()
+    for name in ("ring", "portattn"):
+        assert f"Per-rank timeline of one forward step, {name}, 2 ranks, 64 tokens" in markdown
+    assert markdown.count("| 1 | ") == 2 and markdown.count("n/a / n/a |") == 4
+    assert markdown.count("Across the ranks: no kernels in the traces; the hosts' cp::forward start within ") == 2
     again = _run([sys.executable, "bench/bench_context_parallel.py", "--render",
                   str(tmp_path / "context_parallel_2gpu.json"), "--out", str(tmp_path / "again")])
     assert again.returncode == 0, again.stderr[-3000:]
