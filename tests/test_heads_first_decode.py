@@ -310,3 +310,20 @@ def _outcome(call):
     except Exception as error:  # noqa: BLE001 - the exception is what is compared
         return type(error), str(error)
     return _layout(out)
+
+
+def test_the_heads_first_checks_trace_under_torch_compile():
+    """check_qkv's heads-first reading of shapes traces with fullgraph=True (a static-cache decode step
+    compiles it: an operator.itemgetter there was a graph break dynamo refuses)."""
+    from portattn.validation import check_qkv, seq_first
+
+    q = torch.randn(2, 8, 1, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, 16, 64, dtype=torch.bfloat16)
+
+    def step(q, k, v):
+        check_qkv(q, k, v, False, heads_first=True)
+        return q.new_zeros(seq_first(q.shape)) + q.transpose(1, 2)
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="eager")(q, k, v)
+    assert got.shape == (2, 1, 8, 64) and torch.equal(got, q.transpose(1, 2))
