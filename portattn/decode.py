@@ -98,6 +98,14 @@ _MAX_PLANS = 4096
 _PLANS_LOCK = threading.Lock()
 
 
+def forget_plans() -> None:
+    """Drops every split plan. A plan depends on the kernel's occupancy, which the shared-memory
+    cap decides (PORTATTN_MAX_SMEM_KIB, read once per process); whoever changes the cap in-process
+    (`_C.set_smem_cap`, tests and tuning only) calls this so the next calls plan again."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+
+
 def _remember_plan(key, splits: int) -> int:
     with _PLANS_LOCK:
         if len(_PLANS) >= _MAX_PLANS:

@@ -112,6 +112,26 @@ def test_short_eager_decode_calls_run_unsplit(monkeypatch, keys, capturing, requ
     assert backend.splits == [{"one": 1, "planned": planned}.get(expect, expect)]
 
 
+def test_forget_plans_makes_the_next_call_plan_again(monkeypatch):
+    """A changed occupancy (an in-process shared-memory cap) reaches the split count once the plans
+    are forgotten, and not before."""
+    monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(decode, "_capturing", lambda: True)
+    slots = [H100_SLOTS]
+    monkeypatch.setattr(decode, "resident_slots", lambda device, tile: (132, slots[0]))
+    backend = _RecordingBackend()
+    q = torch.randn(4, 1, 16, 64)
+    k = v = torch.randn(4, 8192, 4, 64)
+    decode.run_decode(backend, q, k, v, False, 0.125, -1, 0, 0.0, None)
+    slots[0] = 132  # one CTA an SM instead of two
+    decode.run_decode(backend, q, k, v, False, 0.125, -1, 0, 0.0, None)
+    decode.forget_plans()
+    decode.run_decode(backend, q, k, v, False, 0.125, -1, 0, 0.0, None)
+    first, kept, replanned = backend.splits
+    assert first == kept and replanned != first
+    assert replanned == decode.choose_num_splits(16, 8192 // 64, 132, decode.MIN_KEYS_PER_SPLIT // 64, sms=132)
+
+
 def test_decode_shaped_calls():
     assert decode.prefers_decode(1, 4, 8192)
     assert decode.prefers_decode(16, 4, 4096)  # 64 packed rows

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 from cuda_gpu_setup import cuda_backend  # noqa: E402  (skips without a GPU)
 
 import portattn  # noqa: E402
-from portattn import kvcache  # noqa: E402
+from portattn import decode, kvcache  # noqa: E402
 from portattn.kvcache import apply_rotary  # noqa: E402
 
 if not hasattr(cuda_backend._C, "decode"):
@@ -418,11 +418,13 @@ def test_fp8_regs_deep_falls_back_to_regs_under_a_small_budget(in_place_only):
     try:
         C.decode_fp8_path("regs_deep")
         C.set_smem_cap(64 * 1024)
+        decode.forget_plans()
         assert C.decode_occupancy(128, 1, 1, False)["smem_bytes"] == 48 * 1024
         out = portattn.flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, block_table=cache.block_table,
                                                num_splits=3, k_descale=cache.k_descale, v_descale=cache.v_descale)
     finally:
         C.set_smem_cap(before_cap)
+        decode.forget_plans()
         C.decode_fp8_path(before_path if before_path != "invalid" else "regs")
     keys, values = cache.dequantised(cache.logical_k, cache.logical_v)
     ref, _ = expected(q, keys, values, seqlens)
