@@ -48,7 +48,6 @@ import contextlib
 import json
 import os
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -275,17 +274,7 @@ def _profile_all_ranks(run, rank, trace_path):
             _merge_annotated():
         dist.barrier()
         profiler.step()  # recording from here
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            timed_ms = start.elapsed_time(end)
-        else:
-            begin = time.perf_counter()
-            run()
-            timed_ms = 1e3 * (time.perf_counter() - begin)
+        timed_ms = peers.median_ms(run, 1, cuda, warmup=0)  # CUDA events, or the host clock on a CPU
         profiler.step()  # the trace written
     with open(trace_path) as handle:
         entry = rank_profile(json.load(handle), rank, timed_ms)
