@@ -41,14 +41,12 @@ def _require_tensor(name: str, value) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def seq_first(sizes):
-    """seq_first(t.shape) / seq_first(t.stride()) of a 4-D (batch, heads, seq, dim) view t: the sizes
-    and strides `t.transpose(1, 2)` would have, as a tuple, without making that view (a torch op, ~2 us
-    on the CI machine's CPU; this ~0.2 us). What a heads-first call (`heads_first=True`: the
-    transformers integration's decode step) reads instead of transposing q, k and v. A function, not
-    operator.itemgetter: dynamo cannot trace an itemgetter call on a shape (a static-cache decode
-    step of Gemma 2 under torch.compile reached one)."""
-    return (sizes[0], sizes[2], sizes[1], sizes[3])
+# seq_first(t.shape) / seq_first(t.stride()) of a 4-D (batch, heads, seq, dim) view t: the sizes and
+# strides `t.transpose(1, 2)` would have, as a tuple, without making that view (a torch op, ~2 us on
+# the CI machine's CPU; the itemgetter ~0.2 us). What a heads-first call (`heads_first=True`: the
+# transformers integration's eager decode step) reads instead of transposing q, k and v. Eager only:
+# dynamo cannot trace an itemgetter call on a shape, so traced calls take the transposed views.
+seq_first = operator.itemgetter(0, 2, 1, 3)
 
 
 def check_qkv(q, k, v, varlen: bool, heads_first: bool = False):

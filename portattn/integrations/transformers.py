@@ -139,7 +139,8 @@ def attention_forward(
     ((batch, seq_q, heads, head_dim_v), None).
     """
     _refuse_unsupported(attention_mask, kwargs)
-    if query.is_cuda and not torch.compiler.is_compiling() and query.get_device() not in _ERROR_BUFFERS_MADE:
+    compiling = torch.compiler.is_compiling()
+    if query.is_cuda and not compiling and query.get_device() not in _ERROR_BUFFERS_MADE:
         # The device's error buffer (portattn/errors.py) is created on first use; created here,
         # in the eager prefill, it lives outside the memory pool of the CUDA graphs that a
         # compiled (reduce-overhead) decode step records, where cudagraph trees refuse a new
@@ -154,10 +155,11 @@ def attention_forward(
     # on heads-first: api.py, ops.py, kvcache.py, decode.py and abi.py read the (batch, heads,
     # seq, dim) tensors as their (batch, seq, heads, dim) transposes (`heads_first`), so the decode
     # kernels get the same arguments with no view made (three transposes, ~6 us a call); every
-    # route that needs portattn's layout makes the views itself.
+    # route that needs portattn's layout makes the views itself. Traced calls take the views (they
+    # cost nothing in a graph, and validation.seq_first is an itemgetter dynamo cannot trace).
     query_shape = query.shape
     if (len(query_shape) == 4 and len(key.shape) == 4 and len(value.shape) == 4 and query.dtype != torch.float32
-            and value.shape[3] == query_shape[3]):
+            and value.shape[3] == query_shape[3] and not compiling):
         q, k, v, heads_first = query, key, value, True
         head_dim, seqlen_k = query_shape[3], key.shape[2]
     else:
