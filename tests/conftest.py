@@ -49,3 +49,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _isolated_selfcheck_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path / "portattn-cache"))
+
+
+@pytest.fixture
+def sm_margin_seen(monkeypatch):
+    """A list that collects (method, sm_margin) for every forward/backward call the reference
+    backend receives."""
+    from portattn import dispatch
+
+    reference = dispatch.get_backend("reference")
+    seen = []
+    for method in ("forward", "backward"):
+        original = getattr(reference, method)
+        monkeypatch.setattr(reference, method,
+                            lambda *a, _m=method, _o=original, **kw: seen.append((_m, kw["sm_margin"])) or _o(*a, **kw))
+    return seen

@@ -53,20 +53,13 @@ def test_compiled_varlen_with_dropout_runs():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
-def test_compiled_calls_carry_sm_margin_into_the_ops(monkeypatch):
+def test_compiled_calls_carry_sm_margin_into_the_ops(sm_margin_seen):
     """The custom ops' schemas take sm_margin, so a traced call reaches the backend with it."""
-    from portattn import dispatch
-
     for op in (torch.ops.portattn.fwd, torch.ops.portattn.bwd, torch.ops.portattn.kvcache,
                torch.ops.portattn.kvcache_append, torch.ops.portattn.paged_varlen):
         assert "sm_margin" in [a.name for a in op.default._schema.arguments], op
     torch._dynamo.reset()
-    reference = dispatch.get_backend("reference")
-    seen = []
-    for method in ("forward", "backward"):
-        original = getattr(reference, method)
-        monkeypatch.setattr(reference, method,
-                            lambda *a, _m=method, _o=original, **kw: seen.append((_m, kw["sm_margin"])) or _o(*a, **kw))
+    seen = sm_margin_seen
     q, k, v = (torch.randn(1, 6, 2, 8, requires_grad=True) for _ in range(3))
     f = torch.compile(lambda q, k, v: portattn.flash_attn_func(q, k, v, causal=True, sm_margin=12),
                       fullgraph=True, backend="aot_eager")
