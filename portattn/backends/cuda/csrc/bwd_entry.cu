@@ -209,7 +209,7 @@ BwdTileFacts facts_of_first_fitting(int budget, TileCandidates<Cfgs...> candidat
 template <int kHeadDim>
 BwdTileFacts bwd_tile_for(int budget, bool wide) {
   if constexpr (BwdWideConfigsFor<kHeadDim>::kDefined) {
-    if (wide) return facts_of_first_fitting(budget, typename BwdWideConfigsFor<kHeadDim>::type{});
+    if (bwd_wide_runs<kHeadDim>(wide, budget)) return facts_of_first_fitting(budget, typename BwdWideConfigsFor<kHeadDim>::type{});
   }
   return facts_of_first_fitting(budget, typename BwdConfigsFor<kHeadDim>::type{});
 }

@@ -129,6 +129,18 @@ struct BwdWideConfigsFor<256> {
 // workspace query and the call must see the same value.
 bool bwd_wide_enabled();
 
+// Whether a call at kHeadDim runs the wide kernel: the switch is on and one of its tiles fits the
+// budget. Below its smallest tile (only under a PORTATTN_MAX_SMEM_KIB cap: every sm80+ part offers
+// 99 KiB) the halves run, whose smallest tiles are what the support matrix was told
+// (portattn_cuda_bwd_smem_bytes).
+template <int kHeadDim>
+bool bwd_wide_runs(bool enabled, int budget) {
+  if constexpr (BwdWideConfigsFor<kHeadDim>::kDefined)
+    return enabled && budget >= min_smem_bytes(typename BwdWideConfigsFor<kHeadDim>::type{});
+  else
+    return false;
+}
+
 // Tile facts of a config for the host-side queries (portattn_cuda_bwd_tile).
 struct BwdTileFacts {
   int block_n, block_m, stages, warps, smem_bytes, dsplit, wide;
@@ -266,7 +278,7 @@ cudaError_t run_bwd(const PortattnBwdParams& params) {
     const cudaError_t err = smem_budget(&budget);
     if (err != cudaSuccess) return err;
     if constexpr (BwdWideConfigsFor<kHeadDim>::kDefined) {
-      if (bwd_wide_enabled())
+      if (bwd_wide_runs<kHeadDim>(bwd_wide_enabled(), budget))
         return launch_first_fitting<typename BwdWideConfigsFor<kHeadDim>::type, Elem>(args, budget, stream);
     }
     return launch_first_fitting<typename BwdConfigsFor<kHeadDim>::type, Elem>(args, budget, stream);

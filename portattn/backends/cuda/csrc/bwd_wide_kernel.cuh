@@ -12,7 +12,8 @@
 //      kSWarpsN = kBlockN / 16 key groups x kSWarpsM query groups (16 keys x kSCols queries a
 //      warp); P^T (dropped) and dS^T go to shared memory, packed to 16 bits.
 //   2. dV += P^T dO and dK += dS^T Q, kBlockN x kHeadDim, over the warps as a grid of
-//      kKvWarpsN key groups x kKvWarpsD column groups (kKvRows x kKvCols a warp): each warp owns
+//      kKvWarpsN key groups x kKvWarpsD column groups (kKvRows x kKvCols a warp, the columns
+//      every kKvWarpsD-th block of 16, so that one lane address serves them all): each warp owns
 //      a slice of the output columns, so dK + dV cost 2 * kBlockN * kHeadDim / kThreads fp32 a
 //      thread (128 at 64 x 256 with 8 warps), whatever the head dim. P^T and dS^T come back from
 //      shared memory as A fragments (ldmatrix), dO and Q as B fragments (ldmatrix.trans).
@@ -54,9 +55,25 @@ struct BwdWideConfig {
   static constexpr int kKvWarpsD = kWarps / kKvWarpsN;
   static constexpr int kKvRows = kBlockN / kKvWarpsN;
   static constexpr int kKvCols = kHeadDim / kKvWarpsD;
+  // A warp's dK/dV columns are every kKvWarpsD-th 16-column block, from block kv_d: block
+  // dp * kKvWarpsD + kv_d. Its swizzle bits (2 kv_d) then never meet those of dp's stride, so
+  // one lane address a thread plus compile-time offsets reach every block (wide_cols_fold).
+  static constexpr bool wide_cols_fold() {
+    using Tile = ptx::SwizzledTile<kBlockM, kHeadDim>;
+    for (int dp = 0; dp < kKvCols / 16; ++dp)
+      for (int d = 0; d < kKvWarpsD; ++d) {
+        const int stride = (2 * dp * kKvWarpsD) % Tile::kChunksPerPanelRow;
+        if ((stride & (2 * d)) != 0 || stride + 2 * d >= Tile::kChunksPerPanelRow) return false;
+      }
+    return true;
+  }
   // dQ tiles as in BwdTileConfig.
   static constexpr int kDqChunk = (kDOut % 32 == 0 && (kBlockM / 16) * (kDOut / 32) >= kWarps) ? 32 : 16;
-  static constexpr int kDqRows = (kBlockM % 32 == 0 && (kBlockM / 32) * (kDOut / kDqChunk) >= kWarps) ? 32 : 16;
+#ifndef PORTATTN_WIDE_DQ_ROWS
+#define PORTATTN_WIDE_DQ_ROWS 32
+#endif
+  static constexpr int kDqRows =
+      (PORTATTN_WIDE_DQ_ROWS == 32 && kBlockM % 32 == 0 && (kBlockM / 32) * (kDOut / kDqChunk) >= kWarps) ? 32 : 16;
 
   using KVTile = ptx::SwizzledTile<kBlockN, kHeadDim>;
   using QTile = ptx::SwizzledTile<kBlockM, kHeadDim>;
@@ -77,21 +94,26 @@ struct BwdWideConfig {
   static_assert(kWarps % kKvWarpsN == 0 && kKvRows % 16 == 0 && kKvRows * kKvWarpsN == kBlockN,
                 "phase 2: m16 tiles of keys");
   static_assert(kKvCols % 16 == 0 && kKvCols * kKvWarpsD == kHeadDim, "phase 2: 16-column steps (ldmatrix.x4.trans)");
+  static_assert(wide_cols_fold(), "phase 2: a warp's column blocks must share its swizzle bits");
+  static_assert((kSCols / 8 & (kSCols / 8 - 1)) == 0 && PTile::kChunksPerPanelRow % (kSCols / 8) == 0,
+                "phase 1: a warp's query chunks lie in one panel row at an aligned offset (P^T / dS^T stores)");
   static_assert(kBlockM % 32 == 0, "P^T / dS^T tiles are multiples of 32 queries wide (SwizzledTile)");
   static_assert(kStages == 1 || kStages == 2, "one or two Q/dO buffers");
   static_assert(kBlockM <= kThreads, "one thread per query row stages its LSE and delta");
 };
 
-// acc[mt] (16 x kCols each, kMt row tiles) += a[mt] (16 x 16) * tile[k0 : k0 + 16, the columns of
-// `cols`], each B fragment loaded once for all kMt row tiles. `cols[dp]`: the lane's offset of
-// 16-column step dp at k row 0 (wide_b_offsets), so only k0's rows are added here.
-template <class Tile, int kMt, int kCols, typename Elem>
+// acc[mt] (16 x kCols each, kMt row tiles) += a[mt] (16 x 16) * tile[k0 : k0 + 16, column blocks
+// dp * kStride + this warp's], each B fragment loaded once for all kMt row tiles. `frag`: the lane's
+// address part with the warp's block folded in (BwdWideConfig::wide_cols_fold), so each ldmatrix
+// costs one LOP3 and an immediate.
+template <class Tile, int kMt, int kCols, int kStride, typename Elem>
 __device__ __forceinline__ void wide_mma_rows(float (&acc)[kMt][kCols / 8][4], const uint32_t (&a)[kMt][4],
-                                              uint32_t tile, const uint32_t (&cols)[kCols / 16], int k0) {
+                                              uint32_t tile, uint32_t frag, int k0) {
 #pragma unroll
   for (int dp = 0; dp < kCols / 16; ++dp) {
+    const int chunk = 2 * dp * kStride;
     uint32_t b[4];
-    ptx::ldmatrix_x4_trans(b, tile + cols[dp] + k0 * Tile::kPanelRowBytes);
+    ptx::ldmatrix_x4_trans(b, tile + ((frag ^ Tile::chunk_xor(chunk)) + Tile::fixed(k0, chunk)));
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) {
       ptx::mma_16816<Elem>(acc[mt][2 * dp][0], acc[mt][2 * dp][1], acc[mt][2 * dp][2], acc[mt][2 * dp][3],
@@ -140,7 +162,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
   const int s_n = warp % Cfg::kSWarpsN;   // phase 1: keys s_n * 16 + [0, 16)
   const int s_m = warp / Cfg::kSWarpsN;   //          queries s_m * kSCols + [0, kSCols)
   const int kv_n = warp % Cfg::kKvWarpsN;  // phase 2: keys kv_n * kKvRows + [0, kKvRows)
-  const int kv_d = warp / Cfg::kKvWarpsN;  //          columns kv_d * kKvCols + [0, kKvCols)
+  const int kv_d = warp / Cfg::kKvWarpsN;  //          column blocks of 16: kv_d, kv_d + kKvWarpsD, ...
   const int batch = blockIdx.z;
   const bool det = p.deterministic != 0;
   const int group = f.nheads / f.nheads_k;
@@ -164,11 +186,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
   const uint64_t philox_seed = kExtras && threshold != 0u ? philox_seed_of(f) : 0;
   const uint64_t philox_offset = kExtras && threshold != 0u ? philox_offset_of(f) : 0;
 
-  const Elem* gK = static_cast<const Elem*>(f.k) + batch * f.k_strides.batch_stride +
-                   static_cast<int64_t>(s.k_start) * f.k_strides.row_stride + head_k * f.k_strides.head_stride;
-  const Elem* gV = static_cast<const Elem*>(f.v) + batch * f.v_strides.batch_stride +
-                   static_cast<int64_t>(s.k_start) * f.v_strides.row_stride + head_k * f.v_strides.head_stride;
-
   // Lane parts of the shared-memory addresses. Row offsets that are multiples of 8 leave the
   // swizzle bits alone (SwizzledTile), so the warp's row offsets fold in here.
   const uint32_t kv_rows = lane_rows_first<KVTile>(lane) + s_n * 16 * KVTile::kPanelRowBytes;   // A of S^T, dP^T
@@ -176,23 +193,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
   const uint32_t p_rows = lane_rows_first<PTile>(lane) + kv_n * Cfg::kKvRows * PTile::kPanelRowBytes;  // A of dV, dK
   const uint32_t kv_t = lane_rows_first<KVTile>(lane);      // B of dQ (K through .trans)
   const uint32_t ds_chunks = lane_chunks_first<PTile>(lane);  // A of dQ (dS^T through .trans)
-  // B of dV, dK (dO, Q through .trans): this warp's 16-column steps at k row 0.
-  uint32_t qo_cols[kKvCols / 16];
-  {
-    const uint32_t q_rows = lane_rows_first<QTile>(lane);
-#pragma unroll
-    for (int dp = 0; dp < kKvCols / 16; ++dp) {
-      const int chunk = kv_d * (kKvCols / 8) + dp * 2;
-      qo_cols[dp] = (q_rows ^ QTile::chunk_xor(chunk)) + QTile::fixed(0, chunk);
-    }
-  }
-  // P^T / dS^T stores: row s_n * 16 + g, the 16-query step kk's two 8-column halves, plus the
-  // column pair's byte offset within the 16-byte chunk.
-  uint32_t p_store[kSCols / 16][2];
-#pragma unroll
-  for (int kk = 0; kk < kSCols / 16; ++kk)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) p_store[kk][h] = PTile::offset(s_n * 16 + g, s_m * kSCols + kk * 16 + h * 8) + q2 * 2;
+  // B of dV, dK (dO, Q through .trans): column blocks dp * kKvWarpsD + kv_d (wide_cols_fold).
+  const uint32_t qo_cols = lane_rows_first<QTile>(lane) ^ QTile::chunk_xor(2 * kv_d);
+  // P^T / dS^T stores: row s_n * 16 + g at the warp's first query chunk, plus the column pair's
+  // byte offset within the 16-byte chunk; step kk's two 8-column halves are chunks 2 kk and
+  // 2 kk + 1 past it.
+  const uint32_t p_store = PTile::offset(s_n * 16 + g, s_m * kSCols) + q2 * 2;
 
   const int n_first = blockIdx.x;
   const int n_step = det ? args.splits : n_blocks;
@@ -230,11 +236,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 
     // K and V only for a block some query sees (bwd_kernel: unwaited copies of an empty block
     // could land after the next block's).
+    // (The K/V addresses are computed here, not kept across the loop: registers are this kernel's
+    // limit.)
     if (iters > 0) {
-      bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sK, gK + n0 * f.k_strides.row_stride, f.k_strides.row_stride,
-                                                         n_valid, headdim);
-      bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sV, gV + n0 * f.v_strides.row_stride, f.v_strides.row_stride,
-                                                         n_valid, headdim);
+      const Elem* gK = static_cast<const Elem*>(f.k) + batch * f.k_strides.batch_stride +
+                       static_cast<int64_t>(s.k_start + n0) * f.k_strides.row_stride + head_k * f.k_strides.head_stride;
+      const Elem* gV = static_cast<const Elem*>(f.v) + batch * f.v_strides.batch_stride +
+                       static_cast<int64_t>(s.k_start + n0) * f.v_strides.row_stride + head_k * f.v_strides.head_stride;
+      bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sK, gK, f.k_strides.row_stride, n_valid, headdim);
+      bwd_load_tile<KVTile, kBlockN, kHeadDim, kThreads>(sV, gV, f.v_strides.row_stride, n_valid, headdim);
       ptx::cp_async_commit();
       load_step(0, 0);
     }
@@ -344,17 +354,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
       // ---- P^T and dS^T -> shared (16-bit) ----------------------------------------------
 #pragma unroll
       for (int kk = 0; kk < kSCols / 16; ++kk) {
+        // The warp's base chunk is a multiple of kSCols / 8, which divides a panel row, so
+        // chunk base + 2 kk + h neither carries into the base's bits nor leaves its panel: an XOR.
+        const uint32_t lo = p_store ^ PTile::chunk_xor(2 * kk);
+        const uint32_t hi = lo ^ 16u;
+        const uint32_t fixed = PTile::fixed(0, 2 * kk);
         uint32_t a[4];
         pack_a<Elem>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
-        st_shared_b32(sP + p_store[kk][0], a[0]);
-        st_shared_b32(sP + p_store[kk][0] + 8 * PTile::kPanelRowBytes, a[1]);
-        st_shared_b32(sP + p_store[kk][1], a[2]);
-        st_shared_b32(sP + p_store[kk][1] + 8 * PTile::kPanelRowBytes, a[3]);
+        st_shared_b32(sP + lo + fixed, a[0]);
+        st_shared_b32(sP + lo + fixed + 8 * PTile::kPanelRowBytes, a[1]);
+        st_shared_b32(sP + hi + fixed, a[2]);
+        st_shared_b32(sP + hi + fixed + 8 * PTile::kPanelRowBytes, a[3]);
         pack_a<Elem>(a, acc_dp[2 * kk], acc_dp[2 * kk + 1]);
-        st_shared_b32(sDs + p_store[kk][0], a[0]);
-        st_shared_b32(sDs + p_store[kk][0] + 8 * PTile::kPanelRowBytes, a[1]);
-        st_shared_b32(sDs + p_store[kk][1], a[2]);
-        st_shared_b32(sDs + p_store[kk][1] + 8 * PTile::kPanelRowBytes, a[3]);
+        st_shared_b32(sDs + lo + fixed, a[0]);
+        st_shared_b32(sDs + lo + fixed + 8 * PTile::kPanelRowBytes, a[1]);
+        st_shared_b32(sDs + hi + fixed, a[2]);
+        st_shared_b32(sDs + hi + fixed + 8 * PTile::kPanelRowBytes, a[3]);
       }
       __syncthreads();  // P^T and dS^T complete
 
@@ -365,7 +380,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 #pragma unroll
         for (int mt = 0; mt < kKvMt; ++mt)
           ptx::ldmatrix_x4(a[mt], sP + ((p_rows ^ PTile::chunk_xor(kk * 2)) + PTile::fixed(mt * 16, kk * 2)));
-        wide_mma_rows<QTile, kKvMt, kKvCols, Elem>(acc_dv, a, sDo, qo_cols, kk * 16);
+        wide_mma_rows<QTile, kKvMt, kKvCols, Cfg::kKvWarpsD, Elem>(acc_dv, a, sDo, qo_cols, kk * 16);
       }
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
@@ -373,7 +388,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 #pragma unroll
         for (int mt = 0; mt < kKvMt; ++mt)
           ptx::ldmatrix_x4(a[mt], sDs + ((p_rows ^ PTile::chunk_xor(kk * 2)) + PTile::fixed(mt * 16, kk * 2)));
-        wide_mma_rows<QTile, kKvMt, kKvCols, Elem>(acc_dk, a, sQ, qo_cols, kk * 16);
+        wide_mma_rows<QTile, kKvMt, kKvCols, Cfg::kKvWarpsD, Elem>(acc_dk, a, sQ, qo_cols, kk * 16);
       }
 
       if (kStages == 1) {
@@ -427,7 +442,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
     }
 
     // ---- epilogue: dK (scaled) and dV of this warp's keys and columns ----------------------
-    const int col_w = kv_d * kKvCols;
     if (gqa_atomic) {
       const int64_t stride = static_cast<int64_t>(args.heads_k) * headdim;
       const int64_t base = (static_cast<int64_t>(batch) * f.seqlen_k + n0) * stride +
@@ -436,7 +450,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
       for (int mt = 0; mt < kKvMt; ++mt)
 #pragma unroll
         for (int t = 0; t < kOTiles; ++t) {
-          const int col = col_w + t * 8 + q2;
+          const int col = ((t / 2) * Cfg::kKvWarpsD + kv_d) * 16 + (t % 2) * 8 + q2;
           if (col >= headdim) continue;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -457,7 +471,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
       for (int mt = 0; mt < kKvMt; ++mt)
 #pragma unroll
         for (int t = 0; t < kOTiles; ++t) {
-          const int col = col_w + t * 8 + q2;
+          const int col = ((t / 2) * Cfg::kKvWarpsD + kv_d) * 16 + (t % 2) * 8 + q2;
           if (col >= headdim) continue;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
