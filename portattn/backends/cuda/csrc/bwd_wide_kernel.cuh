@@ -69,11 +69,7 @@ struct BwdWideConfig {
   }
   // dQ tiles as in BwdTileConfig.
   static constexpr int kDqChunk = (kDOut % 32 == 0 && (kBlockM / 16) * (kDOut / 32) >= kWarps) ? 32 : 16;
-#ifndef PORTATTN_WIDE_DQ_ROWS
-#define PORTATTN_WIDE_DQ_ROWS 32
-#endif
-  static constexpr int kDqRows =
-      (PORTATTN_WIDE_DQ_ROWS == 32 && kBlockM % 32 == 0 && (kBlockM / 32) * (kDOut / kDqChunk) >= kWarps) ? 32 : 16;
+  static constexpr int kDqRows = (kBlockM % 32 == 0 && (kBlockM / 32) * (kDOut / kDqChunk) >= kWarps) ? 32 : 16;
 
   using KVTile = ptx::SwizzledTile<kBlockN, kHeadDim>;
   using QTile = ptx::SwizzledTile<kBlockM, kHeadDim>;
