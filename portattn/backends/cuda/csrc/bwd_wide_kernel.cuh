@@ -19,8 +19,8 @@
 //      shared memory as A fragments (ldmatrix), dO and Q as B fragments (ldmatrix.trans).
 //   dQ += dS K is bwd_kernel's code: kDqRows x kDqChunk tiles over the warps, dS^T through
 //   ldmatrix.trans, fp32 adds into the accumulator (atomics, or the deterministic slices).
-// Three barriers a step (tiles ready; P^T/dS^T written; with one Q/dO stage, Q and dO free for
-// the next block's load), against bwd_kernel's two; no FLOP is computed twice.
+// Barriers a step: tiles ready; P^T/dS^T written; with one Q/dO stage, also Q and dO free for the
+// next block's load (bwd_kernel: two). No FLOP is computed twice.
 // Everything around the kernel is bwd_kernel's: BwdArgs, grid (key block or deterministic
 // split, head, batch; kDSplit = 1), preprocess, converts, workspace (det_splits counts one CTA
 // per (batch, KV head) here instead of two), GQA (atomics into the dK/dV accumulators, or a CTA
