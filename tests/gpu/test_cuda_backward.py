@@ -398,7 +398,7 @@ def _wide_tile(head_dim):
 
     kernel_dim = next(d for d in (160, 192, 224, 256) if d >= head_dim)
     props = torch.cuda.get_device_properties(0)
-    own = getattr(props, "shared_memory_per_block_optin", 0)
+    own = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024  # every sm80+ part has 99 KiB
     budget = min(own, _C.smem_cap()) if _C.smem_cap() > 0 else own
     tile = _C.bwd_tile(kernel_dim, budget)
     assert tile["wide"] and tile["dsplit"] == 1 and tile["smem_bytes"] <= budget, tile
