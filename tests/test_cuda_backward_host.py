@@ -237,7 +237,7 @@ def test_wide_switch_reads_and_sets(module):
 def test_wide_deterministic_splits_count_one_cta_per_kv_head(module):
     # det_splits (bwd_entry.cu): min(ceil(256 / (B * Hk * halves)), ceil(Sk / 64)); the wide kernel
     # has no head-dim halves, so its deterministic workspace holds twice the dQ slices of the halves'.
-    b, h, hk, d, sq, sk = 1, 8, 2, 256, 1000, 4000
+    b, h, hk, d, sq, sk = 1, 8, 2, 256, 100, 16000  # 250 key blocks of 64: splits 64 (halves), 128 (wide)
     rows = b * h * sq
     before = module.sm80_bwd_wide()
     try:
