@@ -471,3 +471,30 @@ def test_wide_switch_selects_the_kernel(deterministic):
             _run_and_check(q, k, v, window=(-1, 0), deterministic=deterministic, naive_options=dict(causal=True))
     finally:
         _C.sm80_bwd_wide(before)
+
+
+# The three budgets above never pick hd192's 64 x 64 x 1 tile (115200 B): an sm90 or sm80 budget fits
+# 64 x 64 x 2 (164864 B), a 99 KiB one only 64 x 32 x 1. A cap between the two (PORTATTN_MAX_SMEM_KIB=128)
+# runs it, so it is tested here on its own (200: the same kernel with a zero-filled tail).
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(17, 113), (300, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", [192, 200])
+def test_wide_backward_under_a_128_kib_cap(head_dim, seqlens, causal, deterministic):
+    from portattn.backends.cuda import _C
+
+    wide_before, cap_before = _C.sm80_bwd_wide(), _C.smem_cap()
+    try:
+        _C.sm80_bwd_wide(True)
+        _C.set_smem_cap(128 * 1024)
+        own = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0) or 99 * 1024
+        if own < 128 * 1024:
+            pytest.skip(f"this GPU's own shared-memory budget ({own} B) is below the 128 KiB cap")
+        tile = _wide_tile(head_dim)
+        assert (tile["block_n"], tile["block_m"], tile["stages"], tile["warps"]) == (64, 64, 1, 8), tile
+        q, k, v = grid_inputs(torch.bfloat16, head_dim, seqlens)
+        _run_and_check(q, k, v, window=(-1, 0 if causal else -1), deterministic=deterministic,
+                       naive_options=dict(causal=causal))
+    finally:
+        _C.sm80_bwd_wide(wide_before)
+        _C.set_smem_cap(cap_before)
