@@ -381,8 +381,10 @@ def wide_budget(request, monkeypatch):
     None: the process's); both restored afterwards."""
     from portattn.backends.cuda import _C
 
-    monkeypatch.setenv("PORTATTN_SM80_BWD_WIDE", "1")
+    # The setting before the test first: the module reads the variable once, at its first read, so
+    # reading it after setenv would take the "1" for the setting to restore and leave the switch on.
     wide_before, cap_before = _C.sm80_bwd_wide(), _C.smem_cap()
+    monkeypatch.setenv("PORTATTN_SM80_BWD_WIDE", "1")
     _C.sm80_bwd_wide(True)
     kib = WIDE_BUDGETS[request.param]
     if kib is not None:
