@@ -144,3 +144,110 @@ def test_too_small_workspace_is_a_clear_error(module):
                        sm_margin=0)
     with pytest.raises(RuntimeError, match="workspace smaller"):
         module.bwd(256, strides, 256, strides, 256, strides, 256, strides, 0, 0, False, *fwd_args)
+
+
+# ---- PORTATTN_SM80_BWD_WIDE: the main kernel's tile per head dim and budget --------------------
+# bwd_tile(head_dim, budget, wide) answers what run_bwd picks (with_first_fitting over BwdConfigsFor,
+# or BwdWideConfigsFor with the switch on); bwd_entry.cu instantiates every head dim's configs
+# whatever the build's kernels, so the hd64 module answers for all of them.
+KIB = 1024
+BUDGETS = {"sm90": 227 * KIB, "sm80": 163 * KIB, "sm86": 99 * KIB}
+# (block N, block M, Q/dO stages, warps) with the switch off: head-dim halves above 128.
+HALVES = {
+    32: {"sm90": (128, 64, 2, 8), "sm80": (128, 64, 2, 8), "sm86": (128, 64, 2, 8)},
+    64: {"sm90": (128, 64, 2, 8), "sm80": (128, 64, 2, 8), "sm86": (128, 64, 2, 8)},
+    96: {"sm90": (128, 64, 2, 8), "sm80": (128, 64, 2, 8), "sm86": (128, 64, 1, 8)},
+    128: {"sm90": (128, 64, 2, 8), "sm80": (128, 64, 2, 8), "sm86": (64, 64, 1, 4)},
+    160: {"sm90": (64, 64, 1, 4), "sm80": (64, 64, 1, 4), "sm86": (64, 64, 1, 4)},
+    192: {"sm90": (64, 32, 1, 4), "sm80": (64, 32, 1, 4), "sm86": (64, 32, 1, 4)},
+    224: {"sm90": (64, 32, 1, 4), "sm80": (64, 32, 1, 4), "sm86": (64, 32, 1, 4)},
+    256: {"sm90": (64, 32, 1, 4), "sm80": (64, 32, 1, 4), "sm86": (48, 32, 1, 3)},
+}
+# With the switch on (Note [portattn sm80 wide backward]): the whole head dim in one CTA.
+WIDE = {
+    160: {"sm90": (64, 64, 2, 8), "sm80": (64, 64, 2, 8), "sm86": (64, 64, 1, 8)},
+    192: {"sm90": (64, 64, 2, 8), "sm80": (64, 64, 2, 8), "sm86": (64, 32, 1, 8)},
+    224: {"sm90": (64, 64, 2, 8), "sm80": (64, 64, 1, 8), "sm86": (64, 32, 1, 8)},
+    256: {"sm90": (64, 64, 2, 8), "sm80": (64, 64, 1, 8), "sm86": (48, 32, 1, 6)},
+}
+
+
+def _shape(tile):
+    return (tile["block_n"], tile["block_m"], tile["stages"], tile["warps"])
+
+
+@pytest.mark.parametrize("part", list(BUDGETS))
+@pytest.mark.parametrize("head_dim", list(HALVES))
+def test_bwd_tile_per_budget_with_the_wide_switch_off_and_on(module, head_dim, part):
+    budget = BUDGETS[part]
+    off = module.bwd_tile(head_dim, budget, False)
+    assert _shape(off) == HALVES[head_dim][part] and not off["wide"]
+    assert off["dsplit"] == (2 if head_dim > 128 else 1)
+    on = module.bwd_tile(head_dim, budget, True)
+    if head_dim <= 128:
+        assert on == off  # the switch only concerns head dims above 128
+    else:
+        assert _shape(on) == WIDE[head_dim][part] and on["wide"] and on["dsplit"] == 1
+    for tile in (off, on):
+        assert 0 < tile["smem_bytes"] <= budget, (head_dim, part, tile)
+
+
+# Every wide candidate, fastest first, with the kernels' own kSmemBytes.
+WIDE_CANDIDATES = {
+    160: [((64, 64, 2, 8), 140288), ((64, 64, 1, 8), 98816)],
+    192: [((64, 64, 2, 8), 164864), ((64, 64, 1, 8), 115200), ((64, 32, 1, 8), 82176)],
+    224: [((64, 64, 2, 8), 189440), ((64, 64, 1, 8), 131584), ((64, 32, 1, 8), 94464)],
+    256: [((64, 64, 2, 8), 214016), ((64, 64, 1, 8), 147968), ((48, 32, 1, 6), 88320)],
+}
+
+
+@pytest.mark.parametrize("head_dim", list(WIDE_CANDIDATES))
+def test_wide_candidates_run_where_they_fit_and_the_halves_below(module, head_dim):
+    # Walking the budget down from 227 KiB visits each candidate once, fastest first, each only where
+    # its shared memory fits; below the smallest (only under a PORTATTN_MAX_SMEM_KIB cap) the halves
+    # run, whose smallest tile is what the support matrix was told (bwd_smem_bytes).
+    seen = []
+    for budget in range(227 * KIB, 64 * KIB, -128):
+        tile = module.bwd_tile(head_dim, budget, True)
+        if not tile["wide"]:
+            assert tile["dsplit"] == 2 and budget < WIDE_CANDIDATES[head_dim][-1][1]
+            assert tile == module.bwd_tile(head_dim, budget, False)
+            continue
+        assert tile["smem_bytes"] <= budget
+        if not seen or seen[-1] != (_shape(tile), tile["smem_bytes"]):
+            seen.append((_shape(tile), tile["smem_bytes"]))
+    assert seen == WIDE_CANDIDATES[head_dim]
+    assert seen[-1][1] <= 99 * KIB
+    assert module.bwd_smem_bytes(head_dim) <= seen[-1][1]
+
+
+def test_wide_switch_reads_and_sets(module):
+    before = module.sm80_bwd_wide()
+    try:
+        assert module.sm80_bwd_wide(True) is True and module.sm80_bwd_wide() is True
+        assert module.bwd_tile(256, 227 * KIB)["wide"]  # wide=None: the current setting
+        assert module.sm80_bwd_wide(False) is False
+        assert not module.bwd_tile(256, 227 * KIB)["wide"]
+    finally:
+        module.sm80_bwd_wide(before)
+    with pytest.raises(ValueError):
+        module.bwd_tile(40, 227 * KIB)
+
+
+def test_wide_deterministic_splits_count_one_cta_per_kv_head(module):
+    # det_splits (bwd_entry.cu): min(ceil(256 / (B * Hk * halves)), ceil(Sk / 64)); the wide kernel
+    # has no head-dim halves, so its deterministic workspace holds twice the dQ slices of the halves'.
+    b, h, hk, d, sq, sk = 1, 8, 2, 256, 100, 16000  # 250 key blocks of 64: splits 64 (halves), 128 (wide)
+    rows = b * h * sq
+    before = module.sm80_bwd_wide()
+    try:
+        for on, halves in ((False, 2), (True, 1)):
+            module.sm80_bwd_wide(on)
+            splits = min(math.ceil(256 / (b * hk * halves)), math.ceil(sk / 64))
+            assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True) == (
+                2 * _align(rows * 4) + _align(splits * rows * d * 4))
+            # The default mode's workspace does not depend on the switch.
+            assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, False) == (
+                2 * _align(rows * 4) + _align(rows * d * 4) + 2 * _align(b * sk * hk * d * 4))
+    finally:
+        module.sm80_bwd_wide(before)

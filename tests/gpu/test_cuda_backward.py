@@ -363,3 +363,140 @@ def test_flash_attn_deterministic_case_is_bitwise_reproducible_on_dirty_memory()
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"rerun {rerun}: deterministic {name} differs from the first run"
     _check_grads(first, q.detach(), k.detach(), v.detach(), g, dict(causal=True, window=window))
+
+
+# ---- the full-head-dim kernel above head dim 128 (PORTATTN_SM80_BWD_WIDE=1) ------------------
+# Note [portattn sm80 wide backward] (csrc/bwd_wide_kernel.cuh): one CTA keeps the whole head dim,
+# dK/dV split over warps, tiles by the shared-memory budget (BwdWideConfigsFor in bwd_launch.cuh).
+# Each test runs under three budgets in one process: the device's own, 163 KiB (the A100's tiles)
+# and 99 KiB (the sm86/sm89 tiles; 48 x 32 with 6 warps at head dim 256). 200 and 248 run the 224 and
+# 256 kernels with a zero-filled tail.
+WIDE_HEAD_DIMS = [160, 192, 200, 224, 248, 256]
+WIDE_BUDGETS = {"own": None, "163kib": 163, "99kib": 99}
+
+
+@pytest.fixture(params=list(WIDE_BUDGETS))
+def wide_budget(request, monkeypatch):
+    """The wide kernel on (environment variable and the module's switch) under one budget (KiB,
+    None: the process's); both restored afterwards."""
+    from portattn.backends.cuda import _C
+
+    # The setting before the test first: the module reads the variable once, at its first read, so
+    # reading it after setenv would take the "1" for the setting to restore and leave the switch on.
+    wide_before, cap_before = _C.sm80_bwd_wide(), _C.smem_cap()
+    monkeypatch.setenv("PORTATTN_SM80_BWD_WIDE", "1")
+    _C.sm80_bwd_wide(True)
+    kib = WIDE_BUDGETS[request.param]
+    if kib is not None:
+        _C.set_smem_cap(kib * 1024)
+    yield kib
+    _C.sm80_bwd_wide(wide_before)
+    _C.set_smem_cap(cap_before)
+
+
+def _wide_tile(head_dim):
+    """The tile the wide switch gives this call's kernel head dim under the current budget."""
+    from portattn.backends.cuda import _C
+
+    kernel_dim = next(d for d in (160, 192, 224, 256) if d >= head_dim)
+    props = torch.cuda.get_device_properties(0)
+    own = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024  # every sm80+ part has 99 KiB
+    budget = min(own, _C.smem_cap()) if _C.smem_cap() > 0 else own
+    tile = _C.bwd_tile(kernel_dim, budget)
+    assert tile["wide"] and tile["dsplit"] == 1 and tile["smem_bytes"] <= budget, tile
+    return tile
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(1, 1), (17, 113), (113, 17), (1000, 1000), (1, 4097), (300, 1000)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", WIDE_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_wide_backward_grid(wide_budget, dtype, head_dim, seqlens, causal):
+    _wide_tile(head_dim)
+    q, k, v = grid_inputs(dtype, head_dim, seqlens)
+    _run_and_check(q, k, v, window=(-1, 0 if causal else -1), naive_options=dict(causal=causal))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("gqa", [1, 6], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("seqlens", [(113, 203), (1000, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("head_dim", [160, 192, 256])
+def test_wide_backward_features(wide_budget, head_dim, feature, seqlens, gqa, deterministic):
+    _wide_tile(head_dim)
+    test_backward_features(torch.bfloat16, head_dim, feature, seqlens, gqa, deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("lengths", list(VARLEN))
+@pytest.mark.parametrize("head_dim", [160, 192, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_wide_backward_varlen(wide_budget, dtype, head_dim, lengths, gqa, causal, deterministic):
+    _wide_tile(head_dim)
+    test_backward_varlen(dtype, head_dim, lengths, gqa, causal, deterministic)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("gqa", [1, 3], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("head_dim", [160, 192, 256])
+@pytest.mark.parametrize("p", [0.17, 0.5])
+def test_wide_backward_dropout_matches_reference_mask(wide_budget, p, head_dim, gqa, varlen):
+    _wide_tile(head_dim)
+    test_backward_dropout_matches_reference_mask(p, head_dim, gqa, varlen)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("head_dim", [160, 192, 256])
+def test_wide_deterministic_is_bitwise_reproducible(wide_budget, case, head_dim):
+    _wide_tile(head_dim)
+    test_deterministic_is_bitwise_reproducible(case, head_dim)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+def test_wide_switch_selects_the_kernel(deterministic):
+    """Off (the default): the head-dim halves (dsplit 2); on: the wide kernel (dsplit 1). Both meet
+    the error rule on the same call, and in the deterministic mode their workspaces differ (the wide
+    kernel's splits count one CTA per KV head, not two)."""
+    from portattn.backends.cuda import _C
+
+    head_dim, before = 256, _C.sm80_bwd_wide()
+    q = rand(2, 500, 4, head_dim, dtype=torch.bfloat16)
+    k = rand(2, 700, 2, head_dim, dtype=torch.bfloat16)
+    v = rand(2, 700, 2, head_dim, dtype=torch.bfloat16)
+    try:
+        for on in (False, True):
+            _C.sm80_bwd_wide(on)
+            assert _C.bwd_tile(head_dim, 99 * 1024)["dsplit"] == (1 if on else 2)
+            _run_and_check(q, k, v, window=(-1, 0), deterministic=deterministic, naive_options=dict(causal=True))
+    finally:
+        _C.sm80_bwd_wide(before)
+
+
+# The three budgets above never pick hd192's 64 x 64 x 1 tile (115200 B): an sm90 or sm80 budget fits
+# 64 x 64 x 2 (164864 B), a 99 KiB one only 64 x 32 x 1. A cap between the two (PORTATTN_MAX_SMEM_KIB=128)
+# runs it, so it is tested here on its own (200: the same kernel with a zero-filled tail).
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(17, 113), (300, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", [192, 200])
+def test_wide_backward_under_a_128_kib_cap(head_dim, seqlens, causal, deterministic):
+    from portattn.backends.cuda import _C
+
+    wide_before, cap_before = _C.sm80_bwd_wide(), _C.smem_cap()
+    try:
+        _C.sm80_bwd_wide(True)
+        _C.set_smem_cap(128 * 1024)
+        own = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0) or 99 * 1024
+        if own < 128 * 1024:
+            pytest.skip(f"this GPU's own shared-memory budget ({own} B) is below the 128 KiB cap")
+        tile = _wide_tile(head_dim)
+        assert (tile["block_n"], tile["block_m"], tile["stages"], tile["warps"]) == (64, 64, 1, 8), tile
+        q, k, v = grid_inputs(torch.bfloat16, head_dim, seqlens)
+        _run_and_check(q, k, v, window=(-1, 0 if causal else -1), deterministic=deterministic,
+                       naive_options=dict(causal=causal))
+    finally:
+        _C.sm80_bwd_wide(wide_before)
+        _C.set_smem_cap(cap_before)

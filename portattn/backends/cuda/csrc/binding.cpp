@@ -22,6 +22,9 @@ extern "C" {
 int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int message_len);
 long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params);
 int portattn_cuda_bwd_smem_bytes(int head_dim);
+// PORTATTN_SM80_BWD_WIDE (0 off, 1 on; other values only read it), and the tile a call would run.
+int portattn_cuda_sm80_bwd_wide(int mode);
+int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int* out);
 // ---- end backward declarations ----
 // ---- decode (decode_entry.cu) ----
 int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len);
@@ -198,6 +201,30 @@ std::string decode_fp8_path(const std::string& path) {
 // The same as a number (0 smem, 1 regs, 2 regs_deep, -1 invalid), cheap enough for every FP8 decode
 // call: the planner's plan key (portattn/decode.py).
 int decode_fp8_path_id() { return portattn_cuda_decode_fp8_path(-2); }
+
+// PORTATTN_SM80_BWD_WIDE at run time: None reads, True / False sets; returns the setting in effect.
+bool sm80_bwd_wide(py::object on) {
+  const int mode = on.is_none() ? -1 : (on.cast<bool>() ? 1 : 0);
+  return portattn_cuda_sm80_bwd_wide(mode) != 0;
+}
+
+// The sm80+ backward's main-kernel tile at an instantiable head dim under a shared-memory budget
+// (bytes); wide None: the current PORTATTN_SM80_BWD_WIDE setting. No CUDA call.
+py::dict bwd_tile(int head_dim, int budget, py::object wide) {
+  int out[7] = {0, 0, 0, 0, 0, 0, 0};
+  const int mode = wide.is_none() ? -1 : (wide.cast<bool>() ? 1 : 0);
+  if (portattn_cuda_bwd_tile(head_dim, budget, mode, out) != 0)
+    throw std::invalid_argument("bwd_tile: no backward shape for head dim " + std::to_string(head_dim));
+  py::dict d;
+  d["block_n"] = out[0];
+  d["block_m"] = out[1];
+  d["stages"] = out[2];
+  d["warps"] = out[3];
+  d["smem_bytes"] = out[4];
+  d["dsplit"] = out[5];
+  d["wide"] = out[6] != 0;
+  return d;
+}
 // ---- end decode ----
 
 // ---- merge (common/merge_binding.h) ----
@@ -314,6 +341,12 @@ PYBIND11_MODULE(_C, m) {
         "deterministic); ordered_dq=True: what hopper_bwd() needs",
         py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("headdim"), py::arg("seqlen_q"),
         py::arg("seqlen_k"), py::arg("deterministic"), py::arg("ordered_dq") = false);
+  m.def("sm80_bwd_wide", &sm80_bwd_wide, py::arg("on") = py::none(),
+        "PORTATTN_SM80_BWD_WIDE: the sm80+ backward's full-head-dim kernel above head dim 128; "
+        "True / False sets it for later calls, no argument reads it");
+  m.def("bwd_tile", &bwd_tile, py::arg("head_dim"), py::arg("budget"), py::arg("wide") = py::none(),
+        "the sm80+ backward's main-kernel tile under a shared-memory budget (bytes): "
+        "{'block_n', 'block_m', 'stages', 'warps', 'smem_bytes', 'dsplit', 'wide'}");
   m.def("bwd_smem_bytes", &portattn_cuda_bwd_smem_bytes,
         "smallest shared memory (bytes) of the backward block shapes for an instantiated head dim");
   // ---- end backward bindings ----

@@ -2,6 +2,11 @@
 // of it that do not depend on the head dim (workspace layout, preprocess and
 // convert kernels), compiled once here instead of once per variant.
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
+#include <mutex>
 
 #include "bwd_launch.cuh"
 
@@ -32,8 +37,23 @@ constexpr int64_t kMinChunkDetDqBytes = int64_t(4) << 30;
 
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// PORTATTN_SM80_BWD_WIDE (bwd_launch.cuh: bwd_wide_enabled): "1" selects the full-head-dim
+// kernel above head dim 128; unset, empty or "0" keeps the head-dim halves.
+constexpr const char* kWideEnv = "PORTATTN_SM80_BWD_WIDE";
+std::atomic<int> g_wide{0};
+std::once_flag g_wide_once;
+
+int wide_now() {
+  std::call_once(g_wide_once, [] {
+    const char* text = getenv(kWideEnv);
+    g_wide.store(text != nullptr && strcmp(text, "1") == 0 ? 1 : 0);
+  });
+  return g_wide.load();
+}
+
 int det_splits(const PortattnFwdParams& f) {
-  const int64_t halves = f.headdim > 128 ? 2 : 1;
+  // The CTAs of one split: head-dim halves over grid.z unless the wide kernel runs.
+  const int64_t halves = f.headdim > 128 && !bwd_wide_enabled() ? 2 : 1;
   const int64_t ctas = static_cast<int64_t>(f.batch) * f.nheads_k * halves;
   int64_t splits = (kDetTargetCtas + ctas - 1) / ctas;
   const int64_t key_blocks = (f.seqlen_k + kMinBlockN - 1) / kMinBlockN;
@@ -42,6 +62,8 @@ int det_splits(const PortattnFwdParams& f) {
 }
 
 }  // namespace
+
+bool bwd_wide_enabled() { return wide_now() != 0; }
 
 BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_dq, int acc_head_dim) {
   const PortattnFwdParams& f = params.fwd;
@@ -168,6 +190,53 @@ extern "C" int portattn_cuda_bwd_smem_bytes(int head_dim) {
     case 256: return min_smem_bytes(BwdConfigsFor<256>::type{});
     default: return -1;
   }
+}
+
+// PORTATTN_SM80_BWD_WIDE at run time: 0 or 1 sets it for the calls that follow (and their
+// workspace queries); any other value only reads it. Returns the setting now in effect.
+extern "C" int portattn_cuda_sm80_bwd_wide(int mode) {
+  wide_now();  // the environment's value first, so a later first read cannot undo the set
+  if (mode == 0 || mode == 1) g_wide.store(mode);
+  return g_wide.load();
+}
+
+namespace {
+template <class... Cfgs>
+BwdTileFacts facts_of_first_fitting(int budget, TileCandidates<Cfgs...> candidates) {
+  return with_first_fitting(budget, candidates, [](auto config) { return bwd_tile_facts<decltype(config)>(); });
+}
+
+template <int kHeadDim>
+BwdTileFacts bwd_tile_for(int budget, bool wide) {
+  if constexpr (BwdWideConfigsFor<kHeadDim>::kDefined) {
+    if (bwd_wide_runs<kHeadDim>(wide, budget)) return facts_of_first_fitting(budget, typename BwdWideConfigsFor<kHeadDim>::type{});
+  }
+  return facts_of_first_fitting(budget, typename BwdConfigsFor<kHeadDim>::type{});
+}
+}  // namespace
+
+// The main kernel's tile a backward call at an instantiable head dim would run under a
+// shared-memory budget (bytes), as run_bwd picks it: wide = 1 / 0 for PORTATTN_SM80_BWD_WIDE on
+// / off, -1 for its current setting. out[0..6] = block N, block M, Q/dO stages, warps,
+// kSmemBytes, head-dim CTAs over grid.z, 1 for the wide kernel. Returns 0, or -1 for a head dim
+// without a backward shape. No CUDA call: the host tests read the selection on a CPU.
+extern "C" int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int* out) {
+  const bool on = wide < 0 ? bwd_wide_enabled() : wide != 0;
+  BwdTileFacts t{};
+  switch (head_dim) {
+    case 32: t = bwd_tile_for<32>(budget, on); break;
+    case 64: t = bwd_tile_for<64>(budget, on); break;
+    case 96: t = bwd_tile_for<96>(budget, on); break;
+    case 128: t = bwd_tile_for<128>(budget, on); break;
+    case 160: t = bwd_tile_for<160>(budget, on); break;
+    case 192: t = bwd_tile_for<192>(budget, on); break;
+    case 224: t = bwd_tile_for<224>(budget, on); break;
+    case 256: t = bwd_tile_for<256>(budget, on); break;
+    default: return -1;
+  }
+  const int values[7] = {t.block_n, t.block_m, t.stages, t.warps, t.smem_bytes, t.dsplit, t.wide};
+  for (int k = 0; k < 7; ++k) out[k] = values[k];
+  return 0;
 }
 
 extern "C" int portattn_cuda_bwd(const PortattnBwdParams* params, char* message, int message_len) {

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "bwd_kernel.cuh"
+#include "bwd_wide_kernel.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -78,6 +79,78 @@ struct BwdConfigsFor<256> {
   using type = BwdCandidates<BwdTileConfig<256, 64, 32, 1>, BwdTileConfig<256, 48, 32, 1>>;
 };
 
+// The full-head-dim kernel above head dim 128 (Note [portattn sm80 wide backward] in
+// bwd_wide_kernel.cuh), run instead of BwdConfigsFor's head-dim halves while
+// PORTATTN_SM80_BWD_WIDE=1 (bwd_wide_enabled). BwdWideConfig<head dim, block N, block M, Q/dO
+// stages, warps, warps sharing the keys in the dK/dV products>, fastest first (FlashAttention-2's
+// shapes: 64 x 64 with 8 warps; one Q/dO buffer where two do not fit; 32-query blocks under
+// 99 KiB). Shared memory (bytes; sm90 227 KiB = 232448, sm80 163 KiB = 166912, sm86/sm89 99 KiB
+// = 101376) and dK + dV fp32 registers a thread:
+//   hd 160  64x64x2 140288 | 64x64x1  98816                   dK/dV warps 4 x 2: 16 x  80, 80 regs
+//   hd 192  64x64x2 164864 | 64x64x1 115200 | 64x32x1  82176   dK/dV warps 2 x 4: 32 x  48, 96 regs
+//   hd 224  64x64x2 189440 | 64x64x1 131584 | 64x32x1  94464   dK/dV warps 4 x 2: 16 x 112, 112 regs
+//   hd 256  64x64x2 214016 | 64x64x1 147968 | 48x32x1  88320   dK/dV warps 2 x 4: 32 x  64, 128 regs
+//                                                 (6 warps: 3 x 2, 16 x 128, 128 regs)
+// so sm90 runs 64x64x2, sm80 64x64x2 at 160/192 and 64x64x1 at 224/256, the 99 KiB parts the
+// last column (64x64x1 at 160). hd 256 under 99 KiB: neither 64 x 32 nor 32 x 64 fits (106752,
+// 107008 bytes), hence 48 keys and 6 warps.
+// A head dim without an entry (none is instantiated between 128 and 256 but these) keeps bwd_kernel.
+template <int kHeadDim>
+struct BwdWideConfigsFor {
+  static constexpr bool kDefined = false;
+};
+template <>
+struct BwdWideConfigsFor<160> {
+  static constexpr bool kDefined = true;
+  using type = BwdCandidates<BwdWideConfig<160, 64, 64, 2, 8, 4>, BwdWideConfig<160, 64, 64, 1, 8, 4>>;
+};
+template <>
+struct BwdWideConfigsFor<192> {
+  static constexpr bool kDefined = true;
+  using type = BwdCandidates<BwdWideConfig<192, 64, 64, 2, 8, 2>, BwdWideConfig<192, 64, 64, 1, 8, 2>,
+                             BwdWideConfig<192, 64, 32, 1, 8, 2>>;
+};
+template <>
+struct BwdWideConfigsFor<224> {
+  static constexpr bool kDefined = true;
+  using type = BwdCandidates<BwdWideConfig<224, 64, 64, 2, 8, 4>, BwdWideConfig<224, 64, 64, 1, 8, 4>,
+                             BwdWideConfig<224, 64, 32, 1, 8, 4>>;
+};
+template <>
+struct BwdWideConfigsFor<256> {
+  static constexpr bool kDefined = true;
+  using type = BwdCandidates<BwdWideConfig<256, 64, 64, 2, 8, 2>, BwdWideConfig<256, 64, 64, 1, 8, 2>,
+                             BwdWideConfig<256, 48, 32, 1, 6, 3>>;
+};
+
+// PORTATTN_SM80_BWD_WIDE (default off): read once, at the first backward call or workspace
+// query; portattn_cuda_sm80_bwd_wide (bwd_entry.cu) changes it afterwards (tests, A/B scripts).
+// It also sets the deterministic split count (det_splits: no head-dim halves), so the
+// workspace query and the call must see the same value.
+bool bwd_wide_enabled();
+
+// Whether a call at kHeadDim runs the wide kernel: the switch is on and one of its tiles fits the
+// budget. Below its smallest tile (only under a PORTATTN_MAX_SMEM_KIB cap: every sm80+ part offers
+// 99 KiB) the halves run, whose smallest tiles are what the support matrix was told
+// (portattn_cuda_bwd_smem_bytes).
+template <int kHeadDim>
+bool bwd_wide_runs(bool enabled, int budget) {
+  if constexpr (BwdWideConfigsFor<kHeadDim>::kDefined)
+    return enabled && budget >= min_smem_bytes(typename BwdWideConfigsFor<kHeadDim>::type{});
+  else
+    return false;
+}
+
+// Tile facts of a config for the host-side queries (portattn_cuda_bwd_tile).
+struct BwdTileFacts {
+  int block_n, block_m, stages, warps, smem_bytes, dsplit, wide;
+};
+template <class Cfg>
+constexpr BwdTileFacts bwd_tile_facts() {
+  return BwdTileFacts{Cfg::kBlockN, Cfg::kBlockM, Cfg::kStages, Cfg::kWarps, Cfg::kSmemBytes, Cfg::kDSplit,
+                      Cfg::kWide ? 1 : 0};
+}
+
 // ---- workspace -------------------------------------------------------------------------
 
 // Byte offsets into PortattnBwdParams::workspace, sized for one chunk of
@@ -115,7 +188,11 @@ SmemOptInState BwdSmemState<Cfg, Elem, kExtras>::state = {0ull};
 
 template <class Cfg, typename Elem, bool kExtras>
 cudaError_t launch_bwd_main(const BwdArgs& args, cudaStream_t stream) {
-  auto kernel = &bwd_kernel<Cfg, Elem, kExtras>;
+  void (*kernel)(const BwdArgs);
+  if constexpr (Cfg::kWide)
+    kernel = &bwd_wide_kernel<Cfg, Elem, kExtras>;
+  else
+    kernel = &bwd_kernel<Cfg, Elem, kExtras>;
   cudaError_t err = ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes,
                                         &BwdSmemState<Cfg, Elem, kExtras>::state);
   if (err != cudaSuccess) return err;
@@ -130,11 +207,11 @@ cudaError_t launch_bwd_main(const BwdArgs& args, cudaStream_t stream) {
 
 // The candidate fitting `budget`; the last one runs regardless, and ensure_dynamic_smem
 // reports a clear error if even it does not fit.
-template <int kHeadDim, typename Elem>
+template <class Candidates, typename Elem>
 cudaError_t launch_first_fitting(const BwdArgs& args, int budget, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   const bool extras = f.softcap > 0.f || f.alibi_slopes != nullptr || f.dropout_p > 0.f;
-  return with_first_fitting(budget, typename BwdConfigsFor<kHeadDim>::type{}, [&](auto config) {
+  return with_first_fitting(budget, Candidates{}, [&](auto config) {
     using Cfg = decltype(config);
     return extras ? launch_bwd_main<Cfg, Elem, true>(args, stream) : launch_bwd_main<Cfg, Elem, false>(args, stream);
   });
@@ -200,7 +277,11 @@ cudaError_t run_bwd(const PortattnBwdParams& params) {
     int budget = 0;
     const cudaError_t err = smem_budget(&budget);
     if (err != cudaSuccess) return err;
-    return launch_first_fitting<kHeadDim, Elem>(args, budget, stream);
+    if constexpr (BwdWideConfigsFor<kHeadDim>::kDefined) {
+      if (bwd_wide_runs<kHeadDim>(bwd_wide_enabled(), budget))
+        return launch_first_fitting<typename BwdWideConfigsFor<kHeadDim>::type, Elem>(args, budget, stream);
+    }
+    return launch_first_fitting<typename BwdConfigsFor<kHeadDim>::type, Elem>(args, budget, stream);
   });
 }
 
