@@ -37,16 +37,17 @@ constexpr int64_t kMinChunkDetDqBytes = int64_t(4) << 30;
 
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// PORTATTN_SM80_BWD_WIDE (bwd_launch.cuh: bwd_wide_enabled): "1" selects the full-head-dim
-// kernel above head dim 128; unset, empty or "0" keeps the head-dim halves.
+// PORTATTN_SM80_BWD_WIDE (bwd_launch.cuh: bwd_wide_enabled): "0" runs head dims above 128 as
+// two head-dim halves; unset or anything else, the full-head-dim kernel (the default: 1.08-1.25x
+// the halves' forward+backward on an H200 at every budget, docs/kernels-sm80.md).
 constexpr const char* kWideEnv = "PORTATTN_SM80_BWD_WIDE";
-std::atomic<int> g_wide{0};
+std::atomic<int> g_wide{1};
 std::once_flag g_wide_once;
 
 int wide_now() {
   std::call_once(g_wide_once, [] {
     const char* text = getenv(kWideEnv);
-    g_wide.store(text != nullptr && strcmp(text, "1") == 0 ? 1 : 0);
+    g_wide.store(text != nullptr && strcmp(text, "0") == 0 ? 0 : 1);
   });
   return g_wide.load();
 }

@@ -80,8 +80,8 @@ struct BwdConfigsFor<256> {
 };
 
 // The full-head-dim kernel above head dim 128 (Note [portattn sm80 wide backward] in
-// bwd_wide_kernel.cuh), run instead of BwdConfigsFor's head-dim halves while
-// PORTATTN_SM80_BWD_WIDE=1 (bwd_wide_enabled). BwdWideConfig<head dim, block N, block M, Q/dO
+// bwd_wide_kernel.cuh), run instead of BwdConfigsFor's head-dim halves unless
+// PORTATTN_SM80_BWD_WIDE=0 (bwd_wide_enabled). BwdWideConfig<head dim, block N, block M, Q/dO
 // stages, warps, warps sharing the keys in the dK/dV products>, fastest first (FlashAttention-2's
 // shapes: 64 x 64 with 8 warps; one Q/dO buffer where two do not fit; 32-query blocks under
 // 99 KiB). Shared memory (bytes; sm90 227 KiB = 232448, sm80 163 KiB = 166912, sm86/sm89 99 KiB
@@ -123,7 +123,7 @@ struct BwdWideConfigsFor<256> {
                              BwdWideConfig<256, 48, 32, 1, 6, 3>>;
 };
 
-// PORTATTN_SM80_BWD_WIDE (default off): read once, at the first backward call or workspace
+// PORTATTN_SM80_BWD_WIDE (default on; "0" runs the halves): read once, at the first backward call or workspace
 // query; portattn_cuda_sm80_bwd_wide (bwd_entry.cu) changes it afterwards (tests, A/B scripts).
 // It also sets the deterministic split count (det_splits: no head-dim halves), so the
 // workspace query and the call must see the same value.
