@@ -258,9 +258,54 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdArgs args, int la
 
 // Issue cp.async for a (kRows x kCols) tile; rows >= valid_rows and columns >=
 // valid_cols are zero-filled (invalid lanes read from `base`, which is in bounds).
+//
+// The threads walk the tile panel by panel (SwizzledTile: kPanel-column panels, each kRows
+// rows), a thread keeping one 16-byte column chunk of a panel row: a pass covers kRowsPerPass
+// panel rows. Where passes stay in whole swizzle periods (8 rows) and fit the panels evenly,
+// a thread's global and shared addresses are computed once and every pass adds compile-time
+// offsets (plus one 64-bit multiple of the row stride per distinct row offset). The general
+// path below recomputes row and column per chunk, with a 64-bit row * stride each: ~170 of the
+// ~1350 instructions a warp issued per step of the hd256 wide backward (ncu and SASS, H200),
+// which this path removes.
 template <class Tile, int kRows, int kCols, int kThreads, typename Elem>
 __device__ __forceinline__ void bwd_load_tile(uint32_t smem, const Elem* base, int64_t row_stride,
                                               int valid_rows, int valid_cols) {
+  constexpr int kCpr = Tile::kChunksPerPanelRow;
+  constexpr int kPanelRows = Tile::kPanels * kRows;  // panel rows in the tile
+  constexpr int kRowsPerPass = kThreads / kCpr;
+  constexpr bool kPanelWalk = kThreads % kCpr == 0 && kRowsPerPass % 8 == 0 &&
+                              (kRows % kRowsPerPass == 0 || kRowsPerPass % kRows == 0);
+  if constexpr (kPanelWalk) {
+    constexpr int kPasses = (kPanelRows + kRowsPerPass - 1) / kRowsPerPass;
+    const int rp = static_cast<int>(threadIdx.x) / kCpr;  // this thread's panel row in a pass
+    const int c = static_cast<int>(threadIdx.x) % kCpr;
+    const int row = rp % kRows;  // rp < kRows where passes split a panel
+    const int panel = rp / kRows;
+    const int col = panel * Tile::kPanel + c * 8;
+    const Elem* src = base + row * row_stride + col;
+    const uint32_t dst = smem + Tile::offset(row, col);
+    if (valid_rows >= kRows && valid_cols >= kCols) {  // the whole tile: no predicates (uniform)
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int r_off = (pass * kRowsPerPass) % kRows;
+        const int p_off = (pass * kRowsPerPass) / kRows;
+        if (kPanelRows % kRowsPerPass != 0 && panel + p_off >= Tile::kPanels) continue;
+        ptx::cp_async_16(dst + (p_off * kRows + r_off) * Tile::kPanelRowBytes,
+                         src + r_off * row_stride + p_off * Tile::kPanel);
+      }
+      return;
+    }
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r_off = (pass * kRowsPerPass) % kRows;  // compile-time once unrolled
+      const int p_off = (pass * kRowsPerPass) / kRows;
+      if (kPanelRows % kRowsPerPass != 0 && panel + p_off >= Tile::kPanels) continue;  // the last pass's tail
+      const bool valid = row + r_off < valid_rows && col + p_off * Tile::kPanel < valid_cols;
+      const Elem* at = src + r_off * row_stride + p_off * Tile::kPanel;
+      ptx::cp_async_16(dst + (p_off * kRows + r_off) * Tile::kPanelRowBytes, valid ? at : base, valid);
+    }
+    return;
+  }
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kTotal = kRows * kChunksPerRow;
   constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
@@ -295,6 +340,39 @@ __device__ __forceinline__ void accum_add2(float* ptr, float v0, float v1) {
   atomicAdd(ptr, v0);
   atomicAdd(ptr + 1, v1);
 #endif
+}
+
+// Adds a warp's dQ tile (kRowTiles m16 tiles x kChunkTiles n8 tiles, rows from 16 * kRowTiles * tm,
+// columns from col0) into the fp32 accumulator gDq (row stride headdim). Interior tiles (every row
+// inside the sequence, headdim == kHeadDim) take the row stride as a constant, so each reduction is
+// one instruction at an immediate offset from one address; boundary tiles test each row and column.
+template <int kHeadDim, int kRowTiles, int kChunkTiles>
+__device__ __forceinline__ void dq_tile_add(float* gDq, const float (&acc)[kRowTiles][kChunkTiles][4], int tm,
+                                            int col0, int g, int q2, bool interior, int headdim, int rows) {
+  const int row_first = tm * kRowTiles * 16 + g;
+  if (interior) {
+    float* at = gDq + row_first * kHeadDim + col0 + q2;
+#pragma unroll
+    for (int r = 0; r < kRowTiles; ++r)
+#pragma unroll
+      for (int t = 0; t < kChunkTiles; ++t) {
+        accum_add2(at + r * 16 * kHeadDim + t * 8, acc[r][t][0], acc[r][t][1]);
+        accum_add2(at + (r * 16 + 8) * kHeadDim + t * 8, acc[r][t][2], acc[r][t][3]);
+      }
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r)
+#pragma unroll
+    for (int t = 0; t < kChunkTiles; ++t) {
+      const int col = col0 + t * 8 + q2;
+      const int r0 = row_first + r * 16;
+      float* row0 = gDq + r0 * headdim + col;
+      if (col < headdim) {
+        if (r0 < rows) accum_add2(row0, acc[r][t][0], acc[r][t][1]);
+        if (r0 + 8 < rows) accum_add2(row0 + 8 * headdim, acc[r][t][2], acc[r][t][3]);
+      }
+    }
 }
 
 // C fragments of two adjacent n8 tiles (fp32) -> one m16 x k16 A fragment.
@@ -442,8 +520,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
     // staged these rows waited on global memory at the top of every step (ncu:
     // long_scoreboard stalls), and a second address computation cost spills.
     auto load_step = [&](int it, int stage) {
-      const int head = head_first + it / m_blocks;
-      const int m0 = (m_begin + it % m_blocks) * kBlockM;
+      const int head = heads == 1 ? head_first : head_first + it / m_blocks;
+      const int m0 = (m_begin + (heads == 1 ? it : it % m_blocks)) * kBlockM;
       const Elem* gQ = static_cast<const Elem*>(f.q) + batch * f.q_strides.batch_stride +
                        static_cast<int64_t>(s.q_start + m0) * f.q_strides.row_stride +
                        head * f.q_strides.head_stride;
@@ -491,8 +569,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
 
     for (int it = 0; it < iters; ++it) {
       const int stage = kStages == 2 ? it % 2 : 0;
-      const int head = head_first + it / m_blocks;
-      const int m0 = (m_begin + it % m_blocks) * kBlockM;
+      const int head = heads == 1 ? head_first : head_first + it / m_blocks;
+      const int m0 = (m_begin + (heads == 1 ? it : it % m_blocks)) * kBlockM;
       const uint32_t sQ = smem + Cfg::kOffQ + stage * QTile::kBytes;
       const uint32_t sDo = smem + Cfg::kOffDo + stage * QTile::kBytes;
       const float* lse2 = sLse + stage * kBlockM;
@@ -644,21 +722,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
 #pragma unroll
           for (int r = 0; r < kRowTiles; ++r) mma_a_tile<KVTile, kDqChunk, Elem>(acc[r], a[r], sK, kv_t, kk * 16, col0);
         }
-#pragma unroll
-        for (int r = 0; r < kRowTiles; ++r)
-#pragma unroll
-          for (int t = 0; t < kDqChunk / 8; ++t) {
-            const int col = col0 + t * 8 + q2;
-            const int r0 = (tm * kRowTiles + r) * 16 + g;
-            float* row0 = gDq + r0 * headdim + col;
-            if (dq_interior) {
-              accum_add2(row0, acc[r][t][0], acc[r][t][1]);
-              accum_add2(row0 + 8 * headdim, acc[r][t][2], acc[r][t][3]);
-            } else if (col < headdim) {
-              if (m0 + r0 < s.len_q) accum_add2(row0, acc[r][t][0], acc[r][t][1]);
-              if (m0 + r0 + 8 < s.len_q) accum_add2(row0 + 8 * headdim, acc[r][t][2], acc[r][t][3]);
-            }
-          }
+        dq_tile_add<kHeadDim, kRowTiles, kDqChunk / 8>(gDq, acc, tm, col0, g, q2, dq_interior, headdim, s.len_q - m0);
       }
     }
 

@@ -207,10 +207,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
     const int m_begin = query_blocks.begin;
     const int m_blocks = query_blocks.size();
     const int iters = heads * m_blocks;
+    // Step it's head and first query row. A CTA walks one head except in the deterministic mode
+    // with GQA (bwd_heads): the division by m_blocks (~20 integer instructions) only runs there.
+    auto head_of = [&](int it) { return heads == 1 ? head_first : head_first + it / m_blocks; };
+    auto m0_of = [&](int it) { return (m_begin + (heads == 1 ? it : it % m_blocks)) * kBlockM; };
 
     auto load_step = [&](int it, int stage) {
-      const int head = head_first + it / m_blocks;
-      const int m0 = (m_begin + it % m_blocks) * kBlockM;
+      const int head = head_of(it);
+      const int m0 = m0_of(it);
       const Elem* gQ = static_cast<const Elem*>(f.q) + batch * f.q_strides.batch_stride +
                        static_cast<int64_t>(s.q_start + m0) * f.q_strides.row_stride + head * f.q_strides.head_stride;
       const Elem* gDo = static_cast<const Elem*>(p.dout) + batch * p.dout_strides.batch_stride +
@@ -255,8 +259,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 
     for (int it = 0; it < iters; ++it) {
       const int stage = kStages == 2 ? it % 2 : 0;
-      const int head = head_first + it / m_blocks;
-      const int m0 = (m_begin + it % m_blocks) * kBlockM;
+      const int head = head_of(it);
+      const int m0 = m0_of(it);
       const uint32_t sQ = smem + Cfg::kOffQ + stage * QTile::kBytes;
       const uint32_t sDo = smem + Cfg::kOffDo + stage * QTile::kBytes;
       const float* lse2 = sLse + stage * kBlockM;
@@ -419,21 +423,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 #pragma unroll
           for (int r = 0; r < kRowTiles; ++r) mma_a_tile<KVTile, kDqChunk, Elem>(acc[r], a[r], sK, kv_t, kk * 16, dq_col0);
         }
-#pragma unroll
-        for (int r = 0; r < kRowTiles; ++r)
-#pragma unroll
-          for (int t = 0; t < kDqChunk / 8; ++t) {
-            const int col = dq_col0 + t * 8 + q2;
-            const int r0 = (tm * kRowTiles + r) * 16 + g;
-            float* row0 = gDq + r0 * headdim + col;
-            if (dq_interior) {
-              accum_add2(row0, acc[r][t][0], acc[r][t][1]);
-              accum_add2(row0 + 8 * headdim, acc[r][t][2], acc[r][t][3]);
-            } else if (col < headdim) {
-              if (m0 + r0 < s.len_q) accum_add2(row0, acc[r][t][0], acc[r][t][1]);
-              if (m0 + r0 + 8 < s.len_q) accum_add2(row0 + 8 * headdim, acc[r][t][2], acc[r][t][3]);
-            }
-          }
+        dq_tile_add<kHeadDim, kRowTiles, kDqChunk / 8>(gDq, acc, tm, dq_col0, g, q2, dq_interior, headdim, s.len_q - m0);
       }
     }
 

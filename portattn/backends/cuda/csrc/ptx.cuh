@@ -119,6 +119,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                "r"(src_bytes));
 }
 
+// The same for a chunk known to be in bounds: no source size, so an immediate offset of the
+// source address folds into the instruction.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
 // 4-byte variant (.ca: the only cache mode for copies under 16 bytes), for per-row
 // scalars such as the backward's LSE and delta.
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
