@@ -67,9 +67,24 @@ struct BwdWideConfig {
       }
     return true;
   }
-  // dQ tiles as in BwdTileConfig.
-  static constexpr int kDqChunk = (kDOut % 32 == 0 && (kBlockM / 16) * (kDOut / 32) >= kWarps) ? 32 : 16;
-  static constexpr int kDqRows = (kBlockM % 32 == 0 && (kBlockM / 32) * (kDOut / kDqChunk) >= kWarps) ? 32 : 16;
+  // dQ tiles: BwdTileConfig's where their count divides evenly among the warps. The dQ phase
+  // lasts as long as the warp with the most tiles, and BwdTileConfig's 32 x 32 tiles leave warps
+  // idle at hd160 (10 tiles over 8 warps) and hd192 (12); there 16-row tiles run, as wide as
+  // balances them, 32 to 80 columns (at most 40 fp32 a thread): 16 x 80 at hd160, 16 x 48 at hd192
+  // (hd224 would need 16 x 16, twice the ldmatrix a MMA, for 12.5% less dQ time: kept).
+  static constexpr int kDqChunkBase = (kDOut % 32 == 0 && (kBlockM / 16) * (kDOut / 32) >= kWarps) ? 32 : 16;
+  static constexpr int kDqRowsBase =
+      (kBlockM % 32 == 0 && (kBlockM / 32) * (kDOut / kDqChunkBase) >= kWarps) ? 32 : 16;
+  static constexpr bool kDqBaseBalanced = ((kBlockM / kDqRowsBase) * (kDOut / kDqChunkBase)) % kWarps == 0;
+  static constexpr int balanced_dq_chunk() {
+    int best = 0;
+    for (int c = 32; c <= 80; c += 16)
+      if (kDOut % c == 0 && ((kBlockM / 16) * (kDOut / c)) % kWarps == 0) best = c;
+    return best;
+  }
+  static constexpr bool kDqRebalance = !kDqBaseBalanced && balanced_dq_chunk() > 0;
+  static constexpr int kDqChunk = kDqRebalance ? balanced_dq_chunk() : kDqChunkBase;
+  static constexpr int kDqRows = kDqRebalance ? 16 : kDqRowsBase;
 
   using KVTile = ptx::SwizzledTile<kBlockN, kHeadDim>;
   using QTile = ptx::SwizzledTile<kBlockM, kHeadDim>;
