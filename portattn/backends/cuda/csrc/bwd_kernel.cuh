@@ -419,6 +419,151 @@ __device__ __forceinline__ uint32_t lane_chunks_first(int lane) {
   return Tile::lane((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
 }
 
+// ---- the pieces of a query-block step both backward kernels run (bwd_kernel, and
+// bwd_wide_kernel in bwd_wide_kernel.cuh) ----------------------------------------------
+
+// Q, dO (kBlockM rows from m0 of `head`), LSE and delta of a step into `stage`, all by cp.async
+// (rows past the sequence zero-filled: the masked path never reads them). The LSE comes from the
+// workspace copy in log2 units that bwd_preprocess wrote, next to delta: with plain loads of the
+// caller's LSE and the conversion here, the warps that staged these rows waited on global memory
+// at the top of every step (ncu: long_scoreboard stalls), and a second address computation cost
+// spills.
+template <class Cfg, typename Elem>
+__device__ __forceinline__ void bwd_load_step(const BwdArgs& args, uint32_t smem, int stage, int batch, int head,
+                                              int m0, const SeqBounds& s, int headdim) {
+  using QTile = typename Cfg::QTile;
+  constexpr int kBlockM = Cfg::kBlockM;
+  const PortattnFwdParams& f = args.p.fwd;
+  const Elem* gQ = static_cast<const Elem*>(f.q) + batch * f.q_strides.batch_stride +
+                   static_cast<int64_t>(s.q_start + m0) * f.q_strides.row_stride + head * f.q_strides.head_stride;
+  const Elem* gDo = static_cast<const Elem*>(args.p.dout) + batch * args.p.dout_strides.batch_stride +
+                    static_cast<int64_t>(s.q_start + m0) * args.p.dout_strides.row_stride +
+                    head * args.p.dout_strides.head_stride;
+  bwd_load_tile<QTile, kBlockM, Cfg::kHeadDim, Cfg::kThreads>(smem + Cfg::kOffQ + stage * QTile::kBytes, gQ,
+                                                               f.q_strides.row_stride, s.len_q - m0, headdim);
+  bwd_load_tile<QTile, kBlockM, Cfg::kHeadDim, Cfg::kThreads>(smem + Cfg::kOffDo + stage * QTile::kBytes, gDo,
+                                                               args.p.dout_strides.row_stride, s.len_q - m0, headdim);
+  const int r = threadIdx.x;  // kBlockM <= kThreads (both configs assert it)
+  if (r < kBlockM) {
+    const bool valid = m0 + r < s.len_q;
+    const int64_t ws = ws_row(args, batch, head, m0) + (valid ? r : 0);
+    ptx::cp_async_4(smem + Cfg::kOffLse + (stage * kBlockM + r) * 4, args.lse2 + ws, valid);
+    ptx::cp_async_4(smem + Cfg::kOffDelta + (stage * kBlockM + r) * 4, args.delta + ws, valid);
+  }
+  ptx::cp_async_commit();
+}
+
+// S^T = K Q^T and dP^T = V dO^T for one warp: 16 keys (kv_rows: the lane part of its rows) x
+// kCols queries (q_chunks: the lane part of its first query), contracted over the head dim.
+template <class KVTile, class QTile, int kHeadDim, int kCols, typename Elem>
+__device__ __forceinline__ void bwd_st_dpt(float (&acc_s)[kCols / 8][4], float (&acc_dp)[kCols / 8][4], uint32_t sK,
+                                           uint32_t sV, uint32_t sQ, uint32_t sDo, uint32_t kv_rows,
+                                           uint32_t q_chunks) {
+#pragma unroll
+  for (int t = 0; t < kCols / 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t a_k[4], a_v[4];
+    const uint32_t a_off = (kv_rows ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(0, kk * 2);
+    ptx::ldmatrix_x4(a_k, sK + a_off);
+    ptx::ldmatrix_x4(a_v, sV + a_off);
+    const uint32_t b_lane = q_chunks ^ QTile::chunk_xor(kk * 2);
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, sQ + (b_lane + QTile::fixed(np * 16, kk * 2)));
+      ptx::mma_16816<Elem>(acc_s[2 * np][0], acc_s[2 * np][1], acc_s[2 * np][2], acc_s[2 * np][3], a_k, b[0], b[1]);
+      ptx::mma_16816<Elem>(acc_s[2 * np + 1][0], acc_s[2 * np + 1][1], acc_s[2 * np + 1][2], acc_s[2 * np + 1][3],
+                           a_k, b[2], b[3]);
+      ptx::ldmatrix_x4(b, sDo + (b_lane + QTile::fixed(np * 16, kk * 2)));
+      ptx::mma_16816<Elem>(acc_dp[2 * np][0], acc_dp[2 * np][1], acc_dp[2 * np][2], acc_dp[2 * np][3], a_v, b[0],
+                           b[1]);
+      ptx::mma_16816<Elem>(acc_dp[2 * np + 1][0], acc_dp[2 * np + 1][1], acc_dp[2 * np + 1][2],
+                           acc_dp[2 * np + 1][3], a_v, b[2], b[3]);
+    }
+  }
+}
+
+// The per-element constants of P and dS, set once per kernel.
+struct BwdPointwise {
+  float scale_log2, softcap, inv_softcap, keep_scale;
+  uint32_t threshold;
+  uint64_t philox_seed, philox_offset;
+};
+
+template <bool kExtras>
+__device__ __forceinline__ BwdPointwise bwd_pointwise(const PortattnFwdParams& f) {
+  BwdPointwise pw;
+  pw.scale_log2 = f.softmax_scale * softmax::kLog2e;
+  pw.softcap = f.softcap;
+  pw.inv_softcap = pw.softcap > 0.f ? 1.f / pw.softcap : 0.f;
+  pw.keep_scale = f.dropout_p > 0.f ? 1.f / (1.f - f.dropout_p) : 1.f;
+  pw.threshold = f.dropout_p > 0.f ? dropout_threshold(f.dropout_p) : 0u;
+  pw.philox_seed = kExtras && pw.threshold != 0u ? philox_seed_of(f) : 0;
+  pw.philox_offset = kExtras && pw.threshold != 0u ? philox_offset_of(f) : 0;
+  return pw;
+}
+
+// P^T (dropped, for dV) into acc_s and dS^T into acc_dp, in place, for a warp's S^T / dP^T
+// fragments: this thread's keys key0 and key0 + 8, its queries m0 + col0 + t * 8 + q2 (+1);
+// lse2 / delta are the step's rows in shared memory. Same float operations as the forward
+// (fwd_kernel.cuh), so P matches the saved LSE as closely as possible.
+template <bool kExtras, int kTiles>
+__device__ __forceinline__ void bwd_p_ds(float (&acc_s)[kTiles][4], float (&acc_dp)[kTiles][4],
+                                         const PortattnFwdParams& f, const BwdPointwise& pw, const MaskRule& rule,
+                                         bool needs_mask, int batch, int head, int m0, int col0, int key0, int q2,
+                                         const float* lse2, const float* delta) {
+  if (!kExtras && !needs_mask) {
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = col0 + t * 8 + q2 + (e & 1);
+        const float prob = softmax::exp2_fast(acc_s[t][e] * pw.scale_log2 - lse2[c]);
+        acc_s[t][e] = prob;
+        acc_dp[t][e] = prob * (acc_dp[t][e] - delta[c]);
+      }
+    return;
+  }
+  const float alibi_slope =
+      kExtras && f.alibi_slopes != nullptr ? f.alibi_slopes[batch * f.alibi_batch_stride + head] : 0.f;
+  const int bh = batch * f.nheads + head;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = col0 + t * 8 + q2 + (e & 1);
+      const int i = m0 + c;
+      const int j = key0 + (e / 2) * 8;
+      float x = acc_s[t][e] * f.softmax_scale;
+      float tanh_x = 0.f;
+      if (kExtras && pw.softcap > 0.f) {
+        tanh_x = tanhf(x * pw.inv_softcap);
+        x = pw.softcap * tanh_x;
+      }
+      if (kExtras) x -= alibi_slope * fabsf(static_cast<float>(i + rule.diag - j));
+      bool visible = true;
+      if (needs_mask) visible = rule.visible(i, j);
+      const float prob = visible ? softmax::exp2_fast(x * softmax::kLog2e - lse2[c]) : 0.f;
+      float dprob = acc_dp[t][e];
+      float kept = prob;
+      if (kExtras && pw.threshold != 0u) {
+        const Philox4 rnd = dropout_random4(pw.philox_seed, pw.philox_offset, bh, i, j & ~3);
+        // Selects, not an indexed array: a run-time index would put it in local memory.
+        const uint32_t r = (j & 2) ? ((j & 1) ? rnd.w : rnd.z) : ((j & 1) ? rnd.y : rnd.x);
+        const bool keep = r >= pw.threshold;
+        kept = keep ? prob * pw.keep_scale : 0.f;
+        dprob = keep ? dprob * pw.keep_scale : 0.f;
+      }
+      float ds = prob * (dprob - delta[c]);
+      if (kExtras && pw.softcap > 0.f) ds *= 1.f - tanh_x * tanh_x;
+      acc_s[t][e] = kept;
+      acc_dp[t][e] = ds;
+    }
+}
+
 // kExtras: softcap, ALiBi or dropout present (their per-element work and
 // registers stay out of the common path, as in the forward). `deterministic`
 // is a runtime flag (uniform per launch): it changes the grid mapping, not
@@ -471,16 +616,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
   const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
   const int n_blocks = (s.len_k + kBlockN - 1) / kBlockN;
   const MaskRule rule = MaskRule::of(s, f.window_left, f.window_right);  // block_range.h
-  const int diag = rule.diag;
   const int headdim = f.headdim;
 
-  const float scale_log2 = f.softmax_scale * softmax::kLog2e;
-  const float softcap = f.softcap;
-  const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
-  const float keep_scale = f.dropout_p > 0.f ? 1.f / (1.f - f.dropout_p) : 1.f;
-  const uint32_t threshold = f.dropout_p > 0.f ? dropout_threshold(f.dropout_p) : 0u;
-  const uint64_t philox_seed = kExtras && threshold != 0u ? philox_seed_of(f) : 0;
-  const uint64_t philox_offset = kExtras && threshold != 0u ? philox_offset_of(f) : 0;
+  const BwdPointwise pw = bwd_pointwise<kExtras>(f);
 
   const Elem* gK = static_cast<const Elem*>(f.k) + batch * f.k_strides.batch_stride +
                    static_cast<int64_t>(s.k_start) * f.k_strides.row_stride +
@@ -513,35 +651,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
     const int m_blocks = query_blocks.size();
     const int iters = heads * m_blocks;
 
-    // Q/dO/LSE/delta of step `it` (head head_first + it / m_blocks) into `stage`, all by
-    // cp.async (rows past the sequence zero-filled: the masked path never reads them). The
-    // LSE comes from the workspace copy in log2 units that bwd_preprocess wrote, next to
-    // delta: with plain loads of the caller's LSE and the conversion here, the warps that
-    // staged these rows waited on global memory at the top of every step (ncu:
-    // long_scoreboard stalls), and a second address computation cost spills.
+    // Q/dO/LSE/delta of step `it` (head head_first + it / m_blocks) into `stage`.
     auto load_step = [&](int it, int stage) {
       const int head = heads == 1 ? head_first : head_first + it / m_blocks;
       const int m0 = (m_begin + (heads == 1 ? it : it % m_blocks)) * kBlockM;
-      const Elem* gQ = static_cast<const Elem*>(f.q) + batch * f.q_strides.batch_stride +
-                       static_cast<int64_t>(s.q_start + m0) * f.q_strides.row_stride +
-                       head * f.q_strides.head_stride;
-      const Elem* gDo = static_cast<const Elem*>(p.dout) + batch * p.dout_strides.batch_stride +
-                        static_cast<int64_t>(s.q_start + m0) * p.dout_strides.row_stride +
-                        head * p.dout_strides.head_stride;
-      bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffQ + stage * QTile::kBytes,
-                                                         gQ, f.q_strides.row_stride,
-                                                         s.len_q - m0, headdim);
-      bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffDo + stage * QTile::kBytes,
-                                                         gDo, p.dout_strides.row_stride,
-                                                         s.len_q - m0, headdim);
-      const int r = threadIdx.x;  // kBlockM <= kThreads (BwdTileConfig)
-      if (r < kBlockM) {
-        const bool valid = m0 + r < s.len_q;
-        const int64_t ws = ws_row(args, batch, head, m0) + (valid ? r : 0);
-        ptx::cp_async_4(smem + Cfg::kOffLse + (stage * kBlockM + r) * 4, args.lse2 + ws, valid);
-        ptx::cp_async_4(smem + Cfg::kOffDelta + (stage * kBlockM + r) * 4, args.delta + ws, valid);
-      }
-      ptx::cp_async_commit();
+      bwd_load_step<Cfg, Elem>(args, smem, stage, batch, head, m0, s, headdim);
     };
 
     // K and V only for a block some query sees. A block no query sees (its
@@ -582,87 +696,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
 
       // ---- S^T = K Q^T and dP^T = V dO^T (this warp: 16 keys x kBlockM queries)
       float acc_s[kSTiles][4], acc_dp[kSTiles][4];
-#pragma unroll
-      for (int t = 0; t < kSTiles; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        uint32_t a_k[4], a_v[4];
-        const uint32_t a_off = (kv_rows ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(0, kk * 2);
-        ptx::ldmatrix_x4(a_k, sK + a_off);
-        ptx::ldmatrix_x4(a_v, sV + a_off);
-        const uint32_t b_lane = q_chunks ^ QTile::chunk_xor(kk * 2);
-#pragma unroll
-        for (int np = 0; np < kBlockM / 16; ++np) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4(b, sQ + (b_lane + QTile::fixed(np * 16, kk * 2)));
-          ptx::mma_16816<Elem>(acc_s[2 * np][0], acc_s[2 * np][1], acc_s[2 * np][2],
-                               acc_s[2 * np][3], a_k, b[0], b[1]);
-          ptx::mma_16816<Elem>(acc_s[2 * np + 1][0], acc_s[2 * np + 1][1], acc_s[2 * np + 1][2],
-                               acc_s[2 * np + 1][3], a_k, b[2], b[3]);
-          ptx::ldmatrix_x4(b, sDo + (b_lane + QTile::fixed(np * 16, kk * 2)));
-          ptx::mma_16816<Elem>(acc_dp[2 * np][0], acc_dp[2 * np][1], acc_dp[2 * np][2],
-                               acc_dp[2 * np][3], a_v, b[0], b[1]);
-          ptx::mma_16816<Elem>(acc_dp[2 * np + 1][0], acc_dp[2 * np + 1][1],
-                               acc_dp[2 * np + 1][2], acc_dp[2 * np + 1][3], a_v, b[2], b[3]);
-        }
-      }
+      bwd_st_dpt<KVTile, QTile, kHeadDim, kBlockM, Elem>(acc_s, acc_dp, sK, sV, sQ, sDo, kv_rows, q_chunks);
 
       // ---- P^T (dropped, for dV) into acc_s and dS^T into acc_dp -------------
       const bool needs_mask =
           m0 + kBlockM > s.len_q || !rule.tile_fully_visible(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);
       const int key0 = n0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
-      if (!kExtras && !needs_mask) {
-#pragma unroll
-        for (int t = 0; t < kSTiles; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = t * 8 + q2 + (e & 1);
-            const float prob = softmax::exp2_fast(acc_s[t][e] * scale_log2 - lse2[c]);
-            acc_s[t][e] = prob;
-            acc_dp[t][e] = prob * (acc_dp[t][e] - delta[c]);
-          }
-      } else {
-        const float alibi_slope =
-            kExtras && f.alibi_slopes != nullptr ? f.alibi_slopes[batch * f.alibi_batch_stride + head] : 0.f;
-        const int bh = batch * f.nheads + head;
-#pragma unroll
-        for (int t = 0; t < kSTiles; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = t * 8 + q2 + (e & 1);
-            const int i = m0 + c;
-            const int j = key0 + (e / 2) * 8;
-            // Same float operations as the forward (fwd_kernel.cuh) so P
-            // matches the saved LSE as closely as possible.
-            float x = acc_s[t][e] * f.softmax_scale;
-            float tanh_x = 0.f;
-            if (kExtras && softcap > 0.f) {
-              tanh_x = tanhf(x * inv_softcap);
-              x = softcap * tanh_x;
-            }
-            if (kExtras) x -= alibi_slope * fabsf(static_cast<float>(i + diag - j));
-            bool visible = true;
-            if (needs_mask)
-              visible = rule.visible(i, j);
-            const float prob = visible ? softmax::exp2_fast(x * softmax::kLog2e - lse2[c]) : 0.f;
-            float dprob = acc_dp[t][e];
-            float kept = prob;
-            if (kExtras && threshold != 0u) {
-              const Philox4 rnd = dropout_random4(philox_seed, philox_offset, bh, i, j & ~3);
-              // Selects, not an indexed array: a run-time index would put it in local memory.
-              const uint32_t r = (j & 2) ? ((j & 1) ? rnd.w : rnd.z) : ((j & 1) ? rnd.y : rnd.x);
-              const bool keep = r >= threshold;
-              kept = keep ? prob * keep_scale : 0.f;
-              dprob = keep ? dprob * keep_scale : 0.f;
-            }
-            float ds = prob * (dprob - delta[c]);
-            if (kExtras && softcap > 0.f) ds *= 1.f - tanh_x * tanh_x;
-            acc_s[t][e] = kept;
-            acc_dp[t][e] = ds;
-          }
-      }
+      bwd_p_ds<kExtras, kSTiles>(acc_s, acc_dp, f, pw, rule, needs_mask, batch, head, m0, 0, key0, q2, lse2, delta);
 
       // ---- dV += P^T dO ; dS^T -> shared ; dK += dS^T Q ------------------------
 #pragma unroll

@@ -186,16 +186,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
   const SeqBounds s = seq_bounds(f, batch);
   const int n_blocks = (s.len_k + kBlockN - 1) / kBlockN;
   const MaskRule rule = MaskRule::of(s, f.window_left, f.window_right);
-  const int diag = rule.diag;
   const int headdim = f.headdim;
-
-  const float scale_log2 = f.softmax_scale * softmax::kLog2e;
-  const float softcap = f.softcap;
-  const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
-  const float keep_scale = f.dropout_p > 0.f ? 1.f / (1.f - f.dropout_p) : 1.f;
-  const uint32_t threshold = f.dropout_p > 0.f ? dropout_threshold(f.dropout_p) : 0u;
-  const uint64_t philox_seed = kExtras && threshold != 0u ? philox_seed_of(f) : 0;
-  const uint64_t philox_offset = kExtras && threshold != 0u ? philox_offset_of(f) : 0;
+  const BwdPointwise pw = bwd_pointwise<kExtras>(f);
 
   // Lane parts of the shared-memory addresses. Row offsets that are multiples of 8 leave the
   // swizzle bits alone (SwizzledTile), so the warp's row offsets fold in here.
@@ -228,25 +220,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
     auto m0_of = [&](int it) { return (m_begin + (heads == 1 ? it : it % m_blocks)) * kBlockM; };
 
     auto load_step = [&](int it, int stage) {
-      const int head = head_of(it);
-      const int m0 = m0_of(it);
-      const Elem* gQ = static_cast<const Elem*>(f.q) + batch * f.q_strides.batch_stride +
-                       static_cast<int64_t>(s.q_start + m0) * f.q_strides.row_stride + head * f.q_strides.head_stride;
-      const Elem* gDo = static_cast<const Elem*>(p.dout) + batch * p.dout_strides.batch_stride +
-                        static_cast<int64_t>(s.q_start + m0) * p.dout_strides.row_stride +
-                        head * p.dout_strides.head_stride;
-      bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffQ + stage * QTile::kBytes, gQ,
-                                                         f.q_strides.row_stride, s.len_q - m0, headdim);
-      bwd_load_tile<QTile, kBlockM, kHeadDim, kThreads>(smem + Cfg::kOffDo + stage * QTile::kBytes, gDo,
-                                                         p.dout_strides.row_stride, s.len_q - m0, headdim);
-      const int r = threadIdx.x;
-      if (r < kBlockM) {
-        const bool valid = m0 + r < s.len_q;
-        const int64_t ws = ws_row(args, batch, head, m0) + (valid ? r : 0);
-        ptx::cp_async_4(smem + Cfg::kOffLse + (stage * kBlockM + r) * 4, args.lse2 + ws, valid);
-        ptx::cp_async_4(smem + Cfg::kOffDelta + (stage * kBlockM + r) * 4, args.delta + ws, valid);
-      }
-      ptx::cp_async_commit();
+      bwd_load_step<Cfg, Elem>(args, smem, stage, batch, head_of(it), m0_of(it), s, headdim);
     };
 
     // K and V only for a block some query sees (bwd_kernel: unwaited copies of an empty block
@@ -287,84 +261,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 
       // ---- phase 1: S^T = K Q^T and dP^T = V dO^T (16 keys x kSCols queries a warp) -------
       float acc_s[kSTiles][4], acc_dp[kSTiles][4];
-#pragma unroll
-      for (int t = 0; t < kSTiles; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        uint32_t a_k[4], a_v[4];
-        const uint32_t a_off = (kv_rows ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(0, kk * 2);
-        ptx::ldmatrix_x4(a_k, sK + a_off);
-        ptx::ldmatrix_x4(a_v, sV + a_off);
-        const uint32_t b_lane = q_chunks ^ QTile::chunk_xor(kk * 2);
-#pragma unroll
-        for (int np = 0; np < kSCols / 16; ++np) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4(b, sQ + (b_lane + QTile::fixed(np * 16, kk * 2)));
-          ptx::mma_16816<Elem>(acc_s[2 * np][0], acc_s[2 * np][1], acc_s[2 * np][2], acc_s[2 * np][3], a_k, b[0],
-                               b[1]);
-          ptx::mma_16816<Elem>(acc_s[2 * np + 1][0], acc_s[2 * np + 1][1], acc_s[2 * np + 1][2],
-                               acc_s[2 * np + 1][3], a_k, b[2], b[3]);
-          ptx::ldmatrix_x4(b, sDo + (b_lane + QTile::fixed(np * 16, kk * 2)));
-          ptx::mma_16816<Elem>(acc_dp[2 * np][0], acc_dp[2 * np][1], acc_dp[2 * np][2], acc_dp[2 * np][3], a_v,
-                               b[0], b[1]);
-          ptx::mma_16816<Elem>(acc_dp[2 * np + 1][0], acc_dp[2 * np + 1][1], acc_dp[2 * np + 1][2],
-                               acc_dp[2 * np + 1][3], a_v, b[2], b[3]);
-        }
-      }
+      bwd_st_dpt<KVTile, QTile, kHeadDim, kSCols, Elem>(acc_s, acc_dp, sK, sV, sQ, sDo, kv_rows, q_chunks);
 
       // ---- P^T (dropped, for dV) into acc_s and dS^T into acc_dp: bwd_kernel's arithmetic --
       const bool needs_mask =
           m0 + kBlockM > s.len_q || !rule.tile_fully_visible(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);
       const int key0 = n0 + s_n * 16 + g;  // this thread's keys: key0 and key0 + 8
       const int col0 = s_m * kSCols;       // and its queries' offset in the block
-      if (!kExtras && !needs_mask) {
-#pragma unroll
-        for (int t = 0; t < kSTiles; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = col0 + t * 8 + q2 + (e & 1);
-            const float prob = softmax::exp2_fast(acc_s[t][e] * scale_log2 - lse2[c]);
-            acc_s[t][e] = prob;
-            acc_dp[t][e] = prob * (acc_dp[t][e] - delta[c]);
-          }
-      } else {
-        const float alibi_slope =
-            kExtras && f.alibi_slopes != nullptr ? f.alibi_slopes[batch * f.alibi_batch_stride + head] : 0.f;
-        const int bh = batch * f.nheads + head;
-#pragma unroll
-        for (int t = 0; t < kSTiles; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = col0 + t * 8 + q2 + (e & 1);
-            const int i = m0 + c;
-            const int j = key0 + (e / 2) * 8;
-            float x = acc_s[t][e] * f.softmax_scale;
-            float tanh_x = 0.f;
-            if (kExtras && softcap > 0.f) {
-              tanh_x = tanhf(x * inv_softcap);
-              x = softcap * tanh_x;
-            }
-            if (kExtras) x -= alibi_slope * fabsf(static_cast<float>(i + diag - j));
-            bool visible = true;
-            if (needs_mask) visible = rule.visible(i, j);
-            const float prob = visible ? softmax::exp2_fast(x * softmax::kLog2e - lse2[c]) : 0.f;
-            float dprob = acc_dp[t][e];
-            float kept = prob;
-            if (kExtras && threshold != 0u) {
-              const Philox4 rnd = dropout_random4(philox_seed, philox_offset, bh, i, j & ~3);
-              const uint32_t r = (j & 2) ? ((j & 1) ? rnd.w : rnd.z) : ((j & 1) ? rnd.y : rnd.x);
-              const bool keep = r >= threshold;
-              kept = keep ? prob * keep_scale : 0.f;
-              dprob = keep ? dprob * keep_scale : 0.f;
-            }
-            float ds = prob * (dprob - delta[c]);
-            if (kExtras && softcap > 0.f) ds *= 1.f - tanh_x * tanh_x;
-            acc_s[t][e] = kept;
-            acc_dp[t][e] = ds;
-          }
-      }
+      bwd_p_ds<kExtras, kSTiles>(acc_s, acc_dp, f, pw, rule, needs_mask, batch, head, m0, col0, key0, q2, lse2, delta);
 
       // ---- P^T and dS^T -> shared (16-bit) ----------------------------------------------
 #pragma unroll
