@@ -152,7 +152,7 @@ def test_too_small_workspace_is_a_clear_error(module):
 # whatever the build's kernels, so the hd64 module answers for all of them.
 KIB = 1024
 BUDGETS = {"sm90": 227 * KIB, "sm80": 163 * KIB, "sm86": 99 * KIB}
-# (block N, block M, Q/dO stages, warps) with the switch off: head-dim halves above 128.
+# (block N, block M, Q/dO stages, warps) with the switch off: bwd_kernel (head-dim halves above 128).
 HALVES = {
     32: {"sm90": (128, 64, 2, 8), "sm80": (128, 64, 2, 8), "sm86": (128, 64, 2, 8)},
     64: {"sm90": (128, 64, 2, 8), "sm80": (128, 64, 2, 8), "sm86": (128, 64, 2, 8)},
@@ -163,8 +163,13 @@ HALVES = {
     224: {"sm90": (64, 32, 1, 4), "sm80": (64, 32, 1, 4), "sm86": (64, 32, 1, 4)},
     256: {"sm90": (64, 32, 1, 4), "sm80": (64, 32, 1, 4), "sm86": (48, 32, 1, 3)},
 }
-# With the switch on (Note [portattn sm80 wide backward]): the whole head dim in one CTA.
+# With the switch on (Note [portattn sm80 wide backward]): the whole head dim in one CTA, where one
+# of its tiles fits (None: bwd_kernel's tile, as with the switch off).
 WIDE = {
+    32: {"sm90": None, "sm80": None, "sm86": None},
+    64: {"sm90": None, "sm80": None, "sm86": None},
+    96: {"sm90": (128, 64, 2, 8), "sm80": (128, 64, 2, 8), "sm86": None},
+    128: {"sm90": (128, 64, 2, 8), "sm80": (128, 64, 2, 8), "sm86": None},
     160: {"sm90": (64, 64, 2, 8), "sm80": (64, 64, 2, 8), "sm86": (64, 64, 1, 8)},
     192: {"sm90": (64, 64, 2, 8), "sm80": (64, 64, 2, 8), "sm86": (64, 32, 1, 8)},
     224: {"sm90": (64, 64, 2, 8), "sm80": (64, 64, 1, 8), "sm86": (64, 32, 1, 8)},
@@ -184,8 +189,8 @@ def test_bwd_tile_per_budget_with_the_wide_switch_off_and_on(module, head_dim, p
     assert _shape(off) == HALVES[head_dim][part] and not off["wide"]
     assert off["dsplit"] == (2 if head_dim > 128 else 1)
     on = module.bwd_tile(head_dim, budget, True)
-    if head_dim <= 128:
-        assert on == off  # the switch only concerns head dims above 128
+    if WIDE[head_dim][part] is None:
+        assert on == off
     else:
         assert _shape(on) == WIDE[head_dim][part] and on["wide"] and on["dsplit"] == 1
     for tile in (off, on):
@@ -194,6 +199,8 @@ def test_bwd_tile_per_budget_with_the_wide_switch_off_and_on(module, head_dim, p
 
 # Every wide candidate, fastest first, with the kernels' own kSmemBytes.
 WIDE_CANDIDATES = {
+    96: [((128, 64, 2, 8), 132096)],
+    128: [((128, 64, 2, 8), 164864)],
     160: [((64, 64, 2, 8), 140288), ((64, 64, 1, 8), 98816)],
     192: [((64, 64, 2, 8), 164864), ((64, 64, 1, 8), 115200), ((64, 32, 1, 8), 82176)],
     224: [((64, 64, 2, 8), 189440), ((64, 64, 1, 8), 131584), ((64, 32, 1, 8), 94464)],
@@ -204,20 +211,21 @@ WIDE_CANDIDATES = {
 @pytest.mark.parametrize("head_dim", list(WIDE_CANDIDATES))
 def test_wide_candidates_run_where_they_fit_and_the_halves_below(module, head_dim):
     # Walking the budget down from 227 KiB visits each candidate once, fastest first, each only where
-    # its shared memory fits; below the smallest (only under a PORTATTN_MAX_SMEM_KIB cap) the halves
-    # run, whose smallest tile is what the support matrix was told (bwd_smem_bytes).
+    # its shared memory fits; below the smallest bwd_kernel runs (the halves above 128, there only
+    # under a PORTATTN_MAX_SMEM_KIB cap), whose smallest tile is what the support matrix was told
+    # (bwd_smem_bytes).
     seen = []
     for budget in range(227 * KIB, 64 * KIB, -128):
         tile = module.bwd_tile(head_dim, budget, True)
         if not tile["wide"]:
-            assert tile["dsplit"] == 2 and budget < WIDE_CANDIDATES[head_dim][-1][1]
+            assert tile["dsplit"] == (2 if head_dim > 128 else 1) and budget < WIDE_CANDIDATES[head_dim][-1][1]
             assert tile == module.bwd_tile(head_dim, budget, False)
             continue
         assert tile["smem_bytes"] <= budget
         if not seen or seen[-1] != (_shape(tile), tile["smem_bytes"]):
             seen.append((_shape(tile), tile["smem_bytes"]))
     assert seen == WIDE_CANDIDATES[head_dim]
-    assert seen[-1][1] <= 99 * KIB
+    assert (seen[-1][1] <= 99 * KIB) == (head_dim > 128)  # 99 KiB parts keep bwd_kernel at 96/128
     assert module.bwd_smem_bytes(head_dim) <= seen[-1][1]
 
 

@@ -212,8 +212,10 @@ def main() -> int:
                               rng_seed=7, rng_offset=3)),
         (64, 65, 129, 1, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,
                               rng_seed=7, rng_offset=3)),
-        # The wide backward's extras kernel (Note [portattn sm80 wide backward]): 160 has 4 key groups,
-        # 256 two (or three at 99 KiB: 48 x 32, 6 warps).
+        # The wide backward's extras kernel (Note [portattn sm80 wide backward]): 128 and 160 have 4 key
+        # groups, 256 two (or three at 99 KiB: 48 x 32, 6 warps); at 99 KiB 128 runs bwd_kernel.
+        (128, 65, 129, 2, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,
+                               rng_seed=7, rng_offset=3)),
         (160, 65, 129, 2, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,
                                rng_seed=7, rng_offset=3)),
         (256, 65, 129, 1, dict(softcap=5.0, alibi_slopes=torch.rand(2, device="cuda"), dropout_p=0.3,

@@ -79,25 +79,41 @@ struct BwdConfigsFor<256> {
   using type = BwdCandidates<BwdTileConfig<256, 64, 32, 1>, BwdTileConfig<256, 48, 32, 1>>;
 };
 
-// The full-head-dim kernel above head dim 128 (Note [portattn sm80 wide backward] in
-// bwd_wide_kernel.cuh), run instead of BwdConfigsFor's head-dim halves unless
+// The full-head-dim kernel (Note [portattn sm80 wide backward] in bwd_wide_kernel.cuh), run
+// instead of BwdConfigsFor's tiles where one of its candidates fits the budget, unless
 // PORTATTN_SM80_BWD_WIDE=0 (bwd_wide_enabled). BwdWideConfig<head dim, block N, block M, Q/dO
 // stages, warps, warps sharing the keys in the dK/dV products>, fastest first (FlashAttention-2's
-// shapes: 64 x 64 with 8 warps; one Q/dO buffer where two do not fit; 32-query blocks under
-// 99 KiB). Shared memory (bytes; sm90 227 KiB = 232448, sm80 163 KiB = 166912, sm86/sm89 99 KiB
-// = 101376) and dK + dV fp32 registers a thread:
+// shapes: 128 x 64 at 96/128 and 64 x 64 above, 8 warps; one Q/dO buffer where two do not fit;
+// 32-query blocks under 99 KiB). Shared memory (bytes; sm90 227 KiB = 232448, sm80 163 KiB =
+// 166912, sm86/sm89 99 KiB = 101376) and dK + dV fp32 registers a thread:
+//   hd  96 128x64x2 132096                                    dK/dV warps 4 x 2: 32 x  48, 96 regs
+//   hd 128 128x64x2 164864                                    dK/dV warps 4 x 2: 32 x  64, 128 regs
 //   hd 160  64x64x2 140288 | 64x64x1  98816                   dK/dV warps 4 x 2: 16 x  80, 80 regs
 //   hd 192  64x64x2 164864 | 64x64x1 115200 | 64x32x1  82176   dK/dV warps 2 x 4: 32 x  48, 96 regs
 //   hd 224  64x64x2 189440 | 64x64x1 131584 | 64x32x1  94464   dK/dV warps 4 x 2: 16 x 112, 112 regs
 //   hd 256  64x64x2 214016 | 64x64x1 147968 | 48x32x1  88320   dK/dV warps 2 x 4: 32 x  64, 128 regs
 //                                                 (6 warps: 3 x 2, 16 x 128, 128 regs)
-// so sm90 runs 64x64x2, sm80 64x64x2 at 160/192 and 64x64x1 at 224/256, the 99 KiB parts the
-// last column (64x64x1 at 160). hd 256 under 99 KiB: neither 64 x 32 nor 32 x 64 fits (106752,
-// 107008 bytes), hence 48 keys and 6 warps.
-// A head dim without an entry (none is instantiated between 128 and 256 but these) keeps bwd_kernel.
+// so sm90 runs the first column, sm80 too except 64x64x1 at 224/256, the 99 KiB parts the last
+// column above 128 (64x64x1 at 160). hd 256 under 99 KiB: neither 64 x 32 nor 32 x 64 fits
+// (106752, 107008 bytes), hence 48 keys and 6 warps. At 96 and 128 the 99 KiB parts keep
+// bwd_kernel (its 128 x 64 x 1 and 64 x 64 x 1 tiles): the wide kernel's 64 x 64 x 1 at hd128 ran
+// 0.86-0.90x of them (H200 at a 99 KiB cap, fwd+bwd 1k-16k), and hd64 stays on bwd_kernel everywhere
+// (wide 128 x 64 x 2 ran 0.97-0.98x). At 96/128 the 128 x 64 x 2 tile (sm80, sm90) measured 1.04-1.08x
+// bwd_kernel's forward+backward at 128 and 1.01-1.07x at 96 on an H200 (docs/kernels-sm80.md).
+// A head dim without an entry keeps bwd_kernel.
 template <int kHeadDim>
 struct BwdWideConfigsFor {
   static constexpr bool kDefined = false;
+};
+template <>
+struct BwdWideConfigsFor<96> {
+  static constexpr bool kDefined = true;
+  using type = BwdCandidates<BwdWideConfig<96, 128, 64, 2, 8, 4>>;
+};
+template <>
+struct BwdWideConfigsFor<128> {
+  static constexpr bool kDefined = true;
+  using type = BwdCandidates<BwdWideConfig<128, 128, 64, 2, 8, 4>>;
 };
 template <>
 struct BwdWideConfigsFor<160> {
@@ -123,7 +139,7 @@ struct BwdWideConfigsFor<256> {
                              BwdWideConfig<256, 48, 32, 1, 6, 3>>;
 };
 
-// PORTATTN_SM80_BWD_WIDE (default on; "0" runs the halves): read once, at the first backward call or workspace
+// PORTATTN_SM80_BWD_WIDE (default on; "0" runs bwd_kernel: the halves above 128): read once, at the first backward call or workspace
 // query; portattn_cuda_sm80_bwd_wide (bwd_entry.cu) changes it afterwards (tests, A/B scripts).
 // It also sets the deterministic split count (det_splits: no head-dim halves), so the
 // workspace query and the call must see the same value.

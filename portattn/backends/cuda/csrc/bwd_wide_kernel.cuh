@@ -1,6 +1,7 @@
-// The sm80+ backward's main kernel for head dims above 128 with the whole head dim in one CTA
-// (FlashAttention-2's shape), the default; PORTATTN_SM80_BWD_WIDE=0 (bwd_wide_enabled,
-// bwd_entry.cu) runs bwd_kernel's head-dim halves instead.
+// The sm80+ backward's main kernel from head dim 96 up with the whole head dim in one CTA
+// (FlashAttention-2's shape), the default wherever one of its tiles fits the budget
+// (BwdWideConfigsFor); PORTATTN_SM80_BWD_WIDE=0 (bwd_wide_enabled, bwd_entry.cu) runs bwd_kernel
+// instead (its head-dim halves above 128).
 //
 // Note [portattn sm80 wide backward]
 // bwd_kernel (bwd_kernel.cuh) gives each warp 16 keys and keeps that warp's dK and dV rows in
