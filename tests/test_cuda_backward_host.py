@@ -69,6 +69,19 @@ def test_workspace_default_gqa_and_deterministic(module):
     assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True) == 2 * _align(rows * 4) + _align(splits * rows * d * 4)
 
 
+def test_sm80_dq_slices_hold_whole_8_row_blocks(module):
+    # The sm80+ kernels' blocked dQ (Note [portattn sm80 blocked dQ]): each slice rounds its rows up
+    # to a multiple of 8; the Hopper layout (ordered_dq) keeps exact rows.
+    b, h, d, sq, sk = 1, 3, 64, 5, 300  # 15 rows -> 16
+    rows, padded = b * h * sq, 16
+    assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, False) == 2 * _align(rows * 4) + _align(padded * d * 4)
+    splits = min(math.ceil(256 / (b * h)), math.ceil(sk / 64))
+    assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, True) == (
+        2 * _align(rows * 4) + _align(splits * padded * d * 4))
+    assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, False, ordered_dq=True) == (
+        2 * _align(rows * 4) + _align(rows * d * 4))
+
+
 def test_hopper_layout_orders_dq_instead_of_slicing_it(module):
     # bwd_workspace_bytes(..., ordered_dq=True): the Hopper backward's layout (Note [portattn hopper
     # ordered dQ]). The default mode is the same as bwd()'s; the deterministic mode keeps one fp32 dQ

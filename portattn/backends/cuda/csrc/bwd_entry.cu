@@ -82,7 +82,8 @@ BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_
   while (ws.chunk_heads_k % 2 == 0 && dq_per_kv_head * (ws.chunk_heads_k / 2) >= min_chunk_bytes)
     ws.chunk_heads_k /= 2;
   const int64_t rows = static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group * f.seqlen_q;
-  ws.dq_slice = rows * acc_head_dim;
+  // The sm80+ kernels' dQ is stored in 8-row blocks (Note [portattn sm80 blocked dQ]): whole blocks.
+  ws.dq_slice = (ordered_dq ? rows : (rows + 7) / 8 * 8) * acc_head_dim;
   ws.dkv_accum = !params.deterministic && f.nheads != f.nheads_k;
   const int64_t dkv =
       ws.dkv_accum ? static_cast<int64_t>(f.batch) * f.seqlen_k * ws.chunk_heads_k * acc_head_dim * 4 : 0;

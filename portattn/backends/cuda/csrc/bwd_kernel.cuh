@@ -126,7 +126,7 @@ struct BwdArgs {
   int head0, heads, heads_k;
   float* delta;     // (B, heads, Sq_max) rowsum(dO * O)
   float* lse2;      // (B, heads, Sq_max) the LSE in log2 units, +inf for fully masked rows
-  float* dq_accum;  // [slices] x (B, heads, Sq_max, acc_head_dim) fp32
+  float* dq_accum;  // [slices] x (B, heads, Sq_max, acc_head_dim) fp32 (blocked: dq_blocked)
   float* dk_accum;  // (B, Sk_max, heads_k, acc_head_dim) fp32, GQA default mode only
   float* dv_accum;
   // Elements per row of the fp32 accumulators (dQ, and dK/dV for GQA): f.headdim on the
@@ -142,6 +142,9 @@ struct BwdArgs {
   // The Hopper backward's bulk dQ adds (Note [portattn hopper bulk dQ]): dq_accum's
   // rows hold their 16-byte chunks swizzled (dq_chunk_swizzle); false everywhere else.
   bool dq_swizzled;
+  // The sm80+ kernels' blocked dQ layout (Note [portattn sm80 blocked dQ]); false for the Hopper
+  // backward (ordered_dq in run_bwd_sequence).
+  bool dq_blocked;
   // The workspace bytes the main kernel adds into (the dq_order counts and the fp32
   // accumulators; a multiple of 16, 16-byte aligned), which bwd_preprocess zeroes
   // (Note [portattn backward zeroing]); zero_bytes = 0: cleared by the caller instead.
@@ -342,35 +345,54 @@ __device__ __forceinline__ void accum_add2(float* ptr, float v0, float v1) {
 #endif
 }
 
+// Note [portattn sm80 blocked dQ]
+// The sm80+ kernels' fp32 dQ accumulator (BwdArgs::dq_blocked) is stored in blocks of 8 rows x 8
+// columns, 256 contiguous bytes each: element (R, c) of accumulator row R (ws_row) at
+//   (R / 8) * 8 * pitch + (c / 8) * 64 + (R % 8) * 8 + c % 8
+// (dq_blocked_offset; pitch = the row's floats, a multiple of 8; the workspace rows are padded to
+// a multiple of 8, bwd_workspace_layout). One reduction instruction of an mma C fragment (lane
+// g, q: rows g of an 8-row half, columns 2q, 2q + 1 of an n8 tile) then covers one such block,
+// 2 cache lines, where row-major rows made it 8 lines of 32 bytes: ncu showed the row-major
+// reductions stalling the issue on the LSU queue (lg_throttle 0.47 cycles an instruction at hd128
+// against FlashAttention-2's 0.01, with the same L2 reduction sectors), and the blocked layout
+// took the main kernel from 6.87 to 6.35 ms (hd128, 4k keys, H200; docs/kernels-sm80.md). The
+// convert kernel reads a row's 8-column chunk as 32 contiguous bytes. The Hopper backward keeps
+// its own row layout (Note [portattn hopper bulk dQ]).
+__host__ __device__ __forceinline__ int64_t dq_blocked_offset(int64_t row, int col, int pitch) {
+  return (row >> 3) * 8 * pitch + (col >> 3) * 64 + (row & 7) * 8 + (col & 7);
+}
+
 // Adds a warp's dQ tile (kRowTiles m16 tiles x kChunkTiles n8 tiles, rows from 16 * kRowTiles * tm,
-// columns from col0) into the fp32 accumulator gDq (row stride headdim). Interior tiles (every row
-// inside the sequence, headdim == kHeadDim) take the row stride as a constant, so each reduction is
-// one instruction at an immediate offset from one address; boundary tiles test each row and column.
+// columns from col0) into the blocked fp32 accumulator dq (Note [portattn sm80 blocked dQ]; pitch
+// headdim) at accumulator row row0 (the step's first query). Interior tiles (every row inside the
+// sequence, headdim == kHeadDim, row0 a multiple of 8) take the pitch as a constant, so each
+// reduction is one instruction at an immediate offset from one address; boundary tiles test each
+// row and column.
 template <int kHeadDim, int kRowTiles, int kChunkTiles>
-__device__ __forceinline__ void dq_tile_add(float* gDq, const float (&acc)[kRowTiles][kChunkTiles][4], int tm,
-                                            int col0, int g, int q2, bool interior, int headdim, int rows) {
-  const int row_first = tm * kRowTiles * 16 + g;
+__device__ __forceinline__ void dq_tile_add(float* dq, int64_t row0, const float (&acc)[kRowTiles][kChunkTiles][4],
+                                            int tm, int col0, int g, int q2, bool interior, int headdim, int rows) {
   if (interior) {
-    float* at = gDq + row_first * kHeadDim + col0 + q2;
+    float* at = dq + ((row0 >> 3) + tm * kRowTiles * 2) * 8 * kHeadDim + (col0 >> 3) * 64 + g * 8 + q2;
 #pragma unroll
     for (int r = 0; r < kRowTiles; ++r)
 #pragma unroll
       for (int t = 0; t < kChunkTiles; ++t) {
-        accum_add2(at + r * 16 * kHeadDim + t * 8, acc[r][t][0], acc[r][t][1]);
-        accum_add2(at + (r * 16 + 8) * kHeadDim + t * 8, acc[r][t][2], acc[r][t][3]);
+        accum_add2(at + (2 * r) * 8 * kHeadDim + t * 64, acc[r][t][0], acc[r][t][1]);
+        accum_add2(at + (2 * r + 1) * 8 * kHeadDim + t * 64, acc[r][t][2], acc[r][t][3]);
       }
     return;
   }
+  const int row_first = tm * kRowTiles * 16 + g;
 #pragma unroll
   for (int r = 0; r < kRowTiles; ++r)
 #pragma unroll
     for (int t = 0; t < kChunkTiles; ++t) {
       const int col = col0 + t * 8 + q2;
-      const int r0 = row_first + r * 16;
-      float* row0 = gDq + r0 * headdim + col;
-      if (col < headdim) {
-        if (r0 < rows) accum_add2(row0, acc[r][t][0], acc[r][t][1]);
-        if (r0 + 8 < rows) accum_add2(row0 + 8 * headdim, acc[r][t][2], acc[r][t][3]);
+      if (col >= headdim) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = row_first + r * 16 + h * 8;
+        if (i < rows) accum_add2(dq + dq_blocked_offset(row0 + i, col, headdim), acc[r][t][2 * h], acc[r][t][2 * h + 1]);
       }
     }
 }
@@ -735,12 +757,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
       constexpr int kRowTiles = kDqRows / 16;
       constexpr int kTilesM = kBlockM / kDqRows;
       constexpr int kTiles = kTilesM * (kDOut / kDqChunk);
-      // Row pitch headdim: args.acc_head_dim is f.headdim on this path (run_bwd), kept out of
-      // the kernel so its registers stay as measured.
-      float* gDq = dq_slice + ws_row(args, batch, head, m0) * headdim;
-      // Interior tiles (all rows inside the sequence, the head dim unpadded) add without bounds
-      // tests; the boundary ones test each row and column.
-      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim;
+      // Pitch headdim: args.acc_head_dim is f.headdim on this path (run_bwd), kept out of the
+      // kernel so its registers stay as measured.
+      const int64_t dq_row0 = ws_row(args, batch, head, m0);
+      // Interior tiles (all rows inside the sequence, the head dim unpadded, whole 8-row blocks)
+      // add without bounds tests; the boundary ones test each row and column.
+      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim && (dq_row0 & 7) == 0;
       for (int tile = warp; tile < kTiles; tile += kWarps) {
         const int tm = tile % kTilesM;
         const int col0 = col_base + (tile / kTilesM) * kDqChunk;
@@ -762,7 +784,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
 #pragma unroll
           for (int r = 0; r < kRowTiles; ++r) mma_a_tile<KVTile, kDqChunk, Elem>(acc[r], a[r], sK, kv_t, kk * 16, col0);
         }
-        dq_tile_add<kHeadDim, kRowTiles, kDqChunk / 8>(gDq, acc, tm, col0, g, q2, dq_interior, headdim, s.len_q - m0);
+        dq_tile_add<kHeadDim, kRowTiles, kDqChunk / 8>(dq_slice, dq_row0, acc, tm, col0, g, q2, dq_interior, headdim,
+                                                       s.len_q - m0);
       }
     }
 
@@ -833,15 +856,19 @@ __global__ void __launch_bounds__(256) bwd_convert_dq(const BwdArgs args, int sl
   const int i = static_cast<int>(rest / args.heads);
   const SeqBounds s = seq_bounds(f, batch);  // clamped to the tensors (seq_bounds.h)
   if (i >= s.len_q) return;
-  const float* src = args.dq_accum + ws_row(args, batch, head, i) * args.acc_head_dim;
+  const int64_t row = ws_row(args, batch, head, i);
+  const float* src = args.dq_accum + (args.dq_blocked ? dq_blocked_offset(row, chunk * 8, args.acc_head_dim)
+                                                      : row * args.acc_head_dim);
   // This thread's two 16-byte chunks (swizzled in the Hopper bulk mode). A padded row
   // (acc_head_dim > f.headdim: 128 floats = 32 chunks at hd96) is read in its first
   // f.headdim / 4 chunks only: the swizzle XORs the chunk index with a key < 8, so it
   // maps each aligned group of 8 chunks onto itself, and a padded f.headdim is a multiple
   // of 32 floats = 8 chunks (run_hopper_bwd checks it): the chunks read hold exactly the
   // columns below f.headdim, never the padding's zeros.
-  const int lo_at = (args.dq_swizzled ? dq_chunk_swizzle(i, chunk * 32) : chunk * 32) / 4;
-  const int hi_at = (args.dq_swizzled ? dq_chunk_swizzle(i, chunk * 32 + 16) : chunk * 32 + 16) / 4;
+  // Blocked (the sm80+ kernels, Note [portattn sm80 blocked dQ]): the chunk's 8 floats are
+  // contiguous at src.
+  const int lo_at = args.dq_blocked ? 0 : (args.dq_swizzled ? dq_chunk_swizzle(i, chunk * 32) : chunk * 32) / 4;
+  const int hi_at = args.dq_blocked ? 4 : (args.dq_swizzled ? dq_chunk_swizzle(i, chunk * 32 + 16) : chunk * 32 + 16) / 4;
   float acc[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;

@@ -266,6 +266,7 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main,
   args.splits = ws.slices;
   args.dq_order = ordered_dq && params.deterministic != 0 ? reinterpret_cast<int*>(base + ws.dq_order) : nullptr;
   args.dq_swizzled = dq_swizzled;
+  args.dq_blocked = !ordered_dq;  // the sm80+ kernels (Note [portattn sm80 blocked dQ])
   args.acc_head_dim = acc_head_dim;
   args.zero_begin = base + ws.dq_order;
   args.zero_bytes = ws.total - ws.dq_order;

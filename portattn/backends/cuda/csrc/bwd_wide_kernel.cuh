@@ -320,8 +320,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
       constexpr int kRowTiles = kDqRows / 16;
       constexpr int kTilesM = kBlockM / kDqRows;
       constexpr int kTiles = kTilesM * (kHeadDim / kDqChunk);
-      float* gDq = dq_slice + ws_row(args, batch, head, m0) * headdim;
-      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim;
+      const int64_t dq_row0 = ws_row(args, batch, head, m0);
+      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim && (dq_row0 & 7) == 0;
       for (int tile = warp; tile < kTiles; tile += kWarps) {
         const int tm = tile % kTilesM;
         const int dq_col0 = (tile / kTilesM) * kDqChunk;
@@ -343,7 +343,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 #pragma unroll
           for (int r = 0; r < kRowTiles; ++r) mma_a_tile<KVTile, kDqChunk, Elem>(acc[r], a[r], sK, kv_t, kk * 16, dq_col0);
         }
-        dq_tile_add<kHeadDim, kRowTiles, kDqChunk / 8>(gDq, acc, tm, dq_col0, g, q2, dq_interior, headdim, s.len_q - m0);
+        dq_tile_add<kHeadDim, kRowTiles, kDqChunk / 8>(dq_slice, dq_row0, acc, tm, dq_col0, g, q2, dq_interior, headdim,
+                                                       s.len_q - m0);
       }
     }
 
