@@ -354,8 +354,10 @@ __device__ __forceinline__ void accum_add2(float* ptr, float v0, float v1) {
 // g, q: rows g of an 8-row half, columns 2q, 2q + 1 of an n8 tile) then covers one such block,
 // 2 cache lines, where row-major rows made it 8 lines of 32 bytes: ncu showed the row-major
 // reductions stalling the issue on the LSU queue (lg_throttle 0.47 cycles an instruction at hd128
-// against FlashAttention-2's 0.01, with the same L2 reduction sectors), and the blocked layout
-// took the main kernel from 6.87 to 6.35 ms (hd128, 4k keys, H200; docs/kernels-sm80.md). The
+// against FlashAttention-2's 0.01, with the same L2 reduction sectors); a timing build with this
+// access pattern took the main kernel from 6.87 to 6.35 ms (hd128, 4k keys, H200), and this layout
+// measured forward+backward 1.02-1.04x at hd64, 1.05-1.06x at 128, 1.13-1.14x at 256
+// (docs/kernels-sm80.md). The
 // convert kernel reads a row's 8-column chunk as 32 contiguous bytes. The Hopper backward keeps
 // its own row layout (Note [portattn hopper bulk dQ]).
 __host__ __device__ __forceinline__ int64_t dq_blocked_offset(int64_t row, int col, int pitch) {
