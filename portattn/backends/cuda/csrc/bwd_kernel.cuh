@@ -357,9 +357,12 @@ __device__ __forceinline__ void accum_add2(float* ptr, float v0, float v1) {
 // against FlashAttention-2's 0.01, with the same L2 reduction sectors); a timing build with this
 // access pattern took the main kernel from 6.87 to 6.35 ms (hd128, 4k keys, H200), and this layout
 // measured forward+backward 1.02-1.04x at hd64, 1.05-1.06x at 128, 1.13-1.14x at 256
-// (docs/kernels-sm80.md). The
-// convert kernel reads a row's 8-column chunk as 32 contiguous bytes. The Hopper backward keeps
-// its own row layout (Note [portattn hopper bulk dQ]).
+// (docs/kernels-sm80.md). The convert kernel reads a row's 8-column chunk as 32 contiguous bytes.
+// The Hopper backward keeps its own row layout (Note [portattn hopper bulk dQ]).
+// dq_tile_add's immediate-offset path needs the step's first row at a multiple of 8, so calls whose
+// seqlen_q (max_seqlen_q for varlen) is not a multiple of 8 add every tile of most heads through
+// the bounds-tested path (not measured; a lane could fold (row0 + g) / 8 and % 8 into its address
+// instead).
 __host__ __device__ __forceinline__ int64_t dq_blocked_offset(int64_t row, int col, int pitch) {
   return (row >> 3) * 8 * pitch + (col >> 3) * 64 + (row & 7) * 8 + (col & 7);
 }
