@@ -69,17 +69,21 @@ def test_workspace_default_gqa_and_deterministic(module):
     assert module.bwd_workspace_bytes(b, h, hk, d, sq, sk, True) == 2 * _align(rows * 4) + _align(splits * rows * d * 4)
 
 
-def test_sm80_dq_slices_hold_whole_8_row_blocks(module):
-    # The sm80+ kernels' blocked dQ (Note [portattn sm80 blocked dQ]): each slice rounds its rows up
-    # to a multiple of 8; the Hopper layout (ordered_dq) keeps exact rows.
-    b, h, d, sq, sk = 1, 3, 64, 5, 300  # 15 rows -> 16
-    rows, padded = b * h * sq, 16
-    assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, False) == 2 * _align(rows * 4) + _align(padded * d * 4)
+def test_sm80_workspace_pads_each_head_to_whole_8_row_blocks(module):
+    # The sm80+ kernels' blocked dQ (Note [portattn sm80 blocked dQ]): each (batch, head) keeps its
+    # rows of delta, lse2 and dQ padded to a multiple of 8, so every head starts a block; the Hopper
+    # layout (ordered_dq) keeps exact rows.
+    b, h, d, sq, sk = 2, 3, 64, 5, 300  # 5 rows a head -> 8
+    rows, padded = b * h * sq, b * h * 8
+    assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, False) == 2 * _align(padded * 4) + _align(padded * d * 4)
     splits = min(math.ceil(256 / (b * h)), math.ceil(sk / 64))
     assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, True) == (
-        2 * _align(rows * 4) + _align(splits * padded * d * 4))
+        2 * _align(padded * 4) + _align(splits * padded * d * 4))
     assert module.bwd_workspace_bytes(b, h, h, d, sq, sk, False, ordered_dq=True) == (
         2 * _align(rows * 4) + _align(rows * d * 4))
+    # A multiple of 8 is its own padding.
+    assert module.bwd_workspace_bytes(b, h, h, d, 16, sk, False) == (
+        2 * _align(b * h * 16 * 4) + _align(b * h * 16 * d * 4))
 
 
 def test_hopper_layout_orders_dq_instead_of_slicing_it(module):

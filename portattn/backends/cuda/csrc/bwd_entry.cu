@@ -75,15 +75,17 @@ BwdWorkspace bwd_workspace_layout(const PortattnBwdParams& params, bool ordered_
   const bool sliced = params.deterministic && !ordered_dq;
   ws.slices = sliced ? det_splits(f) : 1;
   const int group = f.nheads_k > 0 ? f.nheads / f.nheads_k : 1;
-  const int64_t dq_per_kv_head = static_cast<int64_t>(ws.slices) * f.batch * group * f.seqlen_q *
+  // The sm80+ kernels' dQ is stored in 8-row blocks (Note [portattn sm80 blocked dQ]): each head's
+  // rows start on a whole block.
+  ws.ws_rows = ordered_dq ? f.seqlen_q : (f.seqlen_q + 7) / 8 * 8;
+  const int64_t dq_per_kv_head = static_cast<int64_t>(ws.slices) * f.batch * group * ws.ws_rows *
                                  acc_head_dim * 4;
   ws.chunk_heads_k = f.nheads_k;
   const int64_t min_chunk_bytes = sliced ? kMinChunkDetDqBytes : kMinChunkDqBytes;
   while (ws.chunk_heads_k % 2 == 0 && dq_per_kv_head * (ws.chunk_heads_k / 2) >= min_chunk_bytes)
     ws.chunk_heads_k /= 2;
-  const int64_t rows = static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group * f.seqlen_q;
-  // The sm80+ kernels' dQ is stored in 8-row blocks (Note [portattn sm80 blocked dQ]): whole blocks.
-  ws.dq_slice = (ordered_dq ? rows : (rows + 7) / 8 * 8) * acc_head_dim;
+  const int64_t rows = static_cast<int64_t>(f.batch) * ws.chunk_heads_k * group * ws.ws_rows;
+  ws.dq_slice = rows * acc_head_dim;
   ws.dkv_accum = !params.deterministic && f.nheads != f.nheads_k;
   const int64_t dkv =
       ws.dkv_accum ? static_cast<int64_t>(f.batch) * f.seqlen_k * ws.chunk_heads_k * acc_head_dim * 4 : 0;

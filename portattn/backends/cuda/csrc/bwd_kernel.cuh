@@ -124,9 +124,12 @@ struct BwdArgs {
   // This launch's chunk of heads: query heads [head0, head0 + heads), KV heads
   // [head0 / group, + heads_k). The workspace arrays cover the chunk only.
   int head0, heads, heads_k;
-  float* delta;     // (B, heads, Sq_max) rowsum(dO * O)
-  float* lse2;      // (B, heads, Sq_max) the LSE in log2 units, +inf for fully masked rows
-  float* dq_accum;  // [slices] x (B, heads, Sq_max, acc_head_dim) fp32 (blocked: dq_blocked)
+  float* delta;     // (B, heads, ws_rows) rowsum(dO * O)
+  float* lse2;      // (B, heads, ws_rows) the LSE in log2 units, +inf for fully masked rows
+  float* dq_accum;  // [slices] x (B, heads, ws_rows, acc_head_dim) fp32 (blocked: dq_blocked)
+  // Rows per (batch, head) of the workspace arrays (BwdWorkspace::ws_rows): Sq_max, rounded up to
+  // a multiple of 8 for the blocked dQ, so that every head's rows start on a whole 8-row block.
+  int ws_rows;
   float* dk_accum;  // (B, Sk_max, heads_k, acc_head_dim) fp32, GQA default mode only
   float* dv_accum;
   // Elements per row of the fp32 accumulators (dQ, and dK/dV for GQA): f.headdim on the
@@ -170,11 +173,11 @@ __host__ __device__ constexpr int hopper_bwd_acc_head_dim(int head_dim) {
 // holds one count per such block.
 constexpr int kDqOrderRows = 64;
 
-// Row of the (B, chunk heads, Sq_max) workspace arrays; varlen rows are padded
+// Row of the (B, chunk heads, ws_rows) workspace arrays; varlen rows are padded
 // to the longest sequence, so the layout needs nothing but the params (and
-// seq_bounds caps every sequence at Sq_max, so no row reaches its neighbour's).
+// seq_bounds caps every sequence at Sq_max <= ws_rows, so no row reaches its neighbour's).
 __device__ __forceinline__ int64_t ws_row(const BwdArgs& args, int batch, int head, int i) {
-  return (static_cast<int64_t>(batch) * args.heads + head - args.head0) * args.p.fwd.seqlen_q + i;
+  return (static_cast<int64_t>(batch) * args.heads + head - args.head0) * args.ws_rows + i;
 }
 
 // The heads of a main-kernel CTA (grid.y): deterministic, a KV head walking
@@ -349,8 +352,8 @@ __device__ __forceinline__ void accum_add2(float* ptr, float v0, float v1) {
 // The sm80+ kernels' fp32 dQ accumulator (BwdArgs::dq_blocked) is stored in blocks of 8 rows x 8
 // columns, 256 contiguous bytes each: element (R, c) of accumulator row R (ws_row) at
 //   (R / 8) * 8 * pitch + (c / 8) * 64 + (R % 8) * 8 + c % 8
-// (dq_blocked_offset; pitch = the row's floats, a multiple of 8; the workspace rows are padded to
-// a multiple of 8, bwd_workspace_layout). One reduction instruction of an mma C fragment (lane
+// (dq_blocked_offset; pitch = the row's floats, a multiple of 8; each head's rows are padded to
+// a multiple of 8, BwdArgs::ws_rows, so a head's first row starts a block). One reduction instruction of an mma C fragment (lane
 // g, q: rows g of an 8-row half, columns 2q, 2q + 1 of an n8 tile) then covers one such block,
 // 2 cache lines, where row-major rows made it 8 lines of 32 bytes: ncu showed the row-major
 // reductions stalling the issue on the LSU queue (lg_throttle 0.47 cycles an instruction at hd128
@@ -359,18 +362,19 @@ __device__ __forceinline__ void accum_add2(float* ptr, float v0, float v1) {
 // measured forward+backward 1.02-1.04x at hd64, 1.05-1.06x at 128, 1.13-1.14x at 256
 // (docs/kernels-sm80.md). The convert kernel reads a row's 8-column chunk as 32 contiguous bytes.
 // The Hopper backward keeps its own row layout (Note [portattn hopper bulk dQ]).
-// dq_tile_add's immediate-offset path needs the step's first row at a multiple of 8, so calls whose
-// seqlen_q (max_seqlen_q for varlen) is not a multiple of 8 add every tile of most heads through
-// the bounds-tested path (not measured; a lane could fold (row0 + g) / 8 and % 8 into its address
-// instead).
+// dq_tile_add's immediate-offset path needs the step's first row at a multiple of 8: the padded
+// head pitch makes every step's (m0 is a multiple of kBlockM) whatever seqlen_q is. With the exact
+// pitch, calls whose seqlen_q (max_seqlen_q for varlen) was not a multiple of 8 added most heads'
+// tiles through the bounds-tested path: 0.96-0.97x forward+backward at hd128, seqlen 4095 against
+// 4096 (docs/kernels-sm80.md). The padding costs at most 7 rows a head of delta, lse2 and dQ.
 __host__ __device__ __forceinline__ int64_t dq_blocked_offset(int64_t row, int col, int pitch) {
   return (row >> 3) * 8 * pitch + (col >> 3) * 64 + (row & 7) * 8 + (col & 7);
 }
 
 // Adds a warp's dQ tile (kRowTiles m16 tiles x kChunkTiles n8 tiles, rows from 16 * kRowTiles * tm,
 // columns from col0) into the blocked fp32 accumulator dq (Note [portattn sm80 blocked dQ]; pitch
-// headdim) at accumulator row row0 (the step's first query). Interior tiles (every row inside the
-// sequence, headdim == kHeadDim, row0 a multiple of 8) take the pitch as a constant, so each
+// headdim) at accumulator row row0 (the step's first query, a multiple of 8). Interior tiles (every
+// row inside the sequence, headdim == kHeadDim) take the pitch as a constant, so each
 // reduction is one instruction at an immediate offset from one address; boundary tiles test each
 // row and column.
 template <int kHeadDim, int kRowTiles, int kChunkTiles>
@@ -765,9 +769,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
       // Pitch headdim: args.acc_head_dim is f.headdim on this path (run_bwd), kept out of the
       // kernel so its registers stay as measured.
       const int64_t dq_row0 = ws_row(args, batch, head, m0);
-      // Interior tiles (all rows inside the sequence, the head dim unpadded, whole 8-row blocks)
-      // add without bounds tests; the boundary ones test each row and column.
-      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim && (dq_row0 & 7) == 0;
+      // Interior tiles (all rows inside the sequence, the head dim unpadded) add without bounds
+      // tests; the boundary ones test each row and column. dq_row0 is a multiple of 8 (ws_rows is,
+      // and so is m0), as the interior path needs (Note [portattn sm80 blocked dQ]).
+      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim;
       for (int tile = warp; tile < kTiles; tile += kWarps) {
         const int tm = tile % kTilesM;
         const int col0 = col_base + (tile / kTilesM) * kDqChunk;

@@ -105,15 +105,21 @@ template <int kHeadDim>
 struct BwdWideConfigsFor {
   static constexpr bool kDefined = false;
 };
+// 128 x 64 runs phase 1 on 32 x 32 warp tiles (BwdWideConfig::kSRows), unless built with
+// -DPORTATTN_SM80_BWD_WIDE_S32=0 (16 x 64: the A/B).
+#ifndef PORTATTN_SM80_BWD_WIDE_S32
+#define PORTATTN_SM80_BWD_WIDE_S32 1
+#endif
+constexpr int kWide128SRows = PORTATTN_SM80_BWD_WIDE_S32 ? 32 : 16;
 template <>
 struct BwdWideConfigsFor<96> {
   static constexpr bool kDefined = true;
-  using type = BwdCandidates<BwdWideConfig<96, 128, 64, 2, 8, 4>>;
+  using type = BwdCandidates<BwdWideConfig<96, 128, 64, 2, 8, 4, kWide128SRows>>;
 };
 template <>
 struct BwdWideConfigsFor<128> {
   static constexpr bool kDefined = true;
-  using type = BwdCandidates<BwdWideConfig<128, 128, 64, 2, 8, 4>>;
+  using type = BwdCandidates<BwdWideConfig<128, 128, 64, 2, 8, 4, kWide128SRows>>;
 };
 template <>
 struct BwdWideConfigsFor<160> {
@@ -179,6 +185,7 @@ struct BwdWorkspace {
   int slices;         // 1, or the deterministic split count
   bool dkv_accum;     // GQA in the default mode
   int chunk_heads_k;  // KV heads per chunk (nheads_k when not chunked)
+  int ws_rows;        // rows per (batch, head): seqlen_q, padded to 8 for the blocked dQ (BwdArgs)
 };
 
 // Defined in bwd_entry.cu (one definition: the size Python allocates and the
@@ -263,6 +270,7 @@ cudaError_t run_bwd_sequence(const PortattnBwdParams& params, MainLaunch&& main,
   args.dk_accum = ws.dkv_accum ? reinterpret_cast<float*>(base + ws.dk) : nullptr;
   args.dv_accum = ws.dkv_accum ? reinterpret_cast<float*>(base + ws.dv) : nullptr;
   args.dq_slice = ws.dq_slice;
+  args.ws_rows = ws.ws_rows;
   args.splits = ws.slices;
   args.dq_order = ordered_dq && params.deterministic != 0 ? reinterpret_cast<int*>(base + ws.dq_order) : nullptr;
   args.dq_swizzled = dq_swizzled;

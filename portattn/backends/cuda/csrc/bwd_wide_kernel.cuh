@@ -10,8 +10,9 @@
 // the full head dim (1.4x the FLOPs at hd256). This kernel keeps the full head dim and splits the
 // work differently in each of its two phases of a query block:
 //   1. S^T = K Q^T and dP^T = V dO^T, kBlockN x kBlockM, over the warps as a grid of
-//      kSWarpsN = kBlockN / 16 key groups x kSWarpsM query groups (16 keys x kSCols queries a
-//      warp); P^T (dropped) and dS^T go to shared memory, packed to 16 bits.
+//      kSWarpsN = kBlockN / kSRows key groups x kSWarpsM query groups (kSRows keys x kSCols
+//      queries a warp; 32 x 32 at 128 x 64, FlashAttention-2's warp tile, else 16 x 32); P^T
+//      (dropped) and dS^T go to shared memory, packed to 16 bits.
 //   2. dV += P^T dO and dK += dS^T Q, kBlockN x kHeadDim, over the warps as a grid of
 //      kKvWarpsN key groups x kKvWarpsD column groups (kKvRows x kKvCols a warp, the columns
 //      every kKvWarpsD-th block of 16, so that one lane address serves them all): each warp owns
@@ -35,8 +36,9 @@ namespace portattn {
 namespace cuda {
 
 // kBlockN keys per CTA, kBlockM queries per step, kStages Q/dO buffers, kWarps warps, of which
-// kKvWarpsN share the keys (and kWarps / kKvWarpsN the head dim) in the dK/dV products.
-template <int kHeadDim_, int kBlockN_, int kBlockM_, int kStages_, int kWarps_, int kKvWarpsN_>
+// kKvWarpsN share the keys (and kWarps / kKvWarpsN the head dim) in the dK/dV products; kSRows
+// keys a warp in the S^T / dP^T products.
+template <int kHeadDim_, int kBlockN_, int kBlockM_, int kStages_, int kWarps_, int kKvWarpsN_, int kSRows_ = 16>
 struct BwdWideConfig {
   static constexpr bool kWide = true;
   static constexpr int kHeadDim = kHeadDim_;
@@ -47,8 +49,11 @@ struct BwdWideConfig {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kDSplit = 1;  // the launch's grid.z factor: the head dim is not split
   static constexpr int kDOut = kHeadDim;
-  // Phase 1 (S^T, dP^T): 16 keys x kSCols queries a warp.
-  static constexpr int kSWarpsN = kBlockN / 16;
+  // Phase 1 (S^T, dP^T): kSRows keys x kSCols queries a warp. Per k16 step a warp loads
+  // kSRows / 16 + kSCols / 16 fragments of each operand pair: 2 + 2 at 32 x 32 against 1 + 4 at
+  // 16 x 64 (the 128 x 64 tile with 16-key warps), for the same MMAs.
+  static constexpr int kSRows = kSRows_;
+  static constexpr int kSWarpsN = kBlockN / kSRows;
   static constexpr int kSWarpsM = kWarps / kSWarpsN;
   static constexpr int kSCols = kBlockM / kSWarpsM;
   // Phase 2 (dK, dV): kKvRows keys x kKvCols columns a warp.
@@ -101,7 +106,8 @@ struct BwdWideConfig {
   static constexpr int kSmemBytes = kOffDelta + kStages * kBlockM * 4;
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
-  static_assert(kBlockN % 16 == 0 && kWarps % kSWarpsN == 0, "phase 1: whole 16-key groups over the warps");
+  static_assert(kSRows % 16 == 0 && kBlockN % kSRows == 0 && kWarps % kSWarpsN == 0,
+                "phase 1: whole kSRows-key groups over the warps");
   static_assert(kSCols % 16 == 0 && kSCols * kSWarpsM == kBlockM, "phase 1: 16-query steps (ldmatrix.x4)");
   static_assert(kWarps % kKvWarpsN == 0 && kKvRows % 16 == 0 && kKvRows * kKvWarpsN == kBlockN,
                 "phase 2: m16 tiles of keys");
@@ -113,6 +119,52 @@ struct BwdWideConfig {
   static_assert(kStages == 1 || kStages == 2, "one or two Q/dO buffers");
   static_assert(kBlockM <= kThreads, "one thread per query row stages its LSE and delta");
 };
+
+// bwd_st_dpt (bwd_kernel.cuh) for kMt row tiles of 16 keys a warp: S^T = K Q^T and dP^T = V dO^T,
+// kMt x 16 keys (kv_rows: the lane part of the first) x kCols queries (q_chunks), each B fragment
+// of Q / dO loaded once for the kMt tiles.
+template <class KVTile, class QTile, int kHeadDim, int kMt, int kCols, typename Elem>
+__device__ __forceinline__ void wide_st_dpt(float (&acc_s)[kMt][kCols / 8][4], float (&acc_dp)[kMt][kCols / 8][4],
+                                            uint32_t sK, uint32_t sV, uint32_t sQ, uint32_t sDo, uint32_t kv_rows,
+                                            uint32_t q_chunks) {
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int t = 0; t < kCols / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[mt][t][e] = acc_dp[mt][t][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t a_k[kMt][4], a_v[kMt][4];
+    const uint32_t a_lane = kv_rows ^ KVTile::chunk_xor(kk * 2);
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt) {
+      ptx::ldmatrix_x4(a_k[mt], sK + (a_lane + KVTile::fixed(mt * 16, kk * 2)));
+      ptx::ldmatrix_x4(a_v[mt], sV + (a_lane + KVTile::fixed(mt * 16, kk * 2)));
+    }
+    const uint32_t b_lane = q_chunks ^ QTile::chunk_xor(kk * 2);
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, sQ + (b_lane + QTile::fixed(np * 16, kk * 2)));
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        ptx::mma_16816<Elem>(acc_s[mt][2 * np][0], acc_s[mt][2 * np][1], acc_s[mt][2 * np][2], acc_s[mt][2 * np][3],
+                             a_k[mt], b[0], b[1]);
+        ptx::mma_16816<Elem>(acc_s[mt][2 * np + 1][0], acc_s[mt][2 * np + 1][1], acc_s[mt][2 * np + 1][2],
+                             acc_s[mt][2 * np + 1][3], a_k[mt], b[2], b[3]);
+      }
+      ptx::ldmatrix_x4(b, sDo + (b_lane + QTile::fixed(np * 16, kk * 2)));
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        ptx::mma_16816<Elem>(acc_dp[mt][2 * np][0], acc_dp[mt][2 * np][1], acc_dp[mt][2 * np][2],
+                             acc_dp[mt][2 * np][3], a_v[mt], b[0], b[1]);
+        ptx::mma_16816<Elem>(acc_dp[mt][2 * np + 1][0], acc_dp[mt][2 * np + 1][1], acc_dp[mt][2 * np + 1][2],
+                             acc_dp[mt][2 * np + 1][3], a_v[mt], b[2], b[3]);
+      }
+    }
+  }
+}
 
 // acc[mt] (16 x kCols each, kMt row tiles) += a[mt] (16 x 16) * tile[k0 : k0 + 16, column blocks
 // dp * kStride + this warp's], each B fragment loaded once for all kMt row tiles. `frag`: the lane's
@@ -147,7 +199,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
   constexpr int kDqChunk = Cfg::kDqChunk;
   constexpr int kDqRows = Cfg::kDqRows;
   constexpr int kSCols = Cfg::kSCols;
-  constexpr int kSTiles = kSCols / 8;               // n8 tiles of S^T a warp (16 keys x kSCols queries)
+  constexpr int kSMt = Cfg::kSRows / 16;            // m16 tiles of S^T keys a warp
+  constexpr int kSTiles = kSCols / 8;               // n8 tiles of S^T queries a warp
   constexpr int kKvMt = Cfg::kKvRows / 16;          // m16 tiles of dK/dV rows a warp
   constexpr int kKvCols = Cfg::kKvCols;
   constexpr int kOTiles = kKvCols / 8;              // n8 tiles of dK/dV columns a warp
@@ -171,7 +224,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
   const int warp = threadIdx.x / 32;
   const int g = lane / 4;
   const int q2 = 2 * (lane % 4);
-  const int s_n = warp % Cfg::kSWarpsN;   // phase 1: keys s_n * 16 + [0, 16)
+  const int s_n = warp % Cfg::kSWarpsN;   // phase 1: keys s_n * kSRows + [0, kSRows)
   const int s_m = warp / Cfg::kSWarpsN;   //          queries s_m * kSCols + [0, kSCols)
   const int kv_n = warp % Cfg::kKvWarpsN;  // phase 2: keys kv_n * kKvRows + [0, kKvRows)
   const int kv_d = warp / Cfg::kKvWarpsN;  //          column blocks of 16: kv_d, kv_d + kKvWarpsD, ...
@@ -192,17 +245,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 
   // Lane parts of the shared-memory addresses. Row offsets that are multiples of 8 leave the
   // swizzle bits alone (SwizzledTile), so the warp's row offsets fold in here.
-  const uint32_t kv_rows = lane_rows_first<KVTile>(lane) + s_n * 16 * KVTile::kPanelRowBytes;   // A of S^T, dP^T
+  const uint32_t kv_rows = lane_rows_first<KVTile>(lane) + s_n * Cfg::kSRows * KVTile::kPanelRowBytes;  // A of S^T, dP^T
   const uint32_t q_chunks = lane_chunks_first<QTile>(lane) + s_m * kSCols * QTile::kPanelRowBytes;  // B of S^T, dP^T
   const uint32_t p_rows = lane_rows_first<PTile>(lane) + kv_n * Cfg::kKvRows * PTile::kPanelRowBytes;  // A of dV, dK
   const uint32_t kv_t = lane_rows_first<KVTile>(lane);      // B of dQ (K through .trans)
   const uint32_t ds_chunks = lane_chunks_first<PTile>(lane);  // A of dQ (dS^T through .trans)
   // B of dV, dK (dO, Q through .trans): column blocks dp * kKvWarpsD + kv_d (wide_cols_fold).
   const uint32_t qo_cols = lane_rows_first<QTile>(lane) ^ QTile::chunk_xor(2 * kv_d);
-  // P^T / dS^T stores: row s_n * 16 + g at the warp's first query chunk, plus the column pair's
+  // P^T / dS^T stores: row s_n * kSRows + g at the warp's first query chunk, plus the column pair's
   // byte offset within the 16-byte chunk; step kk's two 8-column halves are chunks 2 kk and
-  // 2 kk + 1 past it.
-  const uint32_t p_store = PTile::offset(s_n * 16 + g, s_m * kSCols) + q2 * 2;
+  // 2 kk + 1 past it, row tile mt 16 rows below (a multiple of 8: the swizzle bits stay).
+  const uint32_t p_store = PTile::offset(s_n * Cfg::kSRows + g, s_m * kSCols) + q2 * 2;
 
   const int n_first = blockIdx.x;
   const int n_step = det ? args.splits : n_blocks;
@@ -260,37 +313,46 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
       __syncthreads();  // this step's tiles visible; every warp is done with the previous step
       if (kStages == 2 && it + 1 < iters) load_step(it + 1, (it + 1) % 2);
 
-      // ---- phase 1: S^T = K Q^T and dP^T = V dO^T (16 keys x kSCols queries a warp) -------
-      float acc_s[kSTiles][4], acc_dp[kSTiles][4];
-      bwd_st_dpt<KVTile, QTile, kHeadDim, kSCols, Elem>(acc_s, acc_dp, sK, sV, sQ, sDo, kv_rows, q_chunks);
+      // ---- phase 1: S^T = K Q^T and dP^T = V dO^T (kSRows keys x kSCols queries a warp) ---
+      float acc_s[kSMt][kSTiles][4], acc_dp[kSMt][kSTiles][4];
+      if constexpr (kSMt == 1) {
+        bwd_st_dpt<KVTile, QTile, kHeadDim, kSCols, Elem>(acc_s[0], acc_dp[0], sK, sV, sQ, sDo, kv_rows, q_chunks);
+      } else {
+        wide_st_dpt<KVTile, QTile, kHeadDim, kSMt, kSCols, Elem>(acc_s, acc_dp, sK, sV, sQ, sDo, kv_rows, q_chunks);
+      }
 
       // ---- P^T (dropped, for dV) into acc_s and dS^T into acc_dp: bwd_kernel's arithmetic --
       const bool needs_mask =
           m0 + kBlockM > s.len_q || !rule.tile_fully_visible(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);
-      const int key0 = n0 + s_n * 16 + g;  // this thread's keys: key0 and key0 + 8
-      const int col0 = s_m * kSCols;       // and its queries' offset in the block
-      bwd_p_ds<kExtras, kSTiles>(acc_s, acc_dp, f, pw, rule, needs_mask, batch, head, m0, col0, key0, q2, lse2, delta);
+      const int key0 = n0 + s_n * Cfg::kSRows + g;  // this thread's keys: key0 + 16 mt + {0, 8}
+      const int col0 = s_m * kSCols;                // and its queries' offset in the block
+#pragma unroll
+      for (int mt = 0; mt < kSMt; ++mt)
+        bwd_p_ds<kExtras, kSTiles>(acc_s[mt], acc_dp[mt], f, pw, rule, needs_mask, batch, head, m0, col0, key0 + 16 * mt,
+                                   q2, lse2, delta);
 
       // ---- P^T and dS^T -> shared (16-bit) ----------------------------------------------
 #pragma unroll
-      for (int kk = 0; kk < kSCols / 16; ++kk) {
-        // The warp's base chunk is a multiple of kSCols / 8, which divides a panel row, so
-        // chunk base + 2 kk + h neither carries into the base's bits nor leaves its panel: an XOR.
-        const uint32_t lo = p_store ^ PTile::chunk_xor(2 * kk);
-        const uint32_t hi = lo ^ 16u;
-        const uint32_t fixed = PTile::fixed(0, 2 * kk);
-        uint32_t a[4];
-        pack_a<Elem>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
-        st_shared_b32(sP + lo + fixed, a[0]);
-        st_shared_b32(sP + lo + fixed + 8 * PTile::kPanelRowBytes, a[1]);
-        st_shared_b32(sP + hi + fixed, a[2]);
-        st_shared_b32(sP + hi + fixed + 8 * PTile::kPanelRowBytes, a[3]);
-        pack_a<Elem>(a, acc_dp[2 * kk], acc_dp[2 * kk + 1]);
-        st_shared_b32(sDs + lo + fixed, a[0]);
-        st_shared_b32(sDs + lo + fixed + 8 * PTile::kPanelRowBytes, a[1]);
-        st_shared_b32(sDs + hi + fixed, a[2]);
-        st_shared_b32(sDs + hi + fixed + 8 * PTile::kPanelRowBytes, a[3]);
-      }
+      for (int mt = 0; mt < kSMt; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < kSCols / 16; ++kk) {
+          // The warp's base chunk is a multiple of kSCols / 8, which divides a panel row, so
+          // chunk base + 2 kk + h neither carries into the base's bits nor leaves its panel: an XOR.
+          const uint32_t lo = p_store ^ PTile::chunk_xor(2 * kk);
+          const uint32_t hi = lo ^ 16u;
+          const uint32_t fixed = PTile::fixed(0, 2 * kk) + mt * 16 * PTile::kPanelRowBytes;
+          uint32_t a[4];
+          pack_a<Elem>(a, acc_s[mt][2 * kk], acc_s[mt][2 * kk + 1]);
+          st_shared_b32(sP + lo + fixed, a[0]);
+          st_shared_b32(sP + lo + fixed + 8 * PTile::kPanelRowBytes, a[1]);
+          st_shared_b32(sP + hi + fixed, a[2]);
+          st_shared_b32(sP + hi + fixed + 8 * PTile::kPanelRowBytes, a[3]);
+          pack_a<Elem>(a, acc_dp[mt][2 * kk], acc_dp[mt][2 * kk + 1]);
+          st_shared_b32(sDs + lo + fixed, a[0]);
+          st_shared_b32(sDs + lo + fixed + 8 * PTile::kPanelRowBytes, a[1]);
+          st_shared_b32(sDs + hi + fixed, a[2]);
+          st_shared_b32(sDs + hi + fixed + 8 * PTile::kPanelRowBytes, a[3]);
+        }
       __syncthreads();  // P^T and dS^T complete
 
       // ---- phase 2: dV += P^T dO, dK += dS^T Q (kKvRows keys x kKvCols columns a warp) ----
@@ -321,7 +383,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
       constexpr int kTilesM = kBlockM / kDqRows;
       constexpr int kTiles = kTilesM * (kHeadDim / kDqChunk);
       const int64_t dq_row0 = ws_row(args, batch, head, m0);
-      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim && (dq_row0 & 7) == 0;
+      const bool dq_interior = m0 + kBlockM <= s.len_q && headdim == kHeadDim;  // as bwd_kernel's
       for (int tile = warp; tile < kTiles; tile += kWarps) {
         const int tm = tile % kTilesM;
         const int dq_col0 = (tile / kTilesM) * kDqChunk;
