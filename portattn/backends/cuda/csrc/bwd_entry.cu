@@ -38,9 +38,9 @@ constexpr int64_t kMinChunkDetDqBytes = int64_t(4) << 30;
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // PORTATTN_SM80_BWD_WIDE (bwd_launch.cuh: bwd_wide_enabled): "0" runs bwd_kernel (head dims above
-// 128 as two head-dim halves); unset or anything else, the full-head-dim kernel from head dim 96 up
+// 128 as two head-dim halves); unset or anything else, the full-head-dim kernel from head dim 64 up
 // where its tile fits (the default: 1.08-1.25x the halves' forward+backward on an H200 at every
-// budget, 1.01-1.08x bwd_kernel's at 96/128; docs/kernels-sm80.md).
+// budget, 1.00-1.12x bwd_kernel's at 64-128; docs/kernels-sm80.md).
 constexpr const char* kWideEnv = "PORTATTN_SM80_BWD_WIDE";
 std::atomic<int> g_wide{1};
 std::once_flag g_wide_once;

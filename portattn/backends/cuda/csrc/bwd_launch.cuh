@@ -86,6 +86,7 @@ struct BwdConfigsFor<256> {
 // shapes: 128 x 64 at 96/128 and 64 x 64 above, 8 warps; one Q/dO buffer where two do not fit;
 // 32-query blocks under 99 KiB). Shared memory (bytes; sm90 227 KiB = 232448, sm80 163 KiB =
 // 166912, sm86/sm89 99 KiB = 101376) and dK + dV fp32 registers a thread:
+//   hd  64 128x128x2 165888 | 128x64x2 99328                  dK/dV warps 4 x 2: 32 x  32, 64 regs
 //   hd  96 128x64x2 132096                                    dK/dV warps 4 x 2: 32 x  48, 96 regs
 //   hd 128 128x64x2 164864                                    dK/dV warps 4 x 2: 32 x  64, 128 regs
 //   hd 160  64x64x2 140288 | 64x64x1  98816                   dK/dV warps 4 x 2: 16 x  80, 80 regs
@@ -94,23 +95,29 @@ struct BwdConfigsFor<256> {
 //   hd 256  64x64x2 214016 | 64x64x1 147968 | 48x32x1  88320   dK/dV warps 2 x 4: 32 x  64, 128 regs
 //                                                 (6 warps: 3 x 2, 16 x 128, 128 regs)
 // so sm90 runs the first column, sm80 too except 64x64x1 at 224/256, the 99 KiB parts the last
-// column above 128 (64x64x1 at 160). hd 256 under 99 KiB: neither 64 x 32 nor 32 x 64 fits
-// (106752, 107008 bytes), hence 48 keys and 6 warps. At 96 and 128 the 99 KiB parts keep
-// bwd_kernel (its 128 x 64 x 1 and 64 x 64 x 1 tiles): the wide kernel's 64 x 64 x 1 at hd128 ran
-// 0.86-0.90x of them (H200 at a 99 KiB cap, fwd+bwd 1k-16k), and hd64 stays on bwd_kernel everywhere
-// (wide 128 x 64 x 2 ran 0.97-0.98x). At 96/128 the 128 x 64 x 2 tile (sm80, sm90) measured 1.04-1.08x
-// bwd_kernel's forward+backward at 128 and 1.01-1.07x at 96 on an H200 (docs/kernels-sm80.md).
+// column above 128 (64x64x1 at 160) and 128x64x2 at 64. hd 256 under 99 KiB: neither 64 x 32 nor
+// 32 x 64 fits (106752, 107008 bytes), hence 48 keys and 6 warps. At 96 and 128 the 99 KiB parts
+// keep bwd_kernel (its 128 x 64 x 1 and 64 x 64 x 1 tiles): the wide kernel's 64 x 64 x 1 at hd128
+// ran 0.86-0.90x of them (H200 at a 99 KiB cap, fwd+bwd 1k-16k). Forward+backward against
+// bwd_kernel on an H200, 1k-16k (docs/kernels-sm80.md): hd64 128 x 128 x 2 (FA2's hd64 tile)
+// 1.07-1.12x, 128 x 64 x 2 1.00-1.02x (also under a 99 KiB cap); the 128 x 64 x 2 tile 1.04-1.08x at
+// 128 and 1.01-1.07x at 96, before its 32 x 32 phase-1 warp tiles (1.02-1.04x more).
 // A head dim without an entry keeps bwd_kernel.
 template <int kHeadDim>
 struct BwdWideConfigsFor {
   static constexpr bool kDefined = false;
 };
-// 128 x 64 runs phase 1 on 32 x 32 warp tiles (BwdWideConfig::kSRows), unless built with
-// -DPORTATTN_SM80_BWD_WIDE_S32=0 (16 x 64: the A/B).
+// The 128-key tiles run phase 1 on 32-key warp tiles (BwdWideConfig::kSRows; 32 x 32 at 128 x 64),
+// unless built with -DPORTATTN_SM80_BWD_WIDE_S32=0 (16 x 64 at 96/128, the A/B: 0.96-0.98x).
 #ifndef PORTATTN_SM80_BWD_WIDE_S32
 #define PORTATTN_SM80_BWD_WIDE_S32 1
 #endif
 constexpr int kWide128SRows = PORTATTN_SM80_BWD_WIDE_S32 ? 32 : 16;
+template <>
+struct BwdWideConfigsFor<64> {
+  static constexpr bool kDefined = true;
+  using type = BwdCandidates<BwdWideConfig<64, 128, 128, 2, 8, 4, 32>, BwdWideConfig<64, 128, 64, 2, 8, 4, 32>>;
+};
 template <>
 struct BwdWideConfigsFor<96> {
   static constexpr bool kDefined = true;

@@ -1,4 +1,4 @@
-// The sm80+ backward's main kernel from head dim 96 up with the whole head dim in one CTA
+// The sm80+ backward's main kernel from head dim 64 up with the whole head dim in one CTA
 // (FlashAttention-2's shape), the default wherever one of its tiles fits the budget
 // (BwdWideConfigsFor); PORTATTN_SM80_BWD_WIDE=0 (bwd_wide_enabled, bwd_entry.cu) runs bwd_kernel
 // instead (its head-dim halves above 128).
