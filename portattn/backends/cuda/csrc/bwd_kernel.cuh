@@ -74,6 +74,7 @@ namespace cuda {
 template <int kHeadDim_, int kBlockN_, int kBlockM_, int kStages_>
 struct BwdTileConfig {
   static constexpr bool kWide = false;  // bwd_kernel; BwdWideConfig (bwd_wide_kernel.cuh): bwd_wide_kernel
+  static constexpr bool kPlainOnly = false;  // see BwdWideConfig
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockM = kBlockM_;

@@ -116,7 +116,9 @@ constexpr int kWide128SRows = PORTATTN_SM80_BWD_WIDE_S32 ? 32 : 16;
 template <>
 struct BwdWideConfigsFor<64> {
   static constexpr bool kDefined = true;
-  using type = BwdCandidates<BwdWideConfig<64, 128, 128, 2, 8, 4, 32>, BwdWideConfig<64, 128, 64, 2, 8, 4, 32>>;
+  // 128 x 128 for plain calls only: its extras kernel (232 B of spills at sm_90) ran 0.73-0.85x
+  // bwd_kernel's with dropout or softcap, where 128 x 64 ran 1.02-1.03x (H200, 1k-16k).
+  using type = BwdCandidates<BwdWideConfig<64, 128, 128, 2, 8, 4, 32, true>, BwdWideConfig<64, 128, 64, 2, 8, 4, 32>>;
 };
 template <>
 struct BwdWideConfigsFor<96> {
@@ -235,15 +237,31 @@ cudaError_t launch_bwd_main(const BwdArgs& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// with_first_fitting (smem_budget.h) for the backward: an extras call also skips the kPlainOnly
+// candidates, which are never last.
+template <class Cfg, class... Rest, class Fn>
+cudaError_t with_first_serving(int budget, bool extras, TileCandidates<Cfg, Rest...>, Fn&& fn) {
+  if constexpr (sizeof...(Rest) > 0) {
+    if (Cfg::kSmemBytes > budget || (extras && Cfg::kPlainOnly))
+      return with_first_serving(budget, extras, TileCandidates<Rest...>{}, fn);
+  } else {
+    static_assert(!Cfg::kPlainOnly, "the last candidate serves every call");
+  }
+  return fn(Cfg{});
+}
+
 // The candidate fitting `budget`; the last one runs regardless, and ensure_dynamic_smem
 // reports a clear error if even it does not fit.
 template <class Candidates, typename Elem>
 cudaError_t launch_first_fitting(const BwdArgs& args, int budget, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
   const bool extras = f.softcap > 0.f || f.alibi_slopes != nullptr || f.dropout_p > 0.f;
-  return with_first_fitting(budget, Candidates{}, [&](auto config) {
+  return with_first_serving(budget, extras, Candidates{}, [&](auto config) {
     using Cfg = decltype(config);
-    return extras ? launch_bwd_main<Cfg, Elem, true>(args, stream) : launch_bwd_main<Cfg, Elem, false>(args, stream);
+    if constexpr (Cfg::kPlainOnly)
+      return launch_bwd_main<Cfg, Elem, false>(args, stream);  // never an extras call
+    else
+      return extras ? launch_bwd_main<Cfg, Elem, true>(args, stream) : launch_bwd_main<Cfg, Elem, false>(args, stream);
   });
 }
 

@@ -37,10 +37,13 @@ namespace cuda {
 
 // kBlockN keys per CTA, kBlockM queries per step, kStages Q/dO buffers, kWarps warps, of which
 // kKvWarpsN share the keys (and kWarps / kKvWarpsN the head dim) in the dK/dV products; kSRows
-// keys a warp in the S^T / dP^T products.
-template <int kHeadDim_, int kBlockN_, int kBlockM_, int kStages_, int kWarps_, int kKvWarpsN_, int kSRows_ = 16>
+// keys a warp in the S^T / dP^T products. kPlainOnly: calls with softcap, ALiBi or dropout skip
+// this tile for the next candidate, and its extras kernel is never compiled.
+template <int kHeadDim_, int kBlockN_, int kBlockM_, int kStages_, int kWarps_, int kKvWarpsN_, int kSRows_ = 16,
+          bool kPlainOnly_ = false>
 struct BwdWideConfig {
   static constexpr bool kWide = true;
+  static constexpr bool kPlainOnly = kPlainOnly_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockM = kBlockM_;
