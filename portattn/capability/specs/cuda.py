@@ -36,12 +36,13 @@ VERIFIED = {
 # Add an entry only after tests/gpu ran green under that cap. The suites
 # tests/gpu/test_cuda_{forward,backward,decode,decode_fp8,smem_budget}.py and
 # test_serving_surface_gpu.py on an H100 under each budget: 2895 passed at 99 KiB and at 163 KiB.
-# The backward's full-head-dim kernel from head dim 96 up (the default since, Note [portattn sm80
-# wide backward]) and its blocked dQ (Note [portattn sm80 blocked dQ]): test_cuda_backward.py,
-# test_cuda_smem_budget.py and test_adversarial_bounds.py on an H200, 2773 passed uncapped, 2743 at
-# 163 KiB and 2547 at 99 KiB (the sm_90a cases skip under a cap); its smallest tiles need more than bwd_kernel's below (88320 B at hd256,
-# 98816 at hd160, 132096 at hd96), and under a budget below them bwd_kernel runs, so these needs
-# stay bwd_kernel's.
+# The backward's full-head-dim kernel from head dim 64 up (the default, Note [portattn sm80 wide
+# backward]) and its blocked dQ (Note [portattn sm80 blocked dQ]): test_cuda_backward.py,
+# test_cuda_smem_budget.py and test_adversarial_bounds.py on an H200, 2773 passed uncapped and 2547
+# at 99 KiB (the sm_90a cases skip under a cap; 2743 at 163 KiB before the hd64 tiles, whose 163 KiB
+# tile is the uncapped one); its smallest tiles need more than bwd_kernel's below (88320 B at hd256,
+# 98816 at hd160, 99328 at hd64, 132096 at hd96), and under a budget below them bwd_kernel runs, so
+# these needs stay bwd_kernel's.
 # (The one case that failed then, a sinks gradient, was the test's error base, tests/error_rule.py
 # assert_sink_grad; the sinks tests pass under both budgets.)
 _AT_BUDGET_FEATURES = frozenset({"forward", "backward", "deterministic_backward", "causal", "window", "softcap",
