@@ -247,6 +247,21 @@ def test_wide_candidates_run_where_they_fit_and_the_halves_below(module, head_di
     assert module.bwd_smem_bytes(head_dim) <= seen[-1][1]
 
 
+# Calls with softcap, ALiBi or dropout skip the plain-only candidates (BwdWideConfig::kPlainOnly):
+# at hd64 the 128 x 128 tile, whose extras kernel is not built.
+@pytest.mark.parametrize("part", list(BUDGETS))
+@pytest.mark.parametrize("head_dim", list(HALVES))
+def test_extras_calls_skip_the_plain_only_tiles(module, head_dim, part):
+    budget = BUDGETS[part]
+    for wide in (False, True):
+        plain = module.bwd_tile(head_dim, budget, wide)
+        extras = module.bwd_tile(head_dim, budget, wide, extras=True)
+        if wide and head_dim == 64 and part != "sm86":
+            assert _shape(plain) == (128, 128, 2, 8) and _shape(extras) == (128, 64, 2, 8) and extras["wide"]
+        else:
+            assert extras == plain
+
+
 def test_wide_switch_reads_and_sets(module):
     before = module.sm80_bwd_wide()
     try:

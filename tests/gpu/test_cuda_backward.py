@@ -372,7 +372,7 @@ def test_flash_attn_deterministic_case_is_bitwise_reproducible_on_dirty_memory()
 # and 99 KiB (the sm86/sm89 tiles; 48 x 32 with 6 warps at head dim 256; at 96 and 128 those parts keep
 # bwd_kernel, so those cases skip there). 112, 200 and 248 run the 128, 224 and 256 kernels with a
 # zero-filled tail.
-WIDE_HEAD_DIMS = [96, 112, 128, 160, 192, 200, 224, 248, 256]
+WIDE_HEAD_DIMS = [64, 96, 112, 128, 160, 192, 200, 224, 248, 256]
 WIDE_BUDGETS = {"own": None, "163kib": 163, "99kib": 99}
 
 
@@ -399,7 +399,7 @@ def _wide_tile(head_dim):
     """The tile the wide switch gives this call's kernel head dim under the current budget."""
     from portattn.backends.cuda import _C
 
-    kernel_dim = next(d for d in (96, 128, 160, 192, 224, 256) if d >= head_dim)
+    kernel_dim = next(d for d in (64, 96, 128, 160, 192, 224, 256) if d >= head_dim)
     props = torch.cuda.get_device_properties(0)
     own = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024  # every sm80+ part has 99 KiB
     budget = min(own, _C.smem_cap()) if _C.smem_cap() > 0 else own
@@ -425,7 +425,7 @@ def test_wide_backward_grid(wide_budget, dtype, head_dim, seqlens, causal):
 @pytest.mark.parametrize("gqa", [1, 6], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("seqlens", [(113, 203), (1000, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("feature", list(FEATURES))
-@pytest.mark.parametrize("head_dim", [128, 160, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 160, 192, 256])
 def test_wide_backward_features(wide_budget, head_dim, feature, seqlens, gqa, deterministic):
     _wide_tile(head_dim)
     test_backward_features(torch.bfloat16, head_dim, feature, seqlens, gqa, deterministic)
@@ -435,7 +435,7 @@ def test_wide_backward_features(wide_budget, head_dim, feature, seqlens, gqa, de
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("lengths", list(VARLEN))
-@pytest.mark.parametrize("head_dim", [128, 160, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 160, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_wide_backward_varlen(wide_budget, dtype, head_dim, lengths, gqa, causal, deterministic):
     _wide_tile(head_dim)
@@ -444,7 +444,7 @@ def test_wide_backward_varlen(wide_budget, dtype, head_dim, lengths, gqa, causal
 
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("gqa", [1, 3], ids=lambda g: f"group{g}")
-@pytest.mark.parametrize("head_dim", [128, 160, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 160, 192, 256])
 @pytest.mark.parametrize("p", [0.17, 0.5])
 def test_wide_backward_dropout_matches_reference_mask(wide_budget, p, head_dim, gqa, varlen):
     _wide_tile(head_dim)
@@ -452,7 +452,7 @@ def test_wide_backward_dropout_matches_reference_mask(wide_budget, p, head_dim, 
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("head_dim", [128, 160, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 160, 192, 256])
 def test_wide_deterministic_is_bitwise_reproducible(wide_budget, case, head_dim):
     _wide_tile(head_dim)
     test_deterministic_is_bitwise_reproducible(case, head_dim)

@@ -24,7 +24,7 @@ long long portattn_cuda_bwd_workspace_bytes(const PortattnBwdParams* params);
 int portattn_cuda_bwd_smem_bytes(int head_dim);
 // PORTATTN_SM80_BWD_WIDE (0 off, 1 on; other values only read it), and the tile a call would run.
 int portattn_cuda_sm80_bwd_wide(int mode);
-int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int* out);
+int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int extras, int* out);
 // ---- end backward declarations ----
 // ---- decode (decode_entry.cu) ----
 int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len);
@@ -209,11 +209,12 @@ bool sm80_bwd_wide(py::object on) {
 }
 
 // The sm80+ backward's main-kernel tile at an instantiable head dim under a shared-memory budget
-// (bytes); wide None: the current PORTATTN_SM80_BWD_WIDE setting. No CUDA call.
-py::dict bwd_tile(int head_dim, int budget, py::object wide) {
+// (bytes); wide None: the current PORTATTN_SM80_BWD_WIDE setting; extras: a call with softcap,
+// ALiBi or dropout. No CUDA call.
+py::dict bwd_tile(int head_dim, int budget, py::object wide, bool extras) {
   int out[7] = {0, 0, 0, 0, 0, 0, 0};
   const int mode = wide.is_none() ? -1 : (wide.cast<bool>() ? 1 : 0);
-  if (portattn_cuda_bwd_tile(head_dim, budget, mode, out) != 0)
+  if (portattn_cuda_bwd_tile(head_dim, budget, mode, extras ? 1 : 0, out) != 0)
     throw std::invalid_argument("bwd_tile: no backward shape for head dim " + std::to_string(head_dim));
   py::dict d;
   d["block_n"] = out[0];
@@ -342,10 +343,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("headdim"), py::arg("seqlen_q"),
         py::arg("seqlen_k"), py::arg("deterministic"), py::arg("ordered_dq") = false);
   m.def("sm80_bwd_wide", &sm80_bwd_wide, py::arg("on") = py::none(),
-        "PORTATTN_SM80_BWD_WIDE: the sm80+ backward's full-head-dim kernel above head dim 128; "
+        "PORTATTN_SM80_BWD_WIDE: the sm80+ backward's full-head-dim kernel from head dim 64 up; "
         "True / False sets it for later calls, no argument reads it");
   m.def("bwd_tile", &bwd_tile, py::arg("head_dim"), py::arg("budget"), py::arg("wide") = py::none(),
-        "the sm80+ backward's main-kernel tile under a shared-memory budget (bytes): "
+        py::arg("extras") = false,
+        "the sm80+ backward's main-kernel tile under a shared-memory budget (bytes), for a call with "
+        "softcap, ALiBi or dropout if extras: "
         "{'block_n', 'block_m', 'stages', 'warps', 'smem_bytes', 'dsplit', 'wide'}");
   m.def("bwd_smem_bytes", &portattn_cuda_bwd_smem_bytes,
         "smallest shared memory (bytes) of the backward block shapes for an instantiated head dim");

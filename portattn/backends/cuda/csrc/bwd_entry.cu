@@ -207,36 +207,38 @@ extern "C" int portattn_cuda_sm80_bwd_wide(int mode) {
 
 namespace {
 template <class... Cfgs>
-BwdTileFacts facts_of_first_fitting(int budget, TileCandidates<Cfgs...> candidates) {
-  return with_first_fitting(budget, candidates, [](auto config) { return bwd_tile_facts<decltype(config)>(); });
+BwdTileFacts facts_of_first_serving(int budget, bool extras, TileCandidates<Cfgs...> candidates) {
+  return with_first_serving(budget, extras, candidates, [](auto config) { return bwd_tile_facts<decltype(config)>(); });
 }
 
 template <int kHeadDim>
-BwdTileFacts bwd_tile_for(int budget, bool wide) {
+BwdTileFacts bwd_tile_for(int budget, bool wide, bool extras) {
   if constexpr (BwdWideConfigsFor<kHeadDim>::kDefined) {
-    if (bwd_wide_runs<kHeadDim>(wide, budget)) return facts_of_first_fitting(budget, typename BwdWideConfigsFor<kHeadDim>::type{});
+    if (bwd_wide_runs<kHeadDim>(wide, budget))
+      return facts_of_first_serving(budget, extras, typename BwdWideConfigsFor<kHeadDim>::type{});
   }
-  return facts_of_first_fitting(budget, typename BwdConfigsFor<kHeadDim>::type{});
+  return facts_of_first_serving(budget, extras, typename BwdConfigsFor<kHeadDim>::type{});
 }
 }  // namespace
 
 // The main kernel's tile a backward call at an instantiable head dim would run under a
 // shared-memory budget (bytes), as run_bwd picks it: wide = 1 / 0 for PORTATTN_SM80_BWD_WIDE on
-// / off, -1 for its current setting. out[0..6] = block N, block M, Q/dO stages, warps,
+// / off, -1 for its current setting; extras != 0 for a call with softcap, ALiBi or dropout. out[0..6] = block N, block M, Q/dO stages, warps,
 // kSmemBytes, head-dim CTAs over grid.z, 1 for the wide kernel. Returns 0, or -1 for a head dim
 // without a backward shape. No CUDA call: the host tests read the selection on a CPU.
-extern "C" int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int* out) {
+extern "C" int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int extras, int* out) {
   const bool on = wide < 0 ? bwd_wide_enabled() : wide != 0;
+  const bool ex = extras != 0;
   BwdTileFacts t{};
   switch (head_dim) {
-    case 32: t = bwd_tile_for<32>(budget, on); break;
-    case 64: t = bwd_tile_for<64>(budget, on); break;
-    case 96: t = bwd_tile_for<96>(budget, on); break;
-    case 128: t = bwd_tile_for<128>(budget, on); break;
-    case 160: t = bwd_tile_for<160>(budget, on); break;
-    case 192: t = bwd_tile_for<192>(budget, on); break;
-    case 224: t = bwd_tile_for<224>(budget, on); break;
-    case 256: t = bwd_tile_for<256>(budget, on); break;
+    case 32: t = bwd_tile_for<32>(budget, on, ex); break;
+    case 64: t = bwd_tile_for<64>(budget, on, ex); break;
+    case 96: t = bwd_tile_for<96>(budget, on, ex); break;
+    case 128: t = bwd_tile_for<128>(budget, on, ex); break;
+    case 160: t = bwd_tile_for<160>(budget, on, ex); break;
+    case 192: t = bwd_tile_for<192>(budget, on, ex); break;
+    case 224: t = bwd_tile_for<224>(budget, on, ex); break;
+    case 256: t = bwd_tile_for<256>(budget, on, ex); break;
     default: return -1;
   }
   const int values[7] = {t.block_n, t.block_m, t.stages, t.warps, t.smem_bytes, t.dsplit, t.wide};

@@ -240,7 +240,7 @@ cudaError_t launch_bwd_main(const BwdArgs& args, cudaStream_t stream) {
 // with_first_fitting (smem_budget.h) for the backward: an extras call also skips the kPlainOnly
 // candidates, which are never last.
 template <class Cfg, class... Rest, class Fn>
-cudaError_t with_first_serving(int budget, bool extras, TileCandidates<Cfg, Rest...>, Fn&& fn) {
+auto with_first_serving(int budget, bool extras, TileCandidates<Cfg, Rest...>, Fn&& fn) {
   if constexpr (sizeof...(Rest) > 0) {
     if (Cfg::kSmemBytes > budget || (extras && Cfg::kPlainOnly))
       return with_first_serving(budget, extras, TileCandidates<Rest...>{}, fn);
