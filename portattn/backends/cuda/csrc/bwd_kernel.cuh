@@ -485,35 +485,48 @@ __device__ __forceinline__ void bwd_load_step(const BwdArgs& args, uint32_t smem
   ptx::cp_async_commit();
 }
 
-// S^T = K Q^T and dP^T = V dO^T for one warp: 16 keys (kv_rows: the lane part of its rows) x
-// kCols queries (q_chunks: the lane part of its first query), contracted over the head dim.
-template <class KVTile, class QTile, int kHeadDim, int kCols, typename Elem>
-__device__ __forceinline__ void bwd_st_dpt(float (&acc_s)[kCols / 8][4], float (&acc_dp)[kCols / 8][4], uint32_t sK,
-                                           uint32_t sV, uint32_t sQ, uint32_t sDo, uint32_t kv_rows,
-                                           uint32_t q_chunks) {
+// S^T = K Q^T and dP^T = V dO^T for one warp: kMt row tiles of 16 keys (kv_rows: the lane part of
+// the first's rows) x kCols queries (q_chunks: the lane part of its first query), contracted over
+// the head dim; each B fragment of Q / dO is loaded once for the kMt tiles.
+template <class KVTile, class QTile, int kHeadDim, int kMt, int kCols, typename Elem>
+__device__ __forceinline__ void bwd_st_dpt_rows(float (&acc_s)[kMt][kCols / 8][4], float (&acc_dp)[kMt][kCols / 8][4],
+                                                uint32_t sK, uint32_t sV, uint32_t sQ, uint32_t sDo, uint32_t kv_rows,
+                                                uint32_t q_chunks) {
 #pragma unroll
-  for (int t = 0; t < kCols / 8; ++t)
+  for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
+    for (int t = 0; t < kCols / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[mt][t][e] = acc_dp[mt][t][e] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    uint32_t a_k[4], a_v[4];
-    const uint32_t a_off = (kv_rows ^ KVTile::chunk_xor(kk * 2)) + KVTile::fixed(0, kk * 2);
-    ptx::ldmatrix_x4(a_k, sK + a_off);
-    ptx::ldmatrix_x4(a_v, sV + a_off);
+    uint32_t a_k[kMt][4], a_v[kMt][4];
+    const uint32_t a_lane = kv_rows ^ KVTile::chunk_xor(kk * 2);
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt) {
+      ptx::ldmatrix_x4(a_k[mt], sK + (a_lane + KVTile::fixed(mt * 16, kk * 2)));
+      ptx::ldmatrix_x4(a_v[mt], sV + (a_lane + KVTile::fixed(mt * 16, kk * 2)));
+    }
     const uint32_t b_lane = q_chunks ^ QTile::chunk_xor(kk * 2);
 #pragma unroll
     for (int np = 0; np < kCols / 16; ++np) {
       uint32_t b[4];
       ptx::ldmatrix_x4(b, sQ + (b_lane + QTile::fixed(np * 16, kk * 2)));
-      ptx::mma_16816<Elem>(acc_s[2 * np][0], acc_s[2 * np][1], acc_s[2 * np][2], acc_s[2 * np][3], a_k, b[0], b[1]);
-      ptx::mma_16816<Elem>(acc_s[2 * np + 1][0], acc_s[2 * np + 1][1], acc_s[2 * np + 1][2], acc_s[2 * np + 1][3],
-                           a_k, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        ptx::mma_16816<Elem>(acc_s[mt][2 * np][0], acc_s[mt][2 * np][1], acc_s[mt][2 * np][2], acc_s[mt][2 * np][3],
+                             a_k[mt], b[0], b[1]);
+        ptx::mma_16816<Elem>(acc_s[mt][2 * np + 1][0], acc_s[mt][2 * np + 1][1], acc_s[mt][2 * np + 1][2],
+                             acc_s[mt][2 * np + 1][3], a_k[mt], b[2], b[3]);
+      }
       ptx::ldmatrix_x4(b, sDo + (b_lane + QTile::fixed(np * 16, kk * 2)));
-      ptx::mma_16816<Elem>(acc_dp[2 * np][0], acc_dp[2 * np][1], acc_dp[2 * np][2], acc_dp[2 * np][3], a_v, b[0],
-                           b[1]);
-      ptx::mma_16816<Elem>(acc_dp[2 * np + 1][0], acc_dp[2 * np + 1][1], acc_dp[2 * np + 1][2],
-                           acc_dp[2 * np + 1][3], a_v, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        ptx::mma_16816<Elem>(acc_dp[mt][2 * np][0], acc_dp[mt][2 * np][1], acc_dp[mt][2 * np][2],
+                             acc_dp[mt][2 * np][3], a_v[mt], b[0], b[1]);
+        ptx::mma_16816<Elem>(acc_dp[mt][2 * np + 1][0], acc_dp[mt][2 * np + 1][1], acc_dp[mt][2 * np + 1][2],
+                             acc_dp[mt][2 * np + 1][3], a_v[mt], b[2], b[3]);
+      }
     }
   }
 }
@@ -728,7 +741,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTwoCtasPerSm && !kExtras 
 
       // ---- S^T = K Q^T and dP^T = V dO^T (this warp: 16 keys x kBlockM queries)
       float acc_s[kSTiles][4], acc_dp[kSTiles][4];
-      bwd_st_dpt<KVTile, QTile, kHeadDim, kBlockM, Elem>(acc_s, acc_dp, sK, sV, sQ, sDo, kv_rows, q_chunks);
+      using SRows = float[1][kSTiles][4];  // one row tile: this warp's 16 keys
+      bwd_st_dpt_rows<KVTile, QTile, kHeadDim, 1, kBlockM, Elem>(reinterpret_cast<SRows&>(acc_s),
+                                                                 reinterpret_cast<SRows&>(acc_dp), sK, sV, sQ, sDo,
+                                                                 kv_rows, q_chunks);
 
       // ---- P^T (dropped, for dV) into acc_s and dS^T into acc_dp -------------
       const bool needs_mask =

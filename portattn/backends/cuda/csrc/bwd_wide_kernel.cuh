@@ -123,52 +123,6 @@ struct BwdWideConfig {
   static_assert(kBlockM <= kThreads, "one thread per query row stages its LSE and delta");
 };
 
-// bwd_st_dpt (bwd_kernel.cuh) for kMt row tiles of 16 keys a warp: S^T = K Q^T and dP^T = V dO^T,
-// kMt x 16 keys (kv_rows: the lane part of the first) x kCols queries (q_chunks), each B fragment
-// of Q / dO loaded once for the kMt tiles.
-template <class KVTile, class QTile, int kHeadDim, int kMt, int kCols, typename Elem>
-__device__ __forceinline__ void wide_st_dpt(float (&acc_s)[kMt][kCols / 8][4], float (&acc_dp)[kMt][kCols / 8][4],
-                                            uint32_t sK, uint32_t sV, uint32_t sQ, uint32_t sDo, uint32_t kv_rows,
-                                            uint32_t q_chunks) {
-#pragma unroll
-  for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-    for (int t = 0; t < kCols / 8; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[mt][t][e] = acc_dp[mt][t][e] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    uint32_t a_k[kMt][4], a_v[kMt][4];
-    const uint32_t a_lane = kv_rows ^ KVTile::chunk_xor(kk * 2);
-#pragma unroll
-    for (int mt = 0; mt < kMt; ++mt) {
-      ptx::ldmatrix_x4(a_k[mt], sK + (a_lane + KVTile::fixed(mt * 16, kk * 2)));
-      ptx::ldmatrix_x4(a_v[mt], sV + (a_lane + KVTile::fixed(mt * 16, kk * 2)));
-    }
-    const uint32_t b_lane = q_chunks ^ QTile::chunk_xor(kk * 2);
-#pragma unroll
-    for (int np = 0; np < kCols / 16; ++np) {
-      uint32_t b[4];
-      ptx::ldmatrix_x4(b, sQ + (b_lane + QTile::fixed(np * 16, kk * 2)));
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt) {
-        ptx::mma_16816<Elem>(acc_s[mt][2 * np][0], acc_s[mt][2 * np][1], acc_s[mt][2 * np][2], acc_s[mt][2 * np][3],
-                             a_k[mt], b[0], b[1]);
-        ptx::mma_16816<Elem>(acc_s[mt][2 * np + 1][0], acc_s[mt][2 * np + 1][1], acc_s[mt][2 * np + 1][2],
-                             acc_s[mt][2 * np + 1][3], a_k[mt], b[2], b[3]);
-      }
-      ptx::ldmatrix_x4(b, sDo + (b_lane + QTile::fixed(np * 16, kk * 2)));
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt) {
-        ptx::mma_16816<Elem>(acc_dp[mt][2 * np][0], acc_dp[mt][2 * np][1], acc_dp[mt][2 * np][2],
-                             acc_dp[mt][2 * np][3], a_v[mt], b[0], b[1]);
-        ptx::mma_16816<Elem>(acc_dp[mt][2 * np + 1][0], acc_dp[mt][2 * np + 1][1], acc_dp[mt][2 * np + 1][2],
-                             acc_dp[mt][2 * np + 1][3], a_v[mt], b[2], b[3]);
-      }
-    }
-  }
-}
-
 // acc[mt] (16 x kCols each, kMt row tiles) += a[mt] (16 x 16) * tile[k0 : k0 + 16, column blocks
 // dp * kStride + this warp's], each B fragment loaded once for all kMt row tiles. `frag`: the lane's
 // address part with the warp's block folded in (BwdWideConfig::wide_cols_fold), so each ldmatrix
@@ -318,11 +272,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_wide_kernel(const BwdArg
 
       // ---- phase 1: S^T = K Q^T and dP^T = V dO^T (kSRows keys x kSCols queries a warp) ---
       float acc_s[kSMt][kSTiles][4], acc_dp[kSMt][kSTiles][4];
-      if constexpr (kSMt == 1) {
-        bwd_st_dpt<KVTile, QTile, kHeadDim, kSCols, Elem>(acc_s[0], acc_dp[0], sK, sV, sQ, sDo, kv_rows, q_chunks);
-      } else {
-        wide_st_dpt<KVTile, QTile, kHeadDim, kSMt, kSCols, Elem>(acc_s, acc_dp, sK, sV, sQ, sDo, kv_rows, q_chunks);
-      }
+      bwd_st_dpt_rows<KVTile, QTile, kHeadDim, kSMt, kSCols, Elem>(acc_s, acc_dp, sK, sV, sQ, sDo, kv_rows, q_chunks);
 
       // ---- P^T (dropped, for dV) into acc_s and dS^T into acc_dp: bwd_kernel's arithmetic --
       const bool needs_mask =
