@@ -40,7 +40,7 @@ int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 // PORTATTN_SM80_BWD_WIDE (bwd_launch.cuh: bwd_wide_enabled): "0" runs bwd_kernel (head dims above
 // 128 as two head-dim halves); unset or anything else, the full-head-dim kernel from head dim 64 up
 // where its tile fits (the default: 1.08-1.25x the halves' forward+backward on an H200 at every
-// budget, 1.00-1.12x bwd_kernel's at 64-128; docs/kernels-sm80.md).
+// budget, 1.05-1.12x bwd_kernel's at 64-128; docs/kernels-sm80.md).
 constexpr const char* kWideEnv = "PORTATTN_SM80_BWD_WIDE";
 std::atomic<int> g_wide{1};
 std::once_flag g_wide_once;
@@ -223,8 +223,9 @@ BwdTileFacts bwd_tile_for(int budget, bool wide, bool extras) {
 
 // The main kernel's tile a backward call at an instantiable head dim would run under a
 // shared-memory budget (bytes), as run_bwd picks it: wide = 1 / 0 for PORTATTN_SM80_BWD_WIDE on
-// / off, -1 for its current setting; extras != 0 for a call with softcap, ALiBi or dropout. out[0..6] = block N, block M, Q/dO stages, warps,
-// kSmemBytes, head-dim CTAs over grid.z, 1 for the wide kernel. Returns 0, or -1 for a head dim
+// / off, -1 for its current setting; extras != 0 for a call with softcap, ALiBi or dropout.
+// out[0..6] = block N, block M, Q/dO stages, warps, kSmemBytes, head-dim CTAs over grid.z, 1 for
+// the wide kernel. Returns 0, or -1 for a head dim
 // without a backward shape. No CUDA call: the host tests read the selection on a CPU.
 extern "C" int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int extras, int* out) {
   const bool on = wide < 0 ? bwd_wide_enabled() : wide != 0;

@@ -108,7 +108,7 @@ struct BwdWideConfigsFor {
   static constexpr bool kDefined = false;
 };
 // The 128-key tiles run phase 1 on 32-key warp tiles (BwdWideConfig::kSRows; 32 x 32 at 128 x 64),
-// unless built with -DPORTATTN_SM80_BWD_WIDE_S32=0 (16 x 64 at 96/128, the A/B: 0.96-0.98x).
+// unless built with -DPORTATTN_SM80_BWD_WIDE_S32=0 (16 x 64 at 96/128, the A/B: 0.96-0.99x).
 #ifndef PORTATTN_SM80_BWD_WIDE_S32
 #define PORTATTN_SM80_BWD_WIDE_S32 1
 #endif
@@ -250,8 +250,8 @@ auto with_first_serving(int budget, bool extras, TileCandidates<Cfg, Rest...>, F
   return fn(Cfg{});
 }
 
-// The candidate fitting `budget`; the last one runs regardless, and ensure_dynamic_smem
-// reports a clear error if even it does not fit.
+// The first candidate that fits `budget` and serves the call (with_first_serving); the last one
+// runs regardless, and ensure_dynamic_smem reports a clear error if even it does not fit.
 template <class Candidates, typename Elem>
 cudaError_t launch_first_fitting(const BwdArgs& args, int budget, cudaStream_t stream) {
   const PortattnFwdParams& f = args.p.fwd;
