@@ -87,6 +87,12 @@ cudaError_t launch_fwd_shape(const PortattnFwdParams& params) {
   if constexpr (kHeadDim <= kNarrowMaxHeadDim) {
     if (narrow_pays<kHeadDim>(params)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
   }
+#ifdef PORTATTN_FWD_TUNING
+  if constexpr (kHeadDim > kNarrowMaxHeadDim) {
+    const char* forced = getenv("PORTATTN_FWD_SHAPE");
+    if (forced != nullptr && forced[0] == 'n') return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
+  }
+#endif
   int budget = 0;
   const cudaError_t err = smem_budget(&budget);
   if (err != cudaSuccess) return err;
