@@ -10,10 +10,12 @@
 //     kBlockN = 128 for head dim <= 64, else 64 (S and O must fit in 255 regs;
 //     sm_90: 255 registers, no spills at 96/128, 60-68 B at 32/64).
 //   head dim > 128: 8 warps of 16 rows: O alone is head_dim / 2 fp32 registers.
-//     Where that 128-row tile does not fit the shared-memory budget (head dims
-//     224/256 on the 99 KiB parts), the narrow shape's 64 x 64 tile with 4 warps
-//     of 16 rows runs instead: the same registers a thread, half the rows a CTA
-//     (FwdConfigsFor below; Note [portattn smem budget] in smem_budget.h).
+//     The narrow shape's 64 x 64 tile with 4 warps of 16 rows (the same registers
+//     a thread, half the rows a CTA) runs instead where two of its CTAs fit an SM
+//     and it measured faster (Note [portattn sm80 narrow tiles above 128] in
+//     fwd_launch.cuh), and where the 128-row tile does not fit the shared-memory
+//     budget (head dims 224/256 on the 99 KiB parts; FwdConfigsFor below; Note
+//     [portattn smem budget] in smem_budget.h).
 //   Short sequences at head dim <= 64: 64 x 64 tiles, four CTAs an SM (Note
 //   [portattn sm80 narrow tiles]; fwd_launch.cuh decides when).
 //   The online softmax rescales O lazily (Note [portattn lazy rescale] in
@@ -68,10 +70,11 @@ namespace cuda {
 // instead of 128 x 128. Measurements: docs/kernels-sm80.md.
 // It gives up what the wide shape is for (one K/V fragment read feeding two
 // mma's): long sequences keep the wide shape.
-// Above head dim 128 the narrow shape is the small-budget tile instead (64 x 64, 4
-// warps: FlashAttention-2's choice for head dim 256 on sm86/sm89): a thread holds
-// what it holds in the 8-warp wide tile (16 rows, 64 keys), so its registers are the
-// same; it runs where the wide tile does not fit (FwdConfigsFor), whatever the length.
+// Above head dim 128 the narrow shape is a 64 x 64 tile of 4 warps (FlashAttention-2's
+// choice for head dim 256 on sm86/sm89 and sm90): a thread holds what it holds in the
+// 8-warp wide tile (16 rows, 64 keys), so its registers are the same. It runs where the
+// wide tile does not fit (FwdConfigsFor), whatever the length, and where two of its CTAs
+// fit an SM for the calls where that measured faster (fwd_launch.cuh).
 template <int kHeadDim_, bool kNarrow_ = false>
 struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
@@ -97,15 +100,11 @@ struct FwdTileConfig {
   // for the short-sequence tiles only; the small-budget tiles run long sequences, where it
   // buys nothing and its addresses cost registers.
   static constexpr bool kEarlyV = kNarrow && kHeadDim <= 128;
-  // Wholly in-bounds K/V/Q tiles skip the loader's predicates (TileLoader): forward 1.04-1.06x at
-  // hd64, 1.01-1.05x at 96, 1.06-1.09x at 128 (H200, 512-16k); 0.985-0.99x at hd256 and 1.00-1.01x
-  // at 192, where the 8-warp tiles keep the predicated loads.
-#ifndef PORTATTN_FWD_WHOLE_TILE_LOADS
-#define PORTATTN_FWD_WHOLE_TILE_LOADS 1
-#endif
-  static constexpr bool kWholeTileLoads =
-      PORTATTN_FWD_WHOLE_TILE_LOADS == 2 ? (kWarps == 4 && !kEarlyV)
-                                         : PORTATTN_FWD_WHOLE_TILE_LOADS == 1 && kHeadDim <= 128 && !kNarrow;
+  // Wholly in-bounds K/V/Q tiles skip the loader's predicates (TileLoader) in the 4-warp tiles
+  // except the short-sequence ones: forward 1.04-1.06x at hd64, 1.01-1.05x at 96, 1.06-1.09x at
+  // 128, and 1.02-1.08x for the 64 x 64 tile above 128 (H200, 512-16k); the 8-warp tiles measured
+  // 1.00-1.01x at hd192 and 0.985-0.99x at hd256 with them, and keep the predicated loads.
+  static constexpr bool kWholeTileLoads = kWarps == 4 && !kEarlyV;
   // Q + K + V, 16-bit elements (FwdKernelTraits checks it against its tiles).
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "instantiated head dims are multiples of 32");
@@ -128,15 +127,17 @@ struct FwdKernelTraits : FwdTileConfig<kHeadDim, kNarrow> {
 
 // The forward's tile candidates per head dim, fastest first (with_first_fitting in
 // smem_budget.h picks by the budget; the short-sequence choice of the narrow shape at head
-// dims <= 128 is narrow_pays' in fwd_launch.cuh, not a budget matter). Shared memory (bytes,
-// Q + K + V):
+// dims <= 128 is narrow_pays' in fwd_launch.cuh, not a budget matter, and above 128
+// narrow_pays_above_128 runs the narrow tile first where two CTAs of it fit an SM). Shared
+// memory (bytes, Q + K + V):
 //   hd 32-128  wide 128 x 128 / 128 x 64, 4 warps      24-64 KiB   every sm80+ part
 //   hd 160     wide 128 x 64, 8 warps                  80 KiB      every sm80+ part
 //   hd 192     wide 128 x 64, 8 warps                  96 KiB      every sm80+ part
 //   hd 224     wide 128 x 64, 8 warps / narrow 64 x 64, 4 warps   112 / 84 KiB
 //   hd 256     wide 128 x 64, 8 warps / narrow 64 x 64, 4 warps   128 / 96 KiB
 // so the 99 KiB parts (sm86, sm89, sm120) run the narrow tile at 224 and 256, A100 (163 KiB)
-// and H100 (227 KiB) the wide one.
+// and H100 (227 KiB) the wide one when narrow_pays_above_128 does not pick the narrow one
+// (narrow 64 x 64 at 160 / 192: 60 / 72 KiB).
 template <int kHeadDim>
 struct FwdConfigsFor {
   using type = typename std::conditional<
