@@ -87,7 +87,10 @@ def test_kvcache_step_replays_in_place():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(k_cache[0, lengths[0], :, :], k_new[0, 0])
-        assert torch.equal(out, step())
+        # An eager call this short runs unsplit while the captured one keeps its splits
+        # (decode.EAGER_UNSPLIT_MAX_KEYS, docs/decode.md): the same attention in another
+        # reduction order, equal to within a few fp16 ulps, not bitwise.
+        torch.testing.assert_close(out, step(), atol=2e-3, rtol=2e-3)
 
 
 def test_dropout_under_capture_draws_a_fresh_reproducible_mask_per_replay():

@@ -83,16 +83,19 @@ inline bool narrow_pays(const PortattnFwdParams& params) {
 // 80-128 KB). The narrow tile (64 x 64, 4 warps, the same registers a thread, 60-96 KB) runs two
 // CTAs an SM where two fit the SM's shared memory (H100: every head dim; A100: 160 and 192), and
 // then one CTA's barriers and softmax overlap the other's MMAs. FlashAttention-2 runs hd256 this
-// way on sm90. Measured on an H200, plain calls, narrow against wide (16k tokens a batch, 512-16k):
-//   hd192: 1.05-1.21x everywhere;   hd224: 1.00-1.14x everywhere;
-//   hd160: masked 1.03-1.13x, unmasked <= 1k 1.02-1.04x, unmasked 4k-16k 0.99-1.00x;
-//   hd256: masked 1.05-1.14x, unmasked <= 1k 1.01-1.04x, unmasked 4k-16k 0.98x.
-// So: narrow where two CTAs fit and the call is masked, or no longer than kNarrowLargeMaxSeqlen, or
-// at head dims 192 and 224. Calls with softcap, ALiBi or dropout keep the wide tile (not measured).
+// way on sm90. Measured on an H200, plain calls, narrow against wide, one run (16k tokens a batch):
+//   hd192: 1.05-1.21x at 512-16k, causal and not;   hd224: 1.00-1.14x at 512-16k;
+//   hd160: <= 1k 1.02-1.13x; 4k 1.00x, causal 1.03x; 16k 0.99x, causal 0.99x;
+//   hd256: <= 1k 1.01-1.14x; 4k 0.98x, causal 1.05x; 16k 0.99x, causal 0.98x
+// and hd256 causal 8k 1.04x (the cuda_fwd_bwd_hd256 table against its previous version).
+// So: narrow where two CTAs fit, at head dims 192 and 224 always, at 160 and 256 for calls of at
+// most kNarrowLargeMaxSeqlen and masked calls of at most kNarrowLargeMaskedMaxSeqlen. Calls with
+// softcap, ALiBi or dropout keep the wide tile (not measured).
 // One CTA reserves 1 KiB of the SM's shared memory beside its own, and an SM holds the opt-in
 // limit plus that 1 KiB (sm80 164 KiB, sm86/sm89 100, sm90 228), hence the test below; under
 // PORTATTN_MAX_SMEM_KIB it reads the cap as the part's limit, like every other tile choice.
 constexpr int kNarrowLargeMaxSeqlen = 1024;
+constexpr int kNarrowLargeMaskedMaxSeqlen = 8192;
 constexpr int kSmemReservedPerCta = 1024;
 
 template <int kHeadDim>
@@ -106,13 +109,14 @@ inline bool narrow_pays_above_128(const PortattnFwdParams& params, int budget) {
   if (2 * (kNarrowSmem + kSmemReservedPerCta) > budget + kSmemReservedPerCta) return false;
   const bool masked = params.window_left >= 0 || params.window_right >= 0;
   const int longest = params.seqlen_q > params.seqlen_k ? params.seqlen_q : params.seqlen_k;
-  return masked || longest <= kNarrowLargeMaxSeqlen || kHeadDim == 192 || kHeadDim == 224;
+  return kHeadDim == 192 || kHeadDim == 224 || longest <= kNarrowLargeMaxSeqlen ||
+         (masked && longest <= kNarrowLargeMaskedMaxSeqlen);
 }
 
-// Short sequences first (narrow_pays; above head dim 128 narrow_pays_above_128), then the budget: the first of the head dim's
-// candidates (FwdConfigsFor, fwd_kernel.cuh) that fits smem_budget() (Note [portattn smem
-// budget]), so a 99 KiB part, or any GPU under PORTATTN_MAX_SMEM_KIB=99, runs the narrow
-// tile at head dims 224 and 256.
+// Short sequences first (narrow_pays; above head dim 128 narrow_pays_above_128), then the
+// budget: the first of the head dim's candidates (FwdConfigsFor, fwd_kernel.cuh) that fits
+// smem_budget() (Note [portattn smem budget]), so a 99 KiB part, or any GPU under
+// PORTATTN_MAX_SMEM_KIB=99, runs the narrow tile at head dims 224 and 256.
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_fwd_shape(const PortattnFwdParams& params) {
   if constexpr (kHeadDim <= kNarrowMaxHeadDim) {
