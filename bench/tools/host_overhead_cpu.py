@@ -98,7 +98,7 @@ def _align(nbytes: int) -> int:
 
 
 def _workspace_bytes(batch, nheads, nheads_k, headdim, seqlen_q, seqlen_k, deterministic, ordered_dq=False):
-    """The sm80+ backward's layout (tests/test_cuda_backward_host.py): rowsum and LSE copies, one fp32
+    """The sm80+ backward's layout (tests/test_cuda_host.py): rowsum and LSE copies, one fp32
     dQ, and fp32 dK/dV accumulators for GQA (the deterministic split factor is left out)."""
     rows = batch * nheads * seqlen_q
     size = 2 * _align(rows * 4) + _align(rows * headdim * 4)

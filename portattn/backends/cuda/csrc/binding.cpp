@@ -25,6 +25,7 @@ int portattn_cuda_bwd_smem_bytes(int head_dim);
 // PORTATTN_SM80_BWD_WIDE (0 off, 1 on; other values only read it), and the tile a call would run.
 int portattn_cuda_sm80_bwd_wide(int mode);
 int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int extras, int* out);
+int portattn_cuda_fwd_tile(int head_dim, int seqlen_q, int seqlen_k, int masked, int extras, int budget, int* out);
 // ---- end backward declarations ----
 // ---- decode (decode_entry.cu) ----
 int portattn_cuda_decode(const PortattnDecodeParams* params, char* message, int message_len);
@@ -226,6 +227,21 @@ py::dict bwd_tile(int head_dim, int budget, py::object wide, bool extras) {
   d["wide"] = out[6] != 0;
   return d;
 }
+// The sm80+ forward's tile for a call at an instantiable head dim under a shared-memory budget
+// (bytes): lengths (the longest of a varlen batch), masked (causal or a window), extras (softcap,
+// ALiBi or dropout). No CUDA call.
+py::dict fwd_tile(int head_dim, int seqlen_q, int seqlen_k, int budget, bool masked, bool extras) {
+  int out[5] = {0, 0, 0, 0, 0};
+  if (portattn_cuda_fwd_tile(head_dim, seqlen_q, seqlen_k, masked ? 1 : 0, extras ? 1 : 0, budget, out) != 0)
+    throw std::invalid_argument("fwd_tile: no forward tile for head dim " + std::to_string(head_dim));
+  py::dict d;
+  d["block_m"] = out[0];
+  d["block_n"] = out[1];
+  d["warps"] = out[2];
+  d["smem_bytes"] = out[3];
+  d["narrow"] = out[4] != 0;
+  return d;
+}
 // ---- end decode ----
 
 // ---- merge (common/merge_binding.h) ----
@@ -350,6 +366,10 @@ PYBIND11_MODULE(_C, m) {
         "the sm80+ backward's main-kernel tile under a shared-memory budget (bytes), for a call with "
         "softcap, ALiBi or dropout if extras: "
         "{'block_n', 'block_m', 'stages', 'warps', 'smem_bytes', 'dsplit', 'wide'}");
+  m.def("fwd_tile", &fwd_tile, py::arg("head_dim"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("budget"),
+        py::arg("masked") = false, py::arg("extras") = false,
+        "the sm80+ forward's tile for a call under a shared-memory budget (bytes): "
+        "{'block_m', 'block_n', 'warps', 'smem_bytes', 'narrow'}");
   m.def("bwd_smem_bytes", &portattn_cuda_bwd_smem_bytes,
         "smallest shared memory (bytes) of the backward block shapes for an instantiated head dim");
   // ---- end backward bindings ----

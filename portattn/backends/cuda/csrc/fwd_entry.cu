@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "fwd_kernel.cuh"
+#include "fwd_launch.cuh"
 #include "variant_table.h"
 
 namespace portattn {
@@ -101,11 +102,58 @@ int fwd_smem_bytes_of(int head_dim) {
   }
 }
 
+struct FwdTileFacts {
+  int block_m, block_n, warps, smem_bytes, narrow;
+};
+
+template <class Cfg>
+FwdTileFacts fwd_tile_facts() {
+  return FwdTileFacts{Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, Cfg::kSmemBytes, Cfg::kNarrow ? 1 : 0};
+}
+
+template <int kHeadDim>
+FwdTileFacts fwd_tile_for(const PortattnFwdParams& params, int budget, bool extras) {
+  const bool narrow = extras ? fwd_runs_narrow<kHeadDim, true>(params, budget)
+                             : fwd_runs_narrow<kHeadDim, false>(params, budget);
+  return narrow ? fwd_tile_facts<FwdTileConfig<kHeadDim, true>>() : fwd_tile_facts<FwdTileConfig<kHeadDim, false>>();
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace portattn
 
 using namespace portattn::cuda;
+
+// The tile a forward call at an instantiable head dim would run under a shared-memory budget
+// (bytes), as launch_fwd_shape picks it (fwd_runs_narrow): seqlen_q / seqlen_k (the longest of a
+// varlen batch), masked != 0 for a causal or windowed call, extras != 0 for one with softcap,
+// ALiBi or dropout. out[0..4] = block M, block N, warps, kSmemBytes, 1 for the narrow shape.
+// Returns 0, or -1 for a head dim without a forward tile. No CUDA call: the host tests read the
+// selection on a CPU.
+extern "C" int portattn_cuda_fwd_tile(int head_dim, int seqlen_q, int seqlen_k, int masked, int extras, int budget,
+                                      int* out) {
+  PortattnFwdParams params{};
+  params.seqlen_q = seqlen_q;
+  params.seqlen_k = seqlen_k;
+  params.window_left = -1;
+  params.window_right = masked != 0 ? 0 : -1;
+  const bool ex = extras != 0;
+  FwdTileFacts t{};
+  switch (head_dim) {
+    case 32: t = fwd_tile_for<32>(params, budget, ex); break;
+    case 64: t = fwd_tile_for<64>(params, budget, ex); break;
+    case 96: t = fwd_tile_for<96>(params, budget, ex); break;
+    case 128: t = fwd_tile_for<128>(params, budget, ex); break;
+    case 160: t = fwd_tile_for<160>(params, budget, ex); break;
+    case 192: t = fwd_tile_for<192>(params, budget, ex); break;
+    case 224: t = fwd_tile_for<224>(params, budget, ex); break;
+    case 256: t = fwd_tile_for<256>(params, budget, ex); break;
+    default: return -1;
+  }
+  const int values[5] = {t.block_m, t.block_n, t.warps, t.smem_bytes, t.narrow};
+  for (int k = 0; k < 5; ++k) out[k] = values[k];
+  return 0;
+}
 
 // Bytes of dynamic shared memory the smallest forward tile serving `head_dim` needs
 // (the same for both dtypes), or -1 when no built variant serves it. The

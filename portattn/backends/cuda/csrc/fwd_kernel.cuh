@@ -140,8 +140,9 @@ struct FwdKernelTraits : FwdTileConfig<kHeadDim, kNarrow> {
 // (narrow 64 x 64 at 160 / 192: 60 / 72 KiB).
 template <int kHeadDim>
 struct FwdConfigsFor {
+  static constexpr bool kHasNarrow = kHeadDim > 192;
   using type = typename std::conditional<
-      (kHeadDim > 192), TileCandidates<FwdTileConfig<kHeadDim, false>, FwdTileConfig<kHeadDim, true>>,
+      kHasNarrow, TileCandidates<FwdTileConfig<kHeadDim, false>, FwdTileConfig<kHeadDim, true>>,
       TileCandidates<FwdTileConfig<kHeadDim, false>>>::type;
 };
 

@@ -113,24 +113,38 @@ inline bool narrow_pays_above_128(const PortattnFwdParams& params, int budget) {
          (masked && longest <= kNarrowLargeMaskedMaxSeqlen);
 }
 
-// Short sequences first (narrow_pays; above head dim 128 narrow_pays_above_128), then the
-// budget: the first of the head dim's candidates (FwdConfigsFor, fwd_kernel.cuh) that fits
-// smem_budget() (Note [portattn smem budget]), so a 99 KiB part, or any GPU under
-// PORTATTN_MAX_SMEM_KIB=99, runs the narrow tile at head dims 224 and 256.
+// Whether a call runs the narrow tile: short sequences first (narrow_pays; above head dim 128
+// narrow_pays_above_128), then the budget: the first of the head dim's candidates
+// (FwdConfigsFor, fwd_kernel.cuh) that fits `budget` (Note [portattn smem budget]), so a 99 KiB
+// part, or any GPU under PORTATTN_MAX_SMEM_KIB=99, runs the narrow tile at head dims 224 and 256.
+// No CUDA call: launches and the host-side query (portattn_cuda_fwd_tile) share it.
+template <int kHeadDim, bool kExtras>
+bool fwd_runs_narrow(const PortattnFwdParams& params, int budget) {
+  if constexpr (kHeadDim <= kNarrowMaxHeadDim) {
+    if (narrow_pays<kHeadDim>(params)) return true;
+  } else if constexpr (!kExtras) {
+    if (narrow_pays_above_128<kHeadDim>(params, budget)) return true;
+  }
+  return with_first_fitting(budget, typename FwdConfigsFor<kHeadDim>::type{},
+                            [](auto config) { return decltype(config)::kNarrow; });
+}
+
+// Whether fwd_runs_narrow can pick the narrow tile at all: where it cannot (calls with extras
+// at 160 and 192), its kernel is not instantiated.
+template <int kHeadDim, bool kExtras>
+constexpr bool fwd_narrow_possible() {
+  return kHeadDim <= kNarrowMaxHeadDim || !kExtras || FwdConfigsFor<kHeadDim>::kHasNarrow;
+}
+
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_fwd_shape(const PortattnFwdParams& params) {
-  if constexpr (kHeadDim <= kNarrowMaxHeadDim) {
-    if (narrow_pays<kHeadDim>(params)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
-  }
   int budget = 0;
   const cudaError_t err = smem_budget(&budget);
   if (err != cudaSuccess) return err;
-  if constexpr (kHeadDim > kNarrowMaxHeadDim && !kExtras) {
-    if (narrow_pays_above_128<kHeadDim>(params, budget)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
+  if constexpr (fwd_narrow_possible<kHeadDim, kExtras>()) {
+    if (fwd_runs_narrow<kHeadDim, kExtras>(params, budget)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
   }
-  return with_first_fitting(budget, typename FwdConfigsFor<kHeadDim>::type{}, [&](auto config) {
-    return launch_fwd<kHeadDim, Elem, kExtras, decltype(config)::kNarrow>(params);
-  });
+  return launch_fwd<kHeadDim, Elem, kExtras, false>(params);
 }
 
 template <int kHeadDim, typename Elem>

@@ -1,8 +1,10 @@
-"""CPU-side tests of the CUDA backward's host logic (csrc/bwd_entry.cu, bwd_launch.cuh).
+"""CPU-side tests of the CUDA sm80+ kernels' host logic: the backward's workspace and tiles
+(csrc/bwd_entry.cu, bwd_launch.cuh) and the forward's tile choice (fwd_launch.cuh).
 
 Where nvcc is installed, a restricted build (sm_80, hd 64, bf16) is imported on a
 machine without a GPU; the workspace sizing, the per-head-dim shared-memory
-budgets reported to the support matrix, and the workspace check run no CUDA call.
+budgets reported to the support matrix, the workspace check and the tile queries
+run no CUDA call.
 """
 from __future__ import annotations
 
@@ -292,3 +294,52 @@ def test_wide_deterministic_splits_count_one_cta_per_kv_head(module):
                 2 * _align(rows * 4) + _align(rows * d * 4) + 2 * _align(b * sk * hk * d * 4))
     finally:
         module.sm80_bwd_wide(before)
+
+
+# ---- the forward's tile per call and budget (fwd_runs_narrow, fwd_launch.cuh) -------------------
+# fwd_tile(head_dim, seqlen_q, seqlen_k, budget, masked, extras) answers what launch_fwd_shape runs.
+WIDE_FWD = {hd: (128, 128 if hd <= 64 else 64, 4 if hd <= 128 else 8) for hd in (32, 64, 96, 128, 160, 192, 224, 256)}
+NARROW_FWD = (64, 64, 4)
+
+
+def _fwd(module, head_dim, seqlen, part, masked=False, extras=False):
+    tile = module.fwd_tile(head_dim, seqlen, seqlen, BUDGETS[part], masked=masked, extras=extras)
+    assert tile["narrow"] == ((tile["block_m"], tile["block_n"], tile["warps"]) == NARROW_FWD), tile
+    assert tile["smem_bytes"] == (tile["block_m"] + 2 * tile["block_n"]) * head_dim * 2, tile
+    return "narrow" if tile["narrow"] else "wide"
+
+
+@pytest.mark.parametrize("part", list(BUDGETS))
+def test_forward_up_to_128_takes_the_narrow_tile_for_short_calls_only(module, part):
+    # Note [portattn sm80 narrow tiles]: the budget never matters at these head dims.
+    for hd in (32, 64, 96, 128):
+        assert _fwd(module, hd, 50, part) == "narrow"
+        assert _fwd(module, hd, 4096, part) == "wide"
+        assert _fwd(module, hd, 4096, part, masked=True) == "wide"
+        tile = module.fwd_tile(hd, 4096, 4096, BUDGETS[part])
+        assert (tile["block_m"], tile["block_n"], tile["warps"]) == WIDE_FWD[hd]
+    assert _fwd(module, 64, 512, part, masked=True) == "narrow"
+    assert _fwd(module, 128, 512, part, masked=True) == "wide"  # above kNarrowMaxSeqlenWide
+
+
+# Note [portattn sm80 narrow tiles above 128]: where two narrow CTAs fit an SM (sm90 every head
+# dim, sm80 160 and 192), narrow at 192/224, and at 160/256 up to 1k or masked up to 8k; calls with
+# extras keep the wide tile; below the wide tile's budget (224/256 on sm86) narrow whatever the call.
+@pytest.mark.parametrize("head_dim", [160, 192, 224, 256])
+def test_forward_above_128_runs_two_narrow_ctas_where_they_fit_and_pay(module, head_dim):
+    two_fit = {"sm90": True, "sm80": head_dim <= 192, "sm86": False}
+    always = head_dim in (192, 224)
+    for part in BUDGETS:
+        budget_narrow = part == "sm86" and head_dim > 192  # the wide tile does not fit 99 KiB
+        for seqlen, masked, pays in ((512, False, True), (1024, False, True), (4096, True, True),
+                                     (8192, True, True), (4096, False, always), (16384, True, always),
+                                     (16384, False, always)):
+            expect = budget_narrow or (two_fit[part] and pays)
+            assert _fwd(module, head_dim, seqlen, part, masked) == ("narrow" if expect else "wide"), \
+                (part, seqlen, masked)
+            assert _fwd(module, head_dim, seqlen, part, masked, extras=True) == ("narrow" if budget_narrow else "wide")
+
+
+def test_fwd_tile_refuses_head_dims_without_a_tile(module):
+    with pytest.raises(ValueError, match="no forward tile for head dim 40"):
+        module.fwd_tile(40, 128, 128, 227 * KIB)
