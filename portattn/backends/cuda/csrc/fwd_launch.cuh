@@ -138,9 +138,11 @@ constexpr bool fwd_narrow_possible() {
 
 template <int kHeadDim, typename Elem, bool kExtras>
 cudaError_t launch_fwd_shape(const PortattnFwdParams& params) {
-  int budget = 0;
-  const cudaError_t err = smem_budget(&budget);
-  if (err != cudaSuccess) return err;
+  int budget = 0;  // up to head dim 128 one wide candidate fits every part: no budget read
+  if constexpr (kHeadDim > kNarrowMaxHeadDim) {
+    const cudaError_t err = smem_budget(&budget);
+    if (err != cudaSuccess) return err;
+  }
   if constexpr (fwd_narrow_possible<kHeadDim, kExtras>()) {
     if (fwd_runs_narrow<kHeadDim, kExtras>(params, budget)) return launch_fwd<kHeadDim, Elem, kExtras, true>(params);
   }
