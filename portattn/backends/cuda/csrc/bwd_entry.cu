@@ -184,17 +184,11 @@ extern "C" long long portattn_cuda_hopper_bwd_workspace_bytes(const PortattnBwdP
 // head dim (an instantiable one: 32, 64, ..., 256), or -1: what the support
 // matrix compares with a device's opt-in limit.
 extern "C" int portattn_cuda_bwd_smem_bytes(int head_dim) {
-  switch (head_dim) {
-    case 32: return min_smem_bytes(BwdConfigsFor<32>::type{});
-    case 64: return min_smem_bytes(BwdConfigsFor<64>::type{});
-    case 96: return min_smem_bytes(BwdConfigsFor<96>::type{});
-    case 128: return min_smem_bytes(BwdConfigsFor<128>::type{});
-    case 160: return min_smem_bytes(BwdConfigsFor<160>::type{});
-    case 192: return min_smem_bytes(BwdConfigsFor<192>::type{});
-    case 224: return min_smem_bytes(BwdConfigsFor<224>::type{});
-    case 256: return min_smem_bytes(BwdConfigsFor<256>::type{});
-    default: return -1;
-  }
+  int bytes = -1;
+  with_instantiable_head_dim(head_dim, [&](auto hd) {
+    bytes = min_smem_bytes(typename BwdConfigsFor<decltype(hd)::value>::type{});
+  });
+  return bytes;
 }
 
 // PORTATTN_SM80_BWD_WIDE at run time: 0 or 1 sets it for the calls that follow (and their
@@ -229,19 +223,11 @@ BwdTileFacts bwd_tile_for(int budget, bool wide, bool extras) {
 // without a backward shape. No CUDA call: the host tests read the selection on a CPU.
 extern "C" int portattn_cuda_bwd_tile(int head_dim, int budget, int wide, int extras, int* out) {
   const bool on = wide < 0 ? bwd_wide_enabled() : wide != 0;
-  const bool ex = extras != 0;
   BwdTileFacts t{};
-  switch (head_dim) {
-    case 32: t = bwd_tile_for<32>(budget, on, ex); break;
-    case 64: t = bwd_tile_for<64>(budget, on, ex); break;
-    case 96: t = bwd_tile_for<96>(budget, on, ex); break;
-    case 128: t = bwd_tile_for<128>(budget, on, ex); break;
-    case 160: t = bwd_tile_for<160>(budget, on, ex); break;
-    case 192: t = bwd_tile_for<192>(budget, on, ex); break;
-    case 224: t = bwd_tile_for<224>(budget, on, ex); break;
-    case 256: t = bwd_tile_for<256>(budget, on, ex); break;
-    default: return -1;
-  }
+  const bool known = with_instantiable_head_dim(head_dim, [&](auto hd) {
+    t = bwd_tile_for<decltype(hd)::value>(budget, on, extras != 0);
+  });
+  if (!known) return -1;
   const int values[7] = {t.block_n, t.block_m, t.stages, t.warps, t.smem_bytes, t.dsplit, t.wide};
   for (int k = 0; k < 7; ++k) out[k] = values[k];
   return 0;

@@ -225,17 +225,15 @@ __global__ void kvcache_append_kernel(const PortattnAppendParams p) {
 
 // Static tile facts of the 16-bit-cache kernels (build_config's budgets; the planner asks
 // portattn_cuda_decode_occupancy, which knows the FP8 path and the device).
-template <bool kFp8, int kHeadDim = 32>
+template <bool kFp8>
 void decode_tile_of(int head_dim, int* stage_keys, int* threads, int* smem_bytes) {
-  if constexpr (kHeadDim > 256) {
-    *stage_keys = *threads = *smem_bytes = -1;
-  } else if (head_dim == kHeadDim) {
-    *stage_keys = DecodeTileConfig<kHeadDim, kFp8>::kStageKeys;
-    *threads = DecodeTileConfig<kHeadDim, kFp8>::kThreads;
-    *smem_bytes = DecodeTileConfig<kHeadDim, kFp8>::kSmemBytes;
-  } else {
-    decode_tile_of<kFp8, kHeadDim + 32>(head_dim, stage_keys, threads, smem_bytes);
-  }
+  *stage_keys = *threads = *smem_bytes = -1;
+  with_instantiable_head_dim(head_dim, [&](auto hd) {
+    using Tile = DecodeTileConfig<decltype(hd)::value, kFp8>;
+    *stage_keys = Tile::kStageKeys;
+    *threads = Tile::kThreads;
+    *smem_bytes = Tile::kSmemBytes;
+  });
 }
 
 bool fp8_cache(int cache_dtype) { return cache_dtype == PORTATTN_CACHE_FP8_E4M3; }

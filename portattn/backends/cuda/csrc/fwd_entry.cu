@@ -92,14 +92,12 @@ namespace {
 
 // The least shared memory of the forward tiles of an instantiable head dim (multiple of
 // 32): its smallest candidate (FwdConfigsFor).
-template <int kHeadDim = 32>
 int fwd_smem_bytes_of(int head_dim) {
-  if constexpr (kHeadDim > 256) {
-    return -1;
-  } else {
-    return head_dim == kHeadDim ? min_smem_bytes(typename FwdConfigsFor<kHeadDim>::type{})
-                                : fwd_smem_bytes_of<kHeadDim + 32>(head_dim);
-  }
+  int bytes = -1;
+  with_instantiable_head_dim(head_dim, [&](auto hd) {
+    bytes = min_smem_bytes(typename FwdConfigsFor<decltype(hd)::value>::type{});
+  });
+  return bytes;
 }
 
 struct FwdTileFacts {
@@ -137,19 +135,11 @@ extern "C" int portattn_cuda_fwd_tile(int head_dim, int seqlen_q, int seqlen_k, 
   params.seqlen_k = seqlen_k;
   params.window_left = -1;
   params.window_right = masked != 0 ? 0 : -1;
-  const bool ex = extras != 0;
   FwdTileFacts t{};
-  switch (head_dim) {
-    case 32: t = fwd_tile_for<32>(params, budget, ex); break;
-    case 64: t = fwd_tile_for<64>(params, budget, ex); break;
-    case 96: t = fwd_tile_for<96>(params, budget, ex); break;
-    case 128: t = fwd_tile_for<128>(params, budget, ex); break;
-    case 160: t = fwd_tile_for<160>(params, budget, ex); break;
-    case 192: t = fwd_tile_for<192>(params, budget, ex); break;
-    case 224: t = fwd_tile_for<224>(params, budget, ex); break;
-    case 256: t = fwd_tile_for<256>(params, budget, ex); break;
-    default: return -1;
-  }
+  const bool known = with_instantiable_head_dim(head_dim, [&](auto hd) {
+    t = fwd_tile_for<decltype(hd)::value>(params, budget, extras != 0);
+  });
+  if (!known) return -1;
   const int values[5] = {t.block_m, t.block_n, t.warps, t.smem_bytes, t.narrow};
   for (int k = 0; k < 5; ++k) out[k] = values[k];
   return 0;

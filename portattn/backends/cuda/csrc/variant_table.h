@@ -14,6 +14,8 @@
 #pragma once
 #include <stdio.h>
 
+#include <type_traits>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -26,6 +28,22 @@ namespace portattn {
 namespace cuda {
 
 using FwdFn = cudaError_t (*)(const PortattnFwdParams&);
+
+// fn(std::integral_constant<int, D>{}) for the instantiable head dim D (a multiple of 32 up to 256)
+// equal to head_dim; returns whether there is one. The host-side queries of per-head-dim tile
+// facts (shared-memory needs, the tile a call runs) dispatch through it.
+template <int kHeadDim = 32, class Fn>
+bool with_instantiable_head_dim(int head_dim, Fn&& fn) {
+  if constexpr (kHeadDim > 256) {
+    return false;
+  } else {
+    if (head_dim == kHeadDim) {
+      fn(std::integral_constant<int, kHeadDim>{});
+      return true;
+    }
+    return with_instantiable_head_dim<kHeadDim + 32>(head_dim, fn);
+  }
+}
 
 // `query`: what a family that has one (variants.Family.query_template) answers about the
 // kernel `run` launches (the decode families: DecodeQueryFn); nullptr elsewhere.
